@@ -1,0 +1,1 @@
+"""Actor node: scores candidate actions with the policy and answers the broker."""

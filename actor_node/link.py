@@ -1,0 +1,181 @@
+"""The actor's connection to the broker's back end.
+
+A DEALER socket owned by one background I/O thread, so heartbeats never wait
+behind a model forward (the Paranoid Pirate rule): the thread announces the
+actor with its credits, answers and sends heartbeats, reconnects when the
+broker goes silent, and moves jobs and results between the socket and the
+compute side. The compute side only calls `get_jobs` and `send_result`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from common import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+class BrokerLink:
+    """Jobs in, results out; liveness handled in the background."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        name: str = "",
+        credits: int = 8,
+        heartbeat_ms: int = 1000,
+        liveness: int = 3,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if credits <= 0:
+            raise ValueError(f"`credits` must be positive, got {credits}")
+        self.endpoint = endpoint
+        self.name = name or f"actor-{uuid.uuid4().hex[:8]}"
+        self.credits = credits
+        self.heartbeat = heartbeat_ms / 1000
+        self.liveness = liveness
+        self.policy_version = -1
+        self.ctx = context or zmq.Context.instance()
+        self.jobs: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.reconnects = 0
+        self._results_addr = f"inproc://actor-results-{uuid.uuid4().hex}"
+        self._results_in = self.ctx.socket(zmq.PULL)
+        self._results_in.bind(self._results_addr)
+        self._results_out = self.ctx.socket(zmq.PUSH)
+        self._results_out.connect(self._results_addr)
+        self._send_lock = threading.Lock()  # several compute threads may send results
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._io_loop, name=f"{self.name}-io", daemon=True)
+
+    def start(self) -> "BrokerLink":
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Say goodbye to the broker and stop the I/O thread."""
+        self._stop.set()
+        self._thread.join(timeout)
+        with self._send_lock:
+            self._results_out.close(linger=0)
+
+    # --- compute side ------------------------------------------------------------------------
+    def get_jobs(self, max_jobs: int, timeout: float) -> list[dict[str, Any]]:
+        """Wait up to `timeout` s for one job, then take up to `max_jobs` that are waiting."""
+        try:
+            jobs = [self.jobs.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while len(jobs) < max_jobs:
+            try:
+                jobs.append(self.jobs.get_nowait())
+            except queue.Empty:
+                break
+        return jobs
+
+    def send_result(self, job: int, action: int, logprob: float, probs: list[float], policy_version: int) -> None:
+        body = p.header(p.OP_RESULT)
+        body.update(job=job, action=action, logprob=logprob, probs=probs, policy_version=policy_version)
+        self._push(body)
+
+    def send_error(self, job: int, code: str, message: str) -> None:
+        body = p.header(p.OP_RESULT)
+        body.update(job=job, error={"code": code, "message": message})
+        self._push(body)
+
+    def _push(self, body: dict[str, Any]) -> None:
+        with self._send_lock:
+            self._results_out.send(p.encode(body))
+
+    # --- I/O thread ----------------------------------------------------------------------------
+    def _connect(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        body = p.header(p.OP_READY)
+        body.update(name=self.name, credits=self.credits, policy_version=self.policy_version)
+        sock.send(p.encode(body))
+        return sock
+
+    def _io_loop(self) -> None:
+        sock = self._connect()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._results_in, zmq.POLLIN)
+        last_heard = last_sent = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(self.heartbeat * 1000 / 4))
+                now = time.monotonic()
+                if sock in events:
+                    while True:
+                        try:
+                            data = sock.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        last_heard = now
+                        self._on_broker_message(sock, data)
+                if self._results_in in events:
+                    while True:
+                        try:
+                            data = self._results_in.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        sock.send(data)
+                        last_sent = now
+                if now - last_sent >= self.heartbeat:
+                    body = p.header(p.OP_HEARTBEAT)
+                    body["policy_version"] = self.policy_version
+                    sock.send(p.encode(body))
+                    last_sent = now
+                if now - last_heard > self.heartbeat * self.liveness:
+                    # The broker is gone or restarted: start over on a fresh socket. The jobs
+                    # we hold are the broker's to requeue, so drop ours.
+                    log.warning("%s: broker silent for %.1f s, reconnecting", self.name, now - last_heard)
+                    self._drop_jobs()
+                    poller.unregister(sock)
+                    sock.close(linger=0)
+                    sock = self._connect()
+                    poller.register(sock, zmq.POLLIN)
+                    self.reconnects += 1
+                    last_heard = last_sent = now
+            sock.send(p.encode(p.header(p.OP_DISCONNECT)), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if not self._stop.is_set():
+                log.error("%s: I/O thread failed: %s", self.name, e)
+        finally:
+            sock.close(linger=100)
+            self._results_in.close(linger=0)
+
+    def _on_broker_message(self, sock: zmq.Socket, data: bytes) -> None:
+        try:
+            msg = p.decode(data)
+        except p.ProtocolError as e:
+            log.warning("%s: undecodable message from the broker: %s", self.name, e)
+            return
+        op = msg.get("op")
+        if op == p.OP_SCORE:
+            self.jobs.put(msg)
+        elif op == p.OP_DISCONNECT:
+            # The broker forgot us (it restarted, or took us for hung): our jobs are
+            # requeued there, so drop them here and announce ourselves again.
+            log.info("%s: broker asked us to announce again", self.name)
+            self._drop_jobs()
+            body = p.header(p.OP_READY)
+            body.update(name=self.name, credits=self.credits, policy_version=self.policy_version)
+            sock.send(p.encode(body))
+        # heartbeats need nothing beyond last_heard
+
+    def _drop_jobs(self) -> None:
+        while True:
+            try:
+                self.jobs.get_nowait()
+            except queue.Empty:
+                return

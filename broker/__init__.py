@@ -1,0 +1,1 @@
+"""Broker: client sessions, routing to actors, durable trajectory segments in Redis."""

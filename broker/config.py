@@ -1,0 +1,55 @@
+"""The broker's configuration (TOML table [broker], or flags of `ppoz broker`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import check, option, section
+from common.protocol import Limits
+
+
+@section("broker")
+@dataclass
+class BrokerConfig:
+    frontend: str = option("tcp://127.0.0.1:5555", "ZeroMQ endpoint the broker binds for clients (ROUTER)")
+    backend: str = option("tcp://127.0.0.1:5556", "ZeroMQ endpoint the broker binds for actors (ROUTER)")
+    redis_url: str = option("", "Redis URL (redis://host:port/db or unix:///path); empty starts an embedded redis-server")
+    key_prefix: str = option("ppoz", "prefix of every Redis key the broker writes, so several farms can share one Redis")
+    segment_len: int = option(32, "transitions per trajectory segment before it closes and goes to the stream")
+    session_ttl_s: float = option(600.0, "a session with no request for this long expires; its data is flushed as a truncated segment")
+    request_timeout_ms: int = option(30_000, "longest time a client request may wait for an answer before it gets a `timeout` error")
+    heartbeat_ms: int = option(1000, "heartbeat interval towards actors")
+    heartbeat_liveness: int = option(3, "an actor silent for this many heartbeat intervals is dead; its jobs go to another actor")
+    actor_job_timeout_ms: int = option(20_000, "an actor holding one job longer than this is taken as hung; its jobs go elsewhere")
+    max_queue: int = option(10_000, "most step requests queued for actors; past it `ask` answers wait and steps get `overloaded`")
+    max_stream_backlog: int = option(0, "`ask` answers wait while the segment stream holds more entries than this (0: no limit)")
+    retry_after_ms: int = option(1000, "the `retry_after_ms` the broker suggests when it applies back-pressure")
+    max_message_bytes: int = option(4 * 1024 * 1024, "largest request accepted; larger ones get `too_large`")
+    max_actions: int = option(256, "most candidate actions in one observation")
+    max_action_chars: int = option(4096, "most characters in one candidate action")
+    max_prompt_chars: int = option(1_000_000, "most characters in prompt + question")
+    stream_key: str = option("segments", "name (after the prefix) of the Redis Stream closed segments go to")
+    consumer_group: str = option("learners", "consumer group the broker creates on the stream for the learner")
+
+    def __post_init__(self) -> None:
+        check(self.segment_len > 0, f"`segment_len` must be positive, got {self.segment_len}")
+        check(self.session_ttl_s > 0, f"`session_ttl_s` must be positive, got {self.session_ttl_s}")
+        check(self.request_timeout_ms > 0, f"`request_timeout_ms` must be positive, got {self.request_timeout_ms}")
+        check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
+        check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
+        check(self.actor_job_timeout_ms > 0, f"`actor_job_timeout_ms` must be positive, got {self.actor_job_timeout_ms}")
+        check(self.max_queue > 0, f"`max_queue` must be positive, got {self.max_queue}")
+        check(self.max_stream_backlog >= 0, f"`max_stream_backlog` must be 0 or more, got {self.max_stream_backlog}")
+        check(self.retry_after_ms > 0, f"`retry_after_ms` must be positive, got {self.retry_after_ms}")
+        check(self.max_message_bytes >= 1024, f"`max_message_bytes` must be at least 1024, got {self.max_message_bytes}")
+        check(self.max_actions > 0, f"`max_actions` must be positive, got {self.max_actions}")
+        check(self.max_action_chars > 0, f"`max_action_chars` must be positive, got {self.max_action_chars}")
+        check(self.max_prompt_chars > 0, f"`max_prompt_chars` must be positive, got {self.max_prompt_chars}")
+        for name in ("frontend", "backend"):
+            value = getattr(self, name)
+            check("://" in value, f"`{name}` must be a ZeroMQ endpoint such as tcp://127.0.0.1:5555, got {value!r}")
+        check(self.key_prefix != "" and " " not in self.key_prefix, f"`key_prefix` must be a non-empty word, got {self.key_prefix!r}")
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_message_bytes, self.max_actions, self.max_action_chars, self.max_prompt_chars)

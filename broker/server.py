@@ -1,0 +1,598 @@
+"""The broker process: client front end, actor back end, sessions in Redis.
+
+One thread, one loop, in the spirit of the ZeroMQ guide's Majordomo broker:
+
+    poll both sockets (timeout: the housekeeping interval)
+    drain client messages  -> on_client_*   (may stage Redis writes and replies)
+    drain actor messages   -> on_actor_*    (may stage Redis writes and replies)
+    commit                 -> one MULTI/EXEC for the whole turn, then send the replies
+    dispatch               -> queued jobs to the least loaded actors with free credits
+    housekeeping           -> deadlines, dead or hung actors, heartbeats, session expiry
+
+Replies that acknowledge state (a step's pending record, a feedback's
+transition) leave only after the turn's transaction succeeded. If Redis fails,
+those replies become `internal` errors (the client retries with the same rid)
+and the broker reloads its sessions from Redis, which the transaction left at
+a turn boundary, so memory and Redis never disagree.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import uuid
+from typing import Any, Callable
+
+import redis
+import zmq
+
+from broker.actors import MAX_ATTEMPTS, ActorRegistry, Job
+from broker.config import BrokerConfig
+from broker.sessions import REASON_DETACH, REASON_EXPIRED, PendingStep, Session, now_ms
+from broker.store import SessionStore
+from common import protocol as p
+
+log = logging.getLogger(__name__)
+
+DRAIN_BATCH = 512  # messages taken from one socket per loop turn, so neither side starves the other
+HOUSEKEEPING_S = 0.05
+SESSION_SCAN_S = 1.0
+HWM = 100_000
+
+
+class Broker:
+    """Routes client steps to actors and records every transition in Redis."""
+
+    def __init__(self, config: BrokerConfig, redis_client: redis.Redis, context: zmq.Context | None = None) -> None:
+        self.cfg = config
+        self.limits = config.limits
+        self.store = SessionStore(redis_client, config.key_prefix, config.stream_key, config.consumer_group)
+        self.ctx = context or zmq.Context.instance()
+        self.sessions: dict[str, Session] = {}
+        self.attach_rids: dict[Any, str] = {}  # attach rid -> task_id, so a retried attach gets the same task
+        self.registry = ActorRegistry()
+        self.queue: collections.deque[Job] = collections.deque()
+        self.jobs: dict[int, Job] = {}  # every job not yet answered, queued or in flight
+        self.task_jobs: dict[str, Job] = {}  # the step job in progress per task
+        self.metrics: collections.Counter[str] = collections.Counter()
+        self.stream_length = 0
+        self.started = time.monotonic()
+        self.now = time.monotonic()
+        self.running = False
+        self.frontend: zmq.Socket | None = None
+        self.backend: zmq.Socket | None = None
+        self.frontend_endpoint = ""
+        self.backend_endpoint = ""
+        self._pipe = self.store.pipeline()
+        self._replies: list[tuple[tuple[bytes, ...], bytes, bool]] = []
+        self._next_housekeeping = 0.0
+        self._next_session_scan = 0.0
+        self._client_handlers: dict[str, Callable[[tuple[bytes, ...], Any, dict], None]] = {
+            p.OP_ATTACH: self.on_attach,
+            p.OP_DETACH: self.on_detach,
+            p.OP_ASK: self.on_ask,
+            p.OP_STEP: self.on_step,
+            p.OP_RAG_STEP: self.on_step,
+            p.OP_FEEDBACK: self.on_feedback,
+            p.OP_STATUS: self.on_status,
+            p.OP_PING: self.on_ping,
+        }
+
+    # --- life cycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load sessions from Redis, create the stream, bind both sockets."""
+        self.store.ensure_stream()
+        self.sessions = self.store.load_sessions(self.cfg.segment_len)
+        self.attach_rids = {_key(s.attach_rid): s.task_id for s in self.sessions.values() if s.attach_rid is not None}
+        if self.sessions:
+            log.info("recovered %d sessions from Redis (%d with a pending step)", len(self.sessions),
+                     sum(s.pending is not None for s in self.sessions.values()))  # fmt: skip
+        self.stream_length = self.store.stream_length()
+        self.frontend = self._router(self.cfg.frontend, self.cfg.max_message_bytes)
+        self.backend = self._router(self.cfg.backend, self.cfg.max_message_bytes)
+        self.frontend_endpoint = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.backend_endpoint = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("broker ready: clients on %s, actors on %s", self.frontend_endpoint, self.backend_endpoint)
+
+    def _router(self, endpoint: str, max_message_bytes: int) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Tell us when a reply has nowhere to go, rather than dropping it silently.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, HWM)
+        sock.setsockopt(zmq.RCVHWM, HWM)
+        # Messages over the configured limit get a `too_large` reply; ones far over it
+        # are refused by libzmq itself (the peer is disconnected) so they never fill memory.
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes + 65536)
+        sock.bind(endpoint)
+        return sock
+
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Serve until stop() is called (or `until()` returns true)."""
+        if self.frontend is None:
+            self.start()
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        self.running = True
+        try:
+            while self.running and not (until and until()):
+                events = dict(poller.poll(HOUSEKEEPING_S * 1000))
+                self.now = time.monotonic()
+                if self.frontend in events:
+                    self._drain(self.frontend, self.on_client_frames)
+                if self.backend in events:
+                    self._drain(self.backend, self.on_actor_frames)
+                if self.now >= self._next_housekeeping:
+                    self.housekeeping()
+                self.commit()
+                self.dispatch()
+        finally:
+            self.commit()
+            self.close()
+
+    def stop(self) -> None:
+        """Ask the loop to finish its turn and return (safe from a signal handler)."""
+        self.running = False
+
+    def close(self) -> None:
+        for sock in (self.frontend, self.backend):
+            if sock is not None and not sock.closed:
+                sock.close(linger=0)
+
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    # --- commit: one transaction per turn, then the replies --------------------------------
+    def reply(self, envelope: tuple[bytes, ...], body: dict[str, Any] | bytes, durable: bool = False) -> None:
+        """Queue a reply; a durable one leaves only if this turn's writes reach Redis."""
+        data = body if isinstance(body, bytes) else p.encode(body)
+        self._replies.append((envelope, data, durable))
+
+    def commit(self) -> None:
+        replies, self._replies = self._replies, []
+        if len(self._pipe.command_stack):
+            pipe, self._pipe = self._pipe, self.store.pipeline()
+            try:
+                pipe.execute()
+            except redis.RedisError as e:
+                self.metrics["errors/storage"] += 1
+                log.error("Redis write failed (%s); answering this turn's requests with `internal` and reloading", e)
+                replies = [(env, data if not durable else self._storage_error(data), False) for env, data, durable in replies]
+                self._send_replies(replies)
+                self._reload()
+                return
+        self._send_replies(replies)
+
+    def _storage_error(self, data: bytes) -> bytes:
+        try:
+            original = p.decode(data)
+        except p.ProtocolError:
+            original = {}
+        return p.encode(p.error_body(original.get("rid"), original.get("op"), p.E_INTERNAL,
+                                     "storage unavailable; nothing was applied, retry with the same rid"))  # fmt: skip
+
+    def _send_replies(self, replies: list[tuple[tuple[bytes, ...], bytes, bool]]) -> None:
+        for envelope, data, _ in replies:
+            try:
+                self.frontend.send_multipart([*envelope, data], zmq.NOBLOCK)
+            except zmq.ZMQError:  # EHOSTUNREACH (client gone) or EAGAIN (client not reading)
+                self.metrics["dropped/unroutable_replies"] += 1
+
+    def _reload(self) -> None:
+        """Make memory agree with Redis again after a failed transaction."""
+        self.sessions = self.store.load_sessions(self.cfg.segment_len)
+        self.attach_rids = {_key(s.attach_rid): s.task_id for s in self.sessions.values() if s.attach_rid is not None}
+        log.warning("reloaded %d sessions from Redis", len(self.sessions))
+
+    # --- client front end -------------------------------------------------------------------
+    def on_client_frames(self, frames: list[bytes]) -> None:
+        """Split the envelope, decode, check, and hand the request to its handler."""
+        self.metrics["broker/requests"] += 1
+        if len(frames) == 3 and frames[1] == b"":
+            envelope, body = (frames[0], b""), frames[2]  # REQ-style, with the empty delimiter
+        elif len(frames) == 2:
+            envelope, body = (frames[0],), frames[1]  # DEALER without delimiter
+        else:
+            self.metrics["dropped/malformed_frames"] += 1
+            return
+        msg: dict[str, Any] = {}
+        try:
+            if len(body) > self.limits.max_message_bytes:
+                raise p.ProtocolError(p.E_TOO_LARGE, f"message is {len(body)} bytes, the limit is {self.limits.max_message_bytes}")
+            msg = p.decode(body)
+            op, rid = p.check_header(msg)
+            handler = self._client_handlers.get(op)
+            if handler is None:
+                raise p.ProtocolError(p.E_UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(sorted(p.CLIENT_OPS))}")
+            handler(envelope, rid, msg)
+        except p.ProtocolError as e:
+            self._error(envelope, msg, e)
+        except Exception:
+            log.exception("internal error on a %r request", msg.get("op"))
+            self._error(envelope, msg, p.ProtocolError(p.E_INTERNAL, "the broker failed on this request; see its log"))
+
+    def _error(self, envelope: tuple[bytes, ...], msg: dict[str, Any], e: p.ProtocolError) -> None:
+        self.metrics[f"errors/{e.code}"] += 1
+        rid = msg.get("rid")
+        rid = rid if isinstance(rid, (str, bytes)) and len(rid) <= p.MAX_RID_BYTES else None
+        extra = dict(e.extra)
+        if e.code == p.E_UNSUPPORTED_VERSION:
+            extra["supported"] = [p.PROTOCOL_VERSION]
+        self.reply(envelope, p.error_body(rid, msg.get("op"), e.code, e.message, **extra))
+
+    def _session(self, msg: dict[str, Any]) -> Session:
+        task_id = p.check_task_id(msg)
+        session = self.sessions.get(task_id)
+        if session is None:
+            raise p.ProtocolError(p.E_UNKNOWN_TASK, f"no session {task_id!r}: never attached, detached, or expired; attach again")
+        session.last_seen_ms = now_ms()
+        return session
+
+    def on_attach(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
+        """attach: open a session (or resume one by the client's own task_id)."""
+        task_id = p.check_task_id(msg, required=False)
+        if task_id is None:
+            task_id = self.attach_rids.get(_key(rid)) or uuid.uuid4().hex
+        session = self.sessions.get(task_id)
+        resumed = session is not None
+        if session is None:
+            session = Session(task_id, self.cfg.segment_len, attach_rid=rid)
+            self.sessions[task_id] = session
+            self.attach_rids[_key(rid)] = task_id
+            self.store.stage_create(self._pipe, session)
+            self.metrics["broker/attached"] += 1
+        session.last_seen_ms = now_ms()
+        body = p.header(p.OP_ATTACH, rid)
+        body.update(status="attached", task_id=task_id, resumed=resumed and session.attach_rid != rid)
+        self.reply(envelope, body, durable=True)
+
+    def on_detach(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
+        """detach: close the open segment (truncated) and forget the session."""
+        task_id = p.check_task_id(msg)
+        session = self.sessions.get(task_id)
+        if session is None:
+            tombstone = self.store.detach_tombstone(task_id)
+            if tombstone is not None:
+                record = p.decode(tombstone)
+                if _key(record.get("rid")) == _key(rid):
+                    self.reply(envelope, record["reply"])
+                    return
+            raise p.ProtocolError(p.E_UNKNOWN_TASK, f"no session {task_id!r} to detach")
+        had_pending = session.pending is not None
+        closes = session.flush(REASON_DETACH)
+        for close in closes:
+            self.store.stage_close(self._pipe, session, close)
+        self._abandon_task_job(task_id, p.E_UNKNOWN_TASK, "the task was detached while its step was being scored")
+        body = p.header(p.OP_DETACH, rid)
+        body.update(status="detached", task_id=task_id, segments_closed=len(closes), dropped_pending_step=had_pending)
+        data = p.encode(body)
+        self.store.stage_delete(self._pipe, session, p.encode({"rid": rid, "reply": data}))
+        del self.sessions[task_id]
+        self.attach_rids.pop(_key(session.attach_rid), None)
+        self.metrics["broker/detached"] += 1
+        self.metrics["broker/segments_closed"] += len(closes)
+        self.reply(envelope, data, durable=True)
+
+    def on_ask(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
+        """ask: may the client step now? `wait` with retry_after_ms under back-pressure."""
+        session = self._session(msg)
+        replay = session.replay(rid)
+        if replay is not None:
+            self.reply(envelope, replay)
+            return
+        reason = self._backpressure()
+        body = p.header(p.OP_ASK, rid)
+        body["task_id"] = session.task_id
+        if reason:
+            body.update(status="wait", retry_after_ms=self.cfg.retry_after_ms, reason=reason)
+            self.metrics["broker/ask_wait"] += 1
+        else:
+            body["status"] = "ok"
+        data = p.encode(body)
+        session.remember(rid, data, durable=False)
+        self.reply(envelope, data)
+
+    def _backpressure(self) -> str:
+        if not self.registry.actors:
+            return "no_actor"
+        if len(self.queue) >= self.cfg.max_queue:
+            return "queue_full"
+        if self.cfg.max_stream_backlog and self.stream_length > self.cfg.max_stream_backlog:
+            return "stream_backlog"
+        return ""
+
+    def on_step(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
+        """step / rag_step: queue the observation for an actor; the reply comes with the result."""
+        session = self._session(msg)
+        replay = session.replay(rid)
+        if replay is not None:
+            self.metrics["broker/replayed"] += 1
+            self.reply(envelope, replay)
+            return
+        running = self.task_jobs.get(session.task_id)
+        if running is not None and _key(running.rid) == _key(rid):
+            running.waiters.append(envelope)  # a retry of a step still being scored
+            self.metrics["broker/joined_retries"] += 1
+            return
+        obs = p.check_obs(msg, self.limits)
+        if len(self.queue) >= self.cfg.max_queue:
+            raise p.ProtocolError(p.E_OVERLOADED, f"{len(self.queue)} steps are queued", retry_after_ms=self.cfg.retry_after_ms)
+        if running is not None:  # the client gave up on its previous step and sent a new one
+            self._abandon_task_job(session.task_id, p.E_TIMEOUT, "superseded by a newer step of the same task")
+        deadline_ms = p.optional(msg, "deadline_ms", int, "a positive int (milliseconds)", self.cfg.request_timeout_ms)
+        if deadline_ms <= 0:
+            raise p.ProtocolError(p.E_BAD_REQUEST, f"`deadline_ms` must be positive, got {deadline_ms}")
+        deadline_ms = min(deadline_ms, self.cfg.request_timeout_ms)
+        job = Job(self.registry.next_job_id(), session.task_id, msg["op"], rid, obs, [envelope],
+                  deadline=self.now + deadline_ms / 1000, created=self.now)  # fmt: skip
+        self.jobs[job.job_id] = job
+        self.task_jobs[session.task_id] = job
+        self.queue.append(job)
+
+    def on_feedback(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
+        """feedback: the reward of the pending step; acknowledged once the transition is in Redis."""
+        session = self._session(msg)
+        replay = session.replay(rid)
+        if replay is not None:
+            self.metrics["broker/replayed"] += 1
+            self.reply(envelope, replay, durable=True)
+            return
+        reward = p.check_reward(msg)
+        done = p.optional(msg, "done", bool, "a bool", False)
+        truncated = p.optional(msg, "truncated", bool, "a bool", False)
+        next_obs = None
+        if isinstance(msg.get("next_obs"), dict) and msg["next_obs"]:  # older Kea clients send next_obs: {}
+            next_obs = p.check_obs(msg, self.limits, name="next_obs")
+        if session.pending is None:
+            self.metrics["broker/feedback_without_step"] += 1
+            raise p.ProtocolError(p.E_FEEDBACK_WITHOUT_STEP, f"task {session.task_id!r} has no step waiting for a reward; nothing recorded")
+        transition, closes = session.record_feedback(reward, done, truncated, next_obs)
+        body = p.header(p.OP_FEEDBACK, rid)
+        body.update(status="ok", task_id=session.task_id, segment_closed=bool(closes))
+        data = p.encode(body)
+        session.remember(rid, data, durable=True)
+        self.store.stage_transition(self._pipe, session, transition)
+        for close in closes:
+            self.store.stage_close(self._pipe, session, close)
+        self.metrics["broker/feedbacks"] += 1
+        self.metrics["broker/segments_closed"] += len(closes)
+        self.reply(envelope, data, durable=True)
+
+    def on_status(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
+        """status: the broker's figures, for `ppoz status`."""
+        body = p.header(p.OP_STATUS, rid)
+        body.update(status="ok", **self.status())
+        self.reply(envelope, body)
+
+    def on_ping(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
+        """ping: liveness check; no session needed."""
+        body = p.header(p.OP_PING, rid)
+        body.update(status="ok", time_ms=now_ms())
+        self.reply(envelope, body)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "sessions": len(self.sessions),
+            "pending_steps": sum(s.pending is not None for s in self.sessions.values()),
+            "queued_jobs": len(self.queue),
+            "jobs": len(self.jobs),
+            "stream_length": self.store.stream_length(),
+            "actors": [
+                {"name": a.name, "credits": a.credits, "inflight": len(a.inflight), "policy_version": a.policy_version,
+                 "served": a.served} for a in self.registry.actors.values()
+            ],  # fmt: skip
+            "counters": dict(self.metrics),
+        }
+
+    # --- actor back end --------------------------------------------------------------------
+    def on_actor_frames(self, frames: list[bytes]) -> None:
+        """Messages from actors: ready, heartbeat, result, disconnect."""
+        if len(frames) != 2:
+            self.metrics["dropped/malformed_actor_frames"] += 1
+            return
+        identity, body = frames
+        try:
+            msg = p.decode(body)
+            if msg.get("proto") != p.PROTOCOL_ID or msg.get("v") != p.PROTOCOL_VERSION:
+                raise p.ProtocolError(p.E_UNSUPPORTED_VERSION, f"actor speaks proto={msg.get('proto')!r} v={msg.get('v')!r}")
+            op = msg.get("op")
+            if op == p.OP_READY:
+                self.on_actor_ready(identity, msg)
+                return
+            actor = self.registry.get(identity)
+            if actor is None:  # unknown (say, the broker restarted): ask it to announce itself
+                self._send_actor(identity, p.header(p.OP_DISCONNECT))
+                return
+            actor.last_heard = self.now
+            if op == p.OP_HEARTBEAT:
+                version = msg.get("policy_version")
+                if isinstance(version, int):
+                    actor.policy_version = version
+            elif op == p.OP_RESULT:
+                self.on_actor_result(actor.identity, msg)
+            elif op == p.OP_DISCONNECT:
+                log.info("actor %s disconnected", actor.name)
+                self._requeue(self.registry.remove(identity))
+            else:
+                raise p.ProtocolError(p.E_UNKNOWN_OP, f"unknown actor op {op!r}")
+        except p.ProtocolError as e:
+            self.metrics["dropped/bad_actor_messages"] += 1
+            log.warning("bad message from actor %r: %s", identity, e)
+
+    def on_actor_ready(self, identity: bytes, msg: dict[str, Any]) -> None:
+        credits = p.require(msg, "credits", int, "a positive int")
+        if credits <= 0:
+            raise p.ProtocolError(p.E_BAD_REQUEST, f"`credits` must be positive, got {credits}")
+        name = str(msg.get("name") or identity.hex())
+        version = msg.get("policy_version")
+        orphans = self.registry.register(identity, name, credits, version if isinstance(version, int) else -1, self.now)
+        self._requeue(orphans)
+        log.info("actor %s ready with %d credits (policy version %s)", name, credits, version)
+
+    def on_actor_result(self, identity: bytes, msg: dict[str, Any]) -> None:
+        actor = self.registry.get(identity)
+        job = actor.inflight.pop(msg.get("job"), None) if actor is not None else None
+        if job is None:
+            self.metrics["jobs/late_results"] += 1
+            return
+        actor.served += 1
+        self.jobs.pop(job.job_id, None)
+        if self.task_jobs.get(job.task_id) is job:
+            del self.task_jobs[job.task_id]
+        if job.abandoned:
+            self.metrics["jobs/late_results"] += 1
+            return
+        if "error" in msg:
+            error = msg["error"] if isinstance(msg["error"], dict) else {}
+            code = error.get("code") if error.get("code") in p.ERROR_CODES else p.E_INTERNAL
+            self._answer_job(job, p.error_body(job.rid, job.mode, code, f"actor {actor.name}: {error.get('message', 'failed')}"))
+            return
+        try:
+            step = self._checked_result(job, msg)
+        except p.ProtocolError as e:
+            log.error("actor %s sent an invalid result: %s", actor.name, e.message)
+            self.metrics["errors/bad_actor_result"] += 1
+            self._answer_job(job, p.error_body(job.rid, job.mode, p.E_INTERNAL, f"actor {actor.name} returned an invalid result"))
+            return
+        session = self.sessions.get(job.task_id)
+        if session is None:
+            self._answer_job(job, p.error_body(job.rid, job.mode, p.E_UNKNOWN_TASK, f"task {job.task_id!r} went away while scored"))
+            return
+        closes, orphaned = session.record_step(step)
+        for close in closes:
+            self.store.stage_close(self._pipe, session, close)
+        self.store.stage_pending(self._pipe, session)
+        self.metrics["broker/steps"] += 1
+        self.metrics["broker/orphan_steps"] += orphaned
+        self.metrics["broker/segments_closed"] += len(closes)
+        for envelope in job.waiters:
+            self.reply(envelope, step.reply, durable=True)
+
+    def _checked_result(self, job: Job, msg: dict[str, Any]) -> PendingStep:
+        n = len(job.obs["action"])
+        action = p.require(msg, "action", int, "an int")
+        if not 0 <= action < n:
+            raise p.ProtocolError(p.E_BAD_REQUEST, f"action {action} out of range for {n} candidates")
+        logprob = float(p.require(msg, "logprob", (int, float), "a number"))
+        probs = p.require(msg, "probs", list, "an array of numbers")
+        if len(probs) != n or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in probs):
+            raise p.ProtocolError(p.E_BAD_REQUEST, f"probs must be {n} numbers")
+        version = p.require(msg, "policy_version", int, "an int")
+        body = p.header(job.mode, job.rid)
+        body.update(task_id=job.task_id, status="ok", action=action, logprob=logprob, probs=[float(x) for x in probs],
+                    policy_version=version)  # fmt: skip
+        return PendingStep(job.rid, job.mode, job.obs, action, logprob, body["probs"], version, now_ms(), p.encode(body))
+
+    def _send_actor(self, identity: bytes, body: dict[str, Any]) -> bool:
+        try:
+            self.backend.send_multipart([identity, p.encode(body)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.metrics["dropped/unroutable_actor_messages"] += 1
+            return False
+        actor = self.registry.get(identity)
+        if actor is not None:
+            actor.last_sent = self.now
+        return True
+
+    # --- dispatch ----------------------------------------------------------------------------
+    def dispatch(self) -> None:
+        """Hand queued jobs to the least loaded actors, within their credits."""
+        while self.queue:
+            actor = self.registry.pick()
+            if actor is None:
+                return
+            job = self.queue.popleft()
+            if job.abandoned:
+                continue
+            body = p.header(p.OP_SCORE)
+            body.update(job=job.job_id, task_id=job.task_id, mode=job.mode, obs=job.obs,
+                        deadline_ms=max(1, int((job.deadline - self.now) * 1000)))  # fmt: skip
+            job.actor, job.dispatched_at = actor.identity, self.now
+            actor.inflight[job.job_id] = job
+            if not self._send_actor(actor.identity, body):
+                log.warning("actor %s is unreachable; dropping it", actor.name)
+                self._requeue(self.registry.remove(actor.identity))
+
+    def _requeue(self, jobs: list[Job]) -> None:
+        """Put the jobs of a lost actor at the front of the queue (oldest first)."""
+        for job in sorted(jobs, key=lambda j: j.created, reverse=True):
+            job.attempts += 1
+            job.actor = None
+            if job.attempts >= MAX_ATTEMPTS:
+                self._answer_job(job, p.error_body(job.rid, job.mode, p.E_INTERNAL,
+                                                   f"{job.attempts} actors failed on this observation"))  # fmt: skip
+                continue
+            self.metrics["jobs/requeued"] += 1
+            self.queue.appendleft(job)
+
+    def _answer_job(self, job: Job, body: dict[str, Any]) -> None:
+        """Answer every waiter of a job with an error and forget the job."""
+        job.abandoned = True
+        self.jobs.pop(job.job_id, None)
+        if self.task_jobs.get(job.task_id) is job:
+            del self.task_jobs[job.task_id]
+        self.metrics[f"errors/{body['error']['code']}"] += 1
+        for envelope in job.waiters:
+            self.reply(envelope, body)
+
+    def _abandon_task_job(self, task_id: str, code: str, message: str) -> None:
+        job = self.task_jobs.get(task_id)
+        if job is not None:
+            self._answer_job(job, p.error_body(job.rid, job.mode, code, message))
+
+    # --- housekeeping --------------------------------------------------------------------------
+    def housekeeping(self) -> None:
+        """Deadlines, dead and hung actors, heartbeats; session expiry once a second."""
+        now = self.now
+        self._next_housekeeping = now + HOUSEKEEPING_S
+        for job in [j for j in self.jobs.values() if j.deadline <= now]:
+            self._answer_job(job, p.error_body(job.rid, job.mode, p.E_TIMEOUT,
+                                               "no answer within the deadline" + ("" if self.registry.actors else " (no actor connected)")))  # fmt: skip
+        heartbeat = self.cfg.heartbeat_ms / 1000
+        for actor in self.registry.silent_since(now - heartbeat * self.cfg.heartbeat_liveness):
+            log.warning("actor %s silent for %.1f s: taken as dead, %d jobs requeued", actor.name, now - actor.last_heard,
+                        len(actor.inflight))  # fmt: skip
+            self.metrics["actors/dead"] += 1
+            self._requeue(self.registry.remove(actor.identity))
+        for actor in self.registry.stuck_since(now - self.cfg.actor_job_timeout_ms / 1000):
+            log.warning("actor %s held a job over %d ms: taken as hung, %d jobs requeued", actor.name,
+                        self.cfg.actor_job_timeout_ms, len(actor.inflight))  # fmt: skip
+            self.metrics["actors/hung"] += 1
+            self._send_actor(actor.identity, p.header(p.OP_DISCONNECT))
+            self._requeue(self.registry.remove(actor.identity))
+        for actor in list(self.registry.actors.values()):
+            if now - actor.last_sent >= heartbeat:
+                self._send_actor(actor.identity, p.header(p.OP_HEARTBEAT))
+        if now >= self._next_session_scan:
+            self._next_session_scan = now + SESSION_SCAN_S
+            self.expire_sessions()
+            self.stream_length = self.store.stream_length()
+
+    def expire_sessions(self) -> None:
+        """Flush sessions that went silent (an emulator killed without detach) as truncated segments."""
+        cutoff = now_ms() - int(self.cfg.session_ttl_s * 1000)
+        for session in [s for s in self.sessions.values() if s.last_seen_ms < cutoff]:
+            if session.task_id in self.task_jobs:
+                continue  # its step is still being scored
+            closes = session.flush(REASON_EXPIRED)
+            for close in closes:
+                self.store.stage_close(self._pipe, session, close)
+            self.store.stage_delete(self._pipe, session, None)
+            del self.sessions[session.task_id]
+            self.attach_rids.pop(_key(session.attach_rid), None)
+            self.metrics["sessions/expired"] += 1
+            self.metrics["broker/segments_closed"] += len(closes)
+            log.info("session %s expired after %.0f s of silence (%d segment closed)", session.task_id,
+                     self.cfg.session_ttl_s, len(closes))  # fmt: skip
+
+
+def _key(rid: Any) -> Any:
+    return (type(rid).__name__, rid)

@@ -1,0 +1,171 @@
+"""Sessions: the per-task state machine that turns steps and feedbacks into segments.
+
+A session is one client task (one emulator). It holds at most one *pending
+step* (the observation, the chosen action, its log-probability and the policy
+version, waiting for its reward) and an *open segment* of finished
+transitions. The rules, also in docs/protocol.md:
+
+- feedback: the pending step plus its reward becomes a transition appended to
+  the open segment. `done` closes the segment (terminal, no bootstrap);
+  `truncated` closes it too, carrying the feedback's `next_obs` if one is given.
+- step, open segment full (`segment_len` transitions): the segment closes with
+  this step's observation as `next_obs`, so the learner can bootstrap.
+- step while a step is pending (its feedback never came): the pending step is
+  dropped and counted, and the open segment closes with the dropped step's
+  observation as `next_obs` (that observation is the state that followed the
+  last transition, so the bootstrap stays right and no transition spans a gap).
+- feedback with no pending step: refused (`feedback_without_step`), nothing changes.
+- detach or expiry: the open segment closes marked truncated; the pending
+  step's observation, if any, is its `next_obs`.
+
+This module is pure state: the Redis layout lives in broker/store.py and the
+sockets in broker/server.py. Transitions themselves are kept in Redis only;
+a session in memory knows how many its open segment holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+REASON_DONE = "done"
+REASON_LENGTH = "length"
+REASON_ORPHAN_STEP = "orphan_step"
+REASON_TRUNCATED = "truncated"
+REASON_DETACH = "detach"
+REASON_EXPIRED = "expired"
+
+RECENT_REPLIES = 8
+"""Replies remembered per session for retried request ids (a client has one request in flight per task)."""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class PendingStep:
+    """A step answered to the client and waiting for its reward."""
+
+    rid: Any
+    mode: str  # "step" or "rag_step"
+    obs: dict[str, Any]
+    action: int
+    logprob: float
+    probs: list[float]
+    policy_version: int
+    step_ms: int
+    reply: bytes  # the encoded reply body, resent verbatim to a retry
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "rid": self.rid, "mode": self.mode, "obs": self.obs, "action": self.action, "logprob": self.logprob,
+            "probs": self.probs, "policy_version": self.policy_version, "step_ms": self.step_ms, "reply": self.reply,
+        }  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "PendingStep":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+@dataclass
+class SegmentClose:
+    """Everything about a closing segment except its transitions (which are in Redis)."""
+
+    task_id: str
+    seq: int
+    reason: str
+    done: bool
+    truncated: bool
+    next_obs: dict[str, Any] | None
+    length: int
+
+    @property
+    def seg_id(self) -> str:
+        return f"{self.task_id}:{self.seq}"
+
+
+@dataclass
+class Session:
+    task_id: str
+    segment_len: int
+    created_ms: int = field(default_factory=now_ms)
+    last_seen_ms: int = field(default_factory=now_ms)
+    seq: int = 0  # sequence number of the open segment
+    open_len: int = 0  # transitions in the open segment
+    pending: PendingStep | None = None
+    attach_rid: Any = None
+    last_rid: Any = None  # rid of the last mutating request that was applied, persisted with it
+    last_reply: bytes = b""
+    recent: OrderedDict = field(default_factory=OrderedDict)  # rid -> encoded reply, this process only
+
+    # --- replies for retried request ids ------------------------------------------
+    def remember(self, rid: Any, reply: bytes, durable: bool) -> None:
+        self.recent[_rid_key(rid)] = reply
+        while len(self.recent) > RECENT_REPLIES:
+            self.recent.popitem(last=False)
+        if durable:
+            self.last_rid, self.last_reply = rid, reply
+
+    def replay(self, rid: Any) -> bytes | None:
+        """The reply already given to this request id, if any."""
+        reply = self.recent.get(_rid_key(rid))
+        if reply is None and self.last_rid is not None and _rid_key(self.last_rid) == _rid_key(rid):
+            reply = self.last_reply
+        if reply is None and self.pending is not None and _rid_key(self.pending.rid) == _rid_key(rid):
+            reply = self.pending.reply
+        return reply
+
+    # --- the state machine ------------------------------------------------------------
+    def record_step(self, step: PendingStep) -> tuple[list[SegmentClose], bool]:
+        """Make `step` the pending step; return the segments this closes and whether a step was orphaned."""
+        closes: list[SegmentClose] = []
+        orphaned = self.pending is not None
+        if orphaned:
+            closes += self._close(REASON_ORPHAN_STEP, done=False, truncated=False, next_obs=self.pending.obs)
+        elif self.open_len >= self.segment_len:
+            closes += self._close(REASON_LENGTH, done=False, truncated=False, next_obs=step.obs)
+        self.pending = step
+        return closes, orphaned
+
+    def record_feedback(
+        self, reward: float, done: bool, truncated: bool, next_obs: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], list[SegmentClose]]:
+        """Turn the pending step into a transition; return it and the segments this closes."""
+        if self.pending is None:
+            raise LookupError("no pending step")
+        step = self.pending
+        transition = {
+            "obs": step.obs, "action": step.action, "logprob": step.logprob, "probs": step.probs,
+            "policy_version": step.policy_version, "mode": step.mode, "reward": reward, "done": done,
+            "truncated": truncated, "step_ms": step.step_ms, "feedback_ms": now_ms(),
+        }  # fmt: skip
+        self.pending = None
+        self.open_len += 1
+        closes: list[SegmentClose] = []
+        if done:
+            closes += self._close(REASON_DONE, done=True, truncated=False, next_obs=None)
+        elif truncated:
+            closes += self._close(REASON_TRUNCATED, done=False, truncated=True, next_obs=next_obs)
+        return transition, closes
+
+    def flush(self, reason: str) -> list[SegmentClose]:
+        """Close whatever is open (detach, expiry); the pending step, if any, is dropped."""
+        next_obs = self.pending.obs if self.pending is not None else None
+        self.pending = None
+        return self._close(reason, done=False, truncated=True, next_obs=next_obs)
+
+    def _close(self, reason: str, done: bool, truncated: bool, next_obs: dict[str, Any] | None) -> list[SegmentClose]:
+        if self.open_len == 0:
+            return []
+        close = SegmentClose(self.task_id, self.seq, reason, done, truncated, next_obs, self.open_len)
+        self.seq += 1
+        self.open_len = 0
+        return [close]
+
+
+def _rid_key(rid: Any) -> Any:
+    # str and bin rids are distinct on the wire; keep them distinct here too.
+    return (type(rid).__name__, rid)

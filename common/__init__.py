@@ -1,0 +1,1 @@
+"""Pieces every PPOZ process shares: the wire protocol, configuration, Redis."""

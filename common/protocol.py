@@ -1,0 +1,206 @@
+"""The PPOZ wire protocol: names, codes, encoding and validation of messages.
+
+Every message is a ZeroMQ multipart message whose last frame is one msgpack map
+(docs/protocol.md is the reference for people writing clients in other
+languages; this module is the reference for the Python side). Nothing here
+touches a socket: the broker, the actors and the clients all frame and check
+messages through these functions, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+PROTOCOL_ID = "ppoz"
+PROTOCOL_VERSION = 1
+
+# --- Client operations (front end) ----------------------------------------------------
+OP_ATTACH = "attach"
+OP_DETACH = "detach"
+OP_ASK = "ask"
+OP_STEP = "step"
+OP_RAG_STEP = "rag_step"
+OP_FEEDBACK = "feedback"
+OP_STATUS = "status"
+OP_PING = "ping"
+CLIENT_OPS = frozenset({OP_ATTACH, OP_DETACH, OP_ASK, OP_STEP, OP_RAG_STEP, OP_FEEDBACK, OP_STATUS, OP_PING})
+STEP_OPS = frozenset({OP_STEP, OP_RAG_STEP})
+
+# --- Actor operations (back end) --------------------------------------------------------
+OP_READY = "ready"  # actor -> broker: I am here and can hold `credits` jobs
+OP_HEARTBEAT = "heartbeat"  # both ways, when nothing else was sent for a heartbeat interval
+OP_SCORE = "score"  # broker -> actor: score this observation
+OP_RESULT = "result"  # actor -> broker: the chosen action (or an error) for a job
+OP_DISCONNECT = "disconnect"  # both ways: forget me / you are forgotten, announce again
+ACTOR_OPS = frozenset({OP_READY, OP_HEARTBEAT, OP_RESULT, OP_DISCONNECT})
+
+# --- Error codes: a closed list, each documented in docs/protocol.md ----------------------
+E_BAD_REQUEST = "bad_request"
+E_UNKNOWN_OP = "unknown_op"
+E_UNKNOWN_TASK = "unknown_task"
+E_FEEDBACK_WITHOUT_STEP = "feedback_without_step"
+E_TOO_LARGE = "too_large"
+E_UNSUPPORTED_VERSION = "unsupported_version"
+E_OVERLOADED = "overloaded"
+E_TIMEOUT = "timeout"
+E_INTERNAL = "internal"
+ERROR_CODES: dict[str, str] = {
+    E_BAD_REQUEST: "the message is not a valid request: not a msgpack map, a missing field or a field of the wrong type or range; the message names it",
+    E_UNKNOWN_OP: "`op` names no operation of this protocol version",
+    E_UNKNOWN_TASK: "no session has this task_id (never attached, detached, or expired after its TTL); attach again",
+    E_FEEDBACK_WITHOUT_STEP: "feedback for a task that has no step waiting for its reward; nothing was recorded",
+    E_TOO_LARGE: "the message, the prompt or the candidate list is over a configured limit; the message says which",
+    E_UNSUPPORTED_VERSION: "`proto` is not \"ppoz\" or `v` is not a version this peer speaks; the reply carries the version it speaks",
+    E_OVERLOADED: "the broker cannot take the request now; retry the same request after `retry_after_ms`",
+    E_TIMEOUT: "the request could not be answered within its deadline (for example no actor was free); retry with the same rid",
+    E_INTERNAL: "the broker failed while handling the request (for example storage unavailable); nothing was applied, retry with the same rid",
+}
+
+MAX_RID_BYTES = 64
+TASK_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+
+
+class ProtocolError(Exception):
+    """A request that must be answered with an error reply of the given code."""
+
+    def __init__(self, code: str, message: str, **extra: Any) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.extra = extra
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one request may carry; the broker enforces them on every request."""
+
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_actions: int = 256
+    max_action_chars: int = 4096
+    max_prompt_chars: int = 1_000_000
+
+
+# --- Encoding -------------------------------------------------------------------------
+def encode(body: dict[str, Any]) -> bytes:
+    """Pack one message body. Strings go out as msgpack str, bytes as bin."""
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(frame: bytes) -> dict[str, Any]:
+    """Unpack one message body, refusing anything that is not a well-formed map."""
+    try:
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several types for truncated or hostile input
+        raise ProtocolError(E_BAD_REQUEST, f"body is not valid msgpack ({type(e).__name__}: {e})") from e
+    if not isinstance(body, dict):
+        raise ProtocolError(E_BAD_REQUEST, f"body must be a msgpack map, got {type(body).__name__}")
+    return body
+
+
+def header(op: str, rid: Any = None) -> dict[str, Any]:
+    """The fields every message starts with."""
+    return {"proto": PROTOCOL_ID, "v": PROTOCOL_VERSION, "op": op, "rid": rid}
+
+
+def error_body(rid: Any, op: Any, code: str, message: str, **extra: Any) -> dict[str, Any]:
+    """An error reply: `{error: {code, message}}` beside the usual header."""
+    body = header(op if isinstance(op, str) else None, rid)
+    body["error"] = {"code": code, "message": message}
+    body.update(extra)
+    return body
+
+
+# --- Validation of requests -----------------------------------------------------------
+def check_header(body: dict[str, Any]) -> tuple[str, Any]:
+    """Check protocol id, version, op and rid; return (op, rid)."""
+    if body.get("proto") != PROTOCOL_ID or body.get("v") != PROTOCOL_VERSION or isinstance(body.get("v"), bool):
+        raise ProtocolError(
+            E_UNSUPPORTED_VERSION,
+            f"this peer speaks proto={PROTOCOL_ID!r} v={PROTOCOL_VERSION}, got proto={body.get('proto')!r} v={body.get('v')!r}",
+        )
+    rid = body.get("rid")
+    if not isinstance(rid, (str, bytes)) or not rid:
+        raise ProtocolError(E_BAD_REQUEST, "`rid` must be a non-empty str or bin (the client-chosen request id)")
+    if len(rid) > MAX_RID_BYTES:
+        raise ProtocolError(E_BAD_REQUEST, f"`rid` is longer than {MAX_RID_BYTES} bytes")
+    op = body.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError(E_BAD_REQUEST, f"`op` must be a str, got {type(op).__name__}")
+    return op, rid
+
+
+def require(body: dict[str, Any], name: str, types: type | tuple[type, ...], what: str) -> Any:
+    """Return body[name], or raise bad_request naming the field and what it must be."""
+    if name not in body:
+        raise ProtocolError(E_BAD_REQUEST, f"`{name}` is missing; it must be {what}")
+    value = body[name]
+    # bool is an int in Python but not on the wire: never accept it for a number.
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+        raise ProtocolError(E_BAD_REQUEST, f"`{name}` must be {what}, got {_wire_type(value)}")
+    return value
+
+
+def optional(body: dict[str, Any], name: str, types: type | tuple[type, ...], what: str, default: Any) -> Any:
+    """Like require, but a missing or nil field gives the default."""
+    if body.get(name) is None:
+        return default
+    return require(body, name, types, what)
+
+
+def check_task_id(body: dict[str, Any], required: bool = True) -> str | None:
+    """The task_id of a request: 1 to 128 characters of letters, digits and . _ : @ -."""
+    if not required and body.get("task_id") is None:
+        return None
+    task_id = require(body, "task_id", str, "a str")
+    if not TASK_ID_PATTERN.match(task_id):
+        raise ProtocolError(E_BAD_REQUEST, f"`task_id` must be 1 to 128 of [A-Za-z0-9._:@-], got {task_id[:40]!r}")
+    return task_id
+
+
+def check_obs(body: dict[str, Any], limits: Limits, name: str = "obs") -> dict[str, Any]:
+    """Validate an observation and return it reduced to its three known keys."""
+    obs = require(body, name, dict, "a map {prompt, question, action}")
+    prompt = require(obs, "prompt", str, f"a str (in `{name}`)")
+    question = optional(obs, "question", str, f"a str (in `{name}`)", "")
+    actions = require(obs, "action", list, f"a non-empty array of str (in `{name}`)")
+    if not actions:
+        raise ProtocolError(E_BAD_REQUEST, f"`{name}.action` is empty; a step needs at least one candidate action")
+    if len(actions) > limits.max_actions:
+        raise ProtocolError(E_TOO_LARGE, f"`{name}.action` has {len(actions)} candidates, the limit is {limits.max_actions}")
+    for i, action in enumerate(actions):
+        if not isinstance(action, str):
+            raise ProtocolError(E_BAD_REQUEST, f"`{name}.action[{i}]` must be a str, got {_wire_type(action)}")
+        if len(action) > limits.max_action_chars:
+            raise ProtocolError(
+                E_TOO_LARGE, f"`{name}.action[{i}]` has {len(action)} characters, the limit is {limits.max_action_chars}"
+            )
+    if len(prompt) + len(question) > limits.max_prompt_chars:
+        raise ProtocolError(
+            E_TOO_LARGE,
+            f"`{name}.prompt` + `{name}.question` have {len(prompt) + len(question)} characters, the limit is {limits.max_prompt_chars}",
+        )
+    return {"prompt": prompt, "question": question, "action": actions}
+
+
+def check_reward(body: dict[str, Any]) -> float:
+    """A finite int or float reward."""
+    reward = require(body, "reward", (int, float), "a finite number")
+    if not math.isfinite(reward):
+        raise ProtocolError(E_BAD_REQUEST, f"`reward` must be finite, got {reward}")
+    return float(reward)
+
+
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+_WIRE_TYPES = {bool: "bool", int: "int", float: "float", str: "str", bytes: "bin", list: "array", dict: "map", type(None): "nil"}
+
+
+def _wire_type(value: Any) -> str:
+    return _WIRE_TYPES.get(type(value), type(value).__name__)

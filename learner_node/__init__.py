@@ -1,0 +1,1 @@
+"""Learner node: PPO on the trajectory segments the broker writes to Redis."""
