@@ -80,19 +80,20 @@ class BrokerLink:
                 break
         return jobs
 
-    def send_result(self, job: int, action: int, logprob: float, probs: list[float], policy_version: int) -> None:
+    def send_results(self, results: list[dict[str, Any]]) -> None:
+        """Send the results of some jobs in one message; build each with `result` or `error`."""
         body = p.header(p.OP_RESULT)
-        body.update(job=job, action=action, logprob=logprob, probs=probs, policy_version=policy_version)
-        self._push(body)
-
-    def send_error(self, job: int, code: str, message: str) -> None:
-        body = p.header(p.OP_RESULT)
-        body.update(job=job, error={"code": code, "message": message})
-        self._push(body)
-
-    def _push(self, body: dict[str, Any]) -> None:
+        body["results"] = results
         with self._send_lock:
             self._results_out.send(p.encode(body))
+
+    @staticmethod
+    def result(job: int, action: int, logprob: float, probs: list[float], policy_version: int) -> dict[str, Any]:
+        return {"job": job, "action": action, "logprob": logprob, "probs": probs, "policy_version": policy_version}
+
+    @staticmethod
+    def error(job: int, code: str, message: str) -> dict[str, Any]:
+        return {"job": job, "error": {"code": code, "message": message}}
 
     # --- I/O thread ----------------------------------------------------------------------------
     def _connect(self) -> zmq.Socket:
@@ -162,7 +163,8 @@ class BrokerLink:
             return
         op = msg.get("op")
         if op == p.OP_SCORE:
-            self.jobs.put(msg)
+            for job in msg.get("jobs") or []:
+                self.jobs.put(job)
         elif op == p.OP_DISCONNECT:
             # The broker forgot us (it restarted, or took us for hung): our jobs are
             # requeued there, so drop them here and announce ourselves again.

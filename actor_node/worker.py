@@ -23,13 +23,18 @@ def serve(link: BrokerLink, policy: Policy, stop: threading.Event, max_batch: in
     served = 0
     while not stop.is_set():
         link.policy_version = policy.policy_version
-        for job in link.get_jobs(max_batch, timeout=0.1):
+        jobs = link.get_jobs(max_batch, timeout=0.1)
+        if not jobs:
+            continue
+        results = []
+        for job in jobs:
             try:
                 action, logprob, probs = policy.choose(job["obs"])
             except Exception as e:  # one bad observation must not stop the actor
                 log.exception("scoring job %s failed", job.get("job"))
-                link.send_error(job["job"], p.E_INTERNAL, f"{type(e).__name__}: {e}")
+                results.append(link.error(job["job"], p.E_INTERNAL, f"{type(e).__name__}: {e}"))
                 continue
-            link.send_result(job["job"], action, logprob, probs, policy.policy_version)
-            served += 1
+            results.append(link.result(job["job"], action, logprob, probs, policy.policy_version))
+        link.send_results(results)
+        served += len(jobs)
     return served

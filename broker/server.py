@@ -30,8 +30,10 @@ import zmq
 from broker.actors import MAX_ATTEMPTS, ActorRegistry, Job
 from broker.config import BrokerConfig
 from broker.sessions import REASON_DETACH, REASON_EXPIRED, PendingStep, Session, now_ms
-from broker.store import SessionStore
+from broker.store import Batch, Committer, SessionStore
 from common import protocol as p
+from common.stats import LatencyWindow
+from common.zmqio import recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +66,13 @@ class Broker:
         self.backend: zmq.Socket | None = None
         self.frontend_endpoint = ""
         self.backend_endpoint = ""
-        self._pipe = self.store.pipeline()
-        self._replies: list[tuple[tuple[bytes, ...], bytes, bool]] = []
+        self.committer = Committer(redis_client)
+        self.storage_ok = True
+        self._staged = Batch()  # writes of the requests handled since the last send
+        # A reply: (envelope, encoded body, when the broker's own work on it began, or 0).
+        self._staged_replies: list[tuple[tuple[bytes, ...], bytes, float]] = []
+        self._inflight: list[tuple[tuple[bytes, ...], bytes, float]] | None = None  # replies waiting on the batch in Redis
+        self.added_latency = LatencyWindow()  # time step and feedback replies spent in the broker, actor time excluded
         self._next_housekeeping = 0.0
         self._next_session_scan = 0.0
         self._client_handlers: dict[str, Callable[[tuple[bytes, ...], Any, dict], None]] = {
@@ -115,9 +122,18 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
+        redis_fd = None
         self.running = True
         try:
             while self.running and not (until and until()):
+                # Wake up for Redis's answer too, so replies leave as soon as their batch is applied.
+                fd = self.committer.fileno() if self.storage_ok else None
+                if fd != redis_fd:
+                    if redis_fd is not None:
+                        poller.unregister(redis_fd)
+                    if fd is not None:
+                        poller.register(fd, zmq.POLLIN)
+                    redis_fd = fd
                 events = dict(poller.poll(HOUSEKEEPING_S * 1000))
                 self.now = time.monotonic()
                 if self.frontend in events:
@@ -129,7 +145,7 @@ class Broker:
                 self.commit()
                 self.dispatch()
         finally:
-            self.commit()
+            self.flush()
             self.close()
 
     def stop(self) -> None:
@@ -144,31 +160,71 @@ class Broker:
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
         for _ in range(DRAIN_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(sock)
             except zmq.Again:
                 return
             handle(frames)
 
-    # --- commit: one transaction per turn, then the replies --------------------------------
-    def reply(self, envelope: tuple[bytes, ...], body: dict[str, Any] | bytes, durable: bool = False) -> None:
-        """Queue a reply; a durable one leaves only if this turn's writes reach Redis."""
+    # --- commit: group commit, one batch in flight, then the replies ------------------------
+    def reply(self, envelope: tuple[bytes, ...], body: dict[str, Any] | bytes, durable: bool = False, since: float = 0.0) -> None:
+        """Send a reply; a durable one waits until the writes staged before it are in Redis.
+
+        `since` (monotonic s), when given, is when the broker's own work on the request
+        began; the time to the send is recorded as latency the broker added."""
         data = body if isinstance(body, bytes) else p.encode(body)
-        self._replies.append((envelope, data, durable))
+        if durable:
+            self._staged_replies.append((envelope, data, since))
+        else:
+            self._send_replies([(envelope, data, since)])
 
     def commit(self) -> None:
-        replies, self._replies = self._replies, []
-        if len(self._pipe.command_stack):
-            pipe, self._pipe = self._pipe, self.store.pipeline()
+        """Finish the batch in flight if Redis answered, then send the staged one."""
+        if self._inflight is not None:
             try:
-                pipe.execute()
-            except redis.RedisError as e:
-                self.metrics["errors/storage"] += 1
-                log.error("Redis write failed (%s); answering this turn's requests with `internal` and reloading", e)
-                replies = [(env, data if not durable else self._storage_error(data), False) for env, data, durable in replies]
-                self._send_replies(replies)
-                self._reload()
+                applied = self.committer.poll()
+            except (redis.RedisError, OSError) as e:
+                self._storage_failed(f"Redis write failed: {e}")
                 return
-        self._send_replies(replies)
+            if not applied:
+                if self.now - self.committer.sent_at > self.cfg.storage_timeout_ms / 1000:
+                    self._storage_failed(f"Redis did not answer a write within {self.cfg.storage_timeout_ms} ms")
+                return
+            replies, self._inflight = self._inflight, None
+            self._send_replies(replies)
+        if not self._staged_replies and not len(self._staged):
+            return
+        batch, replies = self._staged, self._staged_replies
+        self._staged, self._staged_replies = Batch(), []
+        if not len(batch):
+            self._send_replies(replies)  # nothing to write (replays): only ordering mattered
+            return
+        try:
+            self.committer.send(batch, self.now)
+        except (redis.RedisError, OSError) as e:
+            self._inflight = replies
+            self._storage_failed(f"cannot send writes to Redis: {e}")
+            return
+        self._inflight = replies
+        self.metrics["broker/commits"] += 1
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Commit everything staged and wait for it (shutdown)."""
+        end = time.monotonic() + timeout
+        while (self._inflight is not None or self._staged_replies or len(self._staged)) and time.monotonic() < end:
+            self.now = time.monotonic()
+            self.commit()
+            if self._inflight is not None:
+                time.sleep(0.001)
+
+    def _storage_failed(self, why: str) -> None:
+        """Answer every unacknowledged request with `internal`, then resync memory from Redis."""
+        self.metrics["errors/storage"] += 1
+        log.error("%s; answering the unacknowledged requests with `internal` and reloading from Redis", why)
+        unacked = (self._inflight or []) + self._staged_replies
+        self._inflight, self._staged, self._staged_replies = None, Batch(), []
+        self.committer.reset()
+        self._send_replies([(env, self._storage_error(data), 0.0) for env, data, _ in unacked])
+        self._reload()
 
     def _storage_error(self, data: bytes) -> bytes:
         try:
@@ -178,18 +234,35 @@ class Broker:
         return p.encode(p.error_body(original.get("rid"), original.get("op"), p.E_INTERNAL,
                                      "storage unavailable; nothing was applied, retry with the same rid"))  # fmt: skip
 
-    def _send_replies(self, replies: list[tuple[tuple[bytes, ...], bytes, bool]]) -> None:
-        for envelope, data, _ in replies:
+    def _send_replies(self, replies: list[tuple[tuple[bytes, ...], bytes, float]]) -> None:
+        now = time.monotonic()
+        for envelope, data, since in replies:
             try:
-                self.frontend.send_multipart([*envelope, data], zmq.NOBLOCK)
+                send_frames(self.frontend, (*envelope, data))
             except zmq.ZMQError:  # EHOSTUNREACH (client gone) or EAGAIN (client not reading)
                 self.metrics["dropped/unroutable_replies"] += 1
+                continue
+            if since:
+                self.added_latency.add(now - since, now)
 
     def _reload(self) -> None:
-        """Make memory agree with Redis again after a failed transaction."""
-        self.sessions = self.store.load_sessions(self.cfg.segment_len)
+        """Make memory agree with Redis again; while Redis is unreachable, refuse writes."""
+        try:
+            self.sessions = self.store.load_sessions(self.cfg.segment_len)
+        except (redis.RedisError, OSError) as e:
+            if self.storage_ok:
+                log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", e)
+            self.storage_ok = False
+            return
         self.attach_rids = {_key(s.attach_rid): s.task_id for s in self.sessions.values() if s.attach_rid is not None}
+        if not self.storage_ok:
+            log.warning("Redis is back")
+        self.storage_ok = True
         log.warning("reloaded %d sessions from Redis", len(self.sessions))
+
+    def _require_storage(self) -> None:
+        if not self.storage_ok:
+            raise p.ProtocolError(p.E_OVERLOADED, "storage (Redis) unavailable", retry_after_ms=self.cfg.retry_after_ms)
 
     # --- client front end -------------------------------------------------------------------
     def on_client_frames(self, frames: list[bytes]) -> None:
@@ -237,6 +310,7 @@ class Broker:
 
     def on_attach(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
         """attach: open a session (or resume one by the client's own task_id)."""
+        self._require_storage()
         task_id = p.check_task_id(msg, required=False)
         if task_id is None:
             task_id = self.attach_rids.get(_key(rid)) or uuid.uuid4().hex
@@ -246,7 +320,7 @@ class Broker:
             session = Session(task_id, self.cfg.segment_len, attach_rid=rid)
             self.sessions[task_id] = session
             self.attach_rids[_key(rid)] = task_id
-            self.store.stage_create(self._pipe, session)
+            self.store.stage_create(self._staged, session)
             self.metrics["broker/attached"] += 1
         session.last_seen_ms = now_ms()
         body = p.header(p.OP_ATTACH, rid)
@@ -255,6 +329,7 @@ class Broker:
 
     def on_detach(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
         """detach: close the open segment (truncated) and forget the session."""
+        self._require_storage()
         task_id = p.check_task_id(msg)
         session = self.sessions.get(task_id)
         if session is None:
@@ -268,12 +343,12 @@ class Broker:
         had_pending = session.pending is not None
         closes = session.flush(REASON_DETACH)
         for close in closes:
-            self.store.stage_close(self._pipe, session, close)
+            self.store.stage_close(self._staged, session, close)
         self._abandon_task_job(task_id, p.E_UNKNOWN_TASK, "the task was detached while its step was being scored")
         body = p.header(p.OP_DETACH, rid)
         body.update(status="detached", task_id=task_id, segments_closed=len(closes), dropped_pending_step=had_pending)
         data = p.encode(body)
-        self.store.stage_delete(self._pipe, session, p.encode({"rid": rid, "reply": data}))
+        self.store.stage_delete(self._staged, session, p.encode({"rid": rid, "reply": data}))
         del self.sessions[task_id]
         self.attach_rids.pop(_key(session.attach_rid), None)
         self.metrics["broker/detached"] += 1
@@ -314,8 +389,9 @@ class Broker:
         replay = session.replay(rid)
         if replay is not None:
             self.metrics["broker/replayed"] += 1
-            self.reply(envelope, replay)
+            self.reply(envelope, replay, durable=True)  # after the original's writes
             return
+        self._require_storage()
         running = self.task_jobs.get(session.task_id)
         if running is not None and _key(running.rid) == _key(rid):
             running.waiters.append(envelope)  # a retry of a step still being scored
@@ -344,6 +420,7 @@ class Broker:
             self.metrics["broker/replayed"] += 1
             self.reply(envelope, replay, durable=True)
             return
+        self._require_storage()
         reward = p.check_reward(msg)
         done = p.optional(msg, "done", bool, "a bool", False)
         truncated = p.optional(msg, "truncated", bool, "a bool", False)
@@ -358,17 +435,20 @@ class Broker:
         body.update(status="ok", task_id=session.task_id, segment_closed=bool(closes))
         data = p.encode(body)
         session.remember(rid, data, durable=True)
-        self.store.stage_transition(self._pipe, session, transition)
+        self.store.stage_transition(self._staged, session, transition)
         for close in closes:
-            self.store.stage_close(self._pipe, session, close)
+            self.store.stage_close(self._staged, session, close)
         self.metrics["broker/feedbacks"] += 1
         self.metrics["broker/segments_closed"] += len(closes)
-        self.reply(envelope, data, durable=True)
+        self.reply(envelope, data, durable=True, since=self.now)
 
     def on_status(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
-        """status: the broker's figures, for `ppoz status`."""
+        """status: the broker's figures, for `ppoz status`; `window_s` picks the latency window (default 60 s)."""
+        window = p.optional(msg, "window_s", (int, float), "a positive number of seconds", 60.0)
+        if window <= 0:
+            raise p.ProtocolError(p.E_BAD_REQUEST, f"`window_s` must be positive, got {window}")
         body = p.header(p.OP_STATUS, rid)
-        body.update(status="ok", **self.status())
+        body.update(status="ok", **self.status(window))
         self.reply(envelope, body)
 
     def on_ping(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
@@ -377,14 +457,16 @@ class Broker:
         body.update(status="ok", time_ms=now_ms())
         self.reply(envelope, body)
 
-    def status(self) -> dict[str, Any]:
+    def status(self, window_s: float = 60.0) -> dict[str, Any]:
         return {
+            "added_latency": self.added_latency.summary(window_s),
             "uptime_s": round(time.monotonic() - self.started, 3),
             "sessions": len(self.sessions),
             "pending_steps": sum(s.pending is not None for s in self.sessions.values()),
             "queued_jobs": len(self.queue),
             "jobs": len(self.jobs),
-            "stream_length": self.store.stream_length(),
+            "stream_length": self.stream_length,
+            "storage_ok": self.storage_ok,
             "actors": [
                 {"name": a.name, "credits": a.credits, "inflight": len(a.inflight), "policy_version": a.policy_version,
                  "served": a.served} for a in self.registry.actors.values()
@@ -417,7 +499,12 @@ class Broker:
                 if isinstance(version, int):
                     actor.policy_version = version
             elif op == p.OP_RESULT:
-                self.on_actor_result(actor.identity, msg)
+                results = p.require(msg, "results", list, "an array of result maps")
+                for result in results:
+                    if isinstance(result, dict):
+                        self.on_actor_result(actor.identity, result)
+                    else:
+                        self.metrics["dropped/bad_actor_messages"] += 1
             elif op == p.OP_DISCONNECT:
                 log.info("actor %s disconnected", actor.name)
                 self._requeue(self.registry.remove(identity))
@@ -438,6 +525,7 @@ class Broker:
         log.info("actor %s ready with %d credits (policy version %s)", name, credits, version)
 
     def on_actor_result(self, identity: bytes, msg: dict[str, Any]) -> None:
+        """One job's result: record the pending step and answer the client once it is in Redis."""
         actor = self.registry.get(identity)
         job = actor.inflight.pop(msg.get("job"), None) if actor is not None else None
         if job is None:
@@ -462,19 +550,25 @@ class Broker:
             self.metrics["errors/bad_actor_result"] += 1
             self._answer_job(job, p.error_body(job.rid, job.mode, p.E_INTERNAL, f"actor {actor.name} returned an invalid result"))
             return
+        if not self.storage_ok:
+            self._answer_job(job, p.error_body(job.rid, job.mode, p.E_OVERLOADED, "storage (Redis) unavailable",
+                                               retry_after_ms=self.cfg.retry_after_ms))  # fmt: skip
+            return
         session = self.sessions.get(job.task_id)
         if session is None:
             self._answer_job(job, p.error_body(job.rid, job.mode, p.E_UNKNOWN_TASK, f"task {job.task_id!r} went away while scored"))
             return
         closes, orphaned = session.record_step(step)
         for close in closes:
-            self.store.stage_close(self._pipe, session, close)
-        self.store.stage_pending(self._pipe, session)
+            self.store.stage_close(self._staged, session, close)
+        self.store.stage_pending(self._staged, session)
         self.metrics["broker/steps"] += 1
         self.metrics["broker/orphan_steps"] += orphaned
         self.metrics["broker/segments_closed"] += len(closes)
+        # Broker time of a step: its wait for an actor, plus the time since the result came back.
+        since = self.now - (job.dispatched_at - job.created)
         for envelope in job.waiters:
-            self.reply(envelope, step.reply, durable=True)
+            self.reply(envelope, step.reply, durable=True, since=since)
 
     def _checked_result(self, job: Job, msg: dict[str, Any]) -> PendingStep:
         n = len(job.obs["action"])
@@ -493,7 +587,7 @@ class Broker:
 
     def _send_actor(self, identity: bytes, body: dict[str, Any]) -> bool:
         try:
-            self.backend.send_multipart([identity, p.encode(body)], zmq.NOBLOCK)
+            send_frames(self.backend, (identity, p.encode(body)))
         except zmq.ZMQError:
             self.metrics["dropped/unroutable_actor_messages"] += 1
             return False
@@ -504,22 +598,28 @@ class Broker:
 
     # --- dispatch ----------------------------------------------------------------------------
     def dispatch(self) -> None:
-        """Hand queued jobs to the least loaded actors, within their credits."""
+        """Hand queued jobs to the least loaded actors, within their credits, one message per actor."""
+        batches: dict[bytes, list[dict[str, Any]]] = {}
         while self.queue:
             actor = self.registry.pick()
             if actor is None:
-                return
+                break
             job = self.queue.popleft()
             if job.abandoned:
                 continue
-            body = p.header(p.OP_SCORE)
-            body.update(job=job.job_id, task_id=job.task_id, mode=job.mode, obs=job.obs,
-                        deadline_ms=max(1, int((job.deadline - self.now) * 1000)))  # fmt: skip
             job.actor, job.dispatched_at = actor.identity, self.now
             actor.inflight[job.job_id] = job
-            if not self._send_actor(actor.identity, body):
-                log.warning("actor %s is unreachable; dropping it", actor.name)
-                self._requeue(self.registry.remove(actor.identity))
+            batches.setdefault(actor.identity, []).append(
+                {"job": job.job_id, "task_id": job.task_id, "mode": job.mode, "obs": job.obs,
+                 "deadline_ms": max(1, int((job.deadline - self.now) * 1000))}  # fmt: skip
+            )
+        for identity, jobs in batches.items():
+            body = p.header(p.OP_SCORE)
+            body["jobs"] = jobs
+            if not self._send_actor(identity, body):
+                actor = self.registry.get(identity)
+                log.warning("actor %s is unreachable; dropping it", actor.name if actor else identity)
+                self._requeue(self.registry.remove(identity))
 
     def _requeue(self, jobs: list[Job]) -> None:
         """Put the jobs of a lost actor at the front of the queue (oldest first)."""
@@ -573,8 +673,14 @@ class Broker:
                 self._send_actor(actor.identity, p.header(p.OP_HEARTBEAT))
         if now >= self._next_session_scan:
             self._next_session_scan = now + SESSION_SCAN_S
+            if not self.storage_ok:
+                self._reload()
+                return
             self.expire_sessions()
-            self.stream_length = self.store.stream_length()
+            try:
+                self.stream_length = self.store.stream_length()
+            except (redis.RedisError, OSError) as e:
+                log.warning("cannot read the stream length: %s", e)
 
     def expire_sessions(self) -> None:
         """Flush sessions that went silent (an emulator killed without detach) as truncated segments."""
@@ -584,8 +690,8 @@ class Broker:
                 continue  # its step is still being scored
             closes = session.flush(REASON_EXPIRED)
             for close in closes:
-                self.store.stage_close(self._pipe, session, close)
-            self.store.stage_delete(self._pipe, session, None)
+                self.store.stage_close(self._staged, session, close)
+            self.store.stage_delete(self._staged, session, None)
             del self.sessions[session.task_id]
             self.attach_rids.pop(_key(session.attach_rid), None)
             self.metrics["sessions/expired"] += 1

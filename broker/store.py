@@ -8,11 +8,11 @@ Keys (P is `key_prefix`):
     P:detached:{tid}    STRING  the reply to a detach, kept an hour for a retried detach
     P:{stream_key}      STREAM  closed segments, read by the learner's consumer group
 
-Writes are staged into one MULTI/EXEC pipeline per broker loop turn (group
-commit) and replies are sent only after it succeeds, so an acknowledged
-feedback is always in Redis, and a crash leaves Redis at a turn boundary.
-A segment is closed by a Lua script that moves the list into one stream entry
-and bumps the sequence number atomically, so a segment is never both open and
+Writes are staged into one Batch per broker loop turn (group commit), applied
+by one atomic Lua script call, and replies are sent only after it succeeds: an
+acknowledged feedback is always in Redis, and a crash leaves Redis at a turn
+boundary. Closing a segment moves the list into one stream entry and bumps the
+sequence number in the same atomic call, so a segment is never both open and
 in the stream, nor in the stream twice.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgpack
 import redis
 
 from broker.sessions import PendingStep, SegmentClose, Session, now_ms
@@ -30,28 +31,100 @@ log = logging.getLogger(__name__)
 
 TOMBSTONE_TTL_S = 3600
 
-# Builds the msgpack array header for the list's n elements and concatenates the
-# already-encoded transitions after it: the stream entry's `transitions` field is
-# then one msgpack array, without the transitions ever leaving Redis.
-CLOSE_SEGMENT_LUA = """
-local items = redis.call('LRANGE', KEYS[1], 0, -1)
-local n = #items
-local head
-if n < 16 then
-  head = string.char(144 + n)
-elseif n < 65536 then
-  head = string.char(220, math.floor(n / 256), n % 256)
-else
-  head = string.char(221, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256, math.floor(n / 256) % 256, n % 256)
+# One script call per broker turn applies the whole turn's writes: atomic like
+# MULTI/EXEC, but one command to pack and one reply to parse, which costs the
+# broker about a sixth of the CPU of a redis-py pipeline (docs/benchmarks.md).
+# ARGV[1] is a msgpack array of ops; an op is a Redis command as an array, or
+# CLOSE, which moves an open segment into one stream entry: it prefixes the
+# list's already-encoded transitions with a msgpack array header, so the
+# entry's `transitions` field is one msgpack array and the transitions never
+# leave Redis. Not for Redis Cluster (the keys are not declared).
+APPLY_LUA = """
+local function close_segment(seg, stream, task, seg_id, task_id, seq, reason, done, truncated, next_obs, closed_ms, next_seq)
+  local items = redis.call('LRANGE', seg, 0, -1)
+  local n = #items
+  local head
+  if n < 16 then
+    head = string.char(144 + n)
+  elseif n < 65536 then
+    head = string.char(220, math.floor(n / 256), n % 256)
+  else
+    head = string.char(221, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256, math.floor(n / 256) % 256, n % 256)
+  end
+  redis.call('XADD', stream, '*',
+    'seg_id', seg_id, 'task_id', task_id, 'seq', seq, 'reason', reason, 'done', done, 'truncated', truncated,
+    'n', n, 'next_obs', next_obs, 'transitions', head .. table.concat(items), 'closed_ms', closed_ms)
+  redis.call('DEL', seg)
+  redis.call('HSET', task, 'seq', next_seq)
 end
-local id = redis.call('XADD', KEYS[2], '*',
-  'seg_id', ARGV[1], 'task_id', ARGV[2], 'seq', ARGV[3], 'reason', ARGV[4],
-  'done', ARGV[5], 'truncated', ARGV[6], 'n', n, 'next_obs', ARGV[7],
-  'transitions', head .. table.concat(items), 'closed_ms', ARGV[8])
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[3], 'seq', ARGV[9])
-return id
+
+local ops = cmsgpack.unpack(ARGV[1])
+for i = 1, #ops do
+  local op = ops[i]
+  if op[1] == 'CLOSE' then
+    close_segment(unpack(op, 2))
+  else
+    redis.call(unpack(op))
+  end
+end
+return #ops
 """
+
+
+class Batch:
+    """The writes of one broker turn, applied by one atomic script call."""
+
+    def __init__(self) -> None:
+        self.ops: list[list[Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def add(self, *op: Any) -> None:
+        self.ops.append(list(op))
+
+    def pack(self) -> bytes:
+        # Redis's Lua msgpack decoder predates the bin type: send bytes as raw strings.
+        return msgpack.packb(self.ops, use_bin_type=False)
+
+
+class Committer:
+    """Applies one Batch at a time on a dedicated connection, without waiting for it.
+
+    The broker sends a turn's batch and goes on serving while Redis applies it;
+    `poll()` tells when Redis answered. Only one batch is in flight, so a
+    failed batch never has a successor applied on top of it.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.conn: Any = None
+        self.sent_at = 0.0
+
+    def fileno(self) -> int:
+        """The connection's socket, for the broker's poller (connects if needed)."""
+        if self.conn is None:
+            self.conn = self.client.connection_pool.make_connection()
+            self.conn.connect()
+        return self.conn._sock.fileno()
+
+    def send(self, batch: Batch, now: float) -> None:
+        self.fileno()
+        self.conn.send_command("EVAL", APPLY_LUA, 0, batch.pack())
+        self.sent_at = now
+
+    def poll(self) -> bool:
+        """True once Redis has applied the batch; raises redis.RedisError if it failed."""
+        if not self.conn.can_read(timeout=0):
+            return False
+        self.conn.read_response()  # raises on an error reply
+        return True
+
+    def reset(self) -> None:
+        """Drop the connection (its answer, if any, is lost); the next send reconnects."""
+        if self.conn is not None:
+            self.conn.disconnect()
+            self.conn = None
 
 
 class SessionStore:
@@ -63,7 +136,6 @@ class SessionStore:
         self.stream = f"{prefix}:{stream_key}"
         self.group = group
         self.tasks_key = f"{prefix}:tasks"
-        self._close_script = client.register_script(CLOSE_SEGMENT_LUA)
 
     def task_key(self, task_id: str) -> str:
         return f"{self.prefix}:task:{task_id}"
@@ -110,40 +182,37 @@ class SessionStore:
             sessions[task_id] = s
         return sessions
 
-    # --- staged writes (all into one transaction per loop turn) --------------------------
-    def pipeline(self) -> redis.client.Pipeline:
-        return self.client.pipeline(transaction=True)
+    # --- staged writes (all into one Batch per loop turn) --------------------------------
+    def apply(self, batch: Batch) -> None:
+        """Apply a batch and wait for it (start-up and tests; the broker loop uses a Committer)."""
+        if batch.ops:
+            self.client.eval(APPLY_LUA, 0, batch.pack())
 
-    def stage_create(self, pipe: Any, s: Session) -> None:
-        pipe.sadd(self.tasks_key, s.task_id)
-        pipe.hset(
-            self.task_key(s.task_id),
-            mapping={"created_ms": s.created_ms, "seq": s.seq, "pending": b"", "attach_rid": encode(s.attach_rid)},
-        )
+    def stage_create(self, batch: Batch, s: Session) -> None:
+        batch.add("SADD", self.tasks_key, s.task_id)
+        batch.add("HSET", self.task_key(s.task_id), "created_ms", str(s.created_ms), "seq", str(s.seq), "pending", b"",
+                  "attach_rid", encode(s.attach_rid))  # fmt: skip
 
-    def stage_pending(self, pipe: Any, s: Session) -> None:
+    def stage_pending(self, batch: Batch, s: Session) -> None:
         pending = encode(s.pending.to_wire()) if s.pending is not None else b""
-        pipe.hset(self.task_key(s.task_id), "pending", pending)
+        batch.add("HSET", self.task_key(s.task_id), "pending", pending)
 
-    def stage_transition(self, pipe: Any, s: Session, transition: dict[str, Any]) -> None:
-        pipe.rpush(self.seg_key(s.task_id), encode(transition))
-        pipe.hset(self.task_key(s.task_id), mapping={"pending": b"", "last_rid": encode(s.last_rid), "last_reply": s.last_reply})
+    def stage_transition(self, batch: Batch, s: Session, transition: dict[str, Any]) -> None:
+        batch.add("RPUSH", self.seg_key(s.task_id), encode(transition))
+        batch.add("HSET", self.task_key(s.task_id), "pending", b"", "last_rid", encode(s.last_rid), "last_reply", s.last_reply)
 
-    def stage_close(self, pipe: Any, s: Session, close: SegmentClose) -> None:
-        self._close_script(
-            keys=[self.seg_key(s.task_id), self.stream, self.task_key(s.task_id)],
-            args=[
-                close.seg_id, close.task_id, close.seq, close.reason, int(close.done), int(close.truncated),
-                encode(close.next_obs), now_ms(), close.seq + 1,
-            ],  # fmt: skip
-            client=pipe,
-        )
+    def stage_close(self, batch: Batch, s: Session, close: SegmentClose) -> None:
+        batch.add(
+            "CLOSE", self.seg_key(s.task_id), self.stream, self.task_key(s.task_id), close.seg_id, close.task_id,
+            str(close.seq), close.reason, "1" if close.done else "0", "1" if close.truncated else "0",
+            encode(close.next_obs), str(now_ms()), str(close.seq + 1),
+        )  # fmt: skip
 
-    def stage_delete(self, pipe: Any, s: Session, detach_reply: bytes | None) -> None:
-        pipe.delete(self.task_key(s.task_id), self.seg_key(s.task_id))
-        pipe.srem(self.tasks_key, s.task_id)
+    def stage_delete(self, batch: Batch, s: Session, detach_reply: bytes | None) -> None:
+        batch.add("DEL", self.task_key(s.task_id), self.seg_key(s.task_id))
+        batch.add("SREM", self.tasks_key, s.task_id)
         if detach_reply is not None:
-            pipe.set(self.tombstone_key(s.task_id), detach_reply, ex=TOMBSTONE_TTL_S)
+            batch.add("SET", self.tombstone_key(s.task_id), detach_reply, "EX", str(TOMBSTONE_TTL_S))
 
     # --- reads -----------------------------------------------------------------------------
     def detach_tombstone(self, task_id: str) -> bytes | None:
@@ -169,6 +238,4 @@ def decode_segment(fields: dict[bytes, bytes]) -> dict[str, Any]:
 
 
 def _decode(data: bytes) -> Any:
-    import msgpack
-
     return msgpack.unpackb(data, raw=False)

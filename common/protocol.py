@@ -34,8 +34,8 @@ STEP_OPS = frozenset({OP_STEP, OP_RAG_STEP})
 # --- Actor operations (back end) --------------------------------------------------------
 OP_READY = "ready"  # actor -> broker: I am here and can hold `credits` jobs
 OP_HEARTBEAT = "heartbeat"  # both ways, when nothing else was sent for a heartbeat interval
-OP_SCORE = "score"  # broker -> actor: score this observation
-OP_RESULT = "result"  # actor -> broker: the chosen action (or an error) for a job
+OP_SCORE = "score"  # broker -> actor: score these jobs (one observation each)
+OP_RESULT = "result"  # actor -> broker: the chosen action (or an error) of each of some jobs
 OP_DISCONNECT = "disconnect"  # both ways: forget me / you are forgotten, announce again
 ACTOR_OPS = frozenset({OP_READY, OP_HEARTBEAT, OP_RESULT, OP_DISCONNECT})
 

@@ -1,0 +1,312 @@
+"""`ppoz bench broker`: step+feedback pairs per second through a real broker.
+
+Processes, as in a farm: a Redis server (embedded unless --redis-url), the
+broker, M actor processes that answer at once (uniform policy, real BrokerLink),
+and one load process driving N client tasks over a few DEALER sockets. Every
+step and feedback is durable in Redis before it is answered, as in production.
+
+Two phases in one run:
+1. throughput: every task keeps one request in flight (closed loop) for
+   --seconds; gives pairs/s.
+2. latency: pairs started at a fixed --rate (open loop); gives p50/p99/max
+   of each request's round trip seen by the client. The actor answers at once,
+   so this round trip is what the broker adds plus two loopback hops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import threading
+import time
+from typing import Any
+
+from common.stats import percentiles
+from common.zmqio import recv_frames, send_frames
+
+log = logging.getLogger(__name__)
+
+OBS = {
+    "prompt": "You are testing the app. Visited pages: MainActivity, Settings. History: ..." * 4,
+    "question": "Which action should I choose next? I shall choose No. ",
+    "action": [f"{i}: TouchEvent(state=3f2a9c0e, view=MainActivity/TextView-{i})" for i in range(5)],
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clients", type=int, default=64, help="client tasks driven at once (default: 64)")
+    parser.add_argument("--sockets", type=int, default=8, help="DEALER sockets the tasks are spread over (default: 8)")
+    parser.add_argument("--actors", type=int, default=2, help="actor processes answering at once (default: 2)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase (default: 10)")
+    parser.add_argument("--rate", type=float, default=500.0, help="pairs/s in the latency phase (default: 500)")
+    parser.add_argument("--segment-len", type=int, default=32, help="broker segment length (default: 32)")
+    parser.add_argument("--redis-url", default="", help="Redis to use (default: an embedded redis-server)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _broker_process(redis_url: str, segment_len: int, endpoints: Any, stop: Any) -> None:
+    from broker.config import BrokerConfig
+    from broker.server import Broker
+    from common.redis_server import connect
+
+    cfg = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_url,
+                       segment_len=segment_len, key_prefix="bench")  # fmt: skip
+    broker = Broker(cfg, connect(redis_url))
+    broker.start()
+    endpoints.put((broker.frontend_endpoint, broker.backend_endpoint))
+    broker.run(until=stop.is_set)
+
+
+def _actor_process(endpoint: str, stop: Any) -> None:
+    from actor_node.link import BrokerLink
+    from actor_node.policies import UniformPolicy
+    from actor_node.worker import serve
+
+    link = BrokerLink(endpoint, credits=64).start()
+    done = threading.Event()
+    threading.Thread(target=lambda: (stop.wait(), done.set()), daemon=True).start()
+    serve(link, UniformPolicy(0), done, max_batch=64)
+    link.close()
+
+
+class LoadGenerator:
+    """N client tasks over a few DEALER sockets; each task alternates step and feedback."""
+
+    def __init__(self, endpoint: str, n_tasks: int, n_sockets: int) -> None:
+        import zmq
+
+        from common import protocol as p
+
+        self.p = p
+        self.zmq = zmq
+        self.ctx = zmq.Context()
+        self.socks = []
+        for _ in range(n_sockets):
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(endpoint)
+            self.socks.append(s)
+        self.poller = zmq.Poller()
+        for s in self.socks:
+            self.poller.register(s, zmq.POLLIN)
+        self.tasks = [f"bench-{i}" for i in range(n_tasks)]
+        self.sock_of = {t: self.socks[i % n_sockets] for i, t in enumerate(self.tasks)}
+        self.seq = 0
+        self.inflight: dict[str, tuple[str, str, float]] = {}  # rid -> (task, op, sent)
+        self.errors = 0
+        for t in self.tasks:  # attach every task, in bulk
+            self.send(t, p.OP_ATTACH)
+        self.collect(lambda *a: None, until=lambda: not self.inflight, timeout=30)
+
+    def send(self, task: str, op: str) -> None:
+        p = self.p
+        self.seq += 1
+        rid = str(self.seq)
+        body = p.header(op, rid)
+        body["task_id"] = task
+        if op in p.STEP_OPS:
+            body["obs"] = OBS
+        elif op == p.OP_FEEDBACK:
+            body.update(reward=0.5, done=False)
+        self.inflight[rid] = (task, op, time.perf_counter())
+        send_frames(self.sock_of[task], (b"", p.encode(body)))
+
+    def collect(self, on_reply: Any, until: Any, timeout: float) -> None:
+        """Receive replies, calling on_reply(task, op, latency_s), until until() or timeout."""
+        end = time.perf_counter() + timeout
+        while not until() and time.perf_counter() < end:
+            for sock, _ in self.poller.poll(10):
+                while True:
+                    try:
+                        frames = recv_frames(sock)
+                    except self.zmq.Again:
+                        break
+                    reply = self.p.decode(frames[-1])
+                    task, op, sent = self.inflight.pop(reply["rid"])
+                    if "error" in reply:
+                        self.errors += 1
+                        log.warning("error reply: %s", reply["error"])
+                    on_reply(task, op, time.perf_counter() - sent)
+
+    def throughput(self, seconds: float) -> dict[str, float]:
+        p = self.p
+        pairs = 0
+
+        def on_reply(task: str, op: str, latency: float) -> None:
+            nonlocal pairs
+            if op == p.OP_STEP:
+                self.send(task, p.OP_FEEDBACK)
+            else:
+                pairs += 1
+                if not stopping:
+                    self.send(task, p.OP_STEP)
+
+        stopping = False
+        for t in self.tasks:
+            self.send(t, p.OP_STEP)
+        start = time.perf_counter()
+        self.collect(on_reply, until=lambda: time.perf_counter() - start >= seconds, timeout=seconds)
+        elapsed = time.perf_counter() - start
+        counted = pairs
+        stopping = True
+        self.collect(on_reply, until=lambda: not self.inflight, timeout=30)
+        return {"pairs": counted, "seconds": elapsed, "pairs_per_s": counted / elapsed}
+
+    def latency(self, rate: float, seconds: float) -> dict[str, Any]:
+        p = self.p
+        idle = list(self.tasks)
+        latencies: dict[str, list[float]] = {p.OP_STEP: [], p.OP_FEEDBACK: []}
+
+        def on_reply(task: str, op: str, latency: float) -> None:
+            latencies[op].append(latency * 1000)
+            if op == p.OP_STEP:
+                self.send(task, p.OP_FEEDBACK)
+            else:
+                idle.append(task)
+
+        start = time.perf_counter()
+        started = 0
+        late = 0
+        while (now := time.perf_counter()) - start < seconds:
+            due = int((now - start) * rate)
+            while started < due:
+                if not idle:
+                    late += 1  # every task busy: the offered rate is above what the system serves
+                    break
+                self.send(idle.pop(0), p.OP_STEP)
+                started += 1
+            next_due = start + (started + 1) / rate
+            self.collect(on_reply, until=lambda: time.perf_counter() >= next_due, timeout=max(0.0, next_due - time.perf_counter()))
+        self.collect(on_reply, until=lambda: not self.inflight, timeout=30)
+        both = latencies[p.OP_STEP] + latencies[p.OP_FEEDBACK]
+        return {
+            "pairs": started,
+            "pairs_per_s": started / seconds,
+            "late_starts": late,
+            "step": percentiles(latencies[p.OP_STEP]),
+            "feedback": percentiles(latencies[p.OP_FEEDBACK]),
+            "all": percentiles(both),
+        }
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(linger=0)
+        self.ctx.term()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from common.redis_server import connect, redis_url_or_embedded
+
+    url, embedded = redis_url_or_embedded(args.redis_url)
+    ctx = mp.get_context("spawn")  # nothing inherited: each process as it would run on its own
+    stop = ctx.Event()
+    endpoints = ctx.Queue()
+    procs = [ctx.Process(target=_broker_process, args=(url, args.segment_len, endpoints, stop), daemon=True)]
+    try:
+        if args.redis_url:  # start from a clean slate on a shared server
+            client = connect(url)
+            for key in client.scan_iter("bench:*"):
+                client.delete(key)
+        procs[0].start()
+        frontend, backend = endpoints.get(timeout=60)
+        for _ in range(args.actors):
+            procs.append(ctx.Process(target=_actor_process, args=(backend, stop), daemon=True))
+            procs[-1].start()
+        gen = LoadGenerator(frontend, args.clients, args.sockets)
+        _wait_for_actors(frontend, args.actors)
+        gen.throughput(1.0)  # warm-up
+        pids = {"broker": procs[0].pid, "redis": embedded.process.pid if embedded else None,
+                "actors": [proc.pid for proc in procs[1:]], "load": os.getpid()}  # fmt: skip
+        cpu_before = _cpu_seconds(pids)
+        tp = gen.throughput(args.seconds)
+        cpu_after = _cpu_seconds(pids)
+        tp["cpu_us_per_pair"] = {k: round((cpu_after[k] - cpu_before[k]) / max(tp["pairs"], 1) * 1e6, 1) for k in cpu_after}
+        lat = gen.latency(args.rate, args.seconds)
+        lat["broker_added"] = _broker_added_latency(frontend, args.seconds)
+        errors = gen.errors
+        gen.close()
+        stream = connect(url).xlen("bench:segments")
+    finally:
+        stop.set()
+        for proc in procs:
+            if proc.pid is None:
+                continue
+            proc.join(10)
+            if proc.is_alive():
+                proc.terminate()
+        if embedded is not None:
+            embedded.stop()
+    return {
+        "bench": "broker",
+        "pairs_per_s": round(tp["pairs_per_s"], 1),
+        "p99_added_ms_at_500": lat["broker_added"].get("p99_ms") if args.rate == 500 else None,
+        "throughput": tp,
+        "latency": {"rate": args.rate, **lat},
+        "errors": errors,
+        "segments_in_stream": stream,
+        "clients": args.clients,
+        "actors": args.actors,
+        "segment_len": args.segment_len,
+        "machine": f"{platform.node()} {platform.machine()} {mp.cpu_count()} cores, Python {platform.python_version()}",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def _cpu_seconds(pids: dict[str, Any]) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each component's processes, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        total = 0.0
+        for one in pid if isinstance(pid, list) else [pid]:
+            if one is None:
+                continue
+            try:
+                with open(f"/proc/{one}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick
+            except OSError:
+                pass
+        out[name] = total
+    return out
+
+
+def _broker_added_latency(frontend: str, window_s: float) -> dict[str, float]:
+    """The broker's own account of the time step and feedback replies spent inside it."""
+    from client import Client
+
+    with Client(frontend, deadline=5) as c:
+        return c.request("status", window_s=window_s)["added_latency"]
+
+
+def _wait_for_actors(frontend: str, n: int, timeout: float = 30.0) -> None:
+    from client import Client
+
+    with Client(frontend, deadline=5) as c:
+        end = time.monotonic() + timeout
+        while len(c.status()["actors"]) < n:
+            if time.monotonic() > end:
+                raise RuntimeError(f"only {len(c.status()['actors'])} of {n} actors registered within {timeout:.0f} s")
+            time.sleep(0.1)
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        lat = result["latency"]
+        print(f"broker bench: {result['clients']} clients, {result['actors']} instant actors, Redis durability on")
+        print(f"  throughput            {result['pairs_per_s']:>10.1f} step+feedback pairs/s")
+        print(f"  latency at {lat['rate']:.0f} pairs/s, ms (client round trips; broker_added: time inside the broker):")
+        for name in ("step", "feedback", "all", "broker_added"):
+            q = lat[name]
+            print(f"    {name:<9} p50 {q.get('p50_ms', 0):7.3f}  p99 {q.get('p99_ms', 0):7.3f}  max {q.get('max_ms', 0):7.3f}")
+        cpu = result["throughput"]["cpu_us_per_pair"]
+        print("  CPU per pair (us):    " + "  ".join(f"{k} {v}" for k, v in cpu.items()))
+        print(f"  errors {result['errors']}, segments in stream {result['segments_in_stream']}")
+    return 0 if result["errors"] == 0 else 1

@@ -1,0 +1,183 @@
+"""The `ppoz` command: one entry point, one subcommand per process or tool.
+
+Each process subcommand takes `--config FILE` (TOML, one table per component)
+and one flag per config field; a flag overrides the file, the file overrides
+the defaults. Logging is configured here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Any, Callable
+
+from common.config import ConfigError, add_flags, load
+
+log = logging.getLogger("ppoz")
+
+NOT_YET = {
+    "learner": "the PPO learner is not built yet (issue 4, 'Learner node'); segments wait in the Redis stream until it is",
+    "up": "`ppoz up` is not built yet (issue 5); start `ppoz broker` and `ppoz actor` yourself meanwhile",
+    "demo": "`ppoz demo` is not built yet (issue 5)",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"ppoz {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from actor_node.config import ActorConfig
+    from broker.config import BrokerConfig
+
+    parser = argparse.ArgumentParser(
+        prog="ppoz",
+        description="PPOZ: an LLM policy served to many environment clients over ZeroMQ and trained online with PPO.",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("broker", help="run the broker: client sessions, routing to actors, segments to Redis",
+                       description="Run the broker. Clients connect to --frontend, actors to --backend.")  # fmt: skip
+    _config_option(p)
+    add_flags(p, BrokerConfig)
+    p.set_defaults(func=cmd_broker)
+
+    p = sub.add_parser("actor", help="run an actor: score candidate actions and answer the broker",
+                       description="Run an actor process that connects to the broker's back end.")  # fmt: skip
+    _config_option(p)
+    add_flags(p, ActorConfig)
+    p.set_defaults(func=cmd_actor)
+
+    for name, text in (("learner", "run the PPO learner on the Redis stream"),
+                       ("up", "start and supervise a whole stack on this machine"),
+                       ("demo", "watch an LLM policy learn on this machine (no GPU needed)")):  # fmt: skip
+        p = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. {NOT_YET[name]}.")
+        _config_option(p)
+        p.set_defaults(func=_not_yet(name))
+
+    p = sub.add_parser("bench", help="run a benchmark (see docs/benchmarks.md)", description="Benchmarks; each prints a table, or one JSON object with --json.")
+    benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
+    b = benches.add_parser("broker", help="step+feedback pairs/s and latency through the broker",
+                           description="Step+feedback pairs per second through a real broker with Redis durability on, and client-seen latency at a fixed rate.")  # fmt: skip
+    from ppoz.bench import broker as broker_bench
+
+    broker_bench.add_arguments(b)
+    b.set_defaults(func=broker_bench.main)
+
+    p = sub.add_parser("status", help="show a running broker's sessions, actors and counters",
+                       description="Ask a running broker for its figures.")  # fmt: skip
+    p.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's client endpoint (default: tcp://127.0.0.1:5555)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default: 5)")
+    p.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    p.set_defaults(func=cmd_status)
+    return parser
+
+
+def _config_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file; flags given on the command line override it")
+
+
+def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(f"ppoz {name}: {NOT_YET[name]}.", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def _on_stop(stop: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT ask the process to finish its turn and exit."""
+
+    def handler(signum: int, frame: Any) -> None:
+        log.info("%s received, stopping", signal.Signals(signum).name)
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from broker.config import BrokerConfig
+    from broker.server import Broker
+    from common.redis_server import check_server, connect, redis_url_or_embedded
+
+    cfg = load(BrokerConfig, args.config, args)
+    url, embedded = redis_url_or_embedded(cfg.redis_url)
+    try:
+        client = connect(url)
+        check_server(client)
+        broker = Broker(cfg, client)
+        _on_stop(broker.stop)
+        broker.start()
+        broker.run()
+        log.info("broker stopped: %s", json.dumps(dict(broker.metrics), sort_keys=True))
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+def cmd_actor(args: argparse.Namespace) -> int:
+    from actor_node.config import ActorConfig
+    from actor_node.link import BrokerLink
+    from actor_node.policies import UniformPolicy
+    from actor_node.worker import serve
+
+    cfg = load(ActorConfig, args.config, args)
+    policy = UniformPolicy(cfg.seed)
+    link = BrokerLink(cfg.broker, cfg.name, cfg.credits, cfg.heartbeat_ms, cfg.heartbeat_liveness).start()
+    stop = threading.Event()
+    _on_stop(stop.set)
+    log.info("actor %s serving the %s policy for %s", link.name, cfg.policy, cfg.broker)
+    served = serve(link, policy, stop, cfg.max_batch)
+    link.close()
+    log.info("actor %s stopped after %d requests", link.name, served)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from client import Client, PPOZError
+
+    try:
+        with Client(args.broker, deadline=args.timeout, attempt_timeout=args.timeout) as c:
+            status = c.status()
+    except PPOZError as e:
+        print(f"ppoz status: no answer from {args.broker}: {e}", file=sys.stderr)
+        return 1
+    for key in ("proto", "v", "op", "rid", "status"):
+        status.pop(key, None)
+    if args.json:
+        print(json.dumps(status, sort_keys=True))
+        return 0
+    print(f"broker {args.broker}  up {status['uptime_s']:.0f} s")
+    print(f"  sessions {status['sessions']}  pending steps {status['pending_steps']}  queued {status['queued_jobs']}"
+          f"  stream backlog {status['stream_length']}")  # fmt: skip
+    print(f"  actors ({len(status['actors'])}):")
+    for a in status["actors"]:
+        print(f"    {a['name']:<24} load {a['inflight']}/{a['credits']}  policy v{a['policy_version']}  served {a['served']}")
+    print("  counters:")
+    for key, value in sorted(status["counters"].items()):
+        print(f"    {key:<36} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
