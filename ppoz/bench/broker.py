@@ -38,8 +38,8 @@ OBS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--clients", type=int, default=64, help="client tasks driven at once (default: 64)")
-    parser.add_argument("--sockets", type=int, default=8, help="DEALER sockets the tasks are spread over (default: 8)")
+    parser.add_argument("--clients", type=int, default=256, help="client tasks driven at once, each one emulator (default: 256)")
+    parser.add_argument("--sockets", type=int, default=16, help="DEALER sockets the tasks are spread over (default: 16)")
     parser.add_argument("--actors", type=int, default=2, help="actor processes answering at once (default: 2)")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase (default: 10)")
     parser.add_argument("--rate", type=float, default=500.0, help="pairs/s in the latency phase (default: 500)")

@@ -1,0 +1,347 @@
+"""The broker through real sockets and a real Redis: life cycle, retries, rules, actors, expiry."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from broker.store import decode_segment
+from client import BadRequest, FeedbackWithoutStep, InternalError, RequestTimeout, UnknownTask
+from common import protocol as p
+from tests.helpers import OBS, actors_ready, wait_for
+
+
+def segments(redis_client, prefix):
+    return [decode_segment(fields) for _, fields in redis_client.xrange(f"{prefix}:segments")]
+
+
+def obs(n: int) -> dict:
+    return {**OBS, "prompt": f"{OBS['prompt']} step {n}"}
+
+
+@pytest.fixture
+def stack(broker, start_actor, make_client):
+    """A broker with one uniform actor and one client; returns (broker, client)."""
+    start_actor(broker.backend)
+    client = make_client(broker.frontend)
+    wait_for(lambda: actors_ready(client, 1), what="the actor to register")
+    return broker, client
+
+
+def test_full_life_cycle_writes_segments_with_bootstrap_observations(start_broker, start_actor, make_client, redis_client, key_prefix):
+    broker = start_broker(segment_len=3)
+    start_actor(broker.backend)
+    client = make_client(broker.frontend)
+    wait_for(lambda: actors_ready(client, 1), what="the actor")
+    task = client.attach()
+    assert client.ask(task)["status"] == "ok"
+    replies = []
+    for n in range(7):
+        reply = client.step(task, obs(n))
+        assert reply["status"] == "ok" and 0 <= reply["action"] < 3
+        assert reply["policy_version"] == 0 and reply["probs"] == pytest.approx([1 / 3] * 3)
+        replies.append(reply)
+        assert client.feedback(task, reward=0.1 * n, done=False)["status"] == "ok"
+    assert client.detach(task)["segments_closed"] == 1
+    segs = segments(redis_client, key_prefix)
+    assert [s["seg_id"] for s in segs] == [f"{task}:0", f"{task}:1", f"{task}:2"]
+    assert [s["reason"] for s in segs] == ["length", "length", "detach"]
+    transitions = [t for s in segs for t in s["transitions"]]
+    assert [t["reward"] for t in transitions] == pytest.approx([0.1 * n for n in range(7)])
+    assert [t["action"] for t in transitions] == [r["action"] for r in replies]
+    assert [t["obs"]["prompt"] for t in transitions] == [obs(n)["prompt"] for n in range(7)]
+    # A segment closed by length bootstraps from the observation that followed it.
+    assert segs[0]["next_obs"]["prompt"] == obs(3)["prompt"]
+    assert segs[1]["next_obs"]["prompt"] == obs(6)["prompt"]
+    assert segs[2]["truncated"] and segs[2]["next_obs"] is None
+    assert not redis_client.exists(f"{key_prefix}:task:{task}", f"{key_prefix}:seg:{task}")
+
+
+def test_done_closes_the_segment_and_the_episode_goes_on(stack, redis_client, key_prefix):
+    broker, client = stack
+    task = client.attach()
+    client.step(task, obs(0))
+    assert client.feedback(task, 1.0, done=True)["segment_closed"] is True
+    client.step(task, obs(1))
+    client.feedback(task, 0.5)
+    segs = segments(redis_client, key_prefix)
+    assert len(segs) == 1 and segs[0]["done"] and segs[0]["reason"] == "done" and segs[0]["next_obs"] is None
+    assert redis_client.llen(f"{key_prefix}:seg:{task}") == 1  # the new episode's first transition
+
+
+def test_attach_with_own_task_id_resumes(stack):
+    broker, client = stack
+    assert client.request("attach", task_id="emu-1")["resumed"] is False
+    client.step("emu-1", obs(0))
+    reply = client.request("attach", task_id="emu-1")
+    assert reply["task_id"] == "emu-1" and reply["resumed"] is True
+
+
+def test_retried_requests_are_answered_once_and_applied_once(stack, redis_client, key_prefix):
+    broker, client = stack
+    first = client.request("attach", rid="attach-1")
+    assert client.request("attach", rid="attach-1")["task_id"] == first["task_id"]
+    task = first["task_id"]
+    step = client.step(task, obs(0), rid="step-1")
+    assert client.step(task, obs(0), rid="step-1") == step
+    fb = client.feedback(task, 0.5, rid="fb-1")
+    assert client.feedback(task, 0.5, rid="fb-1") == fb
+    assert redis_client.llen(f"{key_prefix}:seg:{task}") == 1
+    counters = client.status()["counters"]
+    assert counters["broker/steps"] == 1 and counters["broker/feedbacks"] == 1 and counters["broker/replayed"] == 2
+    detach = client.request("detach", rid="detach-1", task_id=task)
+    assert client.request("detach", rid="detach-1", task_id=task) == detach
+    with pytest.raises(UnknownTask):
+        client.request("detach", rid="detach-2", task_id=task)
+
+
+def test_a_lost_reply_is_recovered_by_resending_the_same_rid(stack, zmq_context, redis_client, key_prefix):
+    """A client whose socket died after sending gets the original answer on a new socket."""
+    broker, client = stack
+    task = client.attach()
+    lost = zmq_context.socket(zmq.DEALER)
+    lost.connect(broker.frontend)
+    body = p.header("step", "lost-1") | {"task_id": task, "obs": obs(0)}
+    lost.send_multipart([b"", p.encode(body)])
+    wait_for(lambda: client.status()["pending_steps"] == 1, what="the step to be recorded")
+    lost.close(linger=0)  # the reply goes nowhere
+    again = client.step(task, obs(0), rid="lost-1")
+    assert again["rid"] == "lost-1" and client.status()["counters"]["broker/steps"] == 1
+    client.feedback(task, 1.0)
+    assert redis_client.llen(f"{key_prefix}:seg:{task}") == 1
+
+
+def test_step_while_pending_closes_the_segment_and_counts_the_orphan(stack, redis_client, key_prefix):
+    broker, client = stack
+    task = client.attach()
+    client.step(task, obs(0))
+    client.feedback(task, 1.0)
+    client.step(task, obs(1))  # feedback for this one is lost
+    client.step(task, obs(2))
+    segs = segments(redis_client, key_prefix)
+    assert [(s["reason"], len(s["transitions"]), s["next_obs"]["prompt"]) for s in segs] == [("orphan_step", 1, obs(1)["prompt"])]
+    assert client.status()["counters"]["broker/orphan_steps"] == 1
+    client.feedback(task, 0.2)
+    assert msgpack.unpackb(redis_client.lindex(f"{key_prefix}:seg:{task}", 0))["obs"]["prompt"] == obs(2)["prompt"]
+
+
+def test_feedback_without_step_is_an_error_and_writes_nothing(stack, redis_client, key_prefix):
+    broker, client = stack
+    task = client.attach()
+    with pytest.raises(FeedbackWithoutStep):
+        client.feedback(task, 1.0)
+    client.step(task, obs(0))
+    client.feedback(task, 1.0)
+    with pytest.raises(FeedbackWithoutStep):
+        client.feedback(task, 1.0)
+    assert redis_client.llen(f"{key_prefix}:seg:{task}") == 1
+    assert client.status()["counters"]["broker/feedback_without_step"] == 2
+
+
+def test_older_clients_empty_next_obs_is_accepted(stack, redis_client, key_prefix):
+    broker, client = stack
+    task = client.attach()
+    client.step(task, obs(0))
+    assert client.request("feedback", task_id=task, reward=0.5, done=False, next_obs={})["status"] == "ok"
+
+
+def raw_request(ctx, endpoint, frames, timeout=5.0):
+    """Send raw frames on a fresh DEALER; return the decoded reply or None."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(frames)
+        if not sock.poll(timeout * 1000):
+            return None
+        return p.decode(sock.recv_multipart()[-1])
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(
+    "frames, code",
+    [
+        ([b"", b"\x93\x01\x02"], p.E_BAD_REQUEST),  # an array, not a map
+        ([b"", b"\xff\xfe\x00"], p.E_BAD_REQUEST),  # random bytes
+        ([b"", p.encode({"proto": "ppoz", "v": 1, "op": "step", "rid": "r", "task_id": "t"})[:-3]], p.E_BAD_REQUEST),  # truncated
+        ([b"", p.encode({"proto": "ppoz", "v": 1, "op": "ask"})], p.E_BAD_REQUEST),  # no rid
+        ([b"", p.encode({"proto": "ppoz", "v": 1, "op": "teleport", "rid": "r"})], p.E_UNKNOWN_OP),
+        ([b"", p.encode({"proto": "ppoz", "v": 9, "op": "ask", "rid": "r"})], p.E_UNSUPPORTED_VERSION),
+        ([b"", p.encode({"proto": "ppoz", "v": 1, "op": "ask", "rid": "r", "task_id": "nobody"})], p.E_UNKNOWN_TASK),
+        ([p.encode({"proto": "ppoz", "v": 1, "op": "ask", "rid": "r", "task_id": "nobody"})], p.E_UNKNOWN_TASK),  # no delimiter
+    ],
+)
+def test_bad_requests_get_error_replies(broker, zmq_context, frames, code):
+    reply = raw_request(zmq_context, broker.frontend, frames)
+    assert reply is not None, "a well-framed request must get a reply"
+    assert reply["error"]["code"] == code
+    assert reply["proto"] == p.PROTOCOL_ID and reply["v"] == p.PROTOCOL_VERSION
+    if code == p.E_UNSUPPORTED_VERSION:
+        assert reply["supported"] == [p.PROTOCOL_VERSION] and reply["rid"] == "r"
+
+
+def test_request_errors_name_the_field(stack):
+    broker, client = stack
+    task = client.attach()
+    with pytest.raises(BadRequest, match="`obs.action` is empty"):
+        client.step(task, {"prompt": "p", "question": "q", "action": []})
+    with pytest.raises(BadRequest, match="`reward` must be a finite number, got str"):
+        client.request("feedback", task_id=task, reward="high", done=False)
+    with pytest.raises(BadRequest, match="`done` must be a bool, got int"):
+        client.request("feedback", task_id=task, reward=1.0, done=1)
+
+
+def test_limits_give_too_large(start_broker, make_client, zmq_context):
+    broker = start_broker(max_actions=4, max_prompt_chars=100, max_message_bytes=2048)
+    client = make_client(broker.frontend)
+    task = client.attach()
+    for bad, words in (({**OBS, "action": ["a"] * 5}, "5 candidates"), ({**OBS, "prompt": "p" * 200}, "the limit is 100")):
+        reply = raw_request(zmq_context, broker.frontend, [b"", p.encode(p.header("step", "r") | {"task_id": task, "obs": bad})])
+        assert reply["error"]["code"] == p.E_TOO_LARGE and words in reply["error"]["message"]
+    reply = raw_request(zmq_context, broker.frontend, [b"", p.encode(p.header("ask", "r") | {"task_id": task, "pad": "x" * 4000})])
+    assert reply["error"]["code"] == p.E_TOO_LARGE and "the limit is 2048" in reply["error"]["message"]
+
+
+def test_malformed_frames_are_dropped_and_counted_and_service_goes_on(stack, zmq_context):
+    broker, client = stack
+    assert raw_request(zmq_context, broker.frontend, [b"x", b"y", b"z"], timeout=0.5) is None
+    assert raw_request(zmq_context, broker.frontend, [b"", b"", b"", b""], timeout=0.5) is None
+    task = client.attach()
+    assert client.step(task, obs(0))["status"] == "ok"
+    assert client.status()["counters"]["dropped/malformed_frames"] == 2
+
+
+def test_ask_says_wait_without_actors_and_steps_time_out(start_broker, make_client):
+    broker = start_broker(request_timeout_ms=300)
+    client = make_client(broker.frontend, deadline=1.5)  # the client retries `timeout` until its own deadline
+    task = client.attach()
+    reply = client.ask(task)
+    assert reply["status"] == "wait" and reply["reason"] == "no_actor" and reply["retry_after_ms"] > 0
+    started = time.monotonic()
+    with pytest.raises(RequestTimeout):
+        client.step(task, obs(0))
+    assert time.monotonic() - started < 5
+    assert client.status()["counters"]["errors/timeout"] >= 2  # each attempt got its `timeout` from the broker
+
+
+def test_overloaded_when_the_queue_is_full(start_broker, make_client, zmq_context):
+    broker = start_broker(max_queue=1, request_timeout_ms=2000)
+    client = make_client(broker.frontend)
+    a, b = client.attach(), client.attach()
+    first = zmq_context.socket(zmq.DEALER)
+    first.connect(broker.frontend)
+    first.send_multipart([b"", p.encode(p.header("step", "q1") | {"task_id": a, "obs": obs(0)})])
+    wait_for(lambda: client.status()["queued_jobs"] == 1, what="the first step to queue")
+    reply = raw_request(zmq_context, broker.frontend, [b"", p.encode(p.header("step", "q2") | {"task_id": b, "obs": obs(0)})])
+    assert reply["error"]["code"] == p.E_OVERLOADED and reply["retry_after_ms"] > 0
+    assert client.ask(b)["reason"] == "no_actor"
+    first.close(linger=0)
+
+
+def test_actor_errors_and_invalid_results_become_internal_errors(broker, start_actor, make_client):
+    class Broken:
+        policy_version = 0
+
+        def choose(self, o):
+            if o["prompt"].endswith("raise"):
+                raise RuntimeError("boom")
+            return 99, 0.0, [1.0]  # out of range and wrong length
+
+    start_actor(broker.backend, policy=Broken())
+    client = make_client(broker.frontend)
+    wait_for(lambda: actors_ready(client, 1), what="the actor")
+    task = client.attach()
+    with pytest.raises(InternalError, match="boom"):
+        client.request("step", task_id=task, obs={**OBS, "prompt": "raise"}, deadline=1.0)
+    with pytest.raises(InternalError, match="invalid result"):
+        client.request("step", task_id=task, obs=OBS, deadline=1.0)
+    assert client.status()["pending_steps"] == 0
+
+
+class SilentActor:
+    """A stand-in actor: announces itself, takes jobs, never answers; heartbeats only if told to."""
+
+    def __init__(self, ctx, endpoint, heartbeat: bool):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sock.send(p.encode(p.header(p.OP_READY) | {"name": "silent", "credits": 4, "policy_version": 0}))
+        self.jobs = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, args=(heartbeat,), daemon=True)
+        self.thread.start()
+
+    def run(self, heartbeat):
+        while not self.stop.is_set():
+            if self.sock.poll(50):
+                msg = p.decode(self.sock.recv())
+                self.jobs += len(msg.get("jobs", []))
+            if heartbeat:
+                self.sock.send(p.encode(p.header(p.OP_HEARTBEAT)))
+
+    def kill(self):
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(linger=0)
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["dead", "hung"])
+def test_requests_of_a_dead_or_hung_actor_go_to_another(start_broker, start_actor, make_client, zmq_context, hang):
+    broker = start_broker(heartbeat_ms=100, heartbeat_liveness=3, actor_job_timeout_ms=600, request_timeout_ms=8000)
+    client = make_client(broker.frontend)
+    silent = SilentActor(zmq_context, broker.backend, heartbeat=hang)
+    wait_for(lambda: actors_ready(client, 1), what="the silent actor")
+    tasks = [client.attach() for _ in range(3)]
+    results: dict[str, dict] = {}
+    threads = []
+    for task in tasks:
+        c = make_client(broker.frontend, deadline=10.0, attempt_timeout=10.0)
+        threads.append(threading.Thread(target=lambda c=c, t=task: results.__setitem__(t, c.step(t, obs(0)))))
+        threads[-1].start()
+    wait_for(lambda: silent.jobs == 3, what="the silent actor to take all three jobs")
+    if not hang:
+        silent.kill()  # dies holding three requests
+    start_actor(broker.backend, name="healthy")
+    for t in threads:
+        t.join(15)
+    assert sorted(results) == sorted(tasks) and all(r["status"] == "ok" for r in results.values())
+    counters = client.status()["counters"]
+    assert counters["jobs/requeued"] == 3
+    assert counters["actors/hung" if hang else "actors/dead"] == 1
+    assert client.status()["pending_steps"] == 3
+    if hang:
+        silent.kill()
+
+
+def test_silent_sessions_expire_into_truncated_segments(start_broker, start_actor, make_client, redis_client, key_prefix):
+    broker = start_broker(session_ttl_s=0.5)
+    start_actor(broker.backend)
+    client = make_client(broker.frontend)
+    wait_for(lambda: actors_ready(client, 1), what="the actor")
+    task = client.attach()
+    client.step(task, obs(0))
+    client.feedback(task, 1.0)
+    client.step(task, obs(1))  # the emulator dies here, without detach
+    segs = wait_for(lambda: segments(redis_client, key_prefix), timeout=10, what="the expired session's segment")
+    assert [(s["reason"], s["truncated"], len(s["transitions"]), s["next_obs"]["prompt"]) for s in segs] == [
+        ("expired", True, 1, obs(1)["prompt"])
+    ]
+    with pytest.raises(UnknownTask):
+        client.ask(task)
+    assert client.status()["counters"]["sessions/expired"] == 1
+
+
+def test_status_reports_actors_sessions_and_added_latency(stack):
+    broker, client = stack
+    task = client.attach()
+    client.step(task, obs(0))
+    client.feedback(task, 1.0)
+    status = client.status()
+    assert status["sessions"] == 1 and status["pending_steps"] == 0 and status["storage_ok"] is True
+    assert status["actors"][0]["served"] == 1 and status["actors"][0]["credits"] == 8
+    assert status["added_latency"]["n"] == 2 and status["added_latency"]["p99_ms"] >= 0

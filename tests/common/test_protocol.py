@@ -1,0 +1,98 @@
+"""The protocol module: encoding, header checks and request validation."""
+
+import math
+
+import msgpack
+import pytest
+
+from common import protocol as p
+
+
+def test_encode_decode_round_trip_keeps_str_and_bin_apart():
+    body = {"proto": "ppoz", "v": 1, "op": "step", "rid": b"\x00\x01", "obs": {"prompt": "é", "action": ["a"]}}
+    assert p.decode(p.encode(body)) == body
+    assert isinstance(p.decode(p.encode(body))["rid"], bytes)
+
+
+@pytest.mark.parametrize("frame", [b"", b"\xc1", b"\x92\x01", p.encode({"a": 1})[:-1], b"\x81\xa1a\xc5\xff\xff"])
+def test_decode_refuses_truncated_or_invalid_bytes(frame):
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode(frame)
+    assert e.value.code == p.E_BAD_REQUEST
+
+
+def test_decode_refuses_non_map_and_invalid_utf8():
+    with pytest.raises(p.ProtocolError, match="must be a msgpack map"):
+        p.decode(msgpack.packb([1, 2]))
+    with pytest.raises(p.ProtocolError, match="not valid msgpack"):
+        p.decode(b"\x81\xa1a\xa2\xff\xfe")  # {"a": <invalid utf-8 str>}
+
+
+def test_decode_refuses_deep_nesting():
+    deep = b"\x91" * 100_000 + b"\xc0"
+    with pytest.raises(p.ProtocolError):
+        p.decode(b"\x81\xa1a" + deep)
+
+
+@pytest.mark.parametrize(
+    "body, code, words",
+    [
+        ({"proto": "ppoz", "v": 2, "op": "ask", "rid": "r"}, p.E_UNSUPPORTED_VERSION, "v=2"),
+        ({"proto": "PPO", "v": 1, "op": "ask", "rid": "r"}, p.E_UNSUPPORTED_VERSION, "proto='PPO'"),
+        ({"proto": "ppoz", "v": True, "op": "ask", "rid": "r"}, p.E_UNSUPPORTED_VERSION, "v=True"),
+        ({"proto": "ppoz", "v": 1, "op": "ask"}, p.E_BAD_REQUEST, "`rid`"),
+        ({"proto": "ppoz", "v": 1, "op": "ask", "rid": "x" * 65}, p.E_BAD_REQUEST, "longer than 64"),
+        ({"proto": "ppoz", "v": 1, "op": 3, "rid": "r"}, p.E_BAD_REQUEST, "`op` must be a str"),
+    ],
+)
+def test_check_header_names_the_problem(body, code, words):
+    with pytest.raises(p.ProtocolError) as e:
+        p.check_header(body)
+    assert e.value.code == code
+    assert words in e.value.message
+
+
+def test_check_obs_accepts_the_kea_shape_and_drops_unknown_keys():
+    obs = p.check_obs({"obs": {"prompt": "p", "question": "q", "action": ["a", "b"], "extra": 1}}, p.Limits())
+    assert obs == {"prompt": "p", "question": "q", "action": ["a", "b"]}
+    assert p.check_obs({"obs": {"prompt": "p", "action": ["a"]}}, p.Limits())["question"] == ""
+
+
+@pytest.mark.parametrize(
+    "obs, code, words",
+    [
+        ({"prompt": "p", "action": []}, p.E_BAD_REQUEST, "is empty"),
+        ({"prompt": "p"}, p.E_BAD_REQUEST, "`action` is missing"),
+        ({"prompt": 5, "action": ["a"]}, p.E_BAD_REQUEST, "`prompt` must be a str"),
+        ({"prompt": "p", "action": ["a", 7]}, p.E_BAD_REQUEST, "`obs.action[1]` must be a str, got int"),
+        ({"prompt": "p", "action": ["a"] * 5}, p.E_TOO_LARGE, "5 candidates, the limit is 4"),
+        ({"prompt": "p" * 100, "action": ["a"]}, p.E_TOO_LARGE, "the limit is 50"),
+        ({"prompt": "p", "action": ["a" * 11]}, p.E_TOO_LARGE, "11 characters, the limit is 10"),
+    ],
+)
+def test_check_obs_errors_name_the_field(obs, code, words):
+    limits = p.Limits(max_actions=4, max_action_chars=10, max_prompt_chars=50)
+    with pytest.raises(p.ProtocolError) as e:
+        p.check_obs({"obs": obs}, limits)
+    assert e.value.code == code
+    assert words in e.value.message
+
+
+def test_check_reward_refuses_bool_nan_and_strings():
+    assert p.check_reward({"reward": 1}) == 1.0
+    for bad in (True, math.nan, math.inf, "1"):
+        with pytest.raises(p.ProtocolError, match="reward"):
+            p.check_reward({"reward": bad})
+
+
+def test_task_id_pattern():
+    assert p.check_task_id({"task_id": "emu-3:5554"}) == "emu-3:5554"
+    for bad in ("", "a b", "x" * 129, "é"):
+        with pytest.raises(p.ProtocolError, match="task_id"):
+            p.check_task_id({"task_id": bad})
+
+
+def test_every_error_code_is_documented():
+    doc = open("docs/protocol.md", encoding="utf-8").read()
+    for code in p.ERROR_CODES:
+        assert f"`{code}`" in doc, code

@@ -1,0 +1,161 @@
+"""Shared fixtures: a real Redis server, a broker on random loopback ports, actors, clients.
+
+Redis: `--redis-url` (or the REDIS_URL environment variable) points the suite at
+an external server; otherwise one embedded redis-server is started for the
+session. Each test gets its own key prefix, so tests never see each other's data.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import pytest
+import redis as redis_py
+import zmq
+
+from actor_node.link import BrokerLink
+from actor_node.policies import UniformPolicy
+from actor_node.worker import serve
+from broker.config import BrokerConfig
+from broker.server import Broker
+from client import Client
+from common.redis_server import EmbeddedRedis, connect
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--redis-url", default=os.environ.get("REDIS_URL", ""),
+                     help="Redis server for the tests (default: REDIS_URL, else an embedded redis-server)")  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    url = request.config.getoption("--redis-url")
+    if url:
+        connect(url).ping()  # fail early and clearly if it is not there
+        yield url
+        return
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis_py.Redis]:
+    client = connect(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def key_prefix(redis_client: redis_py.Redis) -> Iterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards."""
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    for key in redis_client.scan_iter(f"{prefix}:*"):
+        redis_client.delete(key)
+
+
+@pytest.fixture
+def zmq_context() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@dataclass
+class RunningBroker:
+    broker: Broker
+    thread: threading.Thread
+    config: BrokerConfig
+
+    @property
+    def frontend(self) -> str:
+        return self.broker.frontend_endpoint
+
+    @property
+    def backend(self) -> str:
+        return self.broker.backend_endpoint
+
+    def stop(self) -> None:
+        self.broker.stop()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def start_broker(redis_url: str, key_prefix: str, zmq_context: zmq.Context) -> Iterator[Callable[..., RunningBroker]]:
+    """Start a broker thread on random loopback ports; stopped at teardown."""
+    started: list[RunningBroker] = []
+
+    def start(**overrides: Any) -> RunningBroker:
+        settings = dict(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_url,
+                        key_prefix=key_prefix, heartbeat_ms=100)  # fmt: skip
+        settings.update(overrides)
+        cfg = BrokerConfig(**settings)
+        broker = Broker(cfg, connect(redis_url), zmq_context)
+        broker.start()
+        thread = threading.Thread(target=broker.run, name="broker", daemon=True)
+        thread.start()
+        running = RunningBroker(broker, thread, cfg)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop()
+
+
+@pytest.fixture
+def broker(start_broker: Callable[..., RunningBroker]) -> RunningBroker:
+    return start_broker()
+
+
+@dataclass
+class RunningActor:
+    link: BrokerLink
+    stop_event: threading.Event
+    thread: threading.Thread
+    served: list[int] = field(default_factory=list)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(10)
+        self.link.close()
+
+
+@pytest.fixture
+def start_actor(zmq_context: zmq.Context) -> Iterator[Callable[..., RunningActor]]:
+    """Start a uniform-policy actor thread on a real BrokerLink; stopped at teardown."""
+    started: list[RunningActor] = []
+
+    def start(endpoint: str, credits: int = 8, name: str = "", policy: Any = None) -> RunningActor:
+        link = BrokerLink(endpoint, name=name, credits=credits, heartbeat_ms=100, context=zmq_context).start()
+        stop = threading.Event()
+        actor = RunningActor(link, stop, threading.Thread())
+        actor.thread = threading.Thread(target=lambda: actor.served.append(serve(link, policy or UniformPolicy(0), stop)),
+                                        daemon=True)  # fmt: skip
+        actor.thread.start()
+        started.append(actor)
+        return actor
+
+    yield start
+    for actor in started:
+        if not actor.stop_event.is_set():
+            actor.stop()
+
+
+@pytest.fixture
+def make_client(zmq_context: zmq.Context) -> Iterator[Callable[..., Client]]:
+    clients: list[Client] = []
+
+    def make(endpoint: str, deadline: float = 10.0, attempt_timeout: float = 5.0) -> Client:
+        client = Client(endpoint, deadline=deadline, attempt_timeout=attempt_timeout, context=zmq_context)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
