@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -33,18 +32,19 @@ class RedisUnavailable(RuntimeError):
     """No usable Redis server: none could be started or reached, or it is too old."""
 
 
-def connect(url: str, socket_timeout: float | None = 10.0, name: str = "ppoz") -> redis.Redis:
+def connect(url: str, socket_timeout: float | None = 10.0, name: str = "ppoz", retries: int = 5) -> redis.Redis:
     """A client for `url` (redis://, rediss:// or unix://).
 
     redis-py 8 applies a 5 s socket timeout by default, which breaks a blocking
     XREADGROUP of longer than that; callers that block pass a socket_timeout
-    comfortably above their block time (or None).
+    comfortably above their block time (or None). An event loop that must not
+    stall (the broker) passes few `retries`: it handles a failed call itself.
     """
     return redis.Redis.from_url(
         url,
         socket_timeout=socket_timeout,
         socket_connect_timeout=5.0,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         client_name=name,
         health_check_interval=30,
@@ -176,12 +176,3 @@ def redis_url_or_embedded(url: str | None) -> tuple[str, EmbeddedRedis | None]:
     server = EmbeddedRedis().start()
     return server.url, server
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

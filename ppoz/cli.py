@@ -122,7 +122,9 @@ def cmd_broker(args: argparse.Namespace) -> int:
     cfg = load(BrokerConfig, args.config, args)
     url, embedded = redis_url_or_embedded(cfg.redis_url)
     try:
-        client = connect(url)
+        # Few retries: a Redis call must not stall the broker's loop (and its heartbeats)
+        # for long; the broker handles a failed write itself (docs/protocol.md, section 5).
+        client = connect(url, socket_timeout=2.0, retries=1)
         check_server(client)
         broker = Broker(cfg, client)
         _on_stop(broker.stop)

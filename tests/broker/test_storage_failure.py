@@ -1,0 +1,51 @@
+"""Redis goes away under a running broker: no false acknowledgement, and service resumes when it is back."""
+
+import threading
+
+import pytest
+import zmq
+
+from broker.config import BrokerConfig
+from broker.server import Broker
+from common import protocol as p
+from common.redis_server import EmbeddedRedis, connect
+from tests.broker.test_broker import raw_request
+from tests.helpers import OBS, actors_ready, wait_for
+
+
+@pytest.mark.slow
+def test_broker_refuses_writes_while_redis_is_down_and_recovers(tmp_path, start_actor, make_client, zmq_context):
+    server = EmbeddedRedis(appendonly=True, data_dir=tmp_path).start()
+    cfg = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=server.url, heartbeat_ms=100,
+                       storage_timeout_ms=1000)  # fmt: skip
+    broker = Broker(cfg, connect(server.url, socket_timeout=1.0), zmq_context)
+    broker.start()
+    thread = threading.Thread(target=broker.run, daemon=True)
+    thread.start()
+    try:
+        start_actor(broker.backend_endpoint)
+        client = make_client(broker.frontend_endpoint)
+        wait_for(lambda: actors_ready(client, 1), what="the actor")
+        task = client.attach()
+        client.step(task, OBS)
+        client.feedback(task, 1.0)
+        client.step(task, OBS)
+
+        server.stop()
+        reply = raw_request(zmq_context, broker.frontend_endpoint,
+                            [b"", p.encode(p.header("feedback", "fb-down") | {"task_id": task, "reward": 2.0})])  # fmt: skip
+        assert reply["error"]["code"] in (p.E_INTERNAL, p.E_OVERLOADED)  # never "ok" while Redis is away
+        wait_for(lambda: not broker.storage_ok, what="the broker to notice Redis is gone")
+
+        server = EmbeddedRedis(appendonly=True, data_dir=tmp_path).start()  # same socket path, same data
+        wait_for(lambda: broker.storage_ok, timeout=20, what="the broker to reconnect")
+        # The retried feedback (same rid) is applied exactly once, on top of the data that survived.
+        assert client.feedback(task, 2.0, rid="fb-down")["status"] == "ok"
+        assert client.feedback(task, 2.0, rid="fb-down")["status"] == "ok"
+        stored = connect(server.url).lrange(f"ppoz:seg:{task}", 0, -1)
+        assert [p.decode(x)["reward"] for x in stored] == [1.0, 2.0]
+        assert broker.metrics["errors/storage"] >= 1
+    finally:
+        broker.stop()
+        thread.join(10)
+        server.stop()

@@ -1,0 +1,91 @@
+"""The `ppoz` command line, run as users run it (a real process)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.broker.test_restart import free_port
+from tests.helpers import wait_for
+
+PPOZ = [sys.executable, "-m", "ppoz.cli"]
+SUBCOMMANDS = [["broker"], ["actor"], ["learner"], ["up"], ["demo"], ["bench"], ["bench", "broker"], ["status"]]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*PPOZ, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_top_level_help_lists_every_subcommand():
+    result = run("--help")
+    assert result.returncode == 0
+    for name in ("broker", "actor", "learner", "up", "demo", "bench", "status"):
+        assert name in result.stdout
+
+
+@pytest.mark.parametrize("words", SUBCOMMANDS, ids=lambda w: " ".join(w))
+def test_every_subcommand_has_help(words):
+    result = run(*words, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: ppoz" in result.stdout and len(result.stdout) > 200
+
+
+def test_every_broker_option_has_help_text():
+    out = run("broker", "--help").stdout
+    for flag in ("--segment-len", "--session-ttl-s", "--request-timeout-ms", "--max-actions", "--redis-url", "--config"):
+        assert flag in out
+    assert "(default: 32)" in out
+
+
+def test_invalid_config_fails_at_start_naming_key_and_value(tmp_path):
+    path = tmp_path / "ppoz.toml"
+    path.write_text("[broker]\nsegment_len = -3\n")
+    result = run("broker", "--config", str(path))
+    assert result.returncode == 2
+    assert "`segment_len` must be positive, got -3" in result.stderr
+    result = run("actor", "--credits", "0")
+    assert result.returncode == 2 and "`credits` must be positive, got 0" in result.stderr
+
+
+def test_not_yet_built_commands_say_so_and_fail():
+    result = run("learner")
+    assert result.returncode == 2 and "not built yet" in result.stderr
+
+
+def test_broker_serves_status_and_stops_cleanly_on_sigterm(redis_url, key_prefix):
+    front, back = free_port(), free_port()
+    proc = subprocess.Popen([*PPOZ, "broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}",
+                             "--redis-url", redis_url, "--key-prefix", key_prefix], stderr=subprocess.PIPE, text=True)  # fmt: skip
+    actor = subprocess.Popen([*PPOZ, "actor", "--broker", f"tcp://127.0.0.1:{back}", "--name", "cli-actor"],
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        status = wait_for(lambda: _status(front), timeout=30, what="ppoz status to show the actor")
+        assert status["actors"][0]["name"] == "cli-actor" and status["sessions"] == 0
+        table = run("status", "--broker", f"tcp://127.0.0.1:{front}")
+        assert table.returncode == 0 and "cli-actor" in table.stdout and "sessions 0" in table.stdout
+        for p in (actor, proc):
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(20) == 0
+        assert "SIGTERM received" in proc.stderr.read()
+    finally:
+        for p in (actor, proc):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _status(front: int) -> dict | None:
+    result = run("status", "--broker", f"tcp://127.0.0.1:{front}", "--json", "--timeout", "2")
+    if result.returncode != 0:
+        return None
+    status = json.loads(result.stdout)
+    return status if status["actors"] else None
+
+
+def test_status_without_a_broker_fails_clearly():
+    result = run("status", "--broker", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.5")
+    assert result.returncode == 1 and "no answer from" in result.stderr
