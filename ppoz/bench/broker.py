@@ -230,6 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         errors = gen.errors
         gen.close()
         stream = connect(url).xlen("bench:segments")
+        commit = commit_costs(url)
     finally:
         stop.set()
         for proc in procs:
@@ -248,12 +249,57 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "latency": {"rate": args.rate, **lat},
         "errors": errors,
         "segments_in_stream": stream,
+        "commit_cpu_us_per_pair": commit,
         "clients": args.clients,
         "actors": args.actors,
         "segment_len": args.segment_len,
         "machine": f"{platform.node()} {platform.machine()} {mp.cpu_count()} cores, Python {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def commit_costs(url: str, pairs: int = 100, rounds: int = 30) -> dict[str, float]:
+    """Broker-side CPU per step+feedback pair of writing a turn's batch, both ways, on one Redis.
+
+    `pipeline`: the same commands through a redis-py MULTI/EXEC pipeline;
+    `lua_batch`: the broker's way (broker/store.py: one atomic script call per turn).
+    """
+    import msgpack
+
+    from broker.store import Batch, SessionStore
+    from common.redis_server import connect
+
+    client = connect(url)
+    store = SessionStore(client, "bench-commit", "segments", "learners")
+    transition = msgpack.packb({"obs": OBS, "action": 1, "logprob": -1.6, "probs": [0.2] * 5, "reward": 0.5})
+    reply = b"r" * 120
+
+    def pipeline_round() -> None:
+        pipe = client.pipeline(transaction=True)
+        for i in range(pairs):
+            pipe.hset(store.task_key(f"t{i}"), "pending", transition)
+            pipe.rpush(store.seg_key(f"t{i}"), transition)
+            pipe.hset(store.task_key(f"t{i}"), mapping={"pending": b"", "last_rid": b"rid", "last_reply": reply})
+        pipe.execute()
+
+    def lua_round() -> None:
+        batch = Batch()
+        for i in range(pairs):
+            batch.add("HSET", store.task_key(f"t{i}"), "pending", transition)
+            batch.add("RPUSH", store.seg_key(f"t{i}"), transition)
+            batch.add("HSET", store.task_key(f"t{i}"), "pending", b"", "last_rid", b"rid", "last_reply", reply)
+        store.apply(batch)
+
+    costs = {}
+    for name, one_round in (("pipeline", pipeline_round), ("lua_batch", lua_round)) * 2:  # second pass counts
+        start = time.process_time()
+        for _ in range(rounds):
+            one_round()
+        costs[name] = round((time.process_time() - start) / (rounds * pairs) * 1e6, 1)
+    for key in client.scan_iter("bench-commit:*"):
+        client.delete(key)
+    client.close()
+    return costs
 
 
 def _cpu_seconds(pids: dict[str, Any]) -> dict[str, float]:
@@ -308,5 +354,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"    {name:<9} p50 {q.get('p50_ms', 0):7.3f}  p99 {q.get('p99_ms', 0):7.3f}  max {q.get('max_ms', 0):7.3f}")
         cpu = result["throughput"]["cpu_us_per_pair"]
         print("  CPU per pair (us):    " + "  ".join(f"{k} {v}" for k, v in cpu.items()))
+        commit = result["commit_cpu_us_per_pair"]
+        print(f"  writing a turn, broker CPU per pair (us): redis-py MULTI/EXEC pipeline {commit['pipeline']}, "
+              f"one Lua call {commit['lua_batch']} ({commit['pipeline'] / commit['lua_batch']:.1f}x less)")
         print(f"  errors {result['errors']}, segments in stream {result['segments_in_stream']}")
     return 0 if result["errors"] == 0 else 1
