@@ -23,20 +23,22 @@ def obs(n: int) -> dict:
     return {**OBS, "prompt": f"{OBS['prompt']} step {n}"}
 
 
-@pytest.fixture
-def stack(broker, start_actor, make_client):
-    """A broker with one uniform actor and one client; returns (broker, client)."""
+def running(start_broker, start_actor, make_client, **config):
+    """A broker (with `config`) and one uniform actor, and a client that has seen the actor register."""
+    broker = start_broker(**config)
     start_actor(broker.backend)
     client = make_client(broker.frontend)
     wait_for(lambda: actors_ready(client, 1), what="the actor to register")
     return broker, client
 
 
+@pytest.fixture
+def stack(start_broker, start_actor, make_client):
+    return running(start_broker, start_actor, make_client)
+
+
 def test_full_life_cycle_writes_segments_with_bootstrap_observations(start_broker, start_actor, make_client, redis_client, key_prefix):
-    broker = start_broker(segment_len=3)
-    start_actor(broker.backend)
-    client = make_client(broker.frontend)
-    wait_for(lambda: actors_ready(client, 1), what="the actor")
+    broker, client = running(start_broker, start_actor, make_client, segment_len=3)
     task = client.attach()
     assert client.ask(task)["status"] == "ok"
     replies = []
@@ -319,10 +321,7 @@ def test_requests_of_a_dead_or_hung_actor_go_to_another(start_broker, start_acto
 
 
 def test_silent_sessions_expire_into_truncated_segments(start_broker, start_actor, make_client, redis_client, key_prefix):
-    broker = start_broker(session_ttl_s=0.5)
-    start_actor(broker.backend)
-    client = make_client(broker.frontend)
-    wait_for(lambda: actors_ready(client, 1), what="the actor")
+    broker, client = running(start_broker, start_actor, make_client, session_ttl_s=0.5)
     task = client.attach()
     client.step(task, obs(0))
     client.feedback(task, 1.0)
