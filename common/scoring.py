@@ -1,0 +1,307 @@
+"""Candidate-action scoring: the one function the actor samples from and the learner trains.
+
+score(a | s) = sum over the action's tokens of log p(token | prompt + question +
+the action's earlier tokens). The first action token is predicted from the last
+context position. Log-probabilities come from a log-softmax over the whole
+vocabulary, in float32.
+
+Three ways to compute the same numbers (`PATHS`):
+
+- `packed`: one forward per batch. Each observation is one row: its context,
+  then every candidate after it. A 4D attention mask lets each candidate see
+  the context and its own earlier tokens only; position ids restart after the
+  context for every candidate. The LM head runs only at the scored positions.
+  Memory grows with context + candidates, not context x candidates.
+- `kv_batch`: the context's KV once, then all candidates of the observation in
+  one batched pass over that cache (for models that take no 4D mask).
+- `per_candidate`: one full forward of context + candidate per candidate (the
+  reference; also the last resort).
+
+`select_path` checks the packed path against the reference on the loaded model
+and falls back automatically. Nothing here switches autograd on or off: the
+actor calls these under `torch.inference_mode()`, the learner with gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PATHS = ("packed", "kv_batch", "per_candidate")
+NORMALISATIONS = ("token", "word", "sum")
+
+
+class ScoringError(ValueError):
+    """An observation that cannot be scored (for example a candidate with no tokens)."""
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """An observation as token ids: the context (prompt + question) and each candidate."""
+
+    context: tuple[int, ...]
+    actions: tuple[tuple[int, ...], ...]
+    words: tuple[int, ...]  # word count of each candidate string, for `word` normalisation
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.context) + sum(len(a) for a in self.actions)
+
+
+def tokenize_observation(tokenizer: Any, prompt: str, question: str, actions: Sequence[str]) -> Tokenized:
+    """The single place where text becomes tokens, for actor and learner alike.
+
+    The context is `prompt + question` with the tokenizer's special tokens (BOS);
+    each candidate is tokenized on its own, without special tokens, and follows
+    the context directly. Tokenizing the candidate separately fixes the token
+    boundary at the end of the context whatever the candidate's first character.
+    """
+    if not actions:
+        raise ScoringError("an observation needs at least one candidate action")
+    context = tuple(tokenizer(prompt + question, add_special_tokens=True)["input_ids"])
+    if not context:
+        raise ScoringError("prompt + question tokenize to nothing and the tokenizer adds no BOS: nothing to condition on")
+    encoded = tokenizer(list(actions), add_special_tokens=False)["input_ids"]
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ScoringError(f"candidate {i} ({actions[i]!r}) has no tokens")
+    words = tuple(max(1, len(a.split())) for a in actions)
+    return Tokenized(context, tuple(tuple(ids) for ids in encoded), words)
+
+
+# --- from summed log-probabilities to a policy -----------------------------------------
+def normalise(sums: torch.Tensor, item: Tokenized, mode: str) -> torch.Tensor:
+    """Divide each candidate's summed log-probability by its token count, word count, or nothing."""
+    if mode == "sum":
+        return sums
+    if mode == "token":
+        counts = [len(a) for a in item.actions]
+    elif mode == "word":
+        counts = list(item.words)
+    else:
+        raise ValueError(f"normalisation must be one of {NORMALISATIONS}, got {mode!r}")
+    return sums / torch.tensor(counts, dtype=sums.dtype, device=sums.device)
+
+
+def policy_logprobs(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log pi(a | s) over the candidates: log-softmax of the normalised scores / temperature."""
+    return torch.log_softmax(scores / temperature, dim=-1)
+
+
+# --- model parts ------------------------------------------------------------------------
+def _parts(model: Any) -> tuple[Any, Any, float | None]:
+    """(decoder that returns the final-normed hidden states, LM head, logit soft-cap)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # unwrap peft
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else inner.base_model
+    head = inner.get_output_embeddings()
+    cap = getattr(inner.config, "final_logit_softcapping", None)
+    return decoder, head, cap
+
+
+def _token_logprobs(head: Any, cap: float | None, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) at each hidden state: LM head, optional soft-cap, float32 log-softmax."""
+    logits = head(hidden).float()
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _mask_value(model: Any) -> tuple[bool, torch.dtype]:
+    """Whether the attention implementation takes a boolean 4D mask (sdpa) or needs an additive one (eager)."""
+    impl = getattr(model.config, "_attn_implementation", "eager")
+    return impl == "sdpa", next(model.parameters()).dtype
+
+
+# --- the three paths ----------------------------------------------------------------------
+def score_packed(model: Any, items: Sequence[Tokenized], past: Sequence[Any] | None = None) -> list[torch.Tensor]:
+    """Summed log-probability of every candidate of every item, one forward for the whole batch.
+
+    `past`, if given, holds for each item either None or (kv, m): the cached KV
+    of its first m context tokens (a list of per-layer (key, value) tensors of
+    batch 1). Items with a cached prefix compute only the rest.
+    """
+    results: list[torch.Tensor | None] = [None] * len(items)
+    fresh = [i for i in range(len(items)) if not past or past[i] is None]
+    if fresh:
+        for i, r in zip(fresh, _packed_forward(model, [items[i] for i in fresh], None, 0)[0]):
+            results[i] = r
+    for i in range(len(items)):
+        if results[i] is None:
+            kv, m = past[i]
+            results[i] = _packed_forward(model, [items[i]], kv, m)[0][0]
+    return results  # type: ignore[return-value]
+
+
+def packed_with_context_kv(model: Any, item: Tokenized, kv: Any = None, m: int = 0) -> tuple[torch.Tensor, list]:
+    """Scores of one item and the KV of its whole context (for the prefix cache)."""
+    scores, cache = _packed_forward(model, [item], kv, m, keep_cache=True)
+    c = len(item.context)
+    return scores[0], [(layer.keys[:, :, :c].clone(), layer.values[:, :, :c].clone()) for layer in cache.layers]
+
+
+def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, keep_cache: bool = False):
+    from transformers import DynamicCache
+
+    decoder, head, cap = _parts(model)
+    use_bool, dtype = _mask_value(model)
+    device = next(model.parameters()).device
+    rows, positions, layouts = [], [], []
+    for item in items:
+        ctx = list(item.context[m:])
+        c = len(item.context)
+        ids, pos, spans = list(ctx), list(range(m, c)), []
+        for action in item.actions:
+            spans.append((len(ids), len(action)))
+            ids.extend(action)
+            pos.extend(range(c, c + len(action)))
+        rows.append(ids)
+        positions.append(pos)
+        layouts.append((len(ctx), spans))
+    batch, length = len(rows), max(len(r) for r in rows)
+    input_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+    position_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+    allowed = torch.zeros(batch, 1, length, m + length, dtype=torch.bool, device=device)
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    for b, (ids, pos, (n_ctx, spans)) in enumerate(zip(rows, positions, layouts)):
+        input_ids[b, : len(ids)] = torch.tensor(ids, device=device)
+        position_ids[b, : len(pos)] = torch.tensor(pos, device=device)
+        allowed[b, 0, :, :m] = True  # everything sees the cached prefix
+        allowed[b, 0, :n_ctx, m : m + n_ctx] = causal[:n_ctx, :n_ctx]
+        for start, size in spans:
+            allowed[b, 0, start : start + size, m : m + n_ctx] = True
+            allowed[b, 0, start : start + size, m + start : m + start + size] = causal[:size, :size]
+        for pad in range(len(ids), length):  # padding rows attend to themselves only, so softmax stays finite
+            allowed[b, 0, pad, :] = False
+            allowed[b, 0, pad, m + pad] = True
+    if use_bool:
+        mask = allowed
+    else:
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv]) if kv is not None else None
+    out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                  use_cache=keep_cache or cache is not None)  # fmt: skip
+    hidden = out.last_hidden_state
+    # Gather the scored positions of the whole batch and apply the LM head once.
+    row_idx, col_idx, targets, owners = [], [], [], []
+    for b, (item, (n_ctx, spans)) in enumerate(zip(items, layouts)):
+        for j, ((start, size), action) in enumerate(zip(spans, item.actions)):
+            cols = [n_ctx - 1] + list(range(start, start + size - 1))
+            row_idx.extend([b] * size)
+            col_idx.extend(cols)
+            targets.extend(action)
+            owners.extend([(b, j)] * size)
+    if any(n_ctx == 0 for n_ctx, _ in layouts):
+        raise ScoringError("a cached prefix must leave at least one context token to compute")
+    logp = _token_logprobs(head, cap, hidden[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)],
+                           torch.tensor(targets, device=device))  # fmt: skip
+    results = []
+    offset = 0
+    for item in items:
+        sizes = [len(a) for a in item.actions]
+        total = sum(sizes)
+        per_token = logp[offset : offset + total]
+        offset += total
+        seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+        results.append(torch.zeros(len(sizes), dtype=logp.dtype, device=device).index_add(0, seg, per_token))
+    return results, (out.past_key_values if keep_cache else None)
+
+
+def score_kv_batch(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]:
+    """Context KV once per item, then all its candidates in one batched pass over that cache."""
+    from transformers import DynamicCache
+
+    decoder, head, cap = _parts(model)
+    device = next(model.parameters()).device
+    results = []
+    for item in items:
+        c, k = len(item.context), len(item.actions)
+        out = decoder(input_ids=torch.tensor([item.context], device=device), use_cache=True)
+        first = torch.tensor([a[0] for a in item.actions], device=device)
+        first_lp = _token_logprobs(head, cap, out.last_hidden_state[0, -1].expand(k, -1), first)
+        longest = max(len(a) for a in item.actions)
+        if longest == 1:
+            results.append(first_lp)
+            continue
+        layers = [(layer.keys.repeat_interleave(k, 0), layer.values.repeat_interleave(k, 0)) for layer in out.past_key_values.layers]
+        cache = DynamicCache(ddp_cache_data=layers)
+        n = longest - 1  # the last token of each candidate predicts nothing we score
+        ids = torch.zeros(k, n, dtype=torch.long, device=device)
+        attn = torch.zeros(k, c + n, dtype=torch.long, device=device)
+        attn[:, :c] = 1
+        for j, a in enumerate(item.actions):
+            ids[j, : len(a) - 1] = torch.tensor(a[:-1], device=device)
+            attn[j, c : c + len(a) - 1] = 1
+        pos = (c + torch.arange(n, device=device)).expand(k, n)
+        hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
+        sums = first_lp.clone()
+        for j, a in enumerate(item.actions):
+            if len(a) > 1:
+                sums[j] = sums[j] + _token_logprobs(head, cap, hidden[j, : len(a) - 1], torch.tensor(a[1:], device=device)).sum()
+        results.append(sums)
+    return results
+
+
+def score_per_candidate(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]:
+    """The reference: one unpadded forward of context + candidate per candidate."""
+    decoder, head, cap = _parts(model)
+    device = next(model.parameters()).device
+    results = []
+    for item in items:
+        c = len(item.context)
+        sums = []
+        for a in item.actions:
+            ids = torch.tensor([list(item.context) + list(a)], device=device)
+            hidden = decoder(input_ids=ids).last_hidden_state[0, c - 1 : c - 1 + len(a)]
+            sums.append(_token_logprobs(head, cap, hidden, torch.tensor(a, device=device)).sum())
+        results.append(torch.stack(sums))
+    return results
+
+
+SCORERS = {"packed": score_packed, "kv_batch": score_kv_batch, "per_candidate": score_per_candidate}
+
+
+def score(model: Any, items: Sequence[Tokenized], path: str = "packed") -> list[torch.Tensor]:
+    """Summed log-probabilities of every candidate of every item, by the given path."""
+    return SCORERS[path](model, items)
+
+
+def select_path(model: Any, requested: str = "auto", tolerance: float = 1e-3) -> str:
+    """The fastest path that gives the reference's numbers on this model; logs the choice.
+
+    A model that cannot take a 4D mask (FlashAttention-2, hybrid linear
+    attention that leaks state between packed candidates) fails the check on a
+    small synthetic observation and falls back to `kv_batch`, then to `per_candidate`.
+    """
+    if requested != "auto":
+        if requested not in PATHS:
+            raise ValueError(f"scoring path must be auto or one of {PATHS}, got {requested!r}")
+        log.info("scoring path %s (as configured)", requested)
+        return requested
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    probe = [Tokenized(tuple(torch.randint(3, vocab, (9,), generator=gen).tolist()),
+                       (tuple(torch.randint(3, vocab, (1,), generator=gen).tolist()),
+                        tuple(torch.randint(3, vocab, (4,), generator=gen).tolist())), (1, 1)),
+             Tokenized(tuple(torch.randint(3, vocab, (5,), generator=gen).tolist()),
+                       (tuple(torch.randint(3, vocab, (3,), generator=gen).tolist()),), (1,))]  # fmt: skip
+    with torch.inference_mode():
+        reference = score_per_candidate(model, probe)
+        for path in ("packed", "kv_batch"):
+            try:
+                got = SCORERS[path](model, probe)
+            except Exception as e:  # a model that rejects the inputs of this path
+                log.info("scoring path %s unavailable on this model: %s", path, e)
+                continue
+            diff = max(float((g - r).abs().max()) for g, r in zip(got, reference))
+            if diff <= tolerance and all(math.isfinite(float(g.sum())) for g in got):
+                log.info("scoring path %s (checked against the per-candidate reference: max diff %.2e)", path, diff)
+                return path
+            log.warning("scoring path %s differs from the reference by %.2e on this model; not used", path, diff)
+    log.warning("scoring path per_candidate: no faster path is exact on this model")
+    return "per_candidate"
