@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import check, option, section
-
-POLICIES = ("uniform",)
+from common.options import DTYPE_NAMES as DTYPES
+from common.options import NORMALISATIONS
+from common.options import SCORING_PATHS as PATHS
 
 
 @section("actor")
@@ -14,16 +15,39 @@ POLICIES = ("uniform",)
 class ActorConfig:
     broker: str = option("tcp://127.0.0.1:5556", "the broker's actor endpoint (its `backend`) to connect to")
     name: str = option("", "name shown in the broker's status (default: actor-<random>)")
-    policy: str = option("uniform", "what scores the candidates; `uniform` needs no model (a baseline and a test stand-in)")
+    model: str = option("", "causal LM to serve: a local directory or a Hugging Face id; empty serves the uniform random policy (a baseline)")
+    lora_rank: int = option(8, "rank of the LoRA adapter the learner trains (0: the learner trains all weights); must match the learner")
+    lora_alpha: int = option(16, "LoRA alpha; must match the learner")
+    device: str = option("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
+    dtype: str = option("auto", "model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
+    normalisation: str = option("word", "how a candidate's summed log-probability is normalised: token, word (PPOAPI's default) or sum")
+    temperature: float = option(1.0, "softmax temperature over the normalised candidate scores")
+    greedy: bool = option(False, "evaluation mode: always pick the most probable candidate instead of sampling")
+    scoring_path: str = option("auto", "auto (checked at start), packed, kv_batch or per_candidate")
+    prefix_cache_mb: float = option(512.0, "memory for the KV of recent prompt prefixes reused across steps (0: off)")
     credits: int = option(16, "most requests the broker may hand this actor at once")
-    max_batch: int = option(8, "most requests scored together")
+    max_batch: int = option(8, "most requests scored in one forward")
+    max_batch_tokens: int = option(32768, "most tokens (context + candidates) in one forward")
+    redis_url: str = option("", "Redis holding the learner's weight snapshots (empty: start from the base model, follow nothing)")
+    key_prefix: str = option("ppoz", "Redis key prefix shared with the broker and learner")
+    weights: str = option("", "the learner's weight announcement endpoint (PUB), e.g. tcp://127.0.0.1:5557")
+    weights_poll_s: float = option(5.0, "how often to check Redis for a newer snapshot in case an announcement was missed")
     heartbeat_ms: int = option(1000, "heartbeat interval towards the broker")
     heartbeat_liveness: int = option(3, "the broker is taken as gone after this many silent intervals; the actor reconnects")
     seed: int = option(0, "random seed for sampling")
 
     def __post_init__(self) -> None:
         check("://" in self.broker, f"`broker` must be a ZeroMQ endpoint such as tcp://127.0.0.1:5556, got {self.broker!r}")
-        check(self.policy in POLICIES, f"`policy` must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        check(self.lora_rank >= 0, f"`lora_rank` must be 0 or more, got {self.lora_rank}")
+        check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"), f"`device` must be auto, cpu or cuda[:N], got {self.device!r}")
+        check(self.dtype == "auto" or self.dtype in DTYPES, f"`dtype` must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check(self.normalisation in NORMALISATIONS, f"`normalisation` must be one of {', '.join(NORMALISATIONS)}, got {self.normalisation!r}")
+        check(self.temperature > 0, f"`temperature` must be positive, got {self.temperature}")
+        check(self.scoring_path == "auto" or self.scoring_path in PATHS, f"`scoring_path` must be auto or one of {', '.join(PATHS)}, got {self.scoring_path!r}")
+        check(self.prefix_cache_mb >= 0, f"`prefix_cache_mb` must be 0 or more, got {self.prefix_cache_mb}")
+        check(self.max_batch_tokens > 0, f"`max_batch_tokens` must be positive, got {self.max_batch_tokens}")
+        check(self.weights_poll_s > 0, f"`weights_poll_s` must be positive, got {self.weights_poll_s}")
+        check(not self.weights or "://" in self.weights, f"`weights` must be a ZeroMQ endpoint, got {self.weights!r}")
         check(self.credits > 0, f"`credits` must be positive, got {self.credits}")
         check(self.max_batch > 0, f"`max_batch` must be positive, got {self.max_batch}")
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")

@@ -1,13 +1,16 @@
-"""The actor process: take jobs from the broker link, score them, send results."""
+"""The actor process loop: jobs from the broker link -> policy -> results; weights between batches."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Protocol
 
 from actor_node.link import BrokerLink
+from actor_node.weight_follower import WeightFollower
 from common import protocol as p
+from common import weights
 
 log = logging.getLogger(__name__)
 
@@ -15,26 +18,50 @@ log = logging.getLogger(__name__)
 class Policy(Protocol):
     policy_version: int
 
-    def choose(self, obs: dict[str, Any]) -> tuple[int, float, list[float]]: ...
+    def choose_batch(self, jobs: list[dict[str, Any]]) -> list[Any]: ...
 
 
-def serve(link: BrokerLink, policy: Policy, stop: threading.Event, max_batch: int = 8) -> int:
-    """Answer jobs until `stop` is set; return how many were answered."""
+def catch_up(policy: Any, follower: WeightFollower | None) -> bool:
+    """Load the newest snapshot the learner announced or stored, if newer than what the policy has."""
+    if follower is None or not hasattr(policy, "set_weights"):
+        return False
+    ann = follower.newest(time.monotonic(), policy.policy_version)
+    if ann is None:
+        return False
+    try:
+        state = weights.fetch(follower.client, follower.prefix, ann)
+    except Exception as e:  # a missing or corrupt snapshot: keep serving the current weights
+        log.warning("cannot load policy version %d: %s; keeping version %d", ann.version, e, policy.policy_version)
+        return False
+    policy.set_weights(state, ann.version)
+    return True
+
+
+def serve(link: BrokerLink, policy: Policy, stop: threading.Event, max_batch: int = 8,
+          follower: WeightFollower | None = None) -> int:  # fmt: skip
+    """Answer jobs until `stop` is set; return how many were answered.
+
+    Weights change only here, between two batches, so all results of a batch
+    carry one policy version."""
     served = 0
     while not stop.is_set():
+        catch_up(policy, follower)
         link.policy_version = policy.policy_version
         jobs = link.get_jobs(max_batch, timeout=0.1)
         if not jobs:
             continue
+        try:
+            answers = policy.choose_batch(jobs)
+        except Exception as e:  # the whole batch failed (out of memory, say): answer every job
+            log.exception("scoring a batch of %d failed", len(jobs))
+            answers = [e] * len(jobs)
         results = []
-        for job in jobs:
-            try:
-                action, logprob, probs = policy.choose(job["obs"])
-            except Exception as e:  # one bad observation must not stop the actor
-                log.exception("scoring job %s failed", job.get("job"))
-                results.append(link.error(job["job"], p.E_INTERNAL, f"{type(e).__name__}: {e}"))
-                continue
-            results.append(link.result(job["job"], action, logprob, probs, policy.policy_version))
+        for job, answer in zip(jobs, answers):
+            if isinstance(answer, Exception):
+                code = p.E_BAD_REQUEST if answer.__class__.__name__ == "ScoringError" else p.E_INTERNAL
+                results.append(link.error(job["job"], code, f"{type(answer).__name__}: {answer}"))
+            else:
+                results.append(link.result(job["job"], answer.action, answer.logprob, answer.probs, policy.policy_version))
         link.send_results(results)
         served += len(jobs)
     return served

@@ -33,8 +33,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-PATHS = ("packed", "kv_batch", "per_candidate")
-NORMALISATIONS = ("token", "word", "sum")
+from common.options import NORMALISATIONS
+from common.options import SCORING_PATHS as PATHS
 
 
 class ScoringError(ValueError):
@@ -124,25 +124,31 @@ def score_packed(model: Any, items: Sequence[Tokenized], past: Sequence[Any] | N
 
     `past`, if given, holds for each item either None or (kv, m): the cached KV
     of its first m context tokens (a list of per-layer (key, value) tensors of
-    batch 1). Items with a cached prefix compute only the rest.
+    batch 1). Items with a cached prefix compute only the rest (one forward each).
     """
-    results: list[torch.Tensor | None] = [None] * len(items)
+    return _score_packed(model, items, past, keep_kv=False)[0]
+
+
+def score_packed_kv(model: Any, items: Sequence[Tokenized], past: Sequence[Any] | None = None) -> tuple[list[torch.Tensor], list]:
+    """As score_packed, and also each item's whole-context KV (for the prefix cache)."""
+    return _score_packed(model, items, past, keep_kv=True)
+
+
+def _score_packed(model: Any, items: Sequence[Tokenized], past: Sequence[Any] | None, keep_kv: bool) -> tuple[list, list]:
+    scores: list[Any] = [None] * len(items)
+    kvs: list[Any] = [None] * len(items)
     fresh = [i for i in range(len(items)) if not past or past[i] is None]
-    if fresh:
-        for i, r in zip(fresh, _packed_forward(model, [items[i] for i in fresh], None, 0)[0]):
-            results[i] = r
-    for i in range(len(items)):
-        if results[i] is None:
-            kv, m = past[i]
-            results[i] = _packed_forward(model, [items[i]], kv, m)[0][0]
-    return results  # type: ignore[return-value]
-
-
-def packed_with_context_kv(model: Any, item: Tokenized, kv: Any = None, m: int = 0) -> tuple[torch.Tensor, list]:
-    """Scores of one item and the KV of its whole context (for the prefix cache)."""
-    scores, cache = _packed_forward(model, [item], kv, m, keep_cache=True)
-    c = len(item.context)
-    return scores[0], [(layer.keys[:, :, :c].clone(), layer.values[:, :, :c].clone()) for layer in cache.layers]
+    groups = [(fresh, None, 0)] if fresh else []
+    groups += [([i], past[i][0], past[i][1]) for i in range(len(items)) if past and past[i] is not None]
+    for members, kv, m in groups:
+        got, cache = _packed_forward(model, [items[i] for i in members], kv, m, keep_cache=keep_kv)
+        for row, i in enumerate(members):
+            scores[i] = got[row]
+            if keep_kv:
+                c = len(items[i].context)
+                kvs[i] = [(layer.keys[row : row + 1, :, :c].clone(), layer.values[row : row + 1, :, :c].clone())
+                          for layer in cache.layers]  # fmt: skip
+    return scores, kvs
 
 
 def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, keep_cache: bool = False):

@@ -139,18 +139,45 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 def cmd_actor(args: argparse.Namespace) -> int:
     from actor_node.config import ActorConfig
-    from actor_node.link import BrokerLink
-    from actor_node.policies import UniformPolicy
-    from actor_node.worker import serve
 
     cfg = load(ActorConfig, args.config, args)
-    policy = UniformPolicy(cfg.seed)
-    link = BrokerLink(cfg.broker, cfg.name, cfg.credits, cfg.heartbeat_ms, cfg.heartbeat_liveness).start()
-    stop = threading.Event()
+    return run_actor(cfg)
+
+
+def run_actor(cfg: Any, stop: threading.Event | None = None) -> int:
+    """Load the policy, catch up with the newest weights, then serve the broker until stopped."""
+    from actor_node.link import BrokerLink
+    from actor_node.policies import UniformPolicy
+    from actor_node.weight_follower import WeightFollower
+    from actor_node.worker import catch_up, serve
+
+    follower = None
+    if cfg.model:
+        from actor_node.llm_policy import LLMPolicy, SamplingConfig
+        from common.policy_model import ModelSpec, load_policy
+
+        model, tokenizer = load_policy(ModelSpec(cfg.model, cfg.device, cfg.dtype, cfg.lora_rank, cfg.lora_alpha))
+        sampling = SamplingConfig(cfg.normalisation, cfg.temperature, cfg.greedy, cfg.max_batch_tokens, cfg.seed)
+        policy: Any = LLMPolicy(model, tokenizer, sampling, cfg.scoring_path, cfg.prefix_cache_mb)
+        if cfg.redis_url:
+            from common.redis_server import connect
+
+            follower = WeightFollower(connect(cfg.redis_url), cfg.key_prefix, cfg.weights, poll_s=cfg.weights_poll_s)
+            catch_up(policy, follower)  # a late joiner never serves stale weights
+    else:
+        log.warning("no --model given: serving the uniform random policy")
+        policy = UniformPolicy(cfg.seed)
+    link = BrokerLink(cfg.broker, cfg.name, cfg.credits, cfg.heartbeat_ms, cfg.heartbeat_liveness)
+    link.policy_version = policy.policy_version
+    link.start()
+    stop = stop or threading.Event()
     _on_stop(stop.set)
-    log.info("actor %s serving the %s policy for %s", link.name, cfg.policy, cfg.broker)
-    served = serve(link, policy, stop, cfg.max_batch)
+    log.info("actor %s serving %s (policy version %d) for %s", link.name, cfg.model or "the uniform policy",
+             policy.policy_version, cfg.broker)  # fmt: skip
+    served = serve(link, policy, stop, cfg.max_batch, follower)
     link.close()
+    if follower is not None:
+        follower.close()
     log.info("actor %s stopped after %d requests", link.name, served)
     return 0
 

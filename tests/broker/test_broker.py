@@ -9,6 +9,7 @@ import msgpack
 import pytest
 import zmq
 
+from actor_node.policies import UniformPolicy
 from broker.store import decode_segment
 from client import BadRequest, FeedbackWithoutStep, InternalError, RequestTimeout, UnknownTask
 from common import protocol as p
@@ -246,9 +247,7 @@ def test_overloaded_when_the_queue_is_full(start_broker, make_client, zmq_contex
 
 
 def test_actor_errors_and_invalid_results_become_internal_errors(broker, start_actor, make_client):
-    class Broken:
-        policy_version = 0
-
+    class Broken(UniformPolicy):
         def choose(self, o):
             if o["prompt"].endswith("raise"):
                 raise RuntimeError("boom")

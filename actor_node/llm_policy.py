@@ -1,0 +1,123 @@
+"""The LLM policy an actor serves: tokenize, score (common.scoring), sample, swap weights.
+
+`choose_batch` takes the jobs of one broker message batch and answers each with
+(action, logprob, probs) or an error. It runs in the actor's compute thread,
+under `torch.inference_mode()`, so weight swaps (between batches) and scoring
+never overlap: every result of a batch carries the same policy version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from actor_node.prefix_cache import PrefixCache
+from common import scoring
+from common.policy_model import load_policy_state_dict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    normalisation: str = "word"
+    temperature: float = 1.0
+    greedy: bool = False  # evaluation mode: argmax instead of sampling
+    max_batch_tokens: int = 32768
+    seed: int = 0
+
+
+@dataclass
+class Choice:
+    action: int
+    logprob: float
+    probs: list[float]
+
+
+class LLMPolicy:
+    def __init__(self, model: Any, tokenizer: Any, sampling: SamplingConfig, path: str = "auto",
+                 prefix_cache_mb: float = 0.0, policy_version: int = 0) -> None:  # fmt: skip
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.path = scoring.select_path(model, path)
+        self.cache = PrefixCache(prefix_cache_mb if self.path == "packed" else 0.0)
+        if prefix_cache_mb and self.path != "packed":
+            log.warning("prefix cache off: it needs the packed scoring path, this model runs %s", self.path)
+        self.policy_version = policy_version
+        self.generator = torch.Generator().manual_seed(sampling.seed)
+        self.forwards = 0
+        self.scored = 0
+        self.busy_s = 0.0
+
+    # --- weights ------------------------------------------------------------------------
+    def set_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Swap to new weights (call between batches). Cached KV is stale after this, so it is dropped."""
+        device = next(self.model.parameters()).device
+        load_policy_state_dict(self.model, {k: v.to(device) for k, v in state.items()})
+        self.cache.clear()
+        self.policy_version = version
+        log.info("now serving policy version %d", version)
+
+    # --- scoring --------------------------------------------------------------------------
+    def choose_batch(self, jobs: list[dict[str, Any]]) -> list[Choice | Exception]:
+        """One answer per job, in order: a Choice, or the exception that job raised."""
+        started = time.perf_counter()
+        out: list[Choice | Exception] = [ValueError("not scored")] * len(jobs)
+        items: list[tuple[int, str, scoring.Tokenized]] = []
+        for i, job in enumerate(jobs):
+            obs = job["obs"]
+            try:
+                items.append((i, str(job.get("task_id", "")), scoring.tokenize_observation(
+                    self.tokenizer, obs["prompt"], obs.get("question", ""), obs["action"])))  # fmt: skip
+            except scoring.ScoringError as e:
+                out[i] = e
+        with torch.inference_mode():
+            for chunk in self._chunks(items):
+                sums = self._score(chunk)
+                for (i, _, item), total in zip(chunk, sums):
+                    out[i] = self._sample(item, total)
+        self.scored += len(items)
+        self.busy_s += time.perf_counter() - started
+        return out
+
+    def _chunks(self, items: list[tuple[int, str, scoring.Tokenized]]) -> list[list[tuple[int, str, scoring.Tokenized]]]:
+        """Split a batch so each forward holds at most max_batch_tokens (an over-long item goes alone)."""
+        chunks: list[list[Any]] = []
+        current: list[Any] = []
+        tokens = 0
+        for entry in items:
+            n = entry[2].n_tokens
+            if current and tokens + n > self.sampling.max_batch_tokens:
+                chunks.append(current)
+                current, tokens = [], 0
+            current.append(entry)
+            tokens += n
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def _score(self, chunk: list[tuple[int, str, scoring.Tokenized]]) -> list[torch.Tensor]:
+        items = [item for _, _, item in chunk]
+        self.forwards += 1
+        if self.path != "packed" or not self.cache.enabled:
+            return scoring.score(self.model, items, self.path)
+        past = [self.cache.lookup(item.context) for item in items]
+        sums, kvs = scoring.score_packed_kv(self.model, items, past)
+        for (_, task, item), kv in zip(chunk, kvs):
+            self.cache.insert(task or f"anon-{id(item)}", item.context, kv)
+        return sums
+
+    def _sample(self, item: scoring.Tokenized, sums: torch.Tensor) -> Choice:
+        logp = scoring.policy_logprobs(scoring.normalise(sums.float().cpu(), item, self.sampling.normalisation),
+                                       self.sampling.temperature)  # fmt: skip
+        probs = logp.exp()
+        if self.sampling.greedy:
+            action = int(torch.argmax(logp))
+        else:
+            action = int(torch.multinomial(probs, 1, generator=self.generator))
+        return Choice(action, float(logp[action]), probs.tolist())

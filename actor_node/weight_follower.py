@@ -1,0 +1,59 @@
+"""How an actor learns of new weights: PUB announcements, with Redis as the backstop."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+import zmq
+
+from common.weights import TOPIC, Announcement, WeightsError, latest, parse_announcement
+
+log = logging.getLogger(__name__)
+
+
+class WeightFollower:
+    """Tells an actor when a newer snapshot exists: from PUB announcements, and from Redis as a backstop."""
+
+    def __init__(self, client: redis.Redis, prefix: str, endpoint: str = "", context: zmq.Context | None = None,
+                 poll_s: float = 5.0) -> None:  # fmt: skip
+        self.client = client
+        self.prefix = prefix
+        self.poll_s = poll_s
+        self._next_poll = 0.0
+        self.sub: zmq.Socket | None = None
+        if endpoint:
+            self.sub = (context or zmq.Context.instance()).socket(zmq.SUB)
+            self.sub.setsockopt(zmq.LINGER, 0)
+            self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            self.sub.connect(endpoint)
+
+    def newest(self, now: float, current: int) -> Announcement | None:
+        """A snapshot newer than `current`, if one was announced or is in Redis (checked every poll_s)."""
+        best: Announcement | None = None
+        while self.sub is not None:
+            try:
+                frames = self.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                ann = parse_announcement(frames)
+            except WeightsError as e:
+                log.warning("%s", e)
+                continue
+            if ann.version > current and (best is None or ann.version > best.version):
+                best = ann
+        if best is None and now >= self._next_poll:
+            self._next_poll = now + self.poll_s
+            try:
+                stored = latest(self.client, self.prefix)
+            except redis.RedisError as e:
+                log.warning("cannot read the latest snapshot from Redis: %s", e)
+                stored = None
+            if stored is not None and stored.version > current:
+                best = stored
+        return best
+
+    def close(self) -> None:
+        if self.sub is not None:
+            self.sub.close(linger=0)

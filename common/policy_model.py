@@ -1,0 +1,81 @@
+"""Loading the policy: base causal LM + LoRA adapter, the same way in actor and learner."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load. `model` is a Hugging Face id or a local directory."""
+
+    model: str
+    device: str = "auto"  # auto: cuda if available, else cpu
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    lora_rank: int = 8  # 0: no adapter, all weights are the policy's (tiny models)
+    lora_alpha: int = 16
+    attn_implementation: str = "sdpa"
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
+    """(model, tokenizer): the base model in eval mode with a fresh LoRA adapter (identity at start)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(spec.model)
+    model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=spec.resolved_dtype(),
+                                                 attn_implementation=spec.attn_implementation)  # fmt: skip
+    if spec.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules="all-linear", lora_dropout=0.0,
+                            task_type="CAUSAL_LM")  # fmt: skip
+        # peft keeps adapter weights in float32 even over a bf16 base (autocast_adapter_dtype):
+        # a 1e-6 update would round away in 16 bits.
+        model = get_peft_model(model, config)
+    model.to(spec.resolved_device()).eval()
+    log.info("loaded %s on %s (%s), LoRA rank %d", spec.model, spec.resolved_device(), spec.resolved_dtype(), spec.lora_rank)
+    return model, tokenizer
+
+
+def policy_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The trainable part of the policy: the adapter's weights, or all weights without an adapter."""
+    if hasattr(model, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+
+
+def load_policy_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Put published weights into the policy (adapter weights, or all weights without an adapter)."""
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, state)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"adapter snapshot has keys this model lacks, e.g. {unexpected[:3]}")
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"weight snapshot has keys this model lacks, e.g. {unexpected[:3]}")
