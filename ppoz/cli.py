@@ -141,11 +141,13 @@ def cmd_actor(args: argparse.Namespace) -> int:
     from actor_node.config import ActorConfig
 
     cfg = load(ActorConfig, args.config, args)
-    return run_actor(cfg)
+    stop = threading.Event()
+    _on_stop(stop.set)
+    return run_actor(cfg, stop)
 
 
-def run_actor(cfg: Any, stop: threading.Event | None = None) -> int:
-    """Load the policy, catch up with the newest weights, then serve the broker until stopped."""
+def run_actor(cfg: Any, stop: threading.Event) -> int:
+    """Load the policy, catch up with the newest weights, then serve the broker until `stop` is set."""
     from actor_node.link import BrokerLink
     from actor_node.policies import UniformPolicy
     from actor_node.weight_follower import WeightFollower
@@ -170,8 +172,6 @@ def run_actor(cfg: Any, stop: threading.Event | None = None) -> int:
     link = BrokerLink(cfg.broker, cfg.name, cfg.credits, cfg.heartbeat_ms, cfg.heartbeat_liveness)
     link.policy_version = policy.policy_version
     link.start()
-    stop = stop or threading.Event()
-    _on_stop(stop.set)
     log.info("actor %s serving %s (policy version %d) for %s", link.name, cfg.model or "the uniform policy",
              policy.policy_version, cfg.broker)  # fmt: skip
     served = serve(link, policy, stop, cfg.max_batch, follower)

@@ -1,0 +1,141 @@
+"""A real actor (tiny LLM) behind a real broker: serving, late joining, live weight swaps."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import zmq
+
+from actor_node.config import ActorConfig
+from actor_node.llm_policy import LLMPolicy, SamplingConfig
+from common import weights
+from common.policy_model import ModelSpec, load_policy, policy_state_dict
+from ppoz.cli import run_actor
+from tests.helpers import OBS, actors_ready, wait_for
+
+
+@pytest.fixture
+def start_llm_actor(tiny_models, redis_url, key_prefix):
+    started = []
+
+    def start(backend: str, weights_endpoint: str = "", poll_s: float = 30.0) -> threading.Event:
+        cfg = ActorConfig(broker=backend, model=tiny_models["llama"], lora_rank=4, device="cpu", heartbeat_ms=100,
+                          redis_url=redis_url, key_prefix=key_prefix, weights=weights_endpoint, weights_poll_s=poll_s,
+                          normalisation="token", prefix_cache_mb=16)  # fmt: skip
+        stop = threading.Event()
+        thread = threading.Thread(target=run_actor, args=(cfg, stop), daemon=True)
+        thread.start()
+        started.append((stop, thread))
+        return stop
+
+    yield start
+    for stop, thread in started:
+        stop.set()
+        thread.join(15)
+
+
+def new_snapshot(tiny_models, seed: int) -> dict[str, torch.Tensor]:
+    """Adapter weights with a non-zero B, so the policy really changes."""
+    model, _ = load_policy(ModelSpec(tiny_models["llama"], device="cpu", lora_rank=4))
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=gen) * 0.3 for k, v in policy_state_dict(model).items()}
+
+
+def expected_probs(tiny_models, state) -> list[float]:
+    model, tok = load_policy(ModelSpec(tiny_models["llama"], device="cpu", lora_rank=4))
+    policy = LLMPolicy(model, tok, SamplingConfig("token"), "per_candidate")
+    if state is not None:
+        policy.set_weights(state, 1)
+    return policy.choose_batch([{"job": 1, "obs": OBS}])[0].probs
+
+
+def test_actor_serves_step_and_rag_step(broker, start_llm_actor, make_client):
+    start_llm_actor(broker.backend)
+    client = make_client(broker.frontend, deadline=30)
+    wait_for(lambda: actors_ready(client, 1), timeout=60, what="the LLM actor")
+    task = client.attach()
+    for op in ("step", "rag_step"):
+        reply = client.request(op, task_id=task, obs=OBS)
+        assert reply["policy_version"] == 0 and len(reply["probs"]) == 3
+        assert sum(reply["probs"]) == pytest.approx(1.0, abs=1e-5)
+        client.feedback(task, 1.0)
+
+
+def test_late_joiner_starts_from_the_stored_snapshot(broker, start_llm_actor, make_client, redis_client, key_prefix, tiny_models):
+    state = new_snapshot(tiny_models, seed=1)
+    weights.store_snapshot(redis_client, key_prefix, 1, state, "lora")
+    start_llm_actor(broker.backend)
+    client = make_client(broker.frontend, deadline=30)
+    wait_for(lambda: actors_ready(client, 1), timeout=60, what="the LLM actor")
+    reply = client.step(client.attach(), OBS)
+    assert reply["policy_version"] == 1
+    assert reply["probs"] == pytest.approx(expected_probs(tiny_models, state), abs=1e-5)
+
+
+@pytest.mark.parametrize("via", ["pub", "redis_only"])
+def test_weight_swap_mid_stream_never_mixes_versions(broker, start_llm_actor, make_client, redis_client, key_prefix, tiny_models, via):
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    # With "redis_only" the actor has no announcement to hear: it must catch up from Redis.
+    start_llm_actor(broker.backend, f"tcp://127.0.0.1:{port}" if via == "pub" else "", poll_s=0.5 if via == "redis_only" else 30)
+    client = make_client(broker.frontend, deadline=30)
+    wait_for(lambda: actors_ready(client, 1), timeout=60, what="the LLM actor")
+    task = client.attach()
+    old, state = expected_probs(tiny_models, None), new_snapshot(tiny_models, seed=2)
+    new = expected_probs(tiny_models, state)
+    replies = []
+    for _ in range(3):
+        replies.append(client.step(task, OBS))
+        client.feedback(task, 0.0)
+    ann = weights.store_snapshot(redis_client, key_prefix, 1, state, "lora")
+    for _ in range(200):
+        weights.announce(pub, ann)  # repeated: a SUB may join late (the slow-joiner rule)
+        replies.append(client.step(task, OBS))
+        client.feedback(task, 0.0)
+        if replies[-1]["policy_version"] == 1 and len([r for r in replies if r["policy_version"] == 1]) >= 3:
+            break
+    pub.close()
+    versions = [r["policy_version"] for r in replies]
+    assert versions[:3] == [0, 0, 0] and versions[-1] == 1
+    assert versions == sorted(versions), "a reply after the swap must never carry the old version"
+    for r in replies:
+        assert r["probs"] == pytest.approx(old if r["policy_version"] == 0 else new, abs=1e-5), "probabilities of one version only"
+
+
+def test_corrupt_snapshot_is_refused_and_serving_goes_on(broker, start_llm_actor, make_client, redis_client, key_prefix, tiny_models):
+    state = new_snapshot(tiny_models, seed=3)
+    ann = weights.store_snapshot(redis_client, key_prefix, 1, state, "lora")
+    redis_client.hset(f"{key_prefix}:weights:latest", "checksum", "0" * 64)  # damaged in transit
+    start_llm_actor(broker.backend, poll_s=0.2)
+    client = make_client(broker.frontend, deadline=30)
+    wait_for(lambda: actors_ready(client, 1), timeout=60, what="the LLM actor")
+    assert client.step(client.attach(), OBS)["policy_version"] == 0
+    redis_client.hset(f"{key_prefix}:weights:latest", "checksum", ann.checksum)  # repaired: now it is taken
+    task = client.attach()
+    wait_for(lambda: client.step(task, OBS)["policy_version"] == 1 and client.feedback(task, 0.0), timeout=30,
+             what="the actor to take the repaired snapshot")  # fmt: skip
+
+
+def test_ppoz_actor_command_serves_a_model(broker, make_client, tiny_models):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "ppoz.cli", "actor", "--model", tiny_models["gpt2"], "--broker", broker.backend,
+                             "--heartbeat-ms", "100", "--lora-rank", "0", "--name", "cli-llm"], stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        client = make_client(broker.frontend, deadline=60)
+        wait_for(lambda: actors_ready(client, 1), timeout=60, what="the actor process")
+        task = client.attach()
+        assert len(client.rag_step(task, OBS)["probs"]) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "scoring path packed" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
