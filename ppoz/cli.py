@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     broker_bench.add_arguments(b)
     b.set_defaults(func=broker_bench.main)
+    b = benches.add_parser("scoring", help="candidate scoring: padded sequences vs prompt KV per action vs packed",
+                           description="Score Kea-shaped observations three ways on one model, side by side (docs/benchmarks.md).")  # fmt: skip
+    from ppoz.bench import scoring as scoring_bench
+
+    scoring_bench.add_arguments(b)
+    b.set_defaults(func=scoring_bench.main)
 
     p = sub.add_parser("status", help="show a running broker's sessions, actors and counters",
                        description="Ask a running broker for its figures.")  # fmt: skip

@@ -89,3 +89,19 @@ def test_weight_swap_changes_outputs_and_drops_the_cache(policy_factory):
     assert policy.policy_version == 7 and not policy.cache.entries
     after = policy.choose_batch([job()])[0].probs
     assert after != pytest.approx(before, abs=1e-4)
+
+
+def test_a_batch_is_one_forward_within_the_token_budget(policy_factory):
+    policy = policy_factory()
+    jobs = [job({**OBS, "prompt": OBS["prompt"] * (1 + i)}, task=f"t{i}", n=i) for i in range(6)]
+    batched = policy.choose_batch(jobs)
+    assert policy.forwards == 1
+    alone = [policy.choose_batch([j])[0] for j in jobs]
+    for a, b in zip(batched, alone):
+        assert a.probs == pytest.approx(b.probs, abs=1e-5)
+    tight = policy_factory()
+    tight.sampling = SamplingConfig("token", 1.0, False, max_batch_tokens=300, seed=0)
+    tight.choose_batch(jobs)
+    sizes = [scoring.tokenize_observation(tight.tokenizer, j["obs"]["prompt"], j["obs"]["question"], j["obs"]["action"]).n_tokens
+             for j in jobs]  # fmt: skip
+    assert 1 < tight.forwards <= len(jobs) and max(sizes) > 300  # split, and an over-long item still runs alone
