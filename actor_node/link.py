@@ -46,6 +46,7 @@ class BrokerLink:
         self.ctx = context or zmq.Context.instance()
         self.jobs: queue.Queue[dict[str, Any]] = queue.Queue()
         self.reconnects = 0
+        self.broker_heartbeat = self.heartbeat  # learned from the broker's heartbeats
         self._results_addr = f"inproc://actor-results-{uuid.uuid4().hex}"
         self._results_in = self.ctx.socket(zmq.PULL)
         self._results_in.bind(self._results_addr)
@@ -100,10 +101,14 @@ class BrokerLink:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
-        body = p.header(p.OP_READY)
-        body.update(name=self.name, credits=self.credits, policy_version=self.policy_version)
-        sock.send(p.encode(body))
+        sock.send(p.encode(self._ready()))
         return sock
+
+    def _ready(self) -> dict[str, Any]:
+        body = p.header(p.OP_READY)
+        body.update(name=self.name, credits=self.credits, policy_version=self.policy_version,
+                    heartbeat_ms=int(self.heartbeat * 1000))  # fmt: skip
+        return body
 
     def _io_loop(self) -> None:
         sock = self._connect()
@@ -136,7 +141,7 @@ class BrokerLink:
                     body["policy_version"] = self.policy_version
                     sock.send(p.encode(body))
                     last_sent = now
-                if now - last_heard > self.heartbeat * self.liveness:
+                if now - last_heard > max(self.heartbeat, self.broker_heartbeat) * self.liveness:
                     # The broker is gone or restarted: start over on a fresh socket. The jobs
                     # we hold are the broker's to requeue, so drop ours.
                     log.warning("%s: broker silent for %.1f s, reconnecting", self.name, now - last_heard)
@@ -170,10 +175,9 @@ class BrokerLink:
             # requeued there, so drop them here and announce ourselves again.
             log.info("%s: broker asked us to announce again", self.name)
             self._drop_jobs()
-            body = p.header(p.OP_READY)
-            body.update(name=self.name, credits=self.credits, policy_version=self.policy_version)
-            sock.send(p.encode(body))
-        # heartbeats need nothing beyond last_heard
+            sock.send(p.encode(self._ready()))
+        elif op == p.OP_HEARTBEAT and isinstance(msg.get("heartbeat_ms"), int) and msg["heartbeat_ms"] > 0:
+            self.broker_heartbeat = msg["heartbeat_ms"] / 1000
 
     def _drop_jobs(self) -> None:
         while True:

@@ -37,6 +37,7 @@ class Actor:
     last_heard: float
     last_sent: float
     policy_version: int = -1
+    heartbeat_s: float = 1.0  # the slower of the broker's and the actor's heartbeat intervals
     inflight: dict[int, Job] = field(default_factory=dict)
     served: int = 0
 
@@ -55,10 +56,10 @@ class ActorRegistry:
     def next_job_id(self) -> int:
         return next(self._job_ids)
 
-    def register(self, identity: bytes, name: str, credits: int, policy_version: int, now: float) -> list[Job]:
+    def register(self, identity: bytes, name: str, credits: int, policy_version: int, now: float, heartbeat_s: float) -> list[Job]:
         """Add or refresh an actor; jobs it held before announcing itself again are returned for requeueing."""
         orphaned = self.remove(identity)
-        self.actors[identity] = Actor(identity, name, credits, now, now, policy_version)
+        self.actors[identity] = Actor(identity, name, credits, now, now, policy_version, heartbeat_s)
         return orphaned
 
     def remove(self, identity: bytes) -> list[Job]:
@@ -84,9 +85,9 @@ class ActorRegistry:
     def free_credits(self) -> int:
         return sum(max(a.free, 0) for a in self.actors.values())
 
-    def silent_since(self, cutoff: float) -> list[Actor]:
-        """Actors not heard from since `cutoff`: dead."""
-        return [a for a in self.actors.values() if a.last_heard < cutoff]
+    def silent(self, now: float, liveness: int) -> list[Actor]:
+        """Actors not heard from for `liveness` of their heartbeat intervals: dead."""
+        return [a for a in self.actors.values() if now - a.last_heard > liveness * a.heartbeat_s]
 
     def stuck_since(self, cutoff: float) -> list[Actor]:
         """Actors holding a job dispatched before `cutoff`: hung."""

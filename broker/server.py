@@ -352,7 +352,7 @@ class Broker:
         del self.sessions[task_id]
         self.attach_rids.pop(_key(session.attach_rid), None)
         self.metrics["broker/detached"] += 1
-        self.metrics["broker/segments_closed"] += len(closes)
+        self._count_closed(len(closes))
         self.reply(envelope, data, durable=True)
 
     def on_ask(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
@@ -373,6 +373,10 @@ class Broker:
         data = p.encode(body)
         session.remember(rid, data, durable=False)
         self.reply(envelope, data)
+
+    def _count_closed(self, n: int) -> None:
+        self.metrics["broker/segments_closed"] += n
+        self.stream_length += n  # refreshed from Redis every second; counted here so back-pressure reacts at once
 
     def _backpressure(self) -> str:
         if not self.registry.actors:
@@ -439,7 +443,7 @@ class Broker:
         for close in closes:
             self.store.stage_close(self._staged, session, close)
         self.metrics["broker/feedbacks"] += 1
-        self.metrics["broker/segments_closed"] += len(closes)
+        self._count_closed(len(closes))
         self.reply(envelope, data, durable=True, since=self.now)
 
     def on_status(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
@@ -520,7 +524,11 @@ class Broker:
             raise p.ProtocolError(p.E_BAD_REQUEST, f"`credits` must be positive, got {credits}")
         name = str(msg.get("name") or identity.hex())
         version = msg.get("policy_version")
-        orphans = self.registry.register(identity, name, credits, version if isinstance(version, int) else -1, self.now)
+        # Heartbeat intervals may differ between broker and actor configs: judge the
+        # actor by the slower of the two, or a slow-beating actor would flap.
+        beat = msg.get("heartbeat_ms")
+        beat_s = max(self.cfg.heartbeat_ms, beat if isinstance(beat, int) and beat > 0 else 0) / 1000
+        orphans = self.registry.register(identity, name, credits, version if isinstance(version, int) else -1, self.now, beat_s)
         self._requeue(orphans)
         log.info("actor %s ready with %d credits (policy version %s)", name, credits, version)
 
@@ -564,7 +572,7 @@ class Broker:
         self.store.stage_pending(self._staged, session)
         self.metrics["broker/steps"] += 1
         self.metrics["broker/orphan_steps"] += orphaned
-        self.metrics["broker/segments_closed"] += len(closes)
+        self._count_closed(len(closes))
         # Broker time of a step: its wait for an actor, plus the time since the result came back.
         since = self.now - (job.dispatched_at - job.created)
         for envelope in job.waiters:
@@ -657,7 +665,7 @@ class Broker:
             self._answer_job(job, p.error_body(job.rid, job.mode, p.E_TIMEOUT,
                                                "no answer within the deadline" + ("" if self.registry.actors else " (no actor connected)")))  # fmt: skip
         heartbeat = self.cfg.heartbeat_ms / 1000
-        for actor in self.registry.silent_since(now - heartbeat * self.cfg.heartbeat_liveness):
+        for actor in self.registry.silent(now, self.cfg.heartbeat_liveness):
             log.warning("actor %s silent for %.1f s: taken as dead, %d jobs requeued", actor.name, now - actor.last_heard,
                         len(actor.inflight))  # fmt: skip
             self.metrics["actors/dead"] += 1
@@ -670,7 +678,7 @@ class Broker:
             self._requeue(self.registry.remove(actor.identity))
         for actor in list(self.registry.actors.values()):
             if now - actor.last_sent >= heartbeat:
-                self._send_actor(actor.identity, p.header(p.OP_HEARTBEAT))
+                self._send_actor(actor.identity, p.header(p.OP_HEARTBEAT) | {"heartbeat_ms": self.cfg.heartbeat_ms})
         if now >= self._next_session_scan:
             self._next_session_scan = now + SESSION_SCAN_S
             if not self.storage_ok:
@@ -695,7 +703,7 @@ class Broker:
             del self.sessions[session.task_id]
             self.attach_rids.pop(_key(session.attach_rid), None)
             self.metrics["sessions/expired"] += 1
-            self.metrics["broker/segments_closed"] += len(closes)
+            self._count_closed(len(closes))
             log.info("session %s expired after %.0f s of silence (%d segment closed)", session.task_id,
                      self.cfg.session_ttl_s, len(closes))  # fmt: skip
 

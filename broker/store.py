@@ -26,6 +26,7 @@ import redis
 
 from broker.sessions import PendingStep, SegmentClose, Session, now_ms
 from common.protocol import encode
+from common.segments import decode_segment  # noqa: F401  (re-exported for the broker's readers)
 
 log = logging.getLogger(__name__)
 
@@ -220,21 +221,6 @@ class SessionStore:
 
     def stream_length(self) -> int:
         return int(self.client.xlen(self.stream))
-
-
-def decode_segment(fields: dict[bytes, bytes]) -> dict[str, Any]:
-    """A stream entry's fields as a segment map (the learner's view; see docs/protocol.md)."""
-    return {
-        "seg_id": fields[b"seg_id"].decode(),
-        "task_id": fields[b"task_id"].decode(),
-        "seq": int(fields[b"seq"]),
-        "reason": fields[b"reason"].decode(),
-        "done": fields[b"done"] == b"1",
-        "truncated": fields[b"truncated"] == b"1",
-        "next_obs": _decode(fields[b"next_obs"]),
-        "transitions": _decode(fields[b"transitions"]),
-        "closed_ms": int(fields[b"closed_ms"]),
-    }
 
 
 def _decode(data: bytes) -> Any:

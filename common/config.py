@@ -73,7 +73,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         elif kind is list:
-            group.add_argument(flag, dest=f.name, nargs="*", default=argparse.SUPPRESS, help=text, metavar="VALUE")
+            item = type(default[0]) if default else str
+            group.add_argument(flag, dest=f.name, nargs="*", type=item, default=argparse.SUPPRESS, help=text, metavar=item.__name__.upper())
         else:
             group.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS, help=text, metavar=kind.__name__.upper())
 

@@ -7,11 +7,11 @@ vocabulary, in float32.
 
 Three ways to compute the same numbers (`PATHS`):
 
-- `packed`: one forward per batch. Each observation is one row: its context,
-  then every candidate after it. A 4D attention mask lets each candidate see
-  the context and its own earlier tokens only; position ids restart after the
-  context for every candidate. The LM head runs only at the scored positions.
-  Memory grows with context + candidates, not context x candidates.
+- `packed`: the whole batch in two passes: every context once, then every
+  candidate packed behind its context in one row. A 4D attention mask lets
+  each candidate see the context and its own earlier tokens only; position ids
+  restart after the context for every candidate. The LM head runs only at the
+  scored positions. Memory grows with context + candidates, not context x candidates.
 - `kv_batch`: the context's KV once, then all candidates of the observation in
   one batched pass over that cache (for models that take no 4D mask).
 - `per_candidate`: one full forward of context + candidate per candidate (the
@@ -152,60 +152,85 @@ def _score_packed(model: Any, items: Sequence[Tokenized], past: Sequence[Any] | 
 
 
 def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, keep_cache: bool = False):
+    """Two passes over the batch: every context once (causal), then every candidate packed behind it.
+
+    Pass 1 runs the contexts alone, so the attention kernel only does the causal
+    half of context x context. Pass 2 runs all candidates of an item in one row
+    over pass 1's KV: a 4D mask lets each candidate see its context and its own
+    earlier tokens, position ids restart at len(context) for each candidate, and
+    only a candidate's tokens but the last go in (the last predicts nothing we
+    score). A single pass of context + candidates would compute attention for
+    the whole (context + candidates)^2 square, most of it masked away.
+    """
     from transformers import DynamicCache
 
     decoder, head, cap = _parts(model)
     use_bool, dtype = _mask_value(model)
     device = next(model.parameters()).device
+    batch = len(items)
+    n_ctx = [len(item.context) - m for item in items]
+    if min(n_ctx) <= 0:
+        raise ScoringError("a cached prefix must leave at least one context token to compute")
+
+    # Pass 1: the contexts.
+    width = max(n_ctx)
+    ctx_ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+    ctx_mask = torch.zeros(batch, m + width, dtype=torch.long, device=device)
+    ctx_mask[:, :m] = 1
+    for b, item in enumerate(items):
+        ctx_ids[b, : n_ctx[b]] = torch.tensor(item.context[m:], device=device)
+        ctx_mask[b, m : m + n_ctx[b]] = 1
+    ctx_pos = (m + torch.arange(width, device=device)).expand(batch, width)
+    cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv]) if kv is not None else DynamicCache()
+    out = decoder(input_ids=ctx_ids, attention_mask=ctx_mask, position_ids=ctx_pos, past_key_values=cache, use_cache=True)
+    last_ctx = out.last_hidden_state[torch.arange(batch, device=device), torch.tensor(n_ctx, device=device) - 1]
+
+    # Pass 2: the candidates, each after its own context.
     rows, positions, layouts = [], [], []
     for item in items:
-        ctx = list(item.context[m:])
         c = len(item.context)
-        ids, pos, spans = list(ctx), list(range(m, c)), []
+        ids, pos, spans = [], [], []
         for action in item.actions:
-            spans.append((len(ids), len(action)))
-            ids.extend(action)
-            pos.extend(range(c, c + len(action)))
+            spans.append((len(ids), len(action) - 1))
+            ids.extend(action[:-1])
+            pos.extend(range(c, c + len(action) - 1))
         rows.append(ids)
         positions.append(pos)
-        layouts.append((len(ctx), spans))
-    batch, length = len(rows), max(len(r) for r in rows)
-    input_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
-    position_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
-    allowed = torch.zeros(batch, 1, length, m + length, dtype=torch.bool, device=device)
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    for b, (ids, pos, (n_ctx, spans)) in enumerate(zip(rows, positions, layouts)):
-        input_ids[b, : len(ids)] = torch.tensor(ids, device=device)
-        position_ids[b, : len(pos)] = torch.tensor(pos, device=device)
-        allowed[b, 0, :, :m] = True  # everything sees the cached prefix
-        allowed[b, 0, :n_ctx, m : m + n_ctx] = causal[:n_ctx, :n_ctx]
-        for start, size in spans:
-            allowed[b, 0, start : start + size, m : m + n_ctx] = True
-            allowed[b, 0, start : start + size, m + start : m + start + size] = causal[:size, :size]
-        for pad in range(len(ids), length):  # padding rows attend to themselves only, so softmax stays finite
-            allowed[b, 0, pad, :] = False
-            allowed[b, 0, pad, m + pad] = True
-    if use_bool:
-        mask = allowed
-    else:
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv]) if kv is not None else None
-    out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                  use_cache=keep_cache or cache is not None)  # fmt: skip
-    hidden = out.last_hidden_state
-    # Gather the scored positions of the whole batch and apply the LM head once.
-    row_idx, col_idx, targets, owners = [], [], [], []
-    for b, (item, (n_ctx, spans)) in enumerate(zip(items, layouts)):
-        for j, ((start, size), action) in enumerate(zip(spans, item.actions)):
-            cols = [n_ctx - 1] + list(range(start, start + size - 1))
-            row_idx.extend([b] * size)
-            col_idx.extend(cols)
+        layouts.append(spans)
+    length = max(len(r) for r in rows)
+    hidden = None
+    if length:
+        past = m + width
+        cand_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+        cand_pos = torch.zeros(batch, length, dtype=torch.long, device=device)
+        allowed = torch.zeros(batch, 1, length, past + length, dtype=torch.bool, device=device)
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        for b, (ids, pos, spans) in enumerate(zip(rows, positions, layouts)):
+            if ids:
+                cand_ids[b, : len(ids)] = torch.tensor(ids, device=device)
+                cand_pos[b, : len(pos)] = torch.tensor(pos, device=device)
+            allowed[b, 0, :, : m + n_ctx[b]] = True  # the item's own context, not the padding after it
+            for start, size in spans:
+                allowed[b, 0, start : start + size, past + start : past + start + size] = causal[:size, :size]
+            for pad in range(len(ids), length):  # padding attends to itself only, so softmax stays finite
+                allowed[b, 0, pad, :] = False
+                allowed[b, 0, pad, past + pad] = True
+        if use_bool:
+            mask = allowed
+        else:
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        hidden = decoder(input_ids=cand_ids, attention_mask=mask, position_ids=cand_pos, past_key_values=cache,
+                         use_cache=True).last_hidden_state  # fmt: skip
+
+    # Gather the hidden state before every scored token and apply the LM head once.
+    states, targets = [], []
+    for b, (item, spans) in enumerate(zip(items, layouts)):
+        for (start, size), action in zip(spans, item.actions):
+            states.append(last_ctx[b : b + 1])
+            if size:
+                states.append(hidden[b, start : start + size])
             targets.extend(action)
-            owners.extend([(b, j)] * size)
-    if any(n_ctx == 0 for n_ctx, _ in layouts):
-        raise ScoringError("a cached prefix must leave at least one context token to compute")
-    logp = _token_logprobs(head, cap, hidden[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)],
-                           torch.tensor(targets, device=device))  # fmt: skip
+    logp = _token_logprobs(head, cap, torch.cat(states), torch.tensor(targets, device=device))
     results = []
     offset = 0
     for item in items:
@@ -215,7 +240,7 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
         offset += total
         seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
         results.append(torch.zeros(len(sizes), dtype=logp.dtype, device=device).index_add(0, seg, per_token))
-    return results, (out.past_key_values if keep_cache else None)
+    return results, (cache if keep_cache else None)
 
 
 def score_kv_batch(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]:

@@ -20,7 +20,6 @@ from common.config import ConfigError, add_flags, load
 log = logging.getLogger("ppoz")
 
 NOT_YET = {
-    "learner": "the PPO learner is not built yet (issue 4, 'Learner node'); segments wait in the Redis stream until it is",
     "up": "`ppoz up` is not built yet (issue 5); start `ppoz broker` and `ppoz actor` yourself meanwhile",
     "demo": "`ppoz demo` is not built yet (issue 5)",
 }
@@ -66,8 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, ActorConfig)
     p.set_defaults(func=cmd_actor)
 
-    for name, text in (("learner", "run the PPO learner on the Redis stream"),
-                       ("up", "start and supervise a whole stack on this machine"),
+    from learner_node.config import LearnerConfig
+
+    p = sub.add_parser("learner", help="run the PPO learner on the Redis segment stream",
+                       description="Train the policy with PPO on the segments the broker writes to Redis; publish each new version.")  # fmt: skip
+    _config_option(p)
+    add_flags(p, LearnerConfig)
+    p.set_defaults(func=cmd_learner)
+
+    for name, text in (("up", "start and supervise a whole stack on this machine"),
                        ("demo", "watch an LLM policy learn on this machine (no GPU needed)")):  # fmt: skip
         p = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. {NOT_YET[name]}.")
         _config_option(p)
@@ -185,6 +191,23 @@ def run_actor(cfg: Any, stop: threading.Event) -> int:
     if follower is not None:
         follower.close()
     log.info("actor %s stopped after %d requests", link.name, served)
+    return 0
+
+
+def cmd_learner(args: argparse.Namespace) -> int:
+    from common.redis_server import check_server, connect
+    from learner_node.config import LearnerConfig
+    from learner_node.worker import Learner
+
+    cfg = load(LearnerConfig, args.config, args)
+    # The blocking stream read needs a socket timeout above its block time.
+    client = connect(cfg.redis_url, socket_timeout=cfg.read_block_ms / 1000 + 10)
+    check_server(client)
+    learner = Learner(cfg, client)
+    _on_stop(learner.stop)
+    learner.run()
+    log.info("learner stopped after %d updates at policy version %d: %s", learner.updates, learner.version,
+             dict(learner.counters))  # fmt: skip
     return 0
 
 

@@ -52,8 +52,10 @@ def test_invalid_config_fails_at_start_naming_key_and_value(tmp_path):
 
 
 def test_not_yet_built_commands_say_so_and_fail():
-    result = run("learner")
+    result = run("up")
     assert result.returncode == 2 and "not built yet" in result.stderr
+    result = run("learner")  # required settings missing
+    assert result.returncode == 2 and "`model` is required" in result.stderr
 
 
 def test_broker_serves_status_and_stops_cleanly_on_sigterm(redis_url, key_prefix):

@@ -66,19 +66,29 @@ def observation(prompt: int, n_actions: int, vocab: int, gen: torch.Generator):
     return Tokenized(ctx, acts, tuple(1 for _ in acts))
 
 
-def full_sequences(model: Any, item: Any) -> torch.Tensor:
-    """TWOSOME's way: every candidate as its own padded sequence, one batch, logits at every position."""
+def full_sequences(model: Any, item: Any, logits_budget_mb: int = 2048) -> torch.Tensor:
+    """TWOSOME's way: every candidate as its own padded sequence, logits at every position.
+
+    The sequences go through in batches small enough that their full logits fit
+    `logits_budget_mb` (at 4k x 32 all at once they would need 17 GB)."""
     device = next(model.parameters()).device
-    c, k = len(item.context), len(item.actions)
+    c = len(item.context)
     longest = max(len(a) for a in item.actions)
-    ids = torch.zeros(k, c + longest, dtype=torch.long, device=device)
-    attn = torch.zeros(k, c + longest, dtype=torch.long, device=device)
-    for j, a in enumerate(item.actions):
-        ids[j, : c + len(a)] = torch.tensor(list(item.context) + list(a), device=device)
-        attn[j, : c + len(a)] = 1
-    logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), dim=-1)
-    return torch.stack([logp[j, c - 1 : c - 1 + len(a)].gather(-1, torch.tensor(a, device=device)[:, None]).sum()
-                        for j, a in enumerate(item.actions)])  # fmt: skip
+    per_sequence = (c + longest) * model.config.vocab_size * 4 * 2  # logits + their log-softmax, float32
+    chunk = max(1, int(logits_budget_mb * 2**20 // per_sequence))
+    sums = []
+    for start in range(0, len(item.actions), chunk):
+        actions = item.actions[start : start + chunk]
+        ids = torch.zeros(len(actions), c + longest, dtype=torch.long, device=device)
+        attn = torch.zeros(len(actions), c + longest, dtype=torch.long, device=device)
+        for j, a in enumerate(actions):
+            ids[j, : c + len(a)] = torch.tensor(list(item.context) + list(a), device=device)
+            attn[j, : c + len(a)] = 1
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), dim=-1)
+        sums += [logp[j, c - 1 : c - 1 + len(a)].gather(-1, torch.tensor(a, device=device)[:, None]).sum()
+                 for j, a in enumerate(actions)]  # fmt: skip
+        del logp
+    return torch.stack(sums)
 
 
 def kv_per_action(model: Any, item: Any) -> torch.Tensor:

@@ -1,0 +1,78 @@
+"""The learner's configuration (TOML table [learner], or flags of `ppoz learner`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import check, option, section
+from common.options import DTYPE_NAMES, NORMALISATIONS
+
+
+@section("learner")
+@dataclass
+class LearnerConfig:
+    # --- the policy: must match the actors' ---
+    model: str = option("", "causal LM: a local directory or a Hugging Face id (the actors' --model)")
+    lora_rank: int = option(8, "LoRA rank (0: train all weights, for tiny models); the actors' --lora-rank")
+    lora_alpha: int = option(16, "LoRA alpha; the actors' --lora-alpha")
+    normalisation: str = option("word", "candidate score normalisation (token, word, sum); the actors' --normalisation")
+    temperature: float = option(1.0, "softmax temperature over candidate scores; the actors' --temperature")
+    device: str = option("auto", "torch device: auto, cpu, cuda, cuda:N")
+    dtype: str = option("auto", "base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16; the adapter stays float32")
+    # --- data ---
+    redis_url: str = option("", "Redis holding the segment stream (required)")
+    key_prefix: str = option("ppoz", "Redis key prefix shared with the broker and actors")
+    stream_key: str = option("segments", "stream name after the prefix (the broker's stream_key)")
+    consumer_group: str = option("learners", "consumer group on the stream (the broker creates it)")
+    consumer: str = option("learner-0", "this learner's consumer name; keep it across restarts so its pending segments come back to it")
+    claim_idle_ms: int = option(60_000, "segments left pending this long by another (dead) consumer are taken over")
+    rollout_batch: int = option(64, "transitions per update")
+    max_policy_lag: int = option(4, "transitions from a behaviour policy more than this many versions old are dropped and counted")
+    # --- algorithm ---
+    gamma: float = option(0.99, "discount factor")
+    gae_lambda: float = option(0.95, "GAE lambda")
+    update_epochs: int = option(2, "passes over each rollout")
+    policy_minibatch: int = option(16, "transitions per policy optimizer step")
+    micro_batch: int = option(4, "transitions per forward/backward (gradient accumulation up to policy_minibatch)")
+    value_minibatch: int = option(32, "transitions per critic optimizer step")
+    clip_coef: float = option(0.2, "PPO ratio clipping")
+    value_clip: float = option(0.2, "value clipping around the old values (0: off)")
+    ent_coef: float = option(0.01, "entropy bonus coefficient")
+    vf_coef: float = option(0.5, "value loss coefficient")
+    kl_coef: float = option(0.0, "coefficient of the KL penalty to the reference policy (the base, adapter off)")
+    kl_target: float = option(0.0, "if > 0, adapt kl_coef towards this KL to the reference (Ziegler et al.)")
+    target_kl: float = option(0.02, "stop an update's policy epochs once approx KL exceeds this (0: never)")
+    max_grad_norm: float = option(0.5, "gradient clipping norm")
+    policy_lr: float = option(1e-6, "policy (adapter) learning rate")
+    value_lr: float = option(5e-5, "critic learning rate")
+    warmup_updates: int = option(0, "first updates train only the critic")
+    value_hidden: list = option([1024, 512], "hidden layer sizes of the value head MLP")
+    # --- checkpoints, publication, logs ---
+    checkpoint_dir: str = option("runs/learner/checkpoints", "where checkpoints go")
+    keep_checkpoints: int = option(3, "checkpoints kept")
+    resume: bool = option(False, "restore the newest checkpoint and go on from it")
+    weights_bind: str = option("tcp://127.0.0.1:5557", "endpoint the learner binds to announce new weights (PUB)")
+    tensorboard_dir: str = option("runs/learner/tb", "TensorBoard log directory (empty: off)")
+    max_updates: int = option(0, "stop after this many updates (0: run until stopped)")
+    read_block_ms: int = option(1000, "longest a read of the stream blocks")
+    seed: int = option(0, "random seed")
+
+    def __post_init__(self) -> None:
+        check(self.model != "", "`model` is required: a local directory or a Hugging Face id")
+        check(self.lora_rank >= 0, f"`lora_rank` must be 0 or more, got {self.lora_rank}")
+        check(self.normalisation in NORMALISATIONS, f"`normalisation` must be one of {', '.join(NORMALISATIONS)}, got {self.normalisation!r}")
+        check(self.temperature > 0, f"`temperature` must be positive, got {self.temperature}")
+        check(self.dtype == "auto" or self.dtype in DTYPE_NAMES, f"`dtype` must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        check(self.redis_url != "", "`redis_url` is required: the Redis the broker writes segments to")
+        check(self.rollout_batch > 0, f"`rollout_batch` must be positive, got {self.rollout_batch}")
+        check(self.max_policy_lag >= 0, f"`max_policy_lag` must be 0 or more, got {self.max_policy_lag}")
+        check(0 < self.gamma <= 1, f"`gamma` must be in (0, 1], got {self.gamma}")
+        check(0 <= self.gae_lambda <= 1, f"`gae_lambda` must be in [0, 1], got {self.gae_lambda}")
+        for name in ("update_epochs", "policy_minibatch", "micro_batch", "value_minibatch", "keep_checkpoints", "read_block_ms"):
+            check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
+        for name in ("clip_coef", "policy_lr", "value_lr", "max_grad_norm"):
+            check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
+        for name in ("value_clip", "ent_coef", "vf_coef", "kl_coef", "kl_target", "target_kl", "warmup_updates", "max_updates"):
+            check(getattr(self, name) >= 0, f"`{name}` must be 0 or more, got {getattr(self, name)}")
+        check(all(isinstance(h, int) and h > 0 for h in self.value_hidden), f"`value_hidden` must be positive ints, got {self.value_hidden}")
+        check("://" in self.weights_bind, f"`weights_bind` must be a ZeroMQ endpoint, got {self.weights_bind!r}")

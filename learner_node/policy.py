@@ -1,0 +1,100 @@
+"""The learner's models: the policy (same scoring as the actor, with gradients), the reference, the critic.
+
+- Policy: the base LM with its LoRA adapter; candidate log-probabilities from
+  `common.scoring` (packed layout), normalised and softmaxed exactly as the actor does.
+- Reference: the same base with the adapter disabled (no copy); with
+  `lora_rank 0` (all weights trained) a frozen copy of the starting weights.
+- Critic (TWOSOME's design): an MLP value head on the frozen base's final hidden
+  state at the last token of the context, i.e. exactly the text the policy sees
+  (prompt + question), adapter disabled. The base is frozen, so these features
+  are computed once per observation and the head trains on them alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from common import scoring
+
+
+class ValueHead(nn.Module):
+    def __init__(self, width: int, hidden: Sequence[int] = (1024, 512)) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for size in hidden:
+            layers += [nn.Linear(width, size), nn.ReLU()]
+            width = size
+        layers.append(nn.Linear(width, 1))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net(features.float()).squeeze(-1)
+
+
+class LearnerPolicy:
+    def __init__(self, model: Any, tokenizer: Any, normalisation: str, temperature: float, value_hidden: Sequence[int],
+                 path: str = "packed") -> None:  # fmt: skip
+        self.model = model
+        self.tokenizer = tokenizer
+        self.normalisation = normalisation
+        self.temperature = temperature
+        self.path = path
+        self.has_adapter = hasattr(model, "peft_config")
+        self.frozen = None
+        if not self.has_adapter:
+            self.frozen = copy.deepcopy(model).eval()
+            self.frozen.requires_grad_(False)
+        device = next(model.parameters()).device
+        width = model.get_output_embeddings().weight.shape[1]
+        self.value_head = ValueHead(width, value_hidden).to(device)
+
+    def tokenize(self, obs: dict[str, Any]) -> scoring.Tokenized:
+        return scoring.tokenize_observation(self.tokenizer, obs["prompt"], obs.get("question", ""), obs["action"])
+
+    @contextlib.contextmanager
+    def base(self) -> Iterator[Any]:
+        """The model with the adapter off (reference policy and critic features)."""
+        if self.has_adapter:
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            yield self.frozen
+
+    def logp_all(self, items: Sequence[scoring.Tokenized], model: Any | None = None) -> list[torch.Tensor]:
+        """log pi(a | s) over every candidate of every item (gradients flow if enabled)."""
+        sums = scoring.score(model or self.model, items, self.path)
+        return [scoring.policy_logprobs(scoring.normalise(s.float(), item, self.normalisation), self.temperature)
+                for s, item in zip(sums, items)]  # fmt: skip
+
+    @torch.no_grad()
+    def reference_logp_all(self, items: Sequence[scoring.Tokenized]) -> list[torch.Tensor]:
+        with self.base() as base:
+            return self.logp_all(items, base)
+
+    @torch.no_grad()
+    def features(self, items: Sequence[scoring.Tokenized], batch: int = 8) -> torch.Tensor:
+        """The frozen base's final hidden state at each context's last token, [N, width], float32."""
+        device = next(self.model.parameters()).device
+        out = []
+        with self.base() as base:
+            decoder = scoring._parts(base)[0]
+            for start in range(0, len(items), batch):
+                chunk = items[start : start + batch]
+                longest = max(len(it.context) for it in chunk)
+                ids = torch.zeros(len(chunk), longest, dtype=torch.long, device=device)
+                mask = torch.zeros(len(chunk), longest, dtype=torch.long, device=device)
+                for i, it in enumerate(chunk):
+                    ids[i, : len(it.context)] = torch.tensor(it.context, device=device)
+                    mask[i, : len(it.context)] = 1
+                hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+                last = torch.tensor([len(it.context) - 1 for it in chunk], device=device)
+                out.append(hidden[torch.arange(len(chunk), device=device), last].float())
+        return torch.cat(out)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]

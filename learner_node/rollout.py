@@ -1,0 +1,95 @@
+"""From trajectory segments to a training batch: bootstrap rules, GAE, staleness filter.
+
+Bootstrap rules for a segment (docs/design.md, "Learner"):
+- closed by `done`: the episode ended with its last transition; nothing is bootstrapped.
+- carries `next_obs` (closed by length, by the orphan-step rule, or truncated with
+  the next observation known): bootstrap from V(next_obs).
+- truncated with nothing after it (detach, expiry without a pending step): the
+  last transition has no observed successor, so it is not trained on (counted as
+  `dropped_truncated`); its observation's value bootstraps the transition before it.
+Transitions whose behaviour policy is more than `max_policy_lag` versions old are
+dropped after GAE (they still shape their neighbours' targets) and counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from learner_node import ppo
+
+
+@dataclass
+class Rollout:
+    """Flat per-transition training data (b_ tensors) and what was left out."""
+
+    obs: list[dict[str, Any]] = field(default_factory=list)
+    actions: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    returns: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    seg_ids: list[str] = field(default_factory=list)
+    episodic_returns: list[float] = field(default_factory=list)
+    dropped_stale: int = 0
+    dropped_truncated: int = 0
+    stored: int = 0  # transitions in the segments taken
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+
+def build_rollout(segments: list[dict[str, Any]], value_of: Callable[[list[dict[str, Any]]], list[float]],
+                  gamma: float, lam: float, current_version: int, max_policy_lag: int) -> Rollout:  # fmt: skip
+    """Turn decoded segments into a Rollout; `value_of(observations)` is the critic (no gradients)."""
+    out = Rollout()
+    # One critic call for every observation and bootstrap observation of the batch.
+    wanted: list[dict[str, Any]] = []
+    for seg in segments:
+        wanted += [t["obs"] for t in seg["transitions"]]
+        if seg["next_obs"] is not None and not seg["done"]:
+            wanted.append(seg["next_obs"])
+    values = value_of(wanted) if wanted else []
+    cursor = 0
+    for seg in segments:
+        transitions = seg["transitions"]
+        n = len(transitions)
+        out.stored += n
+        seg_values = values[cursor : cursor + n]
+        cursor += n
+        if seg["done"]:
+            next_value = 0.0
+        elif seg["next_obs"] is not None:
+            next_value = values[cursor]
+            cursor += 1
+        else:  # truncated with no successor: drop the last transition, bootstrap from its observation
+            out.dropped_truncated += 1
+            transitions, next_value, seg_values = transitions[:-1], seg_values[-1], seg_values[:-1]
+            n -= 1
+            if n == 0:
+                continue
+        rewards = torch.tensor([float(t["reward"]) for t in transitions])
+        dones = torch.tensor([bool(t["done"]) for t in transitions])
+        b_values = torch.tensor(seg_values, dtype=torch.float32)
+        advantages, returns = ppo.gae(rewards, b_values, dones, next_value, gamma, lam)
+        episode = 0.0
+        for t, adv, ret, v in zip(transitions, advantages.tolist(), returns.tolist(), seg_values):
+            episode += float(t["reward"])
+            if t["done"]:
+                out.episodic_returns.append(episode)
+                episode = 0.0
+            if current_version - int(t["policy_version"]) > max_policy_lag:
+                out.dropped_stale += 1
+                continue
+            out.obs.append(t["obs"])
+            out.actions.append(int(t["action"]))
+            out.logprobs.append(float(t["logprob"]))
+            out.versions.append(int(t["policy_version"]))
+            out.advantages.append(adv)
+            out.returns.append(ret)
+            out.values.append(float(v))
+            out.seg_ids.append(seg["seg_id"])
+    return out

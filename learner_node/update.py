@@ -1,0 +1,170 @@
+"""One PPO update over a rollout: the critic on cached features, then the policy with gradient accumulation.
+
+Read top to bottom like CleanRL's update; the loss terms are in learner_node/ppo.py.
+With several processes (accelerate / torch.distributed), each rank takes its
+share of every minibatch and gradients are averaged across ranks before each
+optimizer step, so an update equals the one-process update on the same batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from learner_node import ppo
+from learner_node.policy import LearnerPolicy
+from learner_node.rollout import Rollout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    update_epochs: int = 2
+    policy_minibatch: int = 16
+    micro_batch: int = 4
+    value_minibatch: int = 32
+    clip_coef: float = 0.2
+    value_clip: float | None = 0.2
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    kl_coef: float = 0.0
+    target_kl: float | None = 0.02
+    max_grad_norm: float = 0.5
+    seed: int = 0
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _average_gradients(params: list[torch.nn.Parameter]) -> None:
+    rank, world = _world()
+    if world == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= world
+
+
+def _mean_over_ranks(value: float) -> float:
+    rank, world = _world()
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / world
+
+
+def ppo_update(lp: LearnerPolicy, policy_opt: torch.optim.Optimizer, value_opt: torch.optim.Optimizer, rollout: Rollout,
+               cfg: UpdateConfig, train_policy: bool = True, kl_coef: float | None = None) -> dict[str, float]:  # fmt: skip
+    """Train critic and policy on one rollout; returns the metrics under their usual slash keys."""
+    rank, world = _world()
+    gen = torch.Generator().manual_seed(cfg.seed)  # the same minibatch order on every rank
+    kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
+    items = [lp.tokenize(o) for o in rollout.obs]
+    n = len(items)
+    b_actions = torch.tensor(rollout.actions)
+    b_logprobs = torch.tensor(rollout.logprobs)
+    b_advantages = ppo.normalise_advantages(torch.tensor(rollout.advantages))
+    b_returns = torch.tensor(rollout.returns)
+    b_values = torch.tensor(rollout.values)
+    device = next(lp.value_head.parameters()).device
+    metrics: dict[str, float] = {}
+
+    # --- critic: features of the frozen base, computed once ----------------------------------
+    features = lp.features(items)
+    value_params = list(lp.value_head.parameters())
+    v_losses = []
+    for _ in range(cfg.update_epochs):
+        perm = torch.randperm(n, generator=gen)
+        for start in range(0, n, cfg.value_minibatch):
+            mb_inds = perm[start : start + cfg.value_minibatch]
+            mine = mb_inds[rank::world]
+            value_opt.zero_grad()
+            v_loss = torch.zeros(())
+            if len(mine):
+                newvalue = lp.value_head(features[mine.to(device)]).cpu()
+                v_loss = ppo.value_loss(newvalue, b_values[mine], b_returns[mine], cfg.value_clip)
+                # This rank's mean, weighted so the average over ranks is the minibatch mean.
+                (cfg.vf_coef * v_loss * len(mine) * world / len(mb_inds)).backward()
+            _average_gradients(value_params)
+            torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
+            value_opt.step()
+            v_losses.append(_mean_over_ranks(float(v_loss) * len(mine) * world / len(mb_inds)))
+    with torch.no_grad():
+        predicted = lp.value_head(features).cpu()
+    metrics["losses/value_loss"] = sum(v_losses) / max(len(v_losses), 1)
+    metrics["losses/explained_variance"] = ppo.explained_variance(predicted, b_returns)
+
+    if not train_policy:
+        return metrics
+
+    # --- policy: recomputed candidate distributions, gradients through the adapter ------------
+    ref_logp = lp.reference_logp_all(items)
+    policy_params = lp.trainable_parameters()
+    pg_losses, entropies, kls, approx_kls, clipfracs = [], [], [], [], []
+    first_ratio_dev = None
+    optimizer_steps = 0
+    stopped_early = False
+    for _ in range(cfg.update_epochs):
+        perm = torch.randperm(n, generator=gen)
+        for start in range(0, n, cfg.policy_minibatch):
+            mb_inds = perm[start : start + cfg.policy_minibatch]
+            mine = mb_inds[rank::world]
+            policy_opt.zero_grad()
+            mb_kl = 0.0
+            for micro_start in range(0, len(mine), cfg.micro_batch):
+                micro = mine[micro_start : micro_start + cfg.micro_batch].tolist()
+                logp_all = lp.logp_all([items[i] for i in micro])
+                newlogprob = torch.stack([l[b_actions[i]] for l, i in zip(logp_all, micro)]).cpu()
+                entropy = torch.stack([ppo.entropy(l) for l in logp_all]).cpu()
+                kl_ref = torch.stack([ppo.kl_to_reference(l, ref_logp[i]) for l, i in zip(logp_all, micro)]).cpu()
+                terms = ppo.policy_loss(newlogprob, b_logprobs[micro], b_advantages[micro], cfg.clip_coef)
+                loss = terms.pg_loss - cfg.ent_coef * entropy.mean() + kl_coef * kl_ref.mean()
+                # Each micro-batch's mean, weighted to a mean over the whole minibatch (all ranks).
+                (loss * len(micro) * world / len(mb_inds)).backward()
+                if first_ratio_dev is None:
+                    first_ratio_dev = float((terms.ratio - 1).abs().max())
+                mb_kl += float(terms.approx_kl) * len(micro) / max(len(mine), 1)
+                pg_losses.append(float(terms.pg_loss))
+                entropies.append(float(entropy.mean()))
+                kls.append(float(kl_ref.mean()))
+                clipfracs.append(float(terms.clipfrac))
+            _average_gradients(policy_params)
+            torch.nn.utils.clip_grad_norm_(policy_params, cfg.max_grad_norm)
+            policy_opt.step()
+            optimizer_steps += 1
+            mb_kl = _mean_over_ranks(mb_kl)
+            approx_kls.append(mb_kl)
+            # Checked per optimizer step, after the step: no accumulated gradient is thrown away.
+            if cfg.target_kl is not None and mb_kl > cfg.target_kl:
+                stopped_early = True
+                break
+        if stopped_early:
+            break
+    metrics.update({
+        "losses/policy_loss": _mean(pg_losses),
+        "losses/entropy": _mean(entropies),
+        "losses/kl_ref": _mean(kls),
+        "losses/approx_kl": _mean(approx_kls),
+        "losses/clipfrac": _mean(clipfracs),
+        "losses/first_minibatch_ratio_dev": first_ratio_dev if first_ratio_dev is not None else math.nan,
+        "losses/optimizer_steps": optimizer_steps,
+        "losses/early_stop": float(stopped_early),
+        "losses/kl_coef": kl_coef,
+    })  # fmt: skip
+    return metrics
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan

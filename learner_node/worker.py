@@ -1,0 +1,252 @@
+"""The learner process: segments from the Redis stream -> PPO update -> checkpoint -> ack -> publish.
+
+The data path of one update, in order, and why the order matters:
+
+1. read segments through the consumer group (own pending entries first after a
+   restart, then entries a dead learner left pending, then new ones) until
+   `rollout_batch` transitions are in hand; segment ids already trained are skipped;
+2. build the rollout (GAE, staleness filter) and run the PPO update;
+3. checkpoint, atomically, with the stream entries the update consumed;
+4. acknowledge (XACK) and delete those entries: only now, so a crash at any
+   earlier point leaves them pending and they are trained again from the
+   previous checkpoint's weights, never twice and never lost;
+5. store the new weights in Redis, then announce them on PUB.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+import redis
+import torch
+import zmq
+
+from common import weights
+from common.segments import decode_segment
+from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict
+from learner_node import checkpoint
+from learner_node.config import LearnerConfig
+from learner_node.policy import LearnerPolicy
+from learner_node.ppo import AdaptiveKLController
+from learner_node.rollout import build_rollout
+from learner_node.update import UpdateConfig, ppo_update
+
+log = logging.getLogger(__name__)
+
+RECENT_SEGMENTS = 100_000  # segment ids remembered to drop duplicates
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig, client: redis.Redis, context: zmq.Context | None = None) -> None:
+        self.cfg = cfg
+        self.redis = client
+        self.stream = f"{cfg.key_prefix}:{cfg.stream_key}"
+        torch.manual_seed(cfg.seed)
+        model, tokenizer = load_policy(ModelSpec(cfg.model, cfg.device, cfg.dtype, cfg.lora_rank, cfg.lora_alpha))
+        model.train()
+        self.lp = LearnerPolicy(model, tokenizer, cfg.normalisation, cfg.temperature, cfg.value_hidden)
+        self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=cfg.policy_lr, eps=1e-5)
+        self.value_opt = torch.optim.Adam(self.lp.value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
+        self.kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target or None)
+        self.update_cfg = UpdateConfig(cfg.update_epochs, cfg.policy_minibatch, cfg.micro_batch, cfg.value_minibatch,
+                                       cfg.clip_coef, cfg.value_clip or None, cfg.ent_coef, cfg.vf_coef, cfg.kl_coef,
+                                       cfg.target_kl or None, cfg.max_grad_norm, cfg.seed)  # fmt: skip
+        self.version = 0
+        self.updates = 0
+        self.seen: collections.deque[str] = collections.deque(maxlen=RECENT_SEGMENTS)
+        self.seen_set: set[str] = set()
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.stop_event = threading.Event()
+        self.ctx = context or zmq.Context.instance()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(cfg.weights_bind)
+        self.weights_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.writer = None
+        if cfg.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(cfg.tensorboard_dir)
+        self._pending_own = True  # after a (re)start, this consumer's unacknowledged entries come first
+
+    # --- start-up ----------------------------------------------------------------------------
+    def start(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream, self.cfg.consumer_group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        if self.cfg.resume:
+            self.restore()
+        self.publish()  # a restored (or the initial) version is announced at once
+
+    def restore(self) -> None:
+        path = checkpoint.latest(self.cfg.checkpoint_dir)
+        if path is None:
+            log.info("--resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint_dir)
+            return
+        tensors, value_head, optimizers, state = checkpoint.load(path)
+        device = next(self.lp.model.parameters()).device
+        load_policy_state_dict(self.lp.model, {k: v.to(device) for k, v in tensors.items()})
+        self.lp.value_head.load_state_dict(value_head)
+        self.policy_opt.load_state_dict(optimizers["policy"])
+        self.value_opt.load_state_dict(optimizers["value"])
+        self.version, self.updates, self.kl.value = state["version"], state["updates"], state["kl_coef"]
+        self.counters.update(state["counters"])
+        for seg_id in state["recent_segments"]:
+            self._remember(seg_id)
+        # The update in this checkpoint consumed these entries; the crash may have come before they were acknowledged.
+        self._ack(state["last_entries"])
+        log.info("resumed from %s: policy version %d after %d updates", path, self.version, self.updates)
+
+    # --- the loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.start()
+        while not self.stop_event.is_set():
+            if self.cfg.max_updates and self.updates >= self.cfg.max_updates:
+                break
+            self.step()
+        self.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def step(self) -> dict[str, float] | None:
+        """Collect one rollout's segments and train on them; None if stopped before a rollout was complete."""
+        entries, segments = self.collect()
+        if not segments:
+            return None
+        started = time.perf_counter()
+        trained_from = self.version
+        self.lp.model.eval()
+        rollout = build_rollout(segments, self._values, self.cfg.gamma, self.cfg.gae_lambda, self.version, self.cfg.max_policy_lag)
+        train_policy = self.updates >= self.cfg.warmup_updates
+        metrics: dict[str, float] = {}
+        if len(rollout):
+            self.lp.model.train()
+            metrics = ppo_update(self.lp, self.policy_opt, self.value_opt, rollout, self.update_cfg, train_policy, self.kl.value)
+            self.lp.model.eval()
+            if train_policy:
+                self.version += 1
+                if "losses/kl_ref" in metrics and not math.isnan(metrics["losses/kl_ref"]):
+                    self.kl.update(metrics["losses/kl_ref"], len(rollout))
+        self.updates += 1
+        self.counters["transitions_stored"] += rollout.stored
+        self.counters["transitions_trained"] += len(rollout)
+        self.counters["dropped_stale"] += rollout.dropped_stale
+        self.counters["dropped_truncated"] += rollout.dropped_truncated
+        self.counters["segments_trained"] += len(segments)
+        for seg in segments:
+            self._remember(seg["seg_id"])
+        ids = [entry_id for entry_id, _ in entries]
+        self.save_checkpoint(ids)
+        self._ack(ids)
+        if train_policy and len(rollout):
+            self.publish()
+        elapsed = time.perf_counter() - started
+        lag = [trained_from - v for v in rollout.versions] if rollout.versions else [0]
+        metrics.update({
+            "charts/episodic_return": sum(rollout.episodic_returns) / len(rollout.episodic_returns) if rollout.episodic_returns else math.nan,
+            "charts/policy_lag": sum(lag) / len(lag),
+            "charts/SPS": len(rollout) / elapsed if elapsed > 0 else 0.0,
+            "charts/policy_version": self.version,
+            "charts/dropped_stale": rollout.dropped_stale,
+            "charts/dropped_truncated": rollout.dropped_truncated,
+        })  # fmt: skip
+        self._log(metrics, len(rollout))
+        return metrics
+
+    def collect(self) -> tuple[list[tuple[str, dict]], list[dict[str, Any]]]:
+        """Stream entries until `rollout_batch` transitions are in hand (or the learner is stopped)."""
+        entries: list[tuple[str, dict]] = []
+        segments: list[dict[str, Any]] = []
+        transitions = 0
+        while transitions < self.cfg.rollout_batch and not self.stop_event.is_set():
+            for entry_id, fields in self._read(self.cfg.rollout_batch - transitions):
+                try:
+                    seg = decode_segment(fields)
+                except Exception as e:  # a malformed entry must not stop training; it is acknowledged with the batch
+                    log.error("stream entry %s is not a segment (%s); skipping it", entry_id, e)
+                    self.counters["malformed_segments"] += 1
+                    entries.append((entry_id, fields))
+                    continue
+                entries.append((entry_id, fields))
+                if seg["seg_id"] in self.seen_set:
+                    self.counters["duplicate_segments"] += 1
+                    continue
+                segments.append(seg)
+                transitions += len(seg["transitions"])
+        return entries, segments
+
+    def _read(self, want: int) -> list[tuple[str, dict]]:
+        group, me = self.cfg.consumer_group, self.cfg.consumer
+        if self._pending_own:
+            got = self.redis.xreadgroup(group, me, {self.stream: "0"}, count=max(want, 1))
+            own = got[0][1] if got else []
+            if own:
+                return [(i.decode(), f) for i, f in own if f]
+            self._pending_own = False
+            claimed = self.redis.xautoclaim(self.stream, group, me, min_idle_time=self.cfg.claim_idle_ms, count=1000)
+            if claimed[1]:
+                log.info("took over %d segments left pending by another consumer", len(claimed[1]))
+                self._pending_own = True  # they are ours now: read them as own pending
+                return [(i.decode(), f) for i, f in claimed[1] if f]
+        got = self.redis.xreadgroup(group, me, {self.stream: ">"}, count=max(want, 1), block=self.cfg.read_block_ms)
+        return [(i.decode(), f) for i, f in got[0][1]] if got else []
+
+    def _ack(self, ids: list[str]) -> None:
+        if ids:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xack(self.stream, self.cfg.consumer_group, *ids)
+            pipe.xdel(self.stream, *ids)  # acknowledged entries are not needed again; keep the stream small
+            pipe.execute()
+
+    def _remember(self, seg_id: str) -> None:
+        if len(self.seen) == self.seen.maxlen:
+            self.seen_set.discard(self.seen[0])
+        self.seen.append(seg_id)
+        self.seen_set.add(seg_id)
+
+    def _values(self, observations: list[dict[str, Any]]) -> list[float]:
+        with torch.no_grad():
+            features = self.lp.features([self.lp.tokenize(o) for o in observations])
+            return self.lp.value_head(features).cpu().tolist()
+
+    # --- persistence and publication -----------------------------------------------------------
+    def save_checkpoint(self, entry_ids: list[str]) -> None:
+        state = {"version": self.version, "updates": self.updates, "kl_coef": self.kl.value, "counters": dict(self.counters),
+                 "last_entries": entry_ids, "recent_segments": list(self.seen), "config": asdict(self.cfg)}  # fmt: skip
+        checkpoint.save(self.cfg.checkpoint_dir, self.updates, policy_state_dict(self.lp.model), self.lp.value_head.state_dict(),
+                        {"policy": self.policy_opt.state_dict(), "value": self.value_opt.state_dict()}, state,
+                        self.cfg.keep_checkpoints)  # fmt: skip
+
+    def publish(self) -> None:
+        """Store the current weights in Redis, then announce them (PUB never holds the only copy)."""
+        kind = "lora" if self.lp.has_adapter else "full"
+        ann = weights.store_snapshot(self.redis, self.cfg.key_prefix, self.version, policy_state_dict(self.lp.model), kind)
+        weights.announce(self.pub, ann)
+
+    def _log(self, metrics: dict[str, float], n: int) -> None:
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if not (isinstance(value, float) and math.isnan(value)):
+                    self.writer.add_scalar(key, value, self.updates)
+            self.writer.flush()
+        log.info("update %d: version %d, %d transitions, return %.3f, policy_loss %.4f, value_loss %.4f, entropy %.3f, "
+                 "approx_kl %.4f, kl_ref %.4f, clipfrac %.3f, lag %.2f, %.1f transitions/s", self.updates, self.version, n,
+                 metrics.get("charts/episodic_return", math.nan), metrics.get("losses/policy_loss", math.nan),
+                 metrics.get("losses/value_loss", math.nan), metrics.get("losses/entropy", math.nan),
+                 metrics.get("losses/approx_kl", math.nan), metrics.get("losses/kl_ref", math.nan),
+                 metrics.get("losses/clipfrac", math.nan), metrics.get("charts/policy_lag", math.nan),
+                 metrics.get("charts/SPS", 0.0))  # fmt: skip
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.pub.close(linger=0)
