@@ -141,14 +141,89 @@ def _score_packed(model: Any, items: Sequence[Tokenized], past: Sequence[Any] | 
     groups = [(fresh, None, 0)] if fresh else []
     groups += [([i], past[i][0], past[i][1]) for i in range(len(items)) if past and past[i] is not None]
     for members, kv, m in groups:
-        got, cache = _packed_forward(model, [items[i] for i in members], kv, m, keep_cache=keep_kv)
+        forward = _packed_forward if kv is None else _packed_single_pass
+        got, cache = forward(model, [items[i] for i in members], kv, m, keep_cache=keep_kv)
         for row, i in enumerate(members):
             scores[i] = got[row]
             if keep_kv:
                 c = len(items[i].context)
-                kvs[i] = [(layer.keys[row : row + 1, :, :c].clone(), layer.values[row : row + 1, :, :c].clone())
+                # A lone row's context KV is a view (it keeps only the few candidate positions after it
+                # alive); rows of a batch are copied out, or each would keep the whole batch's KV alive.
+                own = (lambda t: t) if len(members) == 1 else torch.clone
+                kvs[i] = [(own(layer.keys[row : row + 1, :, :c]), own(layer.values[row : row + 1, :, :c]))
                           for layer in cache.layers]  # fmt: skip
     return scores, kvs
+
+
+def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int, keep_cache: bool = False):
+    """One pass: the uncached rest of each context and every candidate after it, in one row.
+
+    Used behind a cached prefix, where the computed context is short: one pass
+    copies the cached KV once instead of twice, and the masked-away attention is small."""
+    from transformers import DynamicCache
+
+    decoder, head, cap = _parts(model)
+    use_bool, dtype = _mask_value(model)
+    device = next(model.parameters()).device
+    rows, positions, layouts = [], [], []
+    for item in items:
+        ctx = list(item.context[m:])
+        c = len(item.context)
+        ids, pos, spans = list(ctx), list(range(m, c)), []
+        for action in item.actions:
+            spans.append((len(ids), len(action)))
+            ids.extend(action)
+            pos.extend(range(c, c + len(action)))
+        rows.append(ids)
+        positions.append(pos)
+        layouts.append((len(ctx), spans))
+    batch, length = len(rows), max(len(r) for r in rows)
+    input_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+    position_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+    allowed = torch.zeros(batch, 1, length, m + length, dtype=torch.bool, device=device)
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    for b, (ids, pos, (n_ctx, spans)) in enumerate(zip(rows, positions, layouts)):
+        input_ids[b, : len(ids)] = torch.tensor(ids, device=device)
+        position_ids[b, : len(pos)] = torch.tensor(pos, device=device)
+        allowed[b, 0, :, :m] = True  # everything sees the cached prefix
+        allowed[b, 0, :n_ctx, m : m + n_ctx] = causal[:n_ctx, :n_ctx]
+        for start, size in spans:
+            allowed[b, 0, start : start + size, m : m + n_ctx] = True
+            allowed[b, 0, start : start + size, m + start : m + start + size] = causal[:size, :size]
+        for pad in range(len(ids), length):  # padding rows attend to themselves only, so softmax stays finite
+            allowed[b, 0, pad, :] = False
+            allowed[b, 0, pad, m + pad] = True
+    if use_bool:
+        mask = allowed
+    else:
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv]) if kv is not None else None
+    out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                  use_cache=keep_cache or cache is not None)  # fmt: skip
+    hidden = out.last_hidden_state
+    # Gather the scored positions of the whole batch and apply the LM head once.
+    row_idx, col_idx, targets, owners = [], [], [], []
+    for b, (item, (n_ctx, spans)) in enumerate(zip(items, layouts)):
+        for j, ((start, size), action) in enumerate(zip(spans, item.actions)):
+            cols = [n_ctx - 1] + list(range(start, start + size - 1))
+            row_idx.extend([b] * size)
+            col_idx.extend(cols)
+            targets.extend(action)
+            owners.extend([(b, j)] * size)
+    if any(n_ctx == 0 for n_ctx, _ in layouts):
+        raise ScoringError("a cached prefix must leave at least one context token to compute")
+    logp = _token_logprobs(head, cap, hidden[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)],
+                           torch.tensor(targets, device=device))  # fmt: skip
+    results = []
+    offset = 0
+    for item in items:
+        sizes = [len(a) for a in item.actions]
+        total = sum(sizes)
+        per_token = logp[offset : offset + total]
+        offset += total
+        seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+        results.append(torch.zeros(len(sizes), dtype=logp.dtype, device=device).index_add(0, seg, per_token))
+    return results, (out.past_key_values if keep_cache else None)
 
 
 def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, keep_cache: bool = False):

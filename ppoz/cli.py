@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     scoring_bench.add_arguments(b)
     b.set_defaults(func=scoring_bench.main)
+    b = benches.add_parser("learner", help="peak memory and speed of a PPO step: packed vs one sequence per candidate",
+                           description="Peak memory and transitions/s of one PPO policy step, packed layout against one sequence per candidate.")  # fmt: skip
+    from ppoz.bench import learner as learner_bench
+
+    learner_bench.add_arguments(b)
+    b.set_defaults(func=learner_bench.main)
 
     p = sub.add_parser("status", help="show a running broker's sessions, actors and counters",
                        description="Ask a running broker for its figures.")  # fmt: skip

@@ -91,6 +91,24 @@ def full_sequences(model: Any, item: Any, logits_budget_mb: int = 2048) -> torch
     return torch.stack(sums)
 
 
+def full_sequences_scores(model: Any, item: Any) -> torch.Tensor:
+    """One padded sequence per candidate, the LM head only at scored positions (the learner bench's baseline)."""
+    from common.scoring import _parts, _token_logprobs
+
+    decoder, head, cap = _parts(model)
+    device = next(model.parameters()).device
+    c, k = len(item.context), len(item.actions)
+    longest = max(len(a) for a in item.actions)
+    ids = torch.zeros(k, c + longest, dtype=torch.long, device=device)
+    attn = torch.zeros(k, c + longest, dtype=torch.long, device=device)
+    for j, a in enumerate(item.actions):
+        ids[j, : c + len(a)] = torch.tensor(list(item.context) + list(a), device=device)
+        attn[j, : c + len(a)] = 1
+    hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
+    return torch.stack([_token_logprobs(head, cap, hidden[j, c - 1 : c - 1 + len(a)], torch.tensor(a, device=device)).sum()
+                        for j, a in enumerate(item.actions)])  # fmt: skip
+
+
 def kv_per_action(model: Any, item: Any) -> torch.Tensor:
     """What the PPOAPI server meant to do: the prompt's KV once, then per candidate a forward on a
     fresh copy of that cache (its bug was reusing one cache), logits at every position."""

@@ -1,0 +1,73 @@
+"""Kill the learner process mid-run (SIGKILL), resume it: no segment lost or trained twice, versions go on."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from broker.sessions import SegmentClose, Session
+from broker.store import Batch, SessionStore
+from common import weights
+from common.protocol import encode
+
+
+def write_segments(redis_client, prefix: str, n: int) -> set[str]:
+    """n one-step bandit segments in the broker's stream format, written by the broker's own store code."""
+    store = SessionStore(redis_client, prefix, "segments", "learners")
+    store.ensure_stream()
+    ids = set()
+    batch = Batch()
+    for i in range(n):
+        session = Session(f"emu-{i % 4}", segment_len=8, seq=i // 4)
+        t = {"obs": {"prompt": "Pick the best colour.", "question": " Answer: ", "action": ["red", "green", "blue"]},
+             "action": i % 3, "logprob": -1.0986, "probs": [1 / 3] * 3, "policy_version": 0, "reward": float(i % 3 == 1),
+             "done": True, "truncated": False, "mode": "step", "step_ms": 0, "feedback_ms": 0}  # fmt: skip
+        batch.add("RPUSH", store.seg_key(session.task_id), encode(t))
+        close = SegmentClose(session.task_id, session.seq, "done", True, False, None, 1)
+        store.stage_close(batch, session, close)
+        ids.add(close.seg_id)
+    store.apply(batch)
+    return ids
+
+
+def learner(model: str, redis_url: str, prefix: str, ckpt: Path, resume: bool, max_updates: int) -> subprocess.Popen:
+    args = [sys.executable, "-m", "ppoz.cli", "--log-level", "warning", "learner", "--model", model, "--lora-rank", "4",
+            "--normalisation", "token", "--device", "cpu", "--redis-url", redis_url, "--key-prefix", prefix,
+            "--rollout-batch", "8", "--policy-minibatch", "4", "--micro-batch", "4", "--max-policy-lag", "1000",
+            "--checkpoint-dir", str(ckpt), "--tensorboard-dir", "", "--weights-bind", "tcp://127.0.0.1:0",
+            "--max-updates", str(max_updates), "--read-block-ms", "200", "--keep-checkpoints", "100"]  # fmt: skip
+    return subprocess.Popen(args + (["--resume"] if resume else []))
+
+
+@pytest.mark.slow
+def test_learner_killed_mid_run_resumes_without_loss_or_double_training(tiny_models, redis_url, redis_client, key_prefix, tmp_path):
+    all_ids = write_segments(redis_client, key_prefix, 80)  # 10 updates of 8
+    ckpt = tmp_path / "ckpt"
+    proc = learner(tiny_models["llama"], redis_url, key_prefix, ckpt, resume=False, max_updates=10)
+    deadline = time.monotonic() + 120
+    while len(list(ckpt.glob("ckpt-*"))) < 3:  # let it finish a few updates, then kill it inside the next one
+        assert proc.poll() is None and time.monotonic() < deadline, "the learner stopped or stalled"
+        time.sleep(0.05)
+    time.sleep(0.15)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    killed_at = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "state.json").read_text())
+
+    proc = learner(tiny_models["llama"], redis_url, key_prefix, ckpt, resume=True, max_updates=10)
+    assert proc.wait(180) == 0
+    final = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "state.json").read_text())
+    assert final["updates"] == 10 and final["version"] == 10  # the version sequence went on from the checkpoint
+    assert final["version"] > killed_at["version"]
+    trained = final["recent_segments"]
+    assert len(trained) == len(set(trained)), "a segment was trained twice"
+    assert set(trained) == all_ids, "a segment was lost"
+    assert final["counters"]["transitions_trained"] == 80 == final["counters"]["transitions_stored"]
+    assert redis_client.xlen(f"{key_prefix}:segments") == 0  # everything acknowledged and deleted
+    assert not redis_client.xpending(f"{key_prefix}:segments", "learners")["pending"]
+    assert weights.latest(redis_client, key_prefix).version == 10

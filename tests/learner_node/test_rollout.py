@@ -1,0 +1,58 @@
+"""From segments to a training batch: the bootstrap rules, GAE per segment, the staleness filter."""
+
+import pytest
+
+from learner_node.rollout import build_rollout
+
+
+def obs(name):
+    return {"prompt": name, "question": "", "action": ["a", "b"]}
+
+
+def transition(name, reward, done=False, version=5):
+    return {"obs": obs(name), "action": 1, "logprob": -0.7, "probs": [0.5, 0.5], "policy_version": version, "reward": reward,
+            "done": done, "truncated": False, "mode": "step"}  # fmt: skip
+
+
+def segment(seg_id, transitions, next_obs=None, done=False, truncated=False):
+    return {"seg_id": seg_id, "task_id": "t", "seq": 0, "reason": "x", "done": done, "truncated": truncated,
+            "next_obs": next_obs, "transitions": transitions, "closed_ms": 0}  # fmt: skip
+
+
+VALUES = {"s0": 0.5, "s1": 0.4, "s2": 0.3, "after": 2.0}
+
+
+def value_of(observations):
+    return [VALUES[o["prompt"]] for o in observations]
+
+
+def test_done_segment_keeps_its_terminal_transition_and_bootstraps_nothing():
+    r = build_rollout([segment("t:0", [transition("s0", 1.0), transition("s1", 3.0, done=True)], done=True)],
+                      value_of, gamma=1.0, lam=1.0, current_version=5, max_policy_lag=0)  # fmt: skip
+    assert r.returns == pytest.approx([4.0, 3.0])
+    assert r.advantages == pytest.approx([4.0 - 0.5, 3.0 - 0.4])
+    assert r.episodic_returns == [4.0] and len(r) == 2 and r.stored == 2
+
+
+def test_segment_closed_by_length_bootstraps_from_next_obs():
+    r = build_rollout([segment("t:0", [transition("s0", 1.0), transition("s1", 0.0)], next_obs=obs("after"))],
+                      value_of, gamma=0.5, lam=1.0, current_version=5, max_policy_lag=0)  # fmt: skip
+    assert r.returns == pytest.approx([1.0 + 0.5 * 0.0 + 0.25 * 2.0, 0.0 + 0.5 * 2.0])
+    assert r.episodic_returns == []
+
+
+def test_truncated_without_successor_drops_its_last_transition_and_bootstraps_from_it():
+    r = build_rollout([segment("t:0", [transition("s0", 1.0), transition("s1", 9.0)], truncated=True)],
+                      value_of, gamma=0.5, lam=1.0, current_version=5, max_policy_lag=0)  # fmt: skip
+    assert len(r) == 1 and r.dropped_truncated == 1 and r.stored == 2
+    assert r.returns == pytest.approx([1.0 + 0.5 * 0.4])
+    lonely = build_rollout([segment("t:1", [transition("s2", 1.0)], truncated=True)], value_of, 0.5, 1.0, 5, 0)
+    assert len(lonely) == 0 and lonely.dropped_truncated == 1
+
+
+def test_stale_transitions_are_dropped_and_counted_after_gae():
+    r = build_rollout([segment("t:0", [transition("s0", 1.0, version=1), transition("s1", 1.0, done=True, version=5)], done=True)],
+                      value_of, gamma=1.0, lam=1.0, current_version=5, max_policy_lag=2)  # fmt: skip
+    assert r.dropped_stale == 1 and len(r) == 1 and r.versions == [5]
+    assert r.returns == pytest.approx([1.0])
+    assert r.episodic_returns == [2.0]  # the episode still counts whole

@@ -1,0 +1,100 @@
+"""One PPO update on a tiny model: ratio 1 on the first minibatch, learning direction, and 1 vs 2 processes."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.policy_model import ModelSpec, load_policy
+from learner_node.policy import LearnerPolicy
+from learner_node.rollout import build_rollout
+from learner_node.update import UpdateConfig, ppo_update
+from tests.learner_node.helpers import BANDIT, on_policy_segments
+
+
+def make(path: str, lora_rank: int = 4, lr: float = 1e-2):
+    torch.manual_seed(0)
+    model, tok = load_policy(ModelSpec(path, device="cpu", lora_rank=lora_rank))
+    lp = LearnerPolicy(model, tok, "token", 1.0, [32, 16])
+    return lp, torch.optim.Adam(lp.trainable_parameters(), lr=lr), torch.optim.Adam(lp.value_head.parameters(), lr=1e-3)
+
+
+def rollout_for(lp: LearnerPolicy, n: int = 16):
+    segments = on_policy_segments(lp.model, lp.tokenizer, n)
+
+    def value_of(observations):
+        with torch.no_grad():
+            return lp.value_head(lp.features([lp.tokenize(o) for o in observations])).tolist()
+
+    return build_rollout(segments, value_of, 0.99, 0.95, current_version=0, max_policy_lag=0)
+
+
+def green_prob(lp: LearnerPolicy) -> float:
+    with torch.no_grad():
+        return float(lp.logp_all([lp.tokenize(BANDIT)])[0][1].exp())
+
+
+def test_ratio_is_one_on_the_first_minibatch_and_the_update_moves_towards_reward(tiny_models):
+    lp, popt, vopt = make(tiny_models["llama"])
+    rollout = rollout_for(lp)
+    assert 0 < sum(a == 1 for a in rollout.actions) < len(rollout)  # both rewarded and unrewarded samples
+    before = green_prob(lp)
+    metrics = ppo_update(lp, popt, vopt, rollout, UpdateConfig(update_epochs=2, policy_minibatch=8, micro_batch=4, target_kl=None))
+    assert metrics["losses/first_minibatch_ratio_dev"] < 1e-4  # the learner recomputes exactly what the actor sampled from
+    assert metrics["losses/optimizer_steps"] == 4
+    assert green_prob(lp) > before
+    for key in ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/clipfrac",
+                "losses/explained_variance", "losses/kl_ref"):  # fmt: skip
+        assert key in metrics
+
+
+def test_target_kl_stops_after_a_full_optimizer_step(tiny_models):
+    lp, popt, vopt = make(tiny_models["llama"], lr=0.2)
+    metrics = ppo_update(lp, popt, vopt, rollout_for(lp), UpdateConfig(update_epochs=4, policy_minibatch=4, micro_batch=2, target_kl=1e-6))
+    assert metrics["losses/early_stop"] == 1.0
+    assert metrics["losses/optimizer_steps"] == 1  # stopped after the first step, which was taken whole
+
+
+def test_warmup_trains_only_the_critic(tiny_models):
+    lp, popt, vopt = make(tiny_models["llama"])
+    rollout = rollout_for(lp)
+    policy_before = [p.detach().clone() for p in lp.trainable_parameters()]
+    head_before = [p.detach().clone() for p in lp.value_head.parameters()]
+    metrics = ppo_update(lp, popt, vopt, rollout, UpdateConfig(), train_policy=False)
+    assert "losses/policy_loss" not in metrics
+    assert all(torch.equal(a, b) for a, b in zip(policy_before, lp.trainable_parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(head_before, lp.value_head.parameters()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_update(rank: int, world: int, port: int, path: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        lp, popt, vopt = make(path)
+        ppo_update(lp, popt, vopt, rollout_for(lp), UpdateConfig(update_epochs=2, policy_minibatch=8, micro_batch=2, target_kl=None))
+        if rank == 0:
+            torch.save([p.detach() for p in lp.trainable_parameters()] + [p.detach() for p in lp.value_head.parameters()], out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_processes_end_an_update_like_one(tiny_models, tmp_path):
+    out = str(tmp_path / "two.pt")
+    mp.spawn(_rank_update, args=(2, _free_port(), tiny_models["llama"], out), nprocs=2, join=True)
+    two = torch.load(out)
+    lp, popt, vopt = make(tiny_models["llama"])
+    ppo_update(lp, popt, vopt, rollout_for(lp), UpdateConfig(update_epochs=2, policy_minibatch=8, micro_batch=2, target_kl=None))
+    one = [p.detach() for p in lp.trainable_parameters()] + [p.detach() for p in lp.value_head.parameters()]
+    assert len(one) == len(two)
+    for a, b in zip(one, two):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
