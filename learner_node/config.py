@@ -27,6 +27,7 @@ class LearnerConfig:
     consumer: str = option("learner-0", "this learner's consumer name; keep it across restarts so its pending segments come back to it")
     claim_idle_ms: int = option(60_000, "segments left pending this long by another (dead) consumer are taken over")
     rollout_batch: int = option(64, "transitions per update")
+    rollout_timeout_s: float = option(0.0, "train on the transitions in hand once a rollout has waited this long (0: always wait for rollout_batch); keep the broker's max_stream_backlog above rollout_batch either way")
     max_policy_lag: int = option(4, "transitions from a behaviour policy more than this many versions old are dropped and counted")
     # --- algorithm ---
     gamma: float = option(0.99, "discount factor")
@@ -65,6 +66,7 @@ class LearnerConfig:
         check(self.dtype == "auto" or self.dtype in DTYPE_NAMES, f"`dtype` must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         check(self.redis_url != "", "`redis_url` is required: the Redis the broker writes segments to")
         check(self.rollout_batch > 0, f"`rollout_batch` must be positive, got {self.rollout_batch}")
+        check(self.rollout_timeout_s >= 0, f"`rollout_timeout_s` must be 0 or more, got {self.rollout_timeout_s}")
         check(self.max_policy_lag >= 0, f"`max_policy_lag` must be 0 or more, got {self.max_policy_lag}")
         check(0 < self.gamma <= 1, f"`gamma` must be in (0, 1], got {self.gamma}")
         check(0 <= self.gae_lambda <= 1, f"`gae_lambda` must be in [0, 1], got {self.gae_lambda}")

@@ -100,7 +100,7 @@ def ppo_update(lp: LearnerPolicy, policy_opt: torch.optim.Optimizer, value_opt: 
             _average_gradients(value_params)
             torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
             value_opt.step()
-            v_losses.append(_mean_over_ranks(float(v_loss) * len(mine) * world / len(mb_inds)))
+            v_losses.append(_mean_over_ranks(float(v_loss.detach()) * len(mine) * world / len(mb_inds)))
     with torch.no_grad():
         predicted = lp.value_head(features).cpu()
     metrics["losses/value_loss"] = sum(v_losses) / max(len(v_losses), 1)
@@ -134,11 +134,11 @@ def ppo_update(lp: LearnerPolicy, policy_opt: torch.optim.Optimizer, value_opt: 
                 # Each micro-batch's mean, weighted to a mean over the whole minibatch (all ranks).
                 (loss * len(micro) * world / len(mb_inds)).backward()
                 if first_ratio_dev is None:
-                    first_ratio_dev = float((terms.ratio - 1).abs().max())
+                    first_ratio_dev = float((terms.ratio.detach() - 1).abs().max())
                 mb_kl += float(terms.approx_kl) * len(micro) / max(len(mine), 1)
-                pg_losses.append(float(terms.pg_loss))
-                entropies.append(float(entropy.mean()))
-                kls.append(float(kl_ref.mean()))
+                pg_losses.append(float(terms.pg_loss.detach()))
+                entropies.append(float(entropy.detach().mean()))
+                kls.append(float(kl_ref.detach().mean()))
                 clipfracs.append(float(terms.clipfrac))
             _average_gradients(policy_params)
             torch.nn.utils.clip_grad_norm_(policy_params, cfg.max_grad_norm)

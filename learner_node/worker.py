@@ -167,7 +167,11 @@ class Learner:
         entries: list[tuple[str, dict]] = []
         segments: list[dict[str, Any]] = []
         transitions = 0
+        give_up = time.monotonic() + self.cfg.rollout_timeout_s if self.cfg.rollout_timeout_s else math.inf
         while transitions < self.cfg.rollout_batch and not self.stop_event.is_set():
+            if segments and time.monotonic() > give_up:
+                log.info("rollout timeout: training on %d transitions", transitions)
+                break
             for entry_id, fields in self._read(self.cfg.rollout_batch - transitions):
                 try:
                     seg = decode_segment(fields)

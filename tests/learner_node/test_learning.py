@@ -18,13 +18,15 @@ from tests.learner_node.helpers import BANDIT
 
 @pytest.mark.slow
 def test_bandit_through_broker_and_actor_learns(start_broker, make_client, tiny_models, redis_url, key_prefix, tmp_path):
-    # Back-pressure keeps the learner close to the actors: `ask` says wait while 8 segments are unread.
-    broker = start_broker(max_stream_backlog=8)
-    policy = dict(model=tiny_models["llama"], lora_rank=8, normalisation="token", device="cpu")
+    # Back-pressure keeps the learner close to the actors: `ask` says wait while 24 segments are unread
+    # (above the learner's rollout of 16 one-step segments, or neither side could move).
+    broker = start_broker(max_stream_backlog=24)
+    # All weights trained (--lora-rank 0), as for a tiny model; LoRA updates are covered in test_update.py.
+    policy = dict(model=tiny_models["llama"], lora_rank=0, normalisation="token", device="cpu")
     learner_cfg = LearnerConfig(**policy, redis_url=redis_url, key_prefix=key_prefix, rollout_batch=16, policy_minibatch=8,
-                                micro_batch=8, policy_lr=1e-2, value_lr=1e-3, target_kl=0.0, ent_coef=0.0,
+                                micro_batch=8, update_epochs=4, policy_lr=1e-3, value_lr=1e-3, target_kl=0.0, ent_coef=0.0,
                                 weights_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
-                                tensorboard_dir=str(tmp_path / "tb"), max_updates=80)  # fmt: skip
+                                tensorboard_dir=str(tmp_path / "tb"), max_updates=40)  # fmt: skip
     learner = Learner(learner_cfg, connect(redis_url, socket_timeout=30))
     learner_thread = threading.Thread(target=learner.run, daemon=True)
     learner_thread.start()
@@ -36,8 +38,9 @@ def test_bandit_through_broker_and_actor_learns(start_broker, make_client, tiny_
     wait_for(lambda: actors_ready(client, 1), timeout=60, what="the actor")
     task = client.attach()
     green = []
+    deadline = time.monotonic() + 240
     try:
-        while learner_thread.is_alive():
+        while learner_thread.is_alive() and time.monotonic() < deadline:
             if client.ask(task)["status"] == "wait":
                 time.sleep(0.02)
                 continue
@@ -52,5 +55,5 @@ def test_bandit_through_broker_and_actor_learns(start_broker, make_client, tiny_
         stop.set()
     assert green[0][1] < 0.6, "the untrained policy should not already prefer the rewarded action"
     assert green[-1][1] > 0.9, f"after {learner.updates} updates P(green) is only {green[-1][1]:.2f}"
-    assert learner.version <= 80 and green[-1][0] >= 1
+    assert learner.version <= 40 and green[-1][0] >= 1
     assert (tmp_path / "tb").exists() and any((tmp_path / "tb").iterdir())

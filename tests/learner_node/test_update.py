@@ -56,7 +56,9 @@ def test_target_kl_stops_after_a_full_optimizer_step(tiny_models):
     lp, popt, vopt = make(tiny_models["llama"], lr=0.2)
     metrics = ppo_update(lp, popt, vopt, rollout_for(lp), UpdateConfig(update_epochs=4, policy_minibatch=4, micro_batch=2, target_kl=1e-6))
     assert metrics["losses/early_stop"] == 1.0
-    assert metrics["losses/optimizer_steps"] == 1  # stopped after the first step, which was taken whole
+    # The first minibatch sees ratio 1 (KL 0); the second sees the first step's change, exceeds the
+    # target and stops the update after its own step is applied (of 4 epochs x 4 minibatches).
+    assert metrics["losses/optimizer_steps"] == 2
 
 
 def test_warmup_trains_only_the_critic(tiny_models):
