@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def save(directory: str | Path, update: int, tensors: dict[str, torch.Tensor], value_head: dict[str, torch.Tensor],
-         optimizers: dict[str, Any], state: dict[str, Any], keep: int) -> Path:  # fmt: skip
+         optimizers: dict[str, Any], state: dict[str, Any], keep: int, model: Any = None) -> Path:  # fmt: skip
+    """Write checkpoint `update`; with a peft `model`, also its adapter as `adapter/` (loadable with PeftModel.from_pretrained)."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"ckpt-{update:08d}"
@@ -37,7 +38,9 @@ def save(directory: str | Path, update: int, tensors: dict[str, torch.Tensor], v
     torch.save({"optimizers": optimizers, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}},
                tmp / "optim.pt")  # fmt: skip
     (tmp / "state.json").write_text(json.dumps(state))
-    for f in tmp.iterdir():  # on disk before the rename makes it visible
+    if model is not None and hasattr(model, "peft_config"):
+        model.save_pretrained(str(tmp / "adapter"))
+    for f in (p for p in tmp.rglob("*") if p.is_file()):  # on disk before the rename makes it visible
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     if final.exists():

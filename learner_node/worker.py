@@ -228,7 +228,7 @@ class Learner:
                  "last_entries": entry_ids, "recent_segments": list(self.seen), "config": asdict(self.cfg)}  # fmt: skip
         checkpoint.save(self.cfg.checkpoint_dir, self.updates, policy_state_dict(self.lp.model), self.lp.value_head.state_dict(),
                         {"policy": self.policy_opt.state_dict(), "value": self.value_opt.state_dict()}, state,
-                        self.cfg.keep_checkpoints)  # fmt: skip
+                        self.cfg.keep_checkpoints, self.lp.model)  # fmt: skip
 
     def publish(self) -> None:
         """Store the current weights in Redis, then announce them (PUB never holds the only copy)."""

@@ -71,3 +71,6 @@ def test_learner_killed_mid_run_resumes_without_loss_or_double_training(tiny_mod
     assert redis_client.xlen(f"{key_prefix}:segments") == 0  # everything acknowledged and deleted
     assert not redis_client.xpending(f"{key_prefix}:segments", "learners")["pending"]
     assert weights.latest(redis_client, key_prefix).version == 10
+    last = sorted(ckpt.glob("ckpt-*"))[-1]
+    assert (last / "adapter" / "adapter_config.json").exists() and (last / "adapter" / "adapter_model.safetensors").exists()
+    assert not list(ckpt.glob(".ckpt-*"))  # no half-written checkpoint left behind
