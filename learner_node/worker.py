@@ -11,6 +11,12 @@ The data path of one update, in order, and why the order matters:
    earlier point leaves them pending and they are trained again from the
    previous checkpoint's weights, never twice and never lost;
 5. store the new weights in Redis, then announce them on PUB.
+
+Several processes (`accelerate launch --num_processes N -m ppoz.cli learner ...`,
+one per GPU): rank 0 alone reads the stream, checkpoints, acknowledges and
+publishes; it broadcasts each rollout's segments to the other ranks, every rank
+runs the same update on its share of each minibatch (learner_node/update.py),
+and gradients are averaged across ranks before each optimizer step.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import asdict
@@ -25,6 +32,7 @@ from typing import Any
 
 import redis
 import torch
+import torch.distributed as dist
 import zmq
 
 from common import weights
@@ -47,8 +55,16 @@ class Learner:
         self.cfg = cfg
         self.redis = client
         self.stream = f"{cfg.key_prefix}:{cfg.stream_key}"
+        device = cfg.device
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (dist.is_available() and dist.is_initialized()):
+            from accelerate import Accelerator  # sets up the process group `accelerate launch` describes
+
+            accelerator = Accelerator(cpu=cfg.device == "cpu")
+            device = str(accelerator.device)
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
-        model, tokenizer = load_policy(ModelSpec(cfg.model, cfg.device, cfg.dtype, cfg.lora_rank, cfg.lora_alpha))
+        model, tokenizer = load_policy(ModelSpec(cfg.model, device, cfg.dtype, cfg.lora_rank, cfg.lora_alpha))
         model.train()
         self.lp = LearnerPolicy(model, tokenizer, cfg.normalisation, cfg.temperature, cfg.value_hidden)
         self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=cfg.policy_lr, eps=1e-5)
@@ -64,12 +80,15 @@ class Learner:
         self.counters: collections.Counter[str] = collections.Counter()
         self.stop_event = threading.Event()
         self.ctx = context or zmq.Context.instance()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(cfg.weights_bind)
-        self.weights_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pub: zmq.Socket | None = None
+        self.weights_endpoint = ""
+        if self.is_main:
+            self.pub = self.ctx.socket(zmq.PUB)
+            self.pub.setsockopt(zmq.LINGER, 0)
+            self.pub.bind(cfg.weights_bind)
+            self.weights_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.writer = None
-        if cfg.tensorboard_dir:
+        if cfg.tensorboard_dir and self.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(cfg.tensorboard_dir)
@@ -77,11 +96,12 @@ class Learner:
 
     # --- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
-        try:
-            self.redis.xgroup_create(self.stream, self.cfg.consumer_group, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        if self.is_main:
+            try:
+                self.redis.xgroup_create(self.stream, self.cfg.consumer_group, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
         if self.cfg.resume:
             self.restore()
         self.publish()  # a restored (or the initial) version is announced at once
@@ -102,7 +122,8 @@ class Learner:
         for seg_id in state["recent_segments"]:
             self._remember(seg_id)
         # The update in this checkpoint consumed these entries; the crash may have come before they were acknowledged.
-        self._ack(state["last_entries"])
+        if self.is_main:
+            self._ack(state["last_entries"])
         log.info("resumed from %s: policy version %d after %d updates", path, self.version, self.updates)
 
     # --- the loop ------------------------------------------------------------------------------
@@ -119,7 +140,13 @@ class Learner:
 
     def step(self) -> dict[str, float] | None:
         """Collect one rollout's segments and train on them; None if stopped before a rollout was complete."""
-        entries, segments = self.collect()
+        entries, segments = self.collect() if self.is_main else ([], [])
+        if self.world > 1:  # rank 0 read the stream; everyone trains on the same segments
+            shared = [segments, self.stop_event.is_set()]
+            dist.broadcast_object_list(shared, src=0)
+            segments = shared[0]
+            if shared[1]:
+                self.stop_event.set()
         if not segments:
             return None
         started = time.perf_counter()
@@ -145,10 +172,11 @@ class Learner:
         for seg in segments:
             self._remember(seg["seg_id"])
         ids = [entry_id for entry_id, _ in entries]
-        self.save_checkpoint(ids)
-        self._ack(ids)
-        if train_policy and len(rollout):
-            self.publish()
+        if self.is_main:
+            self.save_checkpoint(ids)
+            self._ack(ids)
+            if train_policy and len(rollout):
+                self.publish()
         elapsed = time.perf_counter() - started
         lag = [trained_from - v for v in rollout.versions] if rollout.versions else [0]
         metrics.update({
@@ -159,7 +187,8 @@ class Learner:
             "charts/dropped_stale": rollout.dropped_stale,
             "charts/dropped_truncated": rollout.dropped_truncated,
         })  # fmt: skip
-        self._log(metrics, len(rollout))
+        if self.is_main:
+            self._log(metrics, len(rollout))
         return metrics
 
     def collect(self) -> tuple[list[tuple[str, dict]], list[dict[str, Any]]]:
@@ -232,6 +261,8 @@ class Learner:
 
     def publish(self) -> None:
         """Store the current weights in Redis, then announce them (PUB never holds the only copy)."""
+        if not self.is_main:
+            return
         kind = "lora" if self.lp.has_adapter else "full"
         ann = weights.store_snapshot(self.redis, self.cfg.key_prefix, self.version, policy_state_dict(self.lp.model), kind)
         weights.announce(self.pub, ann)
@@ -253,4 +284,5 @@ class Learner:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-        self.pub.close(linger=0)
+        if self.pub is not None:
+            self.pub.close(linger=0)
