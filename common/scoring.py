@@ -112,6 +112,18 @@ def _token_logprobs(head: Any, cap: float | None, hidden: torch.Tensor, targets:
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def _sum_per_candidate(items: Sequence[Tokenized], logp: torch.Tensor) -> list[torch.Tensor]:
+    """Split a flat vector of token log-probabilities (items, candidates, tokens in order) into per-candidate sums."""
+    results, offset = [], 0
+    for item in items:
+        sizes = torch.tensor([len(a) for a in item.actions], device=logp.device)
+        total = int(sizes.sum())
+        owner = torch.repeat_interleave(torch.arange(len(sizes), device=logp.device), sizes)
+        results.append(torch.zeros(len(sizes), dtype=logp.dtype, device=logp.device).index_add(0, owner, logp[offset : offset + total]))
+        offset += total
+    return results
+
+
 def _mask_value(model: Any) -> tuple[bool, torch.dtype]:
     """Whether the attention implementation takes a boolean 4D mask (sdpa) or needs an additive one (eager)."""
     impl = getattr(model.config, "_attn_implementation", "eager")
@@ -214,15 +226,7 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
         raise ScoringError("a cached prefix must leave at least one context token to compute")
     logp = _token_logprobs(head, cap, hidden[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)],
                            torch.tensor(targets, device=device))  # fmt: skip
-    results = []
-    offset = 0
-    for item in items:
-        sizes = [len(a) for a in item.actions]
-        total = sum(sizes)
-        per_token = logp[offset : offset + total]
-        offset += total
-        seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
-        results.append(torch.zeros(len(sizes), dtype=logp.dtype, device=device).index_add(0, seg, per_token))
+    results = _sum_per_candidate(items, logp)
     return results, (out.past_key_values if keep_cache else None)
 
 
@@ -306,15 +310,7 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
                 states.append(hidden[b, start : start + size])
             targets.extend(action)
     logp = _token_logprobs(head, cap, torch.cat(states), torch.tensor(targets, device=device))
-    results = []
-    offset = 0
-    for item in items:
-        sizes = [len(a) for a in item.actions]
-        total = sum(sizes)
-        per_token = logp[offset : offset + total]
-        offset += total
-        seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
-        results.append(torch.zeros(len(sizes), dtype=logp.dtype, device=device).index_add(0, seg, per_token))
+    results = _sum_per_candidate(items, logp)
     return results, (cache if keep_cache else None)
 
 
