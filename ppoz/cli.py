@@ -20,8 +20,7 @@ from common.config import ConfigError, add_flags, load
 log = logging.getLogger("ppoz")
 
 NOT_YET = {
-    "up": "`ppoz up` is not built yet (issue 5); start `ppoz broker` and `ppoz actor` yourself meanwhile",
-    "demo": "`ppoz demo` is not built yet (issue 5)",
+    "up": "`ppoz up` is not built yet (issue 5); start `ppoz broker`, `ppoz actor` and `ppoz learner` yourself meanwhile",
 }
 
 
@@ -73,8 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, LearnerConfig)
     p.set_defaults(func=cmd_learner)
 
-    for name, text in (("up", "start and supervise a whole stack on this machine"),
-                       ("demo", "watch an LLM policy learn on this machine (no GPU needed)")):  # fmt: skip
+    from ppoz import demo
+
+    p = sub.add_parser("demo", help="watch an LLM policy learn on this machine (no GPU needed)",
+                       description="Run broker, actor, learner and simulated clients on a tiny local model and watch it learn.")  # fmt: skip
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.main)
+
+    for name, text in (("up", "start and supervise a whole stack on this machine"),):
         p = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. {NOT_YET[name]}.")
         _config_option(p)
         p.set_defaults(func=_not_yet(name))

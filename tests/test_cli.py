@@ -91,3 +91,13 @@ def _status(front: int) -> dict | None:
 def test_status_without_a_broker_fails_clearly():
     result = run("status", "--broker", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.5")
     assert result.returncode == 1 and "no answer from" in result.stderr
+
+
+@pytest.mark.slow
+def test_demo_learns_past_the_random_policy(tmp_path):
+    result = run("demo", "--seconds", "100", "--clients", "4", "--out", str(tmp_path / "demo"), timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    summary = result.stdout.split("summary", 1)[1]
+    trained = float(summary.split("trained model (last")[1].split(")")[1].split()[0])
+    assert trained > 0.4, summary  # random: 1/3
+    assert (tmp_path / "demo" / "tensorboard").exists() and list((tmp_path / "demo" / "checkpoints").glob("ckpt-*"))
