@@ -66,8 +66,8 @@ def main(args: argparse.Namespace) -> int:
         broker.start()
         threading.Thread(target=broker.run, name="broker", daemon=True).start()
         learner = Learner(LearnerConfig(**policy, redis_url=redis_server.url, rollout_batch=32, policy_minibatch=16, micro_batch=8,
-                                        update_epochs=4, policy_lr=1e-3 if tiny else 1e-5, value_lr=1e-3, target_kl=0.0,
-                                        ent_coef=0.0, max_policy_lag=2, checkpoint_dir=str(out / "checkpoints"),
+                                        update_epochs=4, policy_lr=3e-4 if tiny else 1e-5, value_lr=1e-3, target_kl=0.02,
+                                        ent_coef=0.01, max_policy_lag=2, checkpoint_dir=str(out / "checkpoints"),
                                         tensorboard_dir=str(out / "tensorboard"), weights_bind="tcp://127.0.0.1:*"),
                           connect(redis_server.url, socket_timeout=30))  # fmt: skip
         learner_thread = threading.Thread(target=learner.run, name="learner", daemon=True)
