@@ -112,6 +112,14 @@ def _token_logprobs(head: Any, cap: float | None, hidden: torch.Tensor, targets:
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def _attention_mask(allowed: torch.Tensor, use_bool: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The boolean 'may attend' mask as the attention implementation needs it: as is for sdpa,
+    additive (0 or the dtype's minimum) for eager, where a boolean mask would be silently wrong."""
+    if use_bool:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 def _sum_per_candidate(items: Sequence[Tokenized], logp: torch.Tensor) -> list[torch.Tensor]:
     """Split a flat vector of token log-probabilities (items, candidates, tokens in order) into per-candidate sums."""
     results, offset = [], 0
@@ -205,10 +213,7 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
         for pad in range(len(ids), length):  # padding rows attend to themselves only, so softmax stays finite
             allowed[b, 0, pad, :] = False
             allowed[b, 0, pad, m + pad] = True
-    if use_bool:
-        mask = allowed
-    else:
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = _attention_mask(allowed, use_bool, dtype)
     cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv]) if kv is not None else None
     out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                   use_cache=keep_cache or cache is not None)  # fmt: skip
@@ -294,10 +299,7 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
             for pad in range(len(ids), length):  # padding attends to itself only, so softmax stays finite
                 allowed[b, 0, pad, :] = False
                 allowed[b, 0, pad, past + pad] = True
-        if use_bool:
-            mask = allowed
-        else:
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        mask = _attention_mask(allowed, use_bool, dtype)
         hidden = decoder(input_ids=cand_ids, attention_mask=mask, position_ids=cand_pos, past_key_values=cache,
                          use_cache=True).last_hidden_state  # fmt: skip
 
