@@ -82,9 +82,6 @@ class ActorRegistry:
                     best, best_load = actor, load
         return best
 
-    def free_credits(self) -> int:
-        return sum(max(a.free, 0) for a in self.actors.values())
-
     def silent(self, now: float, liveness: int) -> list[Actor]:
         """Actors not heard from for `liveness` of their heartbeat intervals: dead."""
         return [a for a in self.actors.values() if now - a.last_heard > liveness * a.heartbeat_s]

@@ -26,7 +26,6 @@ import redis
 
 from broker.sessions import PendingStep, SegmentClose, Session, now_ms
 from common.protocol import encode
-from common.segments import decode_segment  # noqa: F401  (re-exported for the broker's readers)
 
 log = logging.getLogger(__name__)
 

@@ -123,11 +123,6 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
 
 
-def to_dict(config: Any) -> dict[str, Any]:
-    """The config as plain values (for logs and status replies)."""
-    return dataclasses.asdict(config)
-
-
 def _base_type(hint: Any) -> type:
     origin = typing.get_origin(hint)
     if origin is typing.Union or str(origin) == "types.UnionType":

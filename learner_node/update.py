@@ -66,8 +66,12 @@ def _mean_over_ranks(value: float) -> float:
 
 
 def ppo_update(lp: LearnerPolicy, policy_opt: torch.optim.Optimizer, value_opt: torch.optim.Optimizer, rollout: Rollout,
-               cfg: UpdateConfig, train_policy: bool = True, kl_coef: float | None = None) -> dict[str, float]:  # fmt: skip
-    """Train critic and policy on one rollout; returns the metrics under their usual slash keys."""
+               cfg: UpdateConfig, train_policy: bool = True, kl_coef: float | None = None,
+               features: torch.Tensor | None = None) -> dict[str, float]:  # fmt: skip
+    """Train critic and policy on one rollout; returns the metrics under their usual slash keys.
+
+    `features`: the critic features of the rollout's observations, if the caller has them already
+    (the worker computed them for GAE); otherwise they are computed here."""
     rank, world = _world()
     gen = torch.Generator().manual_seed(cfg.seed)  # the same minibatch order on every rank
     kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
@@ -82,7 +86,8 @@ def ppo_update(lp: LearnerPolicy, policy_opt: torch.optim.Optimizer, value_opt: 
     metrics: dict[str, float] = {}
 
     # --- critic: features of the frozen base, computed once ----------------------------------
-    features = lp.features(items)
+    if features is None:
+        features = lp.features(items)
     value_params = list(lp.value_head.parameters())
     v_losses = []
     for _ in range(cfg.update_epochs):

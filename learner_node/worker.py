@@ -92,6 +92,7 @@ class Learner:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(cfg.tensorboard_dir)
+        self._features: dict[int, torch.Tensor] = {}
         self._pending_own = True  # after a (re)start, this consumer's unacknowledged entries come first
 
     # --- start-up ----------------------------------------------------------------------------
@@ -157,7 +158,9 @@ class Learner:
         metrics: dict[str, float] = {}
         if len(rollout):
             self.lp.model.train()
-            metrics = ppo_update(self.lp, self.policy_opt, self.value_opt, rollout, self.update_cfg, train_policy, self.kl.value)
+            features = torch.stack([self._features[id(o)] for o in rollout.obs])  # the frozen base: no second forward
+            metrics = ppo_update(self.lp, self.policy_opt, self.value_opt, rollout, self.update_cfg, train_policy, self.kl.value,
+                                 features)  # fmt: skip
             self.lp.model.eval()
             if train_policy:
                 self.version += 1
@@ -247,8 +250,10 @@ class Learner:
         self.seen_set.add(seg_id)
 
     def _values(self, observations: list[dict[str, Any]]) -> list[float]:
+        """Critic values for GAE; the features are kept (by observation object) for the update's critic epochs."""
         with torch.no_grad():
             features = self.lp.features([self.lp.tokenize(o) for o in observations])
+            self._features = {id(o): f for o, f in zip(observations, features)}
             return self.lp.value_head(features).cpu().tolist()
 
     # --- persistence and publication -----------------------------------------------------------

@@ -19,9 +19,7 @@ from common.config import ConfigError, add_flags, load
 
 log = logging.getLogger("ppoz")
 
-NOT_YET = {
-    "up": "`ppoz up` is not built yet (issue 5); start `ppoz broker`, `ppoz actor` and `ppoz learner` yourself meanwhile",
-}
+UP_NOT_BUILT = "`ppoz up` is not built yet (issue 5); start `ppoz broker`, `ppoz actor` and `ppoz learner` yourself meanwhile"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,10 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(p)
     p.set_defaults(func=demo.main)
 
-    for name, text in (("up", "start and supervise a whole stack on this machine"),):
-        p = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. {NOT_YET[name]}.")
-        _config_option(p)
-        p.set_defaults(func=_not_yet(name))
+    p = sub.add_parser("up", help="start and supervise a whole stack on this machine",
+                       description=f"Start and supervise a whole stack on this machine. {UP_NOT_BUILT}.")  # fmt: skip
+    _config_option(p)
+    p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("bench", help="run a benchmark (see docs/benchmarks.md)", description="Benchmarks; each prints a table, or one JSON object with --json.")
     benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
@@ -118,12 +116,9 @@ def _config_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config file; flags given on the command line override it")
 
 
-def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        print(f"ppoz {name}: {NOT_YET[name]}.", file=sys.stderr)
-        return 2
-
-    return run
+def cmd_up(args: argparse.Namespace) -> int:
+    print(f"ppoz up: {UP_NOT_BUILT}.", file=sys.stderr)
+    return 2
 
 
 def _on_stop(stop: Callable[[], None]) -> None:
@@ -201,7 +196,8 @@ def run_actor(cfg: Any, stop: threading.Event) -> int:
     link.close()
     if follower is not None:
         follower.close()
-    log.info("actor %s stopped after %d requests", link.name, served)
+    cache = getattr(policy, "cache", None)
+    log.info("actor %s stopped after %d requests%s", link.name, served, f"; prefix cache {cache.stats()}" if cache else "")
     return 0
 
 

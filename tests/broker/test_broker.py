@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from actor_node.policies import UniformPolicy
-from broker.store import decode_segment
+from common.segments import decode_segment
 from client import BadRequest, FeedbackWithoutStep, InternalError, RequestTimeout, UnknownTask
 from common import protocol as p
 from tests.helpers import OBS, actors_ready, wait_for

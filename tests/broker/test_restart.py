@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from broker.store import decode_segment
+from common.segments import decode_segment
 from client import Client
 from tests.helpers import OBS, wait_for
 
