@@ -10,10 +10,8 @@ test or demo never leaves a server behind.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -22,6 +20,8 @@ from pathlib import Path
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+
+from common.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +85,6 @@ def find_redis_server() -> str:
     return str(bundled)
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: ask Linux to SIGTERM the child when its parent dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class EmbeddedRedis:
     """A private redis-server child process on a unix socket; use as a context manager."""
 
@@ -126,7 +117,8 @@ class EmbeddedRedis:
             "--loglevel", "warning",
             "--logfile", str(self.dir / "redis.log"),
         ]  # fmt: skip
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
+                                        start_new_session=True)  # Ctrl-C in a terminal must not stop it before its users
         self.url = f"unix://{sock}"
         deadline = time.monotonic() + timeout
         client = None

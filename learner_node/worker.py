@@ -273,6 +273,14 @@ class Learner:
         weights.announce(self.pub, ann)
 
     def _log(self, metrics: dict[str, float], n: int) -> None:
+        # The latest update's figures, for live displays on other machines (`ppoz demo`,
+        # dashboards): one small hash, overwritten each update.
+        latest = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not math.isnan(v)}
+        latest.update({"updates": self.updates, "version": self.version, "transitions": n, "time": time.time()})
+        try:
+            self.redis.hset(f"{self.cfg.key_prefix}:learner:latest", mapping=latest)
+        except redis.RedisError as e:  # a display's convenience; never worth stopping training for
+            log.warning("could not store the latest metrics in Redis: %s", e)
         if self.writer is not None:
             for key, value in metrics.items():
                 if not (isinstance(value, float) and math.isnan(value)):

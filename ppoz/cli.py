@@ -19,9 +19,6 @@ from common.config import ConfigError, add_flags, load
 
 log = logging.getLogger("ppoz")
 
-UP_NOT_BUILT = "`ppoz up` is not built yet (issue 5); start `ppoz broker`, `ppoz actor` and `ppoz learner` yourself meanwhile"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -77,10 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(p)
     p.set_defaults(func=demo.main)
 
+    from ppoz import up
+    from ppoz.up import UpConfig
+
     p = sub.add_parser("up", help="start and supervise a whole stack on this machine",
-                       description=f"Start and supervise a whole stack on this machine. {UP_NOT_BUILT}.")  # fmt: skip
+                       description="Start and supervise Redis (embedded unless a URL is given), the broker, N actors, the learner "
+                                   "and optionally environment clients, each as its own process with its log lines prefixed by "
+                                   "its name. The config file's [broker], [actor] and [learner] tables configure the components; "
+                                   "[up] says what runs here. Ctrl-C or SIGTERM stops everything. See docs/farm.md.")  # fmt: skip
     _config_option(p)
-    p.set_defaults(func=cmd_up)
+    add_flags(p, UpConfig)
+    p.set_defaults(func=up.main)
+
+    from ppoz import play
+
+    p = sub.add_parser("play", help="run environment clients (Kea-like simulator, gymnasium games) against a broker",
+                       description="Play N environment clients in parallel against a broker and report episodes, returns and "
+                                   "steps per second.")  # fmt: skip
+    play.add_arguments(p)
+    p.set_defaults(func=play.main)
 
     p = sub.add_parser("bench", help="run a benchmark (see docs/benchmarks.md)", description="Benchmarks; each prints a table, or one JSON object with --json.")
     benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
@@ -114,11 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config file; flags given on the command line override it")
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    print(f"ppoz up: {UP_NOT_BUILT}.", file=sys.stderr)
-    return 2
 
 
 def _on_stop(stop: Callable[[], None]) -> None:

@@ -1,125 +1,165 @@
-"""`ppoz demo`: the whole loop learning on this machine, no GPU, nothing to configure.
+"""`ppoz demo`: watch an LLM policy learn to explore an app, on this machine, no GPU.
 
-In one process, each part on its own thread and talking over real ZeroMQ
-sockets and a real (embedded) Redis: the broker, one LLM actor, the PPO
-learner, and several simulated clients. The model is a tiny Llama-style
-network built locally (cached under ~/.cache/ppoz); the environment is a
-contextual bandit shaped like a GUI step: the screen text names the widget to
-tap, the candidates are tap actions, the reward is 1 for the right one. A
-uniformly random policy earns 1/3 on average; the demo shows the learned
-policy's reward rise above that, and prints both at the end.
+Everything runs in this one process, each part on its own thread and talking
+over real ZeroMQ sockets and a real (embedded) Redis, exactly as the separate
+processes of a farm do: the broker, one LLM actor, the PPO learner, and several
+simulated Kea clients (envs/kea_sim.py) exploring an app with UI tarpits. The
+model is a tiny Llama-style network built locally and cached under
+~/.cache/ppoz (no download). A live progress line shows steps, episodes, mean
+return, policy version, losses and speed; at the end a summary compares the
+trained policy with the uniformly random one, and a PNG learning curve and
+TensorBoard logs are written.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import random
+import math
+import statistics
+import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
-WIDGETS = ["Cart", "Search", "Settings"]
-ACTIONS = [f"TouchEvent(view={w})" for w in WIDGETS]
+# The app the demo explores, sized for a tiny model on a CPU: short event strings and the
+# last few steps of history keep a prompt near 1k tokens (a real Kea prompt is 1k-20k).
+DEMO_APP = dict(screens=8, horizon=10, history_limit=3, event_hashes=False)
 
-
-def observation(rng: random.Random) -> tuple[dict, int]:
-    target = rng.randrange(len(WIDGETS))
-    prompt = f"Task: open {WIDGETS[target]}. Screen: MainActivity with buttons Cart, Search, Settings."
-    return {"prompt": prompt, "question": " Action: ", "action": ACTIONS}, target
+EPILOG = """\
+A real model and a GPU:
+  ppoz demo --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --minutes 30
+The model is read with transformers' from_pretrained: a local directory, or a
+Hugging Face id that transformers downloads on first use. Models other than the
+built-in tiny one are trained through a LoRA adapter (rank 8) at a learning
+rate of 1e-5; the tiny one trains all its weights. For a farm over several
+machines use `ppoz up` or the separate commands (docs/farm.md).
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seconds", type=float, default=150.0, help="how long to train (default: 150)")
-    parser.add_argument("--clients", type=int, default=4, help="simulated clients (default: 4)")
+    parser.add_argument("--minutes", type=float, default=5.0, help="how long to train (default: 5)")
+    parser.add_argument("--clients", type=int, default=4, help="simulated Kea clients (default: 4)")
     parser.add_argument("--model", default="", help="a local model directory or Hugging Face id (default: a tiny model built locally)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    parser.add_argument("--out", default="runs/demo", help="checkpoints and TensorBoard logs go here (default: runs/demo)")
-    parser.epilog = ("With a real model and a GPU: ppoz demo --model Qwen/Qwen2.5-0.5B-Instruct --device cuda "
-                     "(the model is downloaded by transformers on first use; LoRA rank 8 is used for non-tiny models).")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the simulated app's layout (default: 0)")
+    parser.add_argument("--out", default="runs/demo", help="learning curve, checkpoints and TensorBoard logs go here (default: runs/demo)")
+    parser.add_argument("--report-every", type=float, default=10.0, help="seconds between progress lines (default: 10)")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
 
 
 def main(args: argparse.Namespace) -> int:
+    import redis
+
     from actor_node.config import ActorConfig
     from broker.config import BrokerConfig
     from broker.server import Broker
-    from client import Client
     from common.redis_server import EmbeddedRedis, connect
+    from envs.base import random_returns
+    from envs.kea_sim import KeaSim, SimConfig
+    from envs.runner import Runner
     from learner_node.config import LearnerConfig
     from learner_node.worker import Learner
     from ppoz.cli import run_actor
+    from ppoz.curve import write_learning_curve
     from ppoz.tiny_models import build_tiny_model
 
-    for noisy in ("broker", "actor_node", "learner_node", "common", "httpx"):
+    if args.minutes <= 0 or args.clients < 1:
+        print("ppoz demo: --minutes must be positive and --clients at least 1", file=sys.stderr)
+        return 2
+    for noisy in ("broker", "actor_node", "learner_node", "common", "envs"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     out = Path(args.out)
     tiny = not args.model
     model = args.model or str(build_tiny_model(Path.home() / ".cache" / "ppoz" / "tiny-llama", "llama", hidden=64, layers=2))
+    app = SimConfig(seed=args.seed, **DEMO_APP)  # type: ignore[arg-type]
+    random_baseline = statistics.mean(random_returns(lambda i: KeaSim(app), 500, seed=args.seed))
     policy = dict(model=model, lora_rank=0 if tiny else 8, normalisation="token", device=args.device)
-    print(f"ppoz demo: model {model}, {args.clients} simulated clients, {args.seconds:.0f} s of training")
+    print(f"ppoz demo: {args.clients} simulated Kea clients explore an app of {app.screens} screens with tarpits "
+          f"({app.horizon} steps per episode)\n  model {model}; training for {args.minutes:g} minutes\n"
+          f"  random policy: mean return {random_baseline:.2f} (played locally, 500 episodes)", flush=True)  # fmt: skip
     with EmbeddedRedis() as redis_server:
         broker = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_server.url,
-                                     max_stream_backlog=64), connect(redis_server.url))  # fmt: skip
+                                     max_stream_backlog=96, segment_len=app.horizon), connect(redis_server.url))  # fmt: skip
         broker.start()
         threading.Thread(target=broker.run, name="broker", daemon=True).start()
-        learner = Learner(LearnerConfig(**policy, redis_url=redis_server.url, rollout_batch=32, policy_minibatch=16, micro_batch=8,
-                                        update_epochs=4, policy_lr=3e-4 if tiny else 1e-5, value_lr=1e-3, target_kl=0.02,
-                                        ent_coef=0.01, max_policy_lag=2, checkpoint_dir=str(out / "checkpoints"),
-                                        tensorboard_dir=str(out / "tensorboard"), weights_bind="tcp://127.0.0.1:*"),
+        learner = Learner(LearnerConfig(**policy, redis_url=redis_server.url, rollout_batch=40, policy_minibatch=20, micro_batch=10,
+                                        update_epochs=4, policy_lr=3e-4 if tiny else 1e-5, value_lr=1e-3, target_kl=0.03,
+                                        ent_coef=0.01, gamma=0.9, max_policy_lag=2, value_hidden=[256, 256],
+                                        checkpoint_dir=str(out / "checkpoints"), tensorboard_dir=str(out / "tensorboard"),
+                                        weights_bind="tcp://127.0.0.1:*"),
                           connect(redis_server.url, socket_timeout=30))  # fmt: skip
         learner_thread = threading.Thread(target=learner.run, name="learner", daemon=True)
         learner_thread.start()
-        stop = threading.Event()
+        stop_actor = threading.Event()
         actor = ActorConfig(broker=broker.backend_endpoint, **policy, redis_url=redis_server.url, weights=learner.weights_endpoint,
                             weights_poll_s=1.0)  # fmt: skip
-        threading.Thread(target=run_actor, args=(actor, stop), name="actor", daemon=True).start()
-
-        rewards: deque[float] = deque(maxlen=200)
-        first: list[float] = []
-        steps = [0]
-
-        def play(seed: int) -> None:
-            rng = random.Random(seed)
-            with Client(broker.frontend_endpoint, deadline=120) as c:
-                task = c.attach()
-                while not stop.is_set():
-                    if c.ask(task)["status"] == "wait":
-                        time.sleep(0.05)
-                        continue
-                    obs, target = observation(rng)
-                    reply = c.step(task, obs)
-                    reward = 1.0 if reply["action"] == target else 0.0
-                    c.feedback(task, reward, done=True)
-                    rewards.append(reward)
-                    steps[0] += 1
-                    if reply["policy_version"] == 0:
-                        first.append(reward)
-
-        clients = [threading.Thread(target=play, args=(i,), name=f"client-{i}", daemon=True) for i in range(args.clients)]
-        for t in clients:
-            t.start()
+        actor_thread = threading.Thread(target=run_actor, args=(actor, stop_actor), name="actor", daemon=True)
+        actor_thread.start()
+        metrics_redis = connect(redis_server.url)
+        runner = Runner(broker.frontend_endpoint, lambda i: KeaSim(app), args.clients, deadline=120, seed=args.seed).start()
         started = time.monotonic()
         try:
-            while time.monotonic() - started < args.seconds:
-                time.sleep(5)
-                mean = sum(rewards) / len(rewards) if rewards else float("nan")
-                print(f"  {time.monotonic() - started:5.0f} s  steps {steps[0]:6d}  policy v{learner.version:<4d} "
-                      f"updates {learner.updates:<4d} mean reward (last {len(rewards)}) {mean:.2f}   random: 0.33", flush=True)  # fmt: skip
+            while time.monotonic() - started < args.minutes * 60 and runner.running():
+                time.sleep(min(args.report_every, max(0.1, args.minutes * 60 - (time.monotonic() - started))))
+                print(progress_line(runner.stats.snapshot(), _latest(metrics_redis, redis)), flush=True)
         except KeyboardInterrupt:
-            print("  stopped by Ctrl-C")
-        stop.set()
+            print("  stopped by Ctrl-C; writing the summary")
+        runner.stop()
+        stop_actor.set()
         learner.stop()
-        for t in clients:
-            t.join(10)
-        learner_thread.join(60)
+        learner_thread.join(120)
+        actor_thread.join(30)
         broker.stop()
-    final = sum(rewards) / len(rewards) if rewards else float("nan")
-    untrained = sum(first) / len(first) if first else float("nan")
+        metrics_redis.close()
+    episodes = runner.stats.episodes
+    curve = write_learning_curve(out / "learning_curve.png", episodes, random_baseline, started,
+                                 title=f"ppoz demo: {args.clients} Kea-like clients, {Path(model).name}")  # fmt: skip
+    return print_summary(episodes, random_baseline, learner, curve, out)
+
+
+def _latest(client: Any, redis: Any) -> dict[str, float]:
+    try:
+        raw = client.hgetall("ppoz:learner:latest")
+    except redis.RedisError:
+        return {}
+    return {k.decode(): float(v) for k, v in raw.items()}
+
+
+def progress_line(s: dict[str, Any], learner: dict[str, float]) -> str:
+    def fmt(key: str, spec: str = ".3f") -> str:
+        return format(learner[key], spec) if key in learner else "-"
+
+    return (f"  {s['elapsed_s']:5.0f} s  steps {s['steps']:6d} ({s['steps_per_s']:4.1f}/s)  episodes {s['episodes']:4d}  "
+            f"mean return (last {s['recent_episodes']}) {s['recent_mean_return']:5.2f}  policy v{s['policy_version']:<3d}  "
+            f"policy loss {fmt('losses/policy_loss')}  value loss {fmt('losses/value_loss')}  "
+            f"entropy {fmt('losses/entropy')}")  # fmt: skip
+
+
+def trained_window(episodes: list[Any], fraction: float = 0.2, least: int = 20) -> list[float]:
+    """The returns of the last `fraction` of the episodes (at least `least`): the trained policy's figure."""
+    n = max(least, int(len(episodes) * fraction))
+    return [e.ret for e in episodes[-n:]]
+
+
+def print_summary(episodes: list[Any], random_baseline: float, learner: Any, curve: Path, out: Path) -> int:
+    untrained = [e.ret for e in episodes if e.policy_version == 0]
+    trained = trained_window(episodes)
+    mean = statistics.mean(trained) if trained else math.nan
+    sem = statistics.stdev(trained) / math.sqrt(len(trained)) if len(trained) > 1 else math.nan
     print("\nsummary")
-    print(f"  steps {steps[0]}, updates {learner.updates}, policy version {learner.version}")
-    print(f"  mean reward: random policy 0.33 (1 in 3), untrained model {untrained:.2f}, trained model (last {len(rewards)} steps) {final:.2f}")
-    print(f"  checkpoints: {out / 'checkpoints'}   TensorBoard: tensorboard --logdir {out / 'tensorboard'}")
-    return 0 if final > 0.4 else 1
+    print(f"  episodes {len(episodes)}, steps {sum(e.steps for e in episodes)}, learner updates {learner.updates}, "
+          f"policy version {learner.version}")  # fmt: skip
+    print(f"  mean return  random policy {random_baseline:.2f}   untrained model "
+          f"{statistics.mean(untrained) if untrained else math.nan:.2f} ({len(untrained)} episodes)   "
+          f"trained model {mean:.2f} +- {sem:.2f} (last {len(trained)} episodes)")  # fmt: skip
+    better = mean > random_baseline + max(0.5, 2 * (sem if not math.isnan(sem) else 0))
+    print(f"  {'the trained policy beats the random one' if better else 'the trained policy did NOT clearly beat the random one'}")
+    print(f"  learning curve: {curve}")
+    print(f"  TensorBoard:    tensorboard --logdir {out / 'tensorboard'}")
+    print(f"  checkpoints:    {out / 'checkpoints'}")
+    return 0 if better else 1

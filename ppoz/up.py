@@ -1,0 +1,142 @@
+"""`ppoz up`: a whole stack on one machine from one config file.
+
+The file is the one each component reads on its own ([broker], [actor],
+[learner] tables, top-level keys for all), plus an [up] table saying what to
+start here. Each component runs as its own `ppoz broker|actor|learner|play`
+process with `--config FILE`, so a farm that outgrows one machine moves a
+component elsewhere by running that same command there (docs/farm.md).
+Addresses are wired here: the actors connect to the broker's back end and the
+learner's weight endpoint, the environment clients to the broker's front end,
+everyone to the same Redis (embedded unless a URL is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from common.config import check, load, option, section
+
+log = logging.getLogger(__name__)
+
+
+@section("up")
+@dataclass
+class UpConfig:
+    redis_url: str = option("", "Redis for every component; empty starts an embedded redis-server for the stack's lifetime")
+    redis_data_dir: str = option("", "where the embedded redis-server keeps an append-only file (empty: a temporary directory)")
+    broker: bool = option(True, "start the broker here")
+    actors: int = option(1, "actor processes to start here")
+    actor_devices: list = option([""], "device of actor i is actor_devices[i % len]; empty entries keep [actor] device")
+    learner: bool = option(True, "start the learner here")
+    env: str = option("", "environment clients to start as well: kea, frozenlake, cliffwalking or taxi (empty: none)")
+    env_clients: int = option(4, "environment clients (threads of one `ppoz play` process)")
+    on_failure: str = option("restart", "a component that dies is restarted (`restart`) or stops the whole stack (`stop`)")
+    max_restarts: int = option(5, "restarts of one component before the whole stack stops")
+    stop_timeout_s: float = option(30.0, "how long a component may take to stop after SIGTERM before it is killed")
+    log_lines: int = option(20, "last log lines shown when a component dies")
+    ready_timeout_s: float = option(300.0, "longest wait for the broker to answer after start")
+
+    def __post_init__(self) -> None:
+        check(self.on_failure in ("restart", "stop"), f"on_failure={self.on_failure!r}: must be 'restart' or 'stop'")
+        check(self.actors >= 0, f"actors={self.actors}: must be 0 or more")
+        check(self.env_clients >= 1, f"env_clients={self.env_clients}: must be at least 1")
+        check(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be 0 or more")
+        check(self.stop_timeout_s > 0, f"stop_timeout_s={self.stop_timeout_s}: must be positive")
+        if self.env:
+            from envs.runner import environment_names
+
+            names = environment_names()
+            check(self.env in names, f"env={self.env!r}: not an environment; known: {', '.join(names)}")
+
+
+def connect_address(bind: str) -> str:
+    """The address a local peer connects to for a bind address (`tcp://*:5555` -> `tcp://127.0.0.1:5555`)."""
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
+        if bind.startswith(wildcard):
+            return "tcp://127.0.0.1:" + bind[len(wildcard) :]
+    return bind
+
+
+def main(args: argparse.Namespace) -> int:
+    from actor_node.config import ActorConfig
+    from broker.config import BrokerConfig
+    from common.redis_server import EmbeddedRedis
+    from learner_node.config import LearnerConfig
+    from ppoz.supervisor import Supervisor
+
+    up = load(UpConfig, args.config, args)
+    broker = load(BrokerConfig, args.config)
+    actor = load(ActorConfig, args.config)
+    # The embedded Redis's URL is known only once it runs; validate with a stand-in.
+    learner = load(LearnerConfig, args.config, {"redis_url": up.redis_url or "redis://embedded"})
+    for name, endpoint in (("broker.frontend", broker.frontend), ("broker.backend", broker.backend),
+                           ("learner.weights_bind", learner.weights_bind)):  # fmt: skip
+        check(not endpoint.endswith(":*"), f"{name} = {endpoint!r}: `ppoz up` needs fixed ports to wire components together")
+    if up.actors and not actor.model:
+        log.warning("[actor] model is empty: the actors serve the uniform random policy")
+    check(not up.learner or bool(learner.model), "[learner] model is empty: the learner needs a model (set `model` at the top level for both)")
+
+    embedded = None
+    redis_url = up.redis_url
+    if not redis_url:
+        embedded = EmbeddedRedis(appendonly=bool(up.redis_data_dir), data_dir=up.redis_data_dir or None).start()
+        redis_url = embedded.url
+        log.info("embedded redis-server at %s", redis_url)
+    common = [sys.executable, "-m", "ppoz.cli", "--log-level", args.log_level]
+    config = ["--config", args.config] if args.config else []
+    sup = Supervisor(up.on_failure, up.max_restarts, up.stop_timeout_s, up.log_lines)
+    if up.broker:
+        sup.add("broker", [*common, "broker", *config, "--redis-url", redis_url])
+    if up.learner:
+        sup.add("learner", [*common, "learner", *config, "--redis-url", redis_url, "--resume"])
+    for i in range(up.actors):
+        device = up.actor_devices[i % len(up.actor_devices)] if up.actor_devices else ""
+        argv = [*common, "actor", *config, "--redis-url", redis_url, "--name", f"actor-{i}", "--seed", str(actor.seed + i),
+                "--broker", connect_address(broker.backend), "--weights", connect_address(learner.weights_bind)]  # fmt: skip
+        sup.add(f"actor-{i}", argv + (["--device", device] if device else []))
+    if up.env:
+        sup.add("clients", [*common, "play", "--env", up.env, "--clients", str(up.env_clients),
+                            "--broker", connect_address(broker.frontend), "--report-every", "30"])  # fmt: skip
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("%s received: stopping every component", signal.Signals(signum).name)
+        sup.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        sup.start_all(lambda c: _wait_ready(c.name, connect_address(broker.frontend), up.ready_timeout_s, sup))
+        code = sup.watch()
+    finally:
+        sup.stop_all()
+        if embedded is not None:
+            embedded.stop()
+    if sup.failed:
+        print(f"ppoz up: stopped because {sup.failed} died", file=sys.stderr)
+    return code
+
+
+def _wait_ready(name: str, frontend: str, timeout: float, sup: Any) -> None:
+    """After the broker starts, wait until it answers, so that the others find it there."""
+    if name != "broker":
+        return
+    from client import Client, PPOZError
+
+    end = time.monotonic() + timeout
+    with Client(frontend, deadline=1.0, attempt_timeout=1.0) as c:
+        while time.monotonic() < end and not sup.stop_event.is_set():
+            try:
+                c.ping()
+                return
+            except PPOZError:
+                sup.check()  # a broker that dies at start is reported now, not after the timeout
+    if not sup.stop_event.is_set():
+        log.error("the broker did not answer at %s within %.0f s", frontend, timeout)
+        sup.failed = "broker"
+        sup.stop()
