@@ -1,29 +1,35 @@
 """A blocking client: one DEALER socket, deadlines, and the protocol's retry rule.
 
-The retry rule (docs/protocol.md): a request keeps its rid across attempts.
-If no reply arrives within `attempt_timeout`, the socket is replaced (so a
-dead connection's queue is dropped) and the same request is sent again; on
-`overloaded`, `timeout` or `internal` the client waits (`retry_after_ms` when
-given) and sends it again; the broker answers a repeated rid with the first
-reply and applies it once. Past the request's deadline the client raises
-RequestTimeout. One Client is for one thread.
+The retry rule (docs/protocol.md, section 5; written once in client/retry.py):
+a request keeps its rid across attempts. If no reply arrives within
+`attempt_timeout`, the socket is replaced (so a dead connection's queue is
+dropped) and the same request is sent again; on `overloaded`, `timeout` or
+`internal` the client waits (`retry_after_ms` when given) and sends it again;
+the broker answers a repeated rid with the first reply and applies it once.
+Past the request's deadline the client raises RequestTimeout.
+
+A ZeroMQ socket must not be used by two threads at once, so a Client holds a
+lock around each attempt: threads may share one Client safely, but their
+requests then go one at a time. For requests in parallel give each thread its
+own Client, or use client.aio.AsyncClient, which has many in flight on one socket.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-import uuid
 from typing import Any
 
 import zmq
 
-from client.errors import PPOZError, RequestTimeout, from_reply
+from client.errors import PPOZError
+from client.retry import RETRIED_CODES, RetryRule, check_timeouts, feedback_fields
 from common import protocol as p
-
-RETRIED_CODES = frozenset({p.E_OVERLOADED, p.E_TIMEOUT, p.E_INTERNAL})
 
 
 class Client:
+    """Blocking PPOZ client. `deadline`: default overall time per request; `attempt_timeout`: per send."""
+
     def __init__(
         self,
         endpoint: str,
@@ -31,12 +37,16 @@ class Client:
         attempt_timeout: float = 10.0,
         context: zmq.Context | None = None,
     ) -> None:
+        check_timeouts(deadline, attempt_timeout)
         self.endpoint = endpoint
         self.deadline = deadline
         self.attempt_timeout = attempt_timeout
         self.ctx = context or zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.attempts = 0  # sends, retries included (for tests and diagnostics)
+        # Held for one attempt (send and wait), not across a retry's sleep, so other
+        # threads' requests go between the attempts of a retried one.
+        self._lock = threading.Lock()
 
     def _socket(self) -> zmq.Socket:
         if self.sock is None:
@@ -51,7 +61,9 @@ class Client:
             self.sock = None
 
     def close(self) -> None:
-        self._reset()
+        """Close the socket (after a request another thread has in progress). A later request opens a new one."""
+        with self._lock:
+            self._reset()
 
     def __enter__(self) -> "Client":
         return self
@@ -60,30 +72,31 @@ class Client:
         self.close()
 
     def request(self, op: str, rid: str | None = None, deadline: float | None = None, **fields: Any) -> dict[str, Any]:
-        """Send one request and return its reply map; raise the error's exception class."""
-        body = p.header(op, rid or uuid.uuid4().hex)
-        body.update(fields)
-        data = p.encode(body)
-        end = time.monotonic() + (deadline if deadline is not None else self.deadline)
+        """Send one request and return its reply map; raise the error's exception class.
+
+        `deadline` (seconds, default the client's) bounds the whole request:
+        attempts, retry waits, and the time spent waiting for other threads' requests.
+        """
+        rule = RetryRule(op, rid, fields, self.deadline if deadline is None else deadline, self.attempt_timeout)
         while True:
-            remaining = end - time.monotonic()
-            if remaining <= 0:
-                raise RequestTimeout(f"timeout: no reply to {op} within {deadline or self.deadline:.1f} s")
-            sock = self._socket()
-            sock.send_multipart([b"", data])
-            self.attempts += 1
-            reply = self._await(sock, body["rid"], min(remaining, self.attempt_timeout))
+            # Wait for other threads' attempts on the socket, but never past this request's deadline.
+            if not self._lock.acquire(timeout=max(rule.remaining(), 0.0)):
+                raise rule.expired()
+            try:
+                timeout = rule.next_attempt()
+                sock = self._socket()
+                sock.send_multipart([b"", rule.data])
+                self.attempts += 1
+                reply = self._await(sock, rule.rid, timeout)
+                if reply is None:
+                    self._reset()  # a lost connection: start over on a fresh socket
+            finally:
+                self._lock.release()
             if reply is None:
-                self._reset()  # a lost connection: start over on a fresh socket
                 continue
-            if "error" not in reply:
+            wait = rule.wait_before_retry(reply)
+            if wait is None:
                 return reply
-            error = from_reply(reply)
-            if error.code not in RETRIED_CODES:
-                raise error
-            wait = reply.get("retry_after_ms", 100) / 1000
-            if time.monotonic() + wait >= end:
-                raise error
             time.sleep(wait)
 
     def _await(self, sock: zmq.Socket, rid: Any, timeout: float) -> dict[str, Any] | None:
@@ -103,10 +116,12 @@ class Client:
 
     # --- the operations --------------------------------------------------------------------
     def attach(self, task_id: str | None = None) -> str:
+        """Create a session (or resume `task_id`); return its task id."""
         fields = {"task_id": task_id} if task_id else {}
         return self.request(p.OP_ATTACH, **fields)["task_id"]
 
     def detach(self, task_id: str) -> dict[str, Any]:
+        """Close the task's open segment and forget the session."""
         return self.request(p.OP_DETACH, task_id=task_id)
 
     def ask(self, task_id: str) -> dict[str, Any]:
@@ -118,18 +133,28 @@ class Client:
         return self.request(p.OP_STEP, rid=rid, task_id=task_id, obs=obs)
 
     def rag_step(self, task_id: str, obs: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
+        """As step, for retrieval-augmented observations."""
         return self.request(p.OP_RAG_STEP, rid=rid, task_id=task_id, obs=obs)
 
     def feedback(
-        self, task_id: str, reward: float, done: bool = False, truncated: bool = False, rid: str | None = None
+        self,
+        task_id: str,
+        reward: float,
+        done: bool = False,
+        truncated: bool = False,
+        rid: str | None = None,
+        next_obs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        return self.request(p.OP_FEEDBACK, rid=rid, task_id=task_id, reward=reward, done=done, truncated=truncated)
+        """The reward of the pending step; `next_obs` (with `truncated`) is the state to bootstrap from."""
+        return self.request(p.OP_FEEDBACK, rid=rid, **feedback_fields(task_id, reward, done, truncated, next_obs))
 
     def status(self) -> dict[str, Any]:
+        """The broker's figures (sessions, queue, actors, latency, counters)."""
         return self.request(p.OP_STATUS)
 
     def ping(self) -> dict[str, Any]:
+        """`{"status": "ok", "time_ms": ...}`: the broker is there and answering."""
         return self.request(p.OP_PING)
 
 
-__all__ = ["Client", "PPOZError"]
+__all__ = ["Client", "PPOZError", "RETRIED_CODES"]

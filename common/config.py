@@ -69,7 +69,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        text = f"{f.metadata.get('help', '')} (default: {default!r})"
+        text = f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%")  # argparse formats help with %
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         elif kind is list:

@@ -1,0 +1,234 @@
+"""An asyncio client: many requests in flight on one DEALER socket, matched to replies by rid.
+
+Why a second client: an emulator farm driven from one event loop (or a
+simulator with hundreds of tasks) wants many requests outstanding at once
+without a thread each. The protocol allows it: one DEALER socket may carry
+requests for many tasks, and every reply carries its request's rid
+(docs/protocol.md, section 1).
+
+Design: one reader task per socket receives every reply and resolves the
+futures waiting for its rid; each request registers a future, sends, and awaits
+it with the attempt timeout. The retry rule is client/retry.py's, the same one
+the blocking client follows. An attempt that gets no reply replaces the socket,
+as the rule says; every other request in flight on the old socket is then
+sent again at once, with its own rid, on the new one (the broker answers a
+repeated rid with its first reply and applies it once, so this is safe).
+
+Use an AsyncClient from one event loop (the one it was first used in); it is
+not thread-safe. `close()` is final: in-flight requests fail with RuntimeError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from client.retry import RetryRule, check_timeouts, feedback_fields
+from common import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+class AsyncClient:
+    """Asyncio PPOZ client with the blocking Client's operations, as coroutines.
+
+    `deadline`: default overall time per request (s); `attempt_timeout`: longest
+    wait for one attempt's reply (s); `context`: a zmq.asyncio.Context, or a
+    blocking zmq.Context to share (its asyncio shadow is used), default the
+    process-wide asyncio context.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        deadline: float = 60.0,
+        attempt_timeout: float = 10.0,
+        context: zmq.asyncio.Context | zmq.Context | None = None,
+    ) -> None:
+        check_timeouts(deadline, attempt_timeout)
+        self.endpoint = endpoint
+        self.deadline = deadline
+        self.attempt_timeout = attempt_timeout
+        if context is None:
+            self.ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance()
+        elif isinstance(context, zmq.asyncio.Context):
+            self.ctx = context
+        else:
+            self.ctx = zmq.asyncio.Context(context)  # a shadow: same io threads, asyncio sockets, not owned
+        self.attempts = 0  # sends, retries and resends included (for tests and diagnostics)
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._waiters: dict[Any, list[asyncio.Future[dict[str, Any] | None]]] = {}
+        self._closed = False
+
+    # --- the socket and its reader ---------------------------------------------------------
+    def _open(self) -> zmq.asyncio.Socket:
+        """The current socket, opened (with its reader task) if there is none."""
+        if self._closed:
+            raise RuntimeError(f"this AsyncClient ({self.endpoint}) is closed")
+        if self._sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._sock = sock
+            self._reader = asyncio.get_running_loop().create_task(self._read(sock), name=f"ppoz-reader {self.endpoint}")
+        return self._sock
+
+    def _drop(self, sock: zmq.asyncio.Socket, error: BaseException | None = None) -> None:
+        """Close `sock` if it is still the current one; its waiters resend (or fail with `error`)."""
+        if sock is not self._sock:
+            return  # another request has already replaced it
+        self._sock = None
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+        self._reader = None
+        sock.close(linger=0)
+        for futures in self._waiters.values():
+            for future in futures:
+                if not future.done():
+                    if error is None:
+                        future.set_result(None)  # "send again on the new socket"
+                    else:
+                        future.set_exception(error)
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        """Give each reply to the requests waiting for its rid; drop the rest."""
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                self._dispatch(frames)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the socket failed under us (its context terminated, say)
+            log.warning("reading replies from %s failed: %s", self.endpoint, e)
+            self._drop(sock, e)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        try:
+            reply = p.decode(frames[-1])
+        except p.ProtocolError as e:
+            log.warning("ignoring an undecodable reply from %s: %s", self.endpoint, e)
+            return
+        rid = reply.get("rid")
+        futures = self._waiters.get(rid) if isinstance(rid, (str, bytes)) else None
+        if not futures:
+            log.debug("ignoring a reply nobody waits for (rid %r): a late answer to an earlier attempt", rid)
+            return
+        for future in futures:
+            if not future.done():
+                future.set_result(reply)
+
+    def _forget(self, rid: Any, future: asyncio.Future[dict[str, Any] | None]) -> None:
+        futures = self._waiters.get(rid)
+        if futures is not None and future in futures:
+            futures.remove(future)
+            if not futures:
+                del self._waiters[rid]
+
+    # --- requests ----------------------------------------------------------------------------
+    async def request(self, op: str, rid: str | None = None, deadline: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Send one request and return its reply map; raise the error's exception class (client/errors.py)."""
+        rule = RetryRule(op, rid, fields, self.deadline if deadline is None else deadline, self.attempt_timeout)
+        while True:
+            reply = await self._attempt(rule, rule.next_attempt())
+            if reply is None:
+                continue  # no reply, or the socket was replaced under it: next_attempt() says if time is left
+            wait = rule.wait_before_retry(reply)
+            if wait is None:
+                return reply
+            await asyncio.sleep(wait)
+
+    async def _attempt(self, rule: RetryRule, timeout: float) -> dict[str, Any] | None:
+        """Send once and wait up to `timeout` for the reply; None if none came (the socket is then replaced)."""
+        sock = self._open()
+        future: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(rule.rid, []).append(future)  # before sending: the reply may come at once
+        try:
+            self.attempts += 1
+            return await asyncio.wait_for(self._send_and_wait(sock, rule.data, future), timeout)
+        except asyncio.TimeoutError:
+            self._drop(sock)  # a lost connection: this and every request in flight on it go again on a fresh socket
+            return None
+        finally:
+            self._forget(rule.rid, future)
+
+    @staticmethod
+    async def _send_and_wait(
+        sock: zmq.asyncio.Socket, data: bytes, future: asyncio.Future[dict[str, Any] | None]
+    ) -> dict[str, Any] | None:
+        try:
+            await sock.send_multipart([b"", data])
+        except asyncio.CancelledError:
+            # Closing a socket cancels its pending sends: another request replaced it
+            # while this send waited (at the high-water mark), so send again on the new one.
+            if sock.closed:
+                return None
+            raise
+        return await future
+
+    # --- life cycle ----------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Close the socket and stop the reader; requests still waiting fail with RuntimeError. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        sock, reader = self._sock, self._reader
+        if sock is not None:
+            self._drop(sock, RuntimeError(f"this AsyncClient ({self.endpoint}) was closed while the request waited"))
+        if reader is not None:
+            await asyncio.wait([reader])  # let the cancelled reader finish (never raises, even if it failed)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- the operations (as client.sync.Client's) -------------------------------------------
+    async def attach(self, task_id: str | None = None) -> str:
+        """Create a session (or resume `task_id`); return its task id."""
+        fields = {"task_id": task_id} if task_id else {}
+        return (await self.request(p.OP_ATTACH, **fields))["task_id"]
+
+    async def detach(self, task_id: str) -> dict[str, Any]:
+        """Close the task's open segment and forget the session."""
+        return await self.request(p.OP_DETACH, task_id=task_id)
+
+    async def ask(self, task_id: str) -> dict[str, Any]:
+        """`{"status": "ok"}` or `{"status": "wait", "retry_after_ms": ...}`."""
+        return await self.request(p.OP_ASK, task_id=task_id)
+
+    async def step(self, task_id: str, obs: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
+        """The reply map: action, logprob, probs, policy_version."""
+        return await self.request(p.OP_STEP, rid=rid, task_id=task_id, obs=obs)
+
+    async def rag_step(self, task_id: str, obs: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
+        """As step, for retrieval-augmented observations."""
+        return await self.request(p.OP_RAG_STEP, rid=rid, task_id=task_id, obs=obs)
+
+    async def feedback(
+        self,
+        task_id: str,
+        reward: float,
+        done: bool = False,
+        truncated: bool = False,
+        rid: str | None = None,
+        next_obs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The reward of the pending step; `next_obs` (with `truncated`) is the state to bootstrap from."""
+        return await self.request(p.OP_FEEDBACK, rid=rid, **feedback_fields(task_id, reward, done, truncated, next_obs))
+
+    async def status(self) -> dict[str, Any]:
+        """The broker's figures (sessions, queue, actors, latency, counters)."""
+        return await self.request(p.OP_STATUS)
+
+    async def ping(self) -> dict[str, Any]:
+        """`{"status": "ok", "time_ms": ...}`: the broker is there and answering."""
+        return await self.request(p.OP_PING)
+
+
+__all__ = ["AsyncClient"]

@@ -1,0 +1,199 @@
+"""The asyncio client against a real broker and actor: life cycle, concurrency, the retry rule, errors, close."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+
+from client import AsyncClient, BadRequest, FeedbackWithoutStep, RequestTimeout, UnknownTask
+from common import protocol as p
+from common.segments import decode_segment
+from tests.client.helpers import EchoPolicy, free_port, pick
+from tests.helpers import wait_for
+
+
+def test_full_life_cycle(serving, zmq_context, redis_client, key_prefix):
+    broker, _ = serving(segment_len=8)
+
+    async def main() -> None:
+        async with AsyncClient(broker.frontend, deadline=10, attempt_timeout=5, context=zmq_context) as client:
+            assert (await client.ping())["status"] == "ok"
+            task = await client.attach()
+            assert (await client.ask(task))["status"] == "ok"
+            for n in range(3):
+                reply = await client.step(task, pick(n))
+                assert reply["status"] == "ok" and reply["task_id"] == task and reply["action"] == n
+                assert reply["probs"] == pytest.approx([1 / 32] * 32) and reply["policy_version"] == 0
+                assert (await client.feedback(task, reward=0.1 * n))["status"] == "ok"
+            assert (await client.rag_step(task, pick(5)))["action"] == 5
+            assert (await client.feedback(task, 0.5, done=True))["segment_closed"] is True
+            assert (await client.status())["sessions"] == 1
+            assert (await client.detach(task))["status"] == "detached"
+            with pytest.raises(UnknownTask):
+                await client.ask(task)
+        with pytest.raises(RuntimeError, match="closed"):
+            await client.ping()
+
+    asyncio.run(main())
+    [segment] = [decode_segment(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")]
+    assert segment["reason"] == "done" and [t["action"] for t in segment["transitions"]] == [0, 1, 2, 5]
+    assert [t["mode"] for t in segment["transitions"]] == ["step"] * 3 + ["rag_step"]
+
+
+def test_concurrent_coroutines_share_one_client_and_each_gets_its_own_reply(serving, zmq_context, redis_client, key_prefix):
+    policy = EchoPolicy(delay=0.2)
+    broker, _ = serving(policy=policy, credits=32)
+
+    async def emulator(client: AsyncClient, i: int) -> None:
+        task = await client.attach(task_id=f"emu-{i}")
+        for n in range(3):
+            wanted = (i + 7 * n) % 32
+            reply = await client.step(task, pick(wanted), rid=f"emu-{i}-step-{n}")
+            assert (reply["rid"], reply["task_id"], reply["action"]) == (f"emu-{i}-step-{n}", task, wanted)
+            await client.feedback(task, reward=float(n))
+
+    async def main() -> int:
+        async with AsyncClient(broker.frontend, deadline=30, attempt_timeout=20, context=zmq_context) as client:
+            await asyncio.gather(*(emulator(client, i) for i in range(20)))
+            return client.attempts
+
+    attempts = asyncio.run(main())
+    assert attempts == 20 * 7, "no request may need a second attempt"
+    # The steps were in flight together: the actor got them in batches, not one by one.
+    assert max(policy.batches) > 1 and sum(policy.batches) == 60
+    for i in range(20):
+        stored = [p.decode(x) for x in redis_client.lrange(f"{key_prefix}:seg:emu-{i}", 0, -1)]
+        assert [(t["action"], t["reward"]) for t in stored] == [((i + 7 * n) % 32, float(n)) for n in range(3)]
+
+
+def test_no_broker_gives_request_timeout_within_the_deadline(zmq_context):
+    async def main() -> AsyncClient:
+        async with AsyncClient(f"tcp://127.0.0.1:{free_port()}", deadline=1.0, attempt_timeout=0.3, context=zmq_context) as client:
+            started = time.monotonic()
+            with pytest.raises(RequestTimeout, match="no reply to ping within 1.0 s"):
+                await client.ping()
+            assert 0.9 < time.monotonic() - started < 1.5
+            return client
+
+    client = asyncio.run(main())
+    assert client.attempts == 4  # 0.3 + 0.3 + 0.3 + 0.1 s, a fresh socket each time
+
+
+def test_requests_in_flight_survive_a_broker_restart(start_broker, start_actor, zmq_context, redis_client, key_prefix):
+    """Steps sent while the broker is down are resent (same rid, fresh socket) and answered by its successor."""
+    frontend = f"tcp://127.0.0.1:{free_port()}"
+    first = start_broker(frontend=frontend)
+    start_actor(first.backend, policy=EchoPolicy())
+
+    async def main() -> None:
+        async with AsyncClient(frontend, deadline=30, attempt_timeout=0.3, context=zmq_context) as client:
+            while not (await client.status())["actors"]:
+                await asyncio.sleep(0.05)
+            tasks = [await client.attach(task_id=f"emu-{i}") for i in range(5)]
+            for task in tasks:
+                await client.step(task, pick(0))
+                await client.feedback(task, 1.0)
+            await asyncio.to_thread(first.stop)
+
+            before = client.attempts
+            steps = [asyncio.ensure_future(client.step(task, pick(i + 1), rid=f"after-{i}")) for i, task in enumerate(tasks)]
+            await asyncio.sleep(1.0)
+            assert not any(s.done() for s in steps), "nobody is there to answer"
+            second = await asyncio.to_thread(start_broker, frontend=frontend)
+            start_actor(second.backend, policy=EchoPolicy())
+            replies = await asyncio.gather(*steps)
+            assert [(r["rid"], r["action"]) for r in replies] == [(f"after-{i}", i + 1) for i in range(5)]
+            assert client.attempts - before >= 5 * 3  # each step was sent again after each silent attempt
+            for task in tasks:  # the sessions came back from Redis: the pending steps take their rewards
+                assert (await client.feedback(task, 2.0))["status"] == "ok"
+            assert (await client.status())["counters"]["broker/steps"] == 5, "each resent step is scored once"
+
+    asyncio.run(main())
+    for i in range(5):
+        stored = [p.decode(x) for x in redis_client.lrange(f"{key_prefix}:seg:emu-{i}", 0, -1)]
+        assert [(t["action"], t["reward"]) for t in stored] == [(0, 1.0), (i + 1, 2.0)]
+
+
+def test_overloaded_replies_are_retried_after_retry_after_ms(start_broker, start_actor, make_client, zmq_context):
+    broker = start_broker(max_queue=1, retry_after_ms=200, request_timeout_ms=10_000)
+    probe = make_client(broker.frontend)
+    a, b = probe.attach(), probe.attach()
+    blocker = zmq_context.socket(zmq.DEALER)  # its step fills the queue while no actor is there
+    blocker.setsockopt(zmq.LINGER, 0)
+    blocker.connect(broker.frontend)
+    blocker.send_multipart([b"", p.encode(p.header("step", "blocker") | {"task_id": a, "obs": pick(0)})])
+    wait_for(lambda: probe.status()["queued_jobs"] == 1, what="the first step to fill the queue")
+
+    async def main() -> tuple[dict, int, float]:
+        async with AsyncClient(broker.frontend, deadline=10, attempt_timeout=5, context=zmq_context) as client:
+            started = time.monotonic()
+            step = asyncio.ensure_future(client.step(b, pick(3)))
+            await asyncio.sleep(1.0)
+            assert not step.done()
+            await asyncio.to_thread(start_actor, broker.backend, policy=EchoPolicy())
+            reply = await step
+            return reply, client.attempts, time.monotonic() - started
+
+    try:
+        reply, attempts, elapsed = asyncio.run(main())
+    finally:
+        blocker.close(linger=0)
+    assert reply["action"] == 3
+    assert probe.status()["counters"]["errors/overloaded"] == attempts - 1 >= 3
+    assert attempts <= elapsed / 0.2 + 2, "the client must wait retry_after_ms between attempts"
+
+
+def test_error_codes_raise_their_exceptions_without_retry(serving, zmq_context):
+    broker, _ = serving()
+
+    async def main() -> int:
+        async with AsyncClient(broker.frontend, deadline=5, attempt_timeout=2, context=zmq_context) as client:
+            with pytest.raises(UnknownTask, match="unknown_task"):
+                await client.step("nobody", pick(0))
+            task = await client.attach()
+            with pytest.raises(FeedbackWithoutStep):
+                await client.feedback(task, 1.0)
+            with pytest.raises(BadRequest, match="`obs.action` is empty"):
+                await client.step(task, {"prompt": "p", "action": []})
+            return client.attempts
+
+    assert asyncio.run(main()) == 4
+
+
+def test_close_fails_requests_in_flight(start_broker, zmq_context):
+    broker = start_broker()  # no actor: a step waits
+
+    async def main() -> None:
+        client = AsyncClient(broker.frontend, deadline=10, attempt_timeout=5, context=zmq_context)
+        task = await client.attach()
+        step = asyncio.ensure_future(client.step(task, pick(0)))
+        await asyncio.sleep(0.2)
+        await client.close()
+        with pytest.raises(RuntimeError, match="closed while the request waited"):
+            await step
+        await client.close()  # idempotent
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_request_leaves_the_client_usable(serving, zmq_context):
+    broker, _ = serving(policy=EchoPolicy(delay=1.0))
+
+    async def main() -> None:
+        async with AsyncClient(broker.frontend, deadline=10, attempt_timeout=5, context=zmq_context) as client:
+            task = await client.attach()
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.step(task, pick(1), rid="slow"), 0.2)
+            assert not client._waiters, "a cancelled request must not leave its waiter behind"
+            assert (await client.step(task, pick(1), rid="slow"))["action"] == 1  # the same rid: joins the first
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("deadline, attempt_timeout", [(0, 1), (5, -1)])
+def test_bad_timeouts_are_refused(deadline, attempt_timeout):
+    with pytest.raises(ValueError, match="must be a positive number of seconds"):
+        AsyncClient("tcp://127.0.0.1:5555", deadline=deadline, attempt_timeout=attempt_timeout)

@@ -1,0 +1,74 @@
+"""The whole system learns: real broker, real LLM actor, real PPO learner, environment clients.
+
+A small Kea-like app (envs/kea_sim.py) explored by 4 clients through the real
+protocol. The uniformly random policy's mean return is measured locally; after
+training, the policy's mean return must beat it by a clear margin, within a
+bounded number of environment steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import pytest
+
+from actor_node.config import ActorConfig
+from common.redis_server import connect
+from envs.base import random_returns
+from envs.kea_sim import KeaSim, SimConfig
+from envs.runner import Runner
+from learner_node.config import LearnerConfig
+from learner_node.worker import Learner
+from ppoz.cli import run_actor
+from tests.helpers import actors_ready, wait_for
+
+APP = SimConfig(screens=5, links_per_screen=2, external_links=1, horizon=6, history_limit=1, event_hashes=False)
+MAX_STEPS = 4000  # environment steps allowed to get there
+MARGIN = 0.8  # return units above the random policy's mean (an episode can earn at most 4)
+WINDOW = 60  # episodes the trained policy's mean is taken over
+
+
+@pytest.mark.slow
+def test_trained_policy_beats_random_within_bounded_steps(start_broker, make_client, tiny_models, redis_url, key_prefix, tmp_path):
+    baseline = statistics.mean(random_returns(lambda i: KeaSim(APP), 1000))
+    broker = start_broker(max_stream_backlog=48, segment_len=APP.horizon)
+    policy = dict(model=tiny_models["llama"], lora_rank=0, normalisation="token", device="cpu")
+    learner = Learner(LearnerConfig(**policy, redis_url=redis_url, key_prefix=key_prefix, rollout_batch=24, policy_minibatch=12,
+                                    micro_batch=12, update_epochs=4, policy_lr=1e-3, value_lr=1e-3, target_kl=0.05, ent_coef=0.0,
+                                    gamma=0.9, max_policy_lag=2, value_hidden=[128], weights_bind="tcp://127.0.0.1:*",
+                                    checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=""),
+                      connect(redis_url, socket_timeout=30))  # fmt: skip
+    learner_thread = threading.Thread(target=learner.run, daemon=True)
+    learner_thread.start()
+    stop_actor = threading.Event()
+    actor_cfg = ActorConfig(broker=broker.backend, **policy, redis_url=redis_url, key_prefix=key_prefix,
+                            weights=learner.weights_endpoint, weights_poll_s=1.0, heartbeat_ms=100)  # fmt: skip
+    threading.Thread(target=run_actor, args=(actor_cfg, stop_actor), daemon=True).start()
+    wait_for(lambda: actors_ready(make_client(broker.frontend), 1), timeout=60, what="the actor")
+
+    runner = Runner(broker.frontend, lambda i: KeaSim(APP), clients=4, deadline=60).start()
+    stats = runner.stats
+
+    def trained_mean() -> float:
+        with stats.lock:
+            recent = [e.ret for e in stats.episodes[-WINDOW:] if e.policy_version >= 1]
+        return statistics.mean(recent) if len(recent) == WINDOW else float("-inf")
+
+    deadline = time.monotonic() + 400  # a safety net for a broken build, not the measure
+    try:
+        while stats.steps < MAX_STEPS and trained_mean() < baseline + MARGIN and time.monotonic() < deadline:
+            assert runner.running() and learner_thread.is_alive(), "a component stopped early"
+            time.sleep(0.5)
+    finally:
+        runner.stop()
+        stop_actor.set()
+        learner.stop()
+        learner_thread.join(120)
+    first = [e.ret for e in stats.episodes if e.policy_version == 0]
+    assert first and statistics.mean(first) < baseline + MARGIN, "the untrained policy already scores like a trained one"
+    assert trained_mean() >= baseline + MARGIN, (
+        f"after {stats.steps} steps and {learner.updates} updates the policy's mean return is {trained_mean():.2f}, "
+        f"random is {baseline:.2f}")  # fmt: skip
+    assert stats.steps <= MAX_STEPS + 4 * APP.horizon and stats.failures == 0
