@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
 import statistics
 import sys
@@ -63,10 +64,13 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"ppoz play: {e}", file=sys.stderr)
         return 2
+    say = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the one JSON object only
     baseline = None
     if args.random_baseline:
         baseline = statistics.mean(random_returns(make_env, args.random_baseline, seed=args.seed))
-        print(f"random policy: mean return {baseline:.3f} over {args.random_baseline} episodes (played locally)", flush=True)
+        if not args.json:  # with --json, stdout is the one JSON object, which carries the baseline too
+            print(f"random policy: mean return {baseline:.3f} over {args.random_baseline} episodes (played locally)", file=say, flush=True)
+    print(f"playing {args.env} with {args.clients} clients against {args.broker}", file=say, flush=True)
     runner = Runner(args.broker, make_env, args.clients, deadline=args.deadline,
                     max_episodes=args.episodes or None, seed=args.seed)  # fmt: skip
     if threading.current_thread() is threading.main_thread():
@@ -84,7 +88,9 @@ def main(args: argparse.Namespace) -> int:
     if baseline is not None:
         final["random_mean_return"] = baseline
     if args.json:
-        print(json.dumps(final, sort_keys=True))
+        # No episode yet means a mean of NaN, which JSON has no word for (jq and JSON.parse refuse it): null.
+        print(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in final.items()},
+                         sort_keys=True))  # fmt: skip
     else:
         report(final)
     return 0

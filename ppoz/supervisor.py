@@ -164,16 +164,15 @@ class Supervisor:
         self.stop_event.set()
 
     def stop_all(self) -> None:
-        """SIGTERM in reverse start order, each waited for; SIGKILL past the deadline."""
+        """SIGTERM in reverse start order, each waited for up to stop_timeout_s; SIGKILL past it."""
         self.stop_event.set()
-        deadline = time.monotonic() + self.stop_timeout_s
         for c in reversed(self.components):
             process = c.process
             if process is None or process.poll() is not None:
                 continue
             process.terminate()
             try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                process.wait(timeout=self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0f s of SIGTERM; killing it", c.name, self.stop_timeout_s)
                 process.kill()

@@ -36,6 +36,7 @@ class UpConfig:
     learner: bool = option(True, "start the learner here")
     env: str = option("", "environment clients to start as well: kea, frozenlake, cliffwalking or taxi (empty: none)")
     env_clients: int = option(4, "environment clients (threads of one `ppoz play` process)")
+    env_broker: str = option("", "the broker's client endpoint for the environment clients when the broker runs elsewhere")
     on_failure: str = option("restart", "a component that dies is restarted (`restart`) or stops the whole stack (`stop`)")
     max_restarts: int = option(5, "restarts of one component before the whole stack stops")
     stop_timeout_s: float = option(30.0, "how long a component may take to stop after SIGTERM before it is killed")
@@ -74,13 +75,19 @@ def main(args: argparse.Namespace) -> int:
     broker = load(BrokerConfig, args.config)
     actor = load(ActorConfig, args.config)
     # The embedded Redis's URL is known only once it runs; validate with a stand-in.
-    learner = load(LearnerConfig, args.config, {"redis_url": up.redis_url or "redis://embedded"})
+    stand_in = {"redis_url": up.redis_url or "redis://embedded"}
+    learner = load(LearnerConfig, args.config, stand_in) if up.learner else None
     for name, endpoint in (("broker.frontend", broker.frontend), ("broker.backend", broker.backend),
-                           ("learner.weights_bind", learner.weights_bind)):  # fmt: skip
+                           ("learner.weights_bind", learner.weights_bind if learner else "")):  # fmt: skip
         check(not endpoint.endswith(":*"), f"{name} = {endpoint!r}: `ppoz up` needs fixed ports to wire components together")
     if up.actors and not actor.model:
         log.warning("[actor] model is empty: the actors serve the uniform random policy")
-    check(not up.learner or bool(learner.model), "[learner] model is empty: the learner needs a model (set `model` at the top level for both)")
+    # Components started here find each other through the bind addresses; those elsewhere
+    # through the addresses the config gives ([actor] broker and weights, [up] env_broker).
+    actor_broker = connect_address(broker.backend) if up.broker else actor.broker
+    actor_weights = connect_address(learner.weights_bind) if learner else actor.weights
+    client_broker = connect_address(broker.frontend) if up.broker else up.env_broker
+    check(not up.env or bool(client_broker), "[up] env_broker is empty: the environment clients need the broker's client endpoint")
 
     embedded = None
     redis_url = up.redis_url
@@ -98,11 +105,11 @@ def main(args: argparse.Namespace) -> int:
     for i in range(up.actors):
         device = up.actor_devices[i % len(up.actor_devices)] if up.actor_devices else ""
         argv = [*common, "actor", *config, "--redis-url", redis_url, "--name", f"actor-{i}", "--seed", str(actor.seed + i),
-                "--broker", connect_address(broker.backend), "--weights", connect_address(learner.weights_bind)]  # fmt: skip
+                "--broker", actor_broker, "--weights", actor_weights]  # fmt: skip
         sup.add(f"actor-{i}", argv + (["--device", device] if device else []))
     if up.env:
         sup.add("clients", [*common, "play", "--env", up.env, "--clients", str(up.env_clients),
-                            "--broker", connect_address(broker.frontend), "--report-every", "30"])  # fmt: skip
+                            "--broker", client_broker, "--report-every", "30"])  # fmt: skip
 
     def on_signal(signum: int, frame: Any) -> None:
         log.info("%s received: stopping every component", signal.Signals(signum).name)
@@ -111,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        sup.start_all(lambda c: _wait_ready(c.name, connect_address(broker.frontend), up.ready_timeout_s, sup))
+        sup.start_all(lambda c: _wait_ready(c.name, client_broker, up.ready_timeout_s, sup))
         code = sup.watch()
     finally:
         sup.stop_all()

@@ -1,0 +1,124 @@
+"""`ppoz up` as users run it: one real process supervising real component processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from client import Client, PPOZError
+from tests.broker.test_restart import free_port
+from tests.helpers import wait_for
+
+
+class Up:
+    """A running `ppoz up` whose merged output is collected line by line."""
+
+    def __init__(self, config: Path, *flags: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "ppoz.cli", "up", "--config", str(config), *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def pid(self, component: str, nth: int = 1) -> int | None:
+        found = re.findall(rf"started {re.escape(component)} \(pid (\d+)\)", self.text())
+        return int(found[nth - 1]) if len(found) >= nth else None
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(90)
+        finally:
+            self.reader.join(10)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def status(front: int) -> dict | None:
+    try:
+        with Client(f"tcp://127.0.0.1:{front}", deadline=2, attempt_timeout=2) as c:
+            return c.status()
+    except PPOZError:
+        return None
+
+
+def write_config(path: Path, front: int, back: int, weights: int, **extra: str) -> Path:
+    lines = [f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nmax_stream_backlog = 16\n'
+             "segment_len = 4\nheartbeat_ms = 200\n", f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\n']  # fmt: skip
+    lines += [f"{key} = {value}\n" for key, value in extra.items()]
+    path.write_text("".join(lines[2:]) + "".join(lines[:2]))
+    return path
+
+
+@pytest.mark.slow
+def test_up_runs_the_whole_stack_restarts_a_killed_actor_and_stops_cleanly(tmp_path, tiny_models):
+    front, back, weights = free_port(), free_port(), free_port()
+    config = write_config(tmp_path / "up.toml", front, back, weights, model=f'"{tiny_models["llama"]}"', lora_rank="0",
+                          normalisation='"token"')  # fmt: skip
+    config.write_text(config.read_text() + f'rollout_batch = 8\npolicy_minibatch = 8\nmicro_batch = 8\nupdate_epochs = 1\n'
+                      f'checkpoint_dir = "{tmp_path / "ckpt"}"\ntensorboard_dir = ""\n'
+                      '[actor]\nweights_poll_s = 1.0\nheartbeat_ms = 200\n'
+                      '[up]\nactors = 1\nenv = "kea"\nenv_clients = 2\nstop_timeout_s = 60\n')  # fmt: skip
+    up = Up(config)
+    try:
+        # Wired together: the actor serves a version the learner trained and published.
+        wait_for(lambda: (s := status(front)) and s["actors"] and s["actors"][0]["policy_version"] >= 1, timeout=240,
+                 what=f"the actor to serve a trained version\n{up.text()[-3000:]}")  # fmt: skip
+        for name in ("broker", "learner", "actor-0", "clients"):
+            assert re.search(rf"^ *{name} \| ", up.text(), re.M), f"no log line prefixed with {name}"
+        actor = up.pid("actor-0")
+        assert actor is not None
+        os.kill(actor, signal.SIGKILL)
+        wait_for(lambda: up.pid("actor-0", 2), timeout=60, what="actor-0 to be restarted")
+        assert "actor-0 died (killed by SIGKILL); its last lines:" in up.text()
+        wait_for(lambda: (s := status(front)) and len(s["actors"]) == 1 and s["actors"][0]["served"] > 0
+                 and "actor-0" in s["actors"][0]["name"], timeout=120, what="the restarted actor to serve")  # fmt: skip
+        children = [up.pid(name) for name in ("broker", "learner", "clients")] + [up.pid("actor-0", 2)]
+    finally:
+        code = up.stop()
+    assert code == 0, up.text()[-3000:]
+    assert all(pid is not None and not alive(pid) for pid in children)
+    for name in ("clients", "actor-0", "learner", "broker"):
+        assert f"stopped {name} (exit code 0)" in up.text(), up.text()[-3000:]
+    order = [up.text().index(f"stopped {name} (exit code") for name in ("clients", "actor-0", "learner", "broker")]
+    assert order == sorted(order), "components must stop clients first, broker last"
+
+
+@pytest.mark.slow
+def test_up_stops_everything_when_a_component_dies_and_on_failure_is_stop(tmp_path):
+    front, back, weights = free_port(), free_port(), free_port()
+    config = write_config(tmp_path / "up.toml", front, back, weights)
+    up = Up(config, "--no-learner", "--actors", "2", "--on-failure", "stop")  # uniform-policy actors, no model needed
+    try:
+        wait_for(lambda: (s := status(front)) and len(s["actors"]) == 2, timeout=60, what=f"two actors\n{up.text()[-2000:]}")
+        os.kill(up.pid("actor-1"), signal.SIGKILL)
+        assert up.proc.wait(60) == 1
+    finally:
+        up.stop()
+    text = up.text()
+    assert "actor-1 died (killed by SIGKILL)" in text and "stopping everything: actor-1 died and on_failure is stop" in text
+    assert "ppoz up: stopped because actor-1 died" in text
+    assert not alive(up.pid("broker")) and not alive(up.pid("actor-0"))
