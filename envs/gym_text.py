@@ -111,7 +111,25 @@ def _at(row: int, col: int) -> str:
     return f"row {row + 1}, column {col + 1}"
 
 
-class FrozenLakeText(GymTextEnv):
+class _WalkerText(GymTextEnv):
+    """A grid walker whose state is row * ncol + col: the agent drawn over the map (`rows`)."""
+
+    AGENT = "A"
+    rows: list[str]
+    ncol: int
+
+    def _grid(self, state: int) -> list[str]:
+        row, col = divmod(state, self.ncol)
+        rows = list(self.rows)
+        rows[row] = rows[row][:col] + self.AGENT + rows[row][col + 1:]
+        return rows
+
+    def _summary(self, state: int) -> str:
+        row, col = divmod(state, self.ncol)
+        return f"You are at {_at(row, col)}."
+
+
+class FrozenLakeText(_WalkerText):
     """FrozenLake: walk over the ice from S to G without falling into a hole. State = row * ncol + col."""
 
     name = "frozenlake"
@@ -134,18 +152,8 @@ class FrozenLakeText(GymTextEnv):
         return ("Frozen lake: walk from S to the goal G. F is ice, H is a hole, A is you. "
                 f"Reaching G gives reward 1; G or a hole ends the episode.{slip}")  # fmt: skip
 
-    def _grid(self, state: int) -> list[str]:
-        row, col = divmod(state, self.ncol)
-        rows = list(self.rows)
-        rows[row] = rows[row][:col] + self.AGENT + rows[row][col + 1:]
-        return rows
 
-    def _summary(self, state: int) -> str:
-        row, col = divmod(state, self.ncol)
-        return f"You are at {_at(row, col)}."
-
-
-class CliffWalkingText(GymTextEnv):
+class CliffWalkingText(_WalkerText):
     """CliffWalking: walk from S (bottom left) to G (bottom right) along a cliff. State = row * 12 + col."""
 
     name = "cliffwalking"
@@ -163,16 +171,6 @@ class CliffWalkingText(GymTextEnv):
     def _task(self) -> str:
         return ("Cliff walking: walk from S to the goal G. C is the cliff, . is ground, A is you. "
                 "Each step gives -1; stepping into the cliff gives -100 and sends you back to S.")  # fmt: skip
-
-    def _grid(self, state: int) -> list[str]:
-        row, col = divmod(state, self.ncol)
-        rows = list(self.rows)
-        rows[row] = rows[row][:col] + self.AGENT + rows[row][col + 1:]
-        return rows
-
-    def _summary(self, state: int) -> str:
-        row, col = divmod(state, self.ncol)
-        return f"You are at {_at(row, col)}."
 
 
 class TaxiText(GymTextEnv):
