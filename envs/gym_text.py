@@ -135,7 +135,6 @@ class FrozenLakeText(_WalkerText):
     name = "frozenlake"
     base_id = "FrozenLake"
     actions = ("move left", "move down", "move right", "move up")
-    AGENT = "A"
 
     def __init__(self, max_steps: int = 20, is_slippery: bool = False, map_name: str = "4x4", question: str = QUESTION) -> None:
         if map_name not in ("4x4", "8x8"):
@@ -159,7 +158,6 @@ class CliffWalkingText(_WalkerText):
     name = "cliffwalking"
     base_id = "CliffWalking"
     actions = ("move up", "move right", "move down", "move left")
-    AGENT = "A"
 
     def __init__(self, max_steps: int = 30, question: str = QUESTION) -> None:
         super().__init__(max_steps, question)

@@ -24,6 +24,7 @@ seed: the same `SimConfig` gives the same app, prompts and rewards.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,19 @@ class SimConfig:
     penalty_kill: float = -0.3
 
     def __post_init__(self) -> None:
+        # Options arrive from the command line as JSON values or plain strings (`ppoz play --env-option`):
+        # check the types first, so "tarpits=no" or "horizon=2.5" is refused by name, not half-accepted.
+        for name in ("seed", "screens", "links_per_screen", "external_links", "horizon", "history_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r}: must be an int")
+        for name in ("tarpits", "event_hashes"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be true or false")
+        for name in ("reward_new_state", "reward_seen_state", "penalty_outside", "penalty_kill"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r}: must be a finite number")
         if not 2 <= self.screens <= len(SCREEN_NAMES):
             raise ValueError(f"screens={self.screens}: must be between 2 and {len(SCREEN_NAMES)}")
         if not 1 <= self.links_per_screen <= 8:

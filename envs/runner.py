@@ -34,6 +34,8 @@ def environment_names() -> list[str]:
 
 def make_env_factory(name: str, seed: int = 0, **options: Any) -> EnvFactory:
     """`name` -> a factory of per-client instances (`kea` or a gymnasium adapter); options go to the env."""
+    if name not in environment_names():  # name them all: the gym adapters' own error would leave out `kea`
+        raise ValueError(f"unknown environment {name!r}; known: {', '.join(environment_names())}")
     if name == "kea":
         from envs.kea_sim import KeaSim, SimConfig
 
