@@ -150,6 +150,10 @@ class Learner:
                 self.stop_event.set()
         if not segments:
             return None
+        if self.stop_event.is_set():
+            # Stopping: an update now would only delay the exit. The segments stay unacknowledged
+            # in this consumer's pending list, and a resumed learner trains on them first.
+            return None
         started = time.perf_counter()
         trained_from = self.version
         self.lp.model.eval()
