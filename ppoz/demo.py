@@ -84,12 +84,12 @@ def main(args: argparse.Namespace) -> int:
           f"  random policy: mean return {random_baseline:.2f} (played locally, 500 episodes)", flush=True)  # fmt: skip
     with EmbeddedRedis() as redis_server:
         broker = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_server.url,
-                                     max_stream_backlog=96, segment_len=app.horizon), connect(redis_server.url))  # fmt: skip
+                                     max_stream_backlog=16, segment_len=app.horizon), connect(redis_server.url))  # fmt: skip
         broker.start()
         threading.Thread(target=broker.run, name="broker", daemon=True).start()
         learner = Learner(LearnerConfig(**policy, redis_url=redis_server.url, rollout_batch=40, policy_minibatch=20, micro_batch=10,
                                         update_epochs=4, policy_lr=3e-4 if tiny else 1e-5, value_lr=1e-3, target_kl=0.03,
-                                        ent_coef=0.01, gamma=0.9, max_policy_lag=2, value_hidden=[256, 256],
+                                        ent_coef=0.01, gamma=0.9, max_policy_lag=3, value_hidden=[256, 256],
                                         checkpoint_dir=str(out / "checkpoints"), tensorboard_dir=str(out / "tensorboard"),
                                         weights_bind="tcp://127.0.0.1:*"),
                           connect(redis_server.url, socket_timeout=30))  # fmt: skip

@@ -88,6 +88,7 @@ class Supervisor:
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only, which stops them in order
         )  # fmt: skip
         component.finished = False
+        component.last_lines.clear()  # a death is reported with its own process's lines, not an earlier run's
         component.reader = threading.Thread(target=self._pump, args=(component, component.process.stdout),
                                             name=f"log-{component.name}", daemon=True)  # fmt: skip
         component.reader.start()
@@ -145,7 +146,7 @@ class Supervisor:
             log.info("%s finished (exit code 0)", c.name)
             c.finished = True
             return
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
         tail = "\n".join(f"    {line}" for line in c.last_lines) or "    (no output)"
         log.error("%s died (%s); its last lines:\n%s", c.name, how, tail)
         if not c.restartable or self.on_failure == STOP or c.restarts >= self.max_restarts:
@@ -181,3 +182,11 @@ class Supervisor:
         for c in self.components:
             if c.reader is not None:
                 c.reader.join(2)
+
+
+def _signal_name(number: int) -> str:
+    """SIGKILL for 9; real-time signals (SIGRTMIN+1 ...) have no name in `signal.Signals`: "signal 35"."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
