@@ -34,3 +34,32 @@ ppoz_bootstrap() {
     "$VENV/bin/python" -m pip install -q -e "$root[dev]" >&2
     touch "$stamp"
 }
+
+# The other-language clients' toolchains (bindings/): Debian's libzmq and msgpack-c
+# for the C client, the npm packages for the Node.js client. Installed on first use;
+# PPOZ_SKIP_BINDINGS=1 leaves them out (their tests then skip).
+ppoz_bootstrap_bindings() {
+    [[ "${PPOZ_SKIP_BINDINGS:-}" == "1" ]] && return 0
+    local missing=()
+    for pkg in libzmq3-dev libmsgpack-dev pkg-config; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    done
+    if [[ ${#missing[@]} -gt 0 ]]; then
+        local sudo=""
+        [[ $(id -u) -ne 0 ]] && sudo="sudo -n"
+        echo "ppoz: installing ${missing[*]} for the C client (Debian packages)" >&2
+        if ! { $sudo apt-get install -y -q "${missing[@]}" >&2 || { $sudo apt-get update -q >&2 && $sudo apt-get install -y -q "${missing[@]}" >&2; }; }; then
+            echo "ppoz: could not install ${missing[*]}; install them, or set PPOZ_SKIP_BINDINGS=1" >&2
+            return 1
+        fi
+    fi
+    if [[ ! -d "$root/bindings/node/node_modules" || "$root/bindings/node/package-lock.json" -nt "$root/bindings/node/node_modules" ]]; then
+        if ! command -v npm >/dev/null 2>&1; then
+            echo "ppoz: npm is not installed (needed for the Node.js client); install Node.js, or set PPOZ_SKIP_BINDINGS=1" >&2
+            return 1
+        fi
+        echo "ppoz: installing the Node.js client's packages" >&2
+        (cd "$root/bindings/node" && npm ci --no-audit --no-fund --ignore-scripts >&2) || return 1
+        touch "$root/bindings/node/node_modules"
+    fi
+}
