@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, LearnerConfig)
     p.set_defaults(func=cmd_learner)
 
+    from gateway.config import GatewayConfig
+
+    p = sub.add_parser("gateway", help="serve the PPOAPI HTTP API and forward it to the broker (unmodified Kea builds)",
+                       description="Serve PPOAPI's HTTP API (POST /attach, /ask, /step, /rag_step, /feedback, /detach) and "
+                                   "forward each request to the broker over the PPOZ protocol, so an unmodified Kea build works "
+                                   "by pointing its base URL here. See docs/client.md.")  # fmt: skip
+    _config_option(p)
+    add_flags(p, GatewayConfig)
+    p.set_defaults(func=cmd_gateway)
+
     from ppoz import demo
 
     p = sub.add_parser("demo", help="watch an LLM policy learn on this machine (no GPU needed)",
@@ -222,6 +232,23 @@ def cmd_learner(args: argparse.Namespace) -> int:
     learner.run()
     log.info("learner stopped after %d updates at policy version %d: %s", learner.updates, learner.version,
              dict(learner.counters))  # fmt: skip
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.config import GatewayConfig
+    from gateway.server import Gateway
+
+    cfg = load(GatewayConfig, args.config, args)
+    gateway = Gateway(cfg)
+    try:
+        gateway.start()
+    except OSError as e:
+        print(f"ppoz gateway: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
+        return 1
+    _on_stop(gateway.stop)
+    gateway.serve()
+    log.info("gateway stopped: %s", json.dumps(gateway.counters, sort_keys=True))
     return 0
 
 

@@ -1,0 +1,1 @@
+"""The PPOAPI-compatible HTTP gateway: unmodified Kea builds talk HTTP, the gateway speaks PPOZ."""

@@ -1,0 +1,26 @@
+"""The gateway's configuration (TOML table [gateway], or flags of `ppoz gateway`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import check, option, section
+
+
+@section("gateway")
+@dataclass
+class GatewayConfig:
+    host: str = option("127.0.0.1", "address the HTTP server binds (0.0.0.0: every interface)")
+    port: int = option(8000, "HTTP port (PPOAPI's default is 8000)")
+    broker: str = option("tcp://127.0.0.1:5555", "the broker's client endpoint (its `frontend`)")
+    request_deadline_s: float = option(60.0, "longest one HTTP request waits for the broker, retries included")
+    attempt_timeout_s: float = option(10.0, "longest wait for one attempt's reply before the request is sent again")
+    max_inflight: int = option(256, "most requests forwarded at once; more wait for a free slot until their deadline")
+    max_body_bytes: int = option(8 * 1024 * 1024, "largest HTTP request body accepted")
+
+    def __post_init__(self) -> None:
+        check(0 <= self.port <= 65535, f"`port` must be 0-65535, got {self.port}")
+        check(self.request_deadline_s > 0, f"`request_deadline_s` must be positive, got {self.request_deadline_s}")
+        check(self.attempt_timeout_s > 0, f"`attempt_timeout_s` must be positive, got {self.attempt_timeout_s}")
+        check(self.max_inflight >= 1, f"`max_inflight` must be at least 1, got {self.max_inflight}")
+        check(self.max_body_bytes >= 1024, f"`max_body_bytes` must be at least 1024, got {self.max_body_bytes}")

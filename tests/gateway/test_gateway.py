@@ -1,0 +1,241 @@
+"""The PPOAPI HTTP gateway, driven by the HTTP client Kea uses, copying Kea's calling pattern."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import pytest
+import requests
+
+from actor_node.policies import UniformPolicy
+from gateway.config import GatewayConfig
+from gateway.server import Gateway
+from tests.broker.test_restart import free_port
+from tests.helpers import OBS, actors_ready, wait_for
+
+
+class KeaHTTPClient:
+    """What Kea's kea/api_interface.py PPOClient does, call for call (requests, raise_for_status, the same JSON)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.task_id: str | None = None
+
+    def attach(self) -> str:
+        res = requests.post(f"{self.base_url}/attach", timeout=30)
+        res.raise_for_status()
+        self.task_id = res.json()["task_id"]
+        return self.task_id
+
+    def ask(self) -> dict[str, Any]:
+        res = requests.post(f"{self.base_url}/ask", params={"task_id": self.task_id}, timeout=30)
+        res.raise_for_status()
+        return res.json()
+
+    def step(self, obs: dict[str, Any]) -> dict[str, Any]:
+        res = requests.post(f"{self.base_url}/step", json={"task_id": self.task_id, "obs": obs}, timeout=30)
+        res.raise_for_status()
+        return res.json()
+
+    def feedback(self, reward: float, done: bool, next_obs: dict | None = None) -> dict[str, Any]:
+        payload = {"task_id": self.task_id, "reward": reward, "done": done, "next_obs": next_obs or {}}
+        res = requests.post(f"{self.base_url}/feedback", json=payload, timeout=30)
+        res.raise_for_status()
+        return res.json()
+
+    def detach(self) -> None:
+        res = requests.post(f"{self.base_url}/detach", params={"task_id": self.task_id}, timeout=30)
+        res.raise_for_status()
+        self.task_id = None
+
+    def guided_step(self, obs: dict[str, Any]) -> int:
+        """Kea's LLMPolicy step: ask; if not ok, wait and step anyway; perform; feedback (done is always false)."""
+        if self.ask().get("status") != "ok":
+            time.sleep(0.1)  # Kea sleeps 1 s
+        action = self.step(obs)["action"]
+        self.feedback(0.5 + 0.3 * (action == 1), False)
+        return action
+
+
+@pytest.fixture
+def start_gateway() -> Iterator[Callable[..., Gateway]]:
+    started: list[tuple[Gateway, threading.Thread]] = []
+
+    def start(broker: str, **overrides: Any) -> Gateway:
+        gateway = Gateway(GatewayConfig(port=0, broker=broker, **overrides)).start()
+        thread = threading.Thread(target=gateway.serve, daemon=True)
+        thread.start()
+        started.append((gateway, thread))
+        return gateway
+
+    yield start
+    for gateway, thread in started:
+        gateway.stop()
+        thread.join(10)
+
+
+def url(gateway: Gateway) -> str:
+    return f"http://127.0.0.1:{gateway.port}"
+
+
+def test_an_unmodified_kea_client_runs_its_whole_life_cycle(start_broker, start_actor, make_client, start_gateway):
+    broker = start_broker(segment_len=4)
+    start_actor(broker.backend)
+    status = make_client(broker.frontend)
+    wait_for(lambda: actors_ready(status, 1), what="the actor")
+    kea = KeaHTTPClient(url(start_gateway(broker.frontend)))
+    task = kea.attach()
+    assert isinstance(task, str) and task
+    actions = [kea.guided_step(OBS) for _ in range(10)]
+    assert all(0 <= a < len(OBS["action"]) for a in actions)
+    kea.detach()
+    counters = status.status()["counters"]
+    assert counters["broker/steps"] == 10 and counters["broker/feedbacks"] == 10
+    assert counters["broker/detached"] == 1 and counters["broker/segments_closed"] == 3  # 4 + 4 by length, 2 at detach
+
+
+def test_replies_have_ppoapi_shapes(start_broker, start_actor, make_client, start_gateway):
+    broker = start_broker()
+    start_actor(broker.backend)
+    wait_for(lambda: actors_ready(make_client(broker.frontend), 1), what="the actor")
+    base = url(start_gateway(broker.frontend))
+    attached = requests.post(f"{base}/attach", timeout=30).json()
+    assert attached["status"] == "attached" and isinstance(attached["task_id"], str)
+    task = attached["task_id"]
+    assert requests.post(f"{base}/ask", params={"task_id": task}, timeout=30).json() == {"status": "ok", "task_id": task}
+    step = requests.post(f"{base}/step", json={"task_id": task, "obs": OBS}, timeout=30).json()
+    assert step["status"] == "ok" and step["task_id"] == task and isinstance(step["action"], int)
+    assert "proto" not in step and "rid" not in step
+    rag = requests.post(f"{base}/rag_step", json={"task_id": task, "obs": OBS}, timeout=30)
+    assert rag.status_code == 200 and isinstance(rag.json()["action"], int)  # an orphan step: the first is closed
+    fb = requests.post(f"{base}/feedback", json={"task_id": task, "reward": 0.8, "done": False, "next_obs": {}}, timeout=30)
+    assert fb.status_code == 200 and fb.json()["status"] == "ok"
+    detached = requests.post(f"{base}/detach", params={"task_id": task}, timeout=30).json()
+    assert detached["status"] == "detached"
+    assert requests.get(f"{base}/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_kea_ordering_faults_get_proper_statuses_and_lose_nothing(start_broker, start_actor, make_client, start_gateway):
+    broker = start_broker()
+    start_actor(broker.backend)
+    status = make_client(broker.frontend)
+    wait_for(lambda: actors_ready(status, 1), what="the actor")
+    kea = KeaHTTPClient(url(start_gateway(broker.frontend)))
+    kea.attach()
+    # Feedback with no step before it (Kea skipped the server for this event).
+    with pytest.raises(requests.HTTPError) as caught:
+        kea.feedback(0.5, False)
+    assert caught.value.response.status_code == 409
+    assert caught.value.response.json()["code"] == "feedback_without_step" and "error" in caught.value.response.json()
+    # A step whose reply was lost: Kea logs it, skips, and steps again without feedback.
+    kea.step(OBS)
+    kea.guided_step(OBS)
+    kea.guided_step(OBS)
+    counters = status.status()["counters"]
+    assert counters["broker/orphan_steps"] == 1 and counters["broker/feedbacks"] == 2 and counters["broker/steps"] == 3
+    kea.detach()
+
+
+def test_bad_http_requests_are_named(start_broker, start_gateway):
+    broker = start_broker()
+    base = url(start_gateway(broker.frontend, max_body_bytes=4096))
+    task = requests.post(f"{base}/attach", timeout=30).json()["task_id"]
+    cases = [
+        (requests.post(f"{base}/ask", timeout=30), 400, "task_id"),
+        (requests.post(f"{base}/ask", params={"task_id": "nobody"}, timeout=30), 404, "unknown_task"),
+        (requests.post(f"{base}/step", data=b"{not json", timeout=30), 400, "not valid JSON"),
+        (requests.post(f"{base}/step", json=["a"], timeout=30), 400, "JSON object"),
+        (requests.post(f"{base}/step", json={"obs": OBS}, timeout=30), 400, "task_id"),
+        (requests.post(f"{base}/step", json={"task_id": "t", "obs": "text"}, timeout=30), 400, "`obs`"),
+        (requests.post(f"{base}/feedback", json={"task_id": task, "reward": "high", "done": False}, timeout=30), 400, "reward"),
+        (requests.post(f"{base}/generate", json={}, timeout=30), 404, "/attach"),
+        (requests.get(f"{base}/step", timeout=30), 405, "GET"),
+        (requests.post(f"{base}/step", data=b"x" * 5000, timeout=30), 413, "4096"),
+    ]
+    for response, code, words in cases:
+        body = response.json()
+        assert response.status_code == code, (response.request.url, body)
+        assert words in body["error"] or words == body["code"], body
+
+
+def test_many_clients_are_served_concurrently(start_broker, start_actor, make_client, start_gateway):
+    class SlowPolicy(UniformPolicy):
+        """A neighbour stand-in: the actor takes 0.3 s per batch and records batch sizes."""
+
+        def __init__(self) -> None:
+            super().__init__(0)
+            self.batches: list[int] = []
+
+        def choose_batch(self, jobs):
+            self.batches.append(len(jobs))
+            time.sleep(0.3)
+            return super().choose_batch(jobs)
+
+    broker = start_broker()
+    policy = SlowPolicy()
+    start_actor(broker.backend, credits=32, policy=policy)
+    status = make_client(broker.frontend)
+    wait_for(lambda: actors_ready(status, 1), what="the actor")
+    base = url(start_gateway(broker.frontend))
+    errors: list[BaseException] = []
+
+    def emulator() -> None:
+        try:
+            kea = KeaHTTPClient(base)
+            kea.attach()
+            for _ in range(3):
+                kea.guided_step(OBS)
+            kea.detach()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=emulator) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert status.status()["counters"]["broker/feedbacks"] == 48
+    # Requests were in flight together: the actor saw them batched, not one at a time.
+    assert max(policy.batches) >= 4, policy.batches
+
+
+def test_an_unreachable_broker_gives_504_within_the_deadline(start_gateway):
+    base = url(start_gateway(f"tcp://127.0.0.1:{free_port()}", request_deadline_s=1.0, attempt_timeout_s=0.5))
+    started = time.monotonic()
+    response = requests.post(f"{base}/attach", timeout=30)
+    assert response.status_code == 504 and response.json()["code"] == "timeout"
+    assert time.monotonic() - started < 10
+
+
+def test_ppoz_gateway_command_serves_and_stops_on_sigterm(start_broker, start_actor, make_client):
+    broker = start_broker()
+    start_actor(broker.backend)
+    wait_for(lambda: actors_ready(make_client(broker.frontend), 1), what="the actor")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ppoz.cli", "gateway", "--port", str(port), "--broker", broker.frontend],
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        def healthy() -> bool:
+            try:
+                return requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            except requests.ConnectionError:
+                return False
+
+        wait_for(healthy, timeout=30, what="ppoz gateway to answer /health")
+        kea = KeaHTTPClient(f"http://127.0.0.1:{port}")
+        kea.attach()
+        kea.guided_step(OBS)
+        kea.detach()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert "gateway stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
