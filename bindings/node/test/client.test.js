@@ -1,0 +1,181 @@
+"use strict";
+// The client against a scripted ROUTER on a random port: rid matching, the retry rule, deadlines.
+
+const assert = require("node:assert/strict");
+const { test } = require("node:test");
+const zmq = require("zeromq");
+
+const ppoz = require("../ppoz.js");
+
+/** A fake broker: hands each request ({id, frames, body, bytes}) to `handler`, which replies or not. */
+async function fakeBroker(handler) {
+  const router = new zmq.Router({ linger: 0 });
+  await router.bind("tcp://127.0.0.1:*");
+  const seen = [];
+  const loop = (async () => {
+    try {
+      for (;;) {
+        const [id, ...frames] = await router.receive();
+        const bytes = frames[frames.length - 1];
+        const req = { id: id.toString("hex"), frames: frames.length, body: ppoz.decode(bytes), bytes: bytes.toString("hex") };
+        seen.push(req);
+        const replies = await handler(req, seen);
+        for (const reply of replies || []) await router.send([id, Buffer.alloc(0), ppoz.encode(reply)]);
+      }
+    } catch {
+      // closed
+    }
+  })();
+  return {
+    endpoint: router.lastEndpoint,
+    seen,
+    close: async () => {
+      router.close();
+      await loop;
+    },
+  };
+}
+
+const ok = (body, extra = {}) => ({ ...ppoz.header(body.op, body.rid), status: "ok", ...extra });
+const err = (body, code, extra = {}) => ({ ...ppoz.header(body.op, body.rid), error: { code, message: `${code} on purpose` }, ...extra });
+
+test("a request goes as [empty, body] and its reply comes back; a stale rid is ignored", async () => {
+  const broker = await fakeBroker(({ body }) => [ok({ op: body.op, rid: "stale" }, { time_ms: 1 }), ok(body, { time_ms: 2 })]);
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 2000 });
+  try {
+    const reply = await client.ping({ rid: "p1" });
+    assert.equal(reply.time_ms, 2);
+    assert.equal(broker.seen.length, 1);
+    assert.equal(broker.seen[0].frames, 2); // the empty delimiter and the body
+    assert.equal(broker.seen[0].bytes, "84a570726f746fa470706f7aa17601a26f70a470696e67a3726964a27031");
+  } finally {
+    client.close();
+    await broker.close();
+  }
+});
+
+test("overloaded, timeout and internal: wait retry_after_ms, resend the same bytes", async () => {
+  const broker = await fakeBroker(({ body }, seen) => {
+    if (seen.length === 1) return [err(body, "overloaded", { retry_after_ms: 150 })];
+    if (seen.length === 2) return [err(body, "timeout")];
+    if (seen.length === 3) return [err(body, "internal")];
+    return [ok(body, { task_id: body.task_id })];
+  });
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 2000 });
+  try {
+    const t0 = performance.now();
+    const reply = await client.feedback("emu-7", 1, { done: true });
+    assert.equal(reply.status, "ok");
+    assert.ok(performance.now() - t0 >= 340, "waited 150 + 100 + 100 ms");
+    assert.equal(broker.seen.length, 4);
+    assert.equal(new Set(broker.seen.map((r) => r.bytes)).size, 1, "every attempt sends the same bytes (same rid)");
+    assert.equal(new Set(broker.seen.map((r) => r.id)).size, 1, "an error reply does not replace the socket");
+  } finally {
+    client.close();
+    await broker.close();
+  }
+});
+
+test("other errors are not retried", async () => {
+  const broker = await fakeBroker(({ body }) => [err(body, "unknown_task")]);
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 2000 });
+  try {
+    await assert.rejects(client.ask("gone"), (e) => e instanceof ppoz.UnknownTask && e.code === "unknown_task" && e.reply.rid !== undefined);
+    assert.equal(broker.seen.length, 1);
+  } finally {
+    client.close();
+    await broker.close();
+  }
+});
+
+test("no reply: a fresh socket and the same bytes again", async () => {
+  const broker = await fakeBroker(({ body }, seen) => (seen.length === 1 ? [] : [ok(body, { task_id: "emu-7" })]));
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 300 });
+  try {
+    assert.equal(await client.attach("emu-7"), "emu-7");
+    assert.equal(broker.seen.length, 2);
+    assert.equal(broker.seen[0].bytes, broker.seen[1].bytes);
+    assert.notEqual(broker.seen[0].id, broker.seen[1].id, "the second attempt came on a new socket");
+  } finally {
+    client.close();
+    await broker.close();
+  }
+});
+
+test("past the deadline: RequestTimeout", async () => {
+  const broker = await fakeBroker(() => []);
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 700, attemptTimeoutMs: 300 });
+  try {
+    const t0 = performance.now();
+    await assert.rejects(client.ping(), (e) => e instanceof ppoz.RequestTimeout && e.code === "timeout" && e.reply === null);
+    const elapsed = performance.now() - t0;
+    assert.ok(elapsed >= 650 && elapsed < 2000, `${elapsed} ms`);
+    assert.ok(client.attempts >= 3, `attempts of 300, 300 and about 100 ms, got ${client.attempts}`);
+    assert.ok(broker.seen.length >= 2, `${broker.seen.length} attempts arrived`);
+    assert.equal(new Set(broker.seen.map((r) => r.bytes)).size, 1);
+  } finally {
+    client.close();
+    await broker.close();
+  }
+});
+
+test("many requests in flight on one socket, answered out of order", async () => {
+  const held = [];
+  const broker = await fakeBroker(({ body }) => {
+    held.push(body);
+    if (held.length < 8) return [];
+    return held.reverse().map((b) => ok(b, { task_id: b.task_id, action: Number(b.task_id.slice(5)) }));
+  });
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 3000 });
+  try {
+    const obs = { prompt: "p", action: ["0: a", "1: b"] };
+    const replies = await Promise.all([...Array(8).keys()].map((i) => client.step(`task-${i}`, obs)));
+    assert.deepStrictEqual(replies.map((r) => r.action), [0, 1, 2, 3, 4, 5, 6, 7]);
+    assert.deepStrictEqual(replies.map((r) => r.task_id), [...Array(8).keys()].map((i) => `task-${i}`));
+    assert.equal(new Set(broker.seen.map((r) => r.id)).size, 1, "one socket");
+    assert.equal(client.attempts, 8);
+  } finally {
+    client.close();
+    await broker.close();
+  }
+});
+
+test("a lost attempt resends every request in flight on the new socket", async () => {
+  let dropped = 0;
+  const broker = await fakeBroker(({ id, body }, seen) => {
+    if (id === seen[0].id) {
+      dropped += 1;
+      return []; // the first socket is a dead connection
+    }
+    return [ok(body, { task_id: body.task_id })];
+  });
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 400 });
+  try {
+    const first = client.ask("task-a");
+    await new Promise((r) => setTimeout(r, 300));
+    const second = client.ask("task-b"); // sent later on the same socket: it goes again when the first times out
+    const t0 = performance.now();
+    const replies = await Promise.all([first, second]);
+    assert.deepStrictEqual(replies.map((r) => r.task_id), ["task-a", "task-b"]);
+    // ~100 ms (the first's timeout at 400 ms replaces the socket); its own timeout would be 400 ms
+    assert.ok(performance.now() - t0 < 300, "the second went again at once, not after its own attempt timeout");
+    assert.equal(dropped, 2);
+  } finally {
+    client.close();
+    await broker.close();
+  }
+});
+
+test("close() fails the requests still waiting", async () => {
+  const broker = await fakeBroker(() => []);
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 2000 });
+  try {
+    const pending = client.ping();
+    await new Promise((r) => setTimeout(r, 50));
+    client.close();
+    await assert.rejects(pending, (e) => e instanceof ppoz.PPOZError && e.code === "closed");
+    await assert.rejects(client.ping(), (e) => e.code === "closed");
+  } finally {
+    await broker.close();
+  }
+});

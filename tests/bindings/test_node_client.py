@@ -1,0 +1,117 @@
+"""The Node.js client (bindings/node): its own tests, and its example against a real broker and LLM actor."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from typing import Callable
+
+import pytest
+import redis as redis_py
+
+from client import Client
+from common import protocol as p
+from common.segments import decode_segment
+from tests.bindings.conftest import BINDINGS, LiveStack, require_tool
+
+NODE_DIR = os.path.join(BINDINGS, "node")
+
+# Attach, one step, feedback with the integral reward 1 (done), detach; print the task id and the bytes
+# the client builds for that feedback, for Python to decode.
+REWARD_SCRIPT = r"""
+const ppoz = require("./ppoz.js");
+(async () => {
+  const client = new ppoz.PPOZClient(process.argv[1], { deadlineMs: 60000 });
+  try {
+    const taskId = await client.attach();
+    const obs = { prompt: "Screen: MainActivity", question: "Which action should I choose next? I shall choose No. ",
+                  action: ["0: TouchEvent(view=Cart)", "1: TouchEvent(view=Search)"] };
+    const pings = await Promise.all([0, 1, 2, 3].map(() => client.ping()));
+    await client.step(taskId, obs);
+    const fb = await client.feedback(taskId, 1, { done: true });
+    await client.detach(taskId);
+    const built = ppoz.encode(ppoz.buildRequest("feedback", ppoz.feedbackFields(taskId, 1, { done: true }), "f1"));
+    console.log(JSON.stringify({ taskId, segmentClosed: fb.segment_closed, pings: pings.length, built: built.toString("hex") }));
+  } finally {
+    client.close();
+  }
+})().catch((e) => { console.error(`${e.code}: ${e.message}`); process.exitCode = 1; });
+"""
+
+
+def run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=NODE_DIR, capture_output=True, text=True, timeout=timeout)
+
+
+def explain(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def node() -> str:
+    """The node binary, with the client's packages installed (npm ci, as bin/bootstrap.sh does)."""
+    node = require_tool("node", "install Node.js 18 or later")
+    npm = require_tool("npm", "install npm (it comes with Node.js)")
+    if not os.path.isdir(os.path.join(NODE_DIR, "node_modules")):
+        proc = run([npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts"], timeout=300)
+        assert proc.returncode == 0, f"npm ci failed in {NODE_DIR}: {explain(proc)}"
+    return node
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, read, released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_npm_test_passes(node: str) -> None:
+    proc = run([require_tool("npm", "install npm"), "test"], timeout=180)
+    assert proc.returncode == 0, explain(proc)
+
+
+@pytest.mark.slow
+def test_example_runs_episodes_against_the_live_stack(node: str, live_stack: LiveStack, make_client: Callable[..., Client]) -> None:
+    proc = run([node, "example.js", live_stack.frontend, "3", "4"], timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1] == "episodes 3 steps 12", explain(proc)
+    assert sum(line.startswith("episode ") for line in lines) == 3, explain(proc)
+    counters = make_client(live_stack.frontend).status()["counters"]
+    assert counters.get("broker/steps", 0) >= 12, counters
+    assert counters.get("broker/feedbacks", 0) >= 12, counters
+    assert counters.get("broker/detached", 0) >= 1, counters
+
+
+def test_example_against_nothing_times_out(node: str) -> None:
+    start = time.monotonic()
+    proc = run([node, "example.js", f"tcp://127.0.0.1:{free_port()}", "1", "1", "1500"], timeout=30)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, explain(proc)
+    assert elapsed < 10, f"took {elapsed:.1f} s\n{explain(proc)}"
+    assert "timeout" in proc.stderr, explain(proc)
+    assert "attach" in proc.stderr, explain(proc)
+
+
+@pytest.mark.slow
+def test_integral_reward_goes_out_as_a_float(
+    node: str, live_stack: LiveStack, redis_client: redis_py.Redis, key_prefix: str
+) -> None:
+    proc = run([node, "-e", REWARD_SCRIPT, live_stack.frontend], timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["segmentClosed"] is True and out["pings"] == 4, out
+    # On the wire: Python's decoder sees a float, as for a Python client's reward=1.0.
+    built = p.decode(bytes.fromhex(out["built"]))
+    assert type(built["reward"]) is float and built["reward"] == 1.0, built
+    assert type(built["v"]) is int, built
+    # In Redis: the episode's segment closed at done, its one transition rewarded 1.0.
+    segments = [decode_segment(fields) for _, fields in redis_client.xrange(f"{key_prefix}:segments")]
+    mine = [s for s in segments if s["task_id"] == out["taskId"]]
+    assert [s["reason"] for s in mine] == ["done"], mine
+    (transition,) = mine[0]["transitions"]
+    assert type(transition["reward"]) is float and transition["reward"] == 1.0, transition
+    assert transition["done"] is True, transition
