@@ -1,0 +1,234 @@
+"""The C client (bindings/c): conformance vectors, the retry rule on a scripted broker, and a live stack.
+
+The C sources are built once per module with `make -C bindings/c` (gcc, make,
+pkg-config, libzmq3-dev and libmsgpack-dev; bin/test installs them).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import zmq
+
+from common import protocol as p
+from tests.bindings.conftest import BINDINGS, require_tool
+from tests.broker.test_restart import free_port
+
+C_DIR = Path(BINDINGS) / "c"
+BUILD = C_DIR / "build"
+VECTORS = Path(BINDINGS).parent / "conformance" / "vectors"
+RID = re.compile(r"^[0-9a-f]{16}-[0-9]+$")  # the C client's rids: a random 64-bit prefix and a counter
+
+
+def pkg_config_finds(*names: str) -> bool:
+    return any(subprocess.run(["pkg-config", "--exists", name]).returncode == 0 for name in names)
+
+
+@pytest.fixture(scope="module")
+def c_build() -> Path:
+    """Build bindings/c with make; the directory of its programs."""
+    require_tool("gcc", "the C client needs a C compiler (Debian: gcc)")
+    require_tool("make", "the C client is built with make (Debian: make)")
+    require_tool("pkg-config", "the C client finds libzmq and msgpack-c with pkg-config (Debian: pkg-config)")
+    if not pkg_config_finds("libzmq"):
+        pytest.fail("pkg-config does not find libzmq: install libzmq3-dev (bin/test does; PPOZ_SKIP_BINDINGS=1 skips)")
+    if not pkg_config_finds("msgpack-c", "msgpack") and not Path("/usr/include/msgpack.h").exists():
+        pytest.fail("msgpack-c is not installed: install libmsgpack-dev (bin/test does; PPOZ_SKIP_BINDINGS=1 skips)")
+    result = subprocess.run(["make", "-C", str(C_DIR)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"make -C bindings/c failed:\n{result.stdout}\n{result.stderr}"
+    return BUILD
+
+
+@pytest.fixture
+def processes() -> Iterator[Callable[..., subprocess.Popen]]:
+    """Start C programs in the background; any still running at teardown are killed."""
+    started: list[subprocess.Popen] = []
+
+    def start(*args: str) -> subprocess.Popen:
+        proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def run(*args: Any, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout)
+
+
+# --- Without a broker ------------------------------------------------------------------------
+def test_every_conformance_vector_byte_for_byte(c_build):
+    n = len(list(VECTORS.glob("*.msgpack")))
+    assert n >= 10
+    result = run(c_build / "test_vectors", VECTORS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"round trip {n}/{n}, requests 7/7, replies 8/8: ok" in result.stdout, result.stdout
+
+
+def test_make_test_runs_the_vectors(c_build):
+    result = subprocess.run(["make", "-C", str(C_DIR), "test"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": ok" in result.stdout
+
+
+def test_bad_arguments_are_refused_before_anything_is_sent(c_build):
+    result = run(c_build / "test_client", "offline")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"test_client offline: (\d+)/\1 checks ok", result.stdout), result.stdout
+
+
+def test_example_usage(c_build):
+    result = run(c_build / "ppoz_example")
+    assert result.returncode == 2 and "usage" in result.stderr
+    result = run(c_build / "ppoz_example", "tcp://127.0.0.1:5555", "three")
+    assert result.returncode == 2 and "EPISODES must be a positive integer" in result.stderr
+
+
+def test_example_gives_up_at_its_deadline_when_nothing_listens(c_build):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    result = run(c_build / "ppoz_example", endpoint, 1, 1, 1500, 500, timeout=30)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "attach failed: timeout: no reply to attach within 1500 ms" in result.stderr, result.stderr
+    assert 1.4 <= elapsed < 6, f"gave up after {elapsed:.1f} s, the deadline was 1.5 s"
+
+
+# --- The retry rule, against a scripted broker ----------------------------------------------------
+@pytest.fixture
+def scripted(zmq_context: zmq.Context, c_build: Path, processes) -> Callable[..., tuple[zmq.Socket, subprocess.Popen]]:
+    """A bare ROUTER standing in for the broker, and `test_client attach` pointed at it."""
+
+    def start(deadline_ms: int, attempt_ms: int) -> tuple[zmq.Socket, subprocess.Popen]:
+        router = zmq_context.socket(zmq.ROUTER)
+        router.linger = 0
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        proc = processes(str(c_build / "test_client"), "attach", f"tcp://127.0.0.1:{port}", str(deadline_ms), str(attempt_ms))
+        return router, proc
+
+    return start
+
+
+def receive(router: zmq.Socket) -> tuple[bytes, bytes]:
+    """One request: (routing id, body); checks the framing of docs/protocol.md section 1."""
+    assert router.poll(10_000), "no request from the C client"
+    frames = router.recv_multipart()
+    assert len(frames) == 3 and frames[1] == b"", f"expected [routing id, empty delimiter, body], got {frames!r}"
+    return frames[0], frames[2]
+
+
+def answer(router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+    router.send_multipart([peer, b"", p.encode(body)])
+
+
+def attached(rid: Any, task_id: str = "emu-7") -> dict[str, Any]:
+    body = p.header(p.OP_ATTACH, rid)
+    body.update(status="attached", task_id=task_id, resumed=False)
+    return body
+
+
+def test_retry_rule_new_socket_same_rid_late_replies_ignored_and_retry_after(scripted):
+    router, proc = scripted(20_000, 1000)
+    # attempt 1: no answer, so the client must give up on this socket after 1 s...
+    peer1, first = receive(router)
+    request = p.decode(first)
+    assert list(request) == ["proto", "v", "op", "rid"] and request["op"] == "attach"
+    assert RID.match(request["rid"]), request["rid"]
+    # ...and send the very same bytes (same rid) on a new socket (a new routing id).
+    peer2, second = receive(router)
+    assert second == first and peer2 != peer1
+    # A late answer to some other request is ignored; `overloaded` is retried after its retry_after_ms.
+    answer(router, peer2, attached("someone-else", task_id="wrong"))
+    answer(router, peer2, p.error_body(request["rid"], p.OP_ATTACH, p.E_OVERLOADED, "queue full", retry_after_ms=300))
+    sent_at = time.monotonic()
+    peer3, third = receive(router)
+    assert third == first and peer3 == peer2  # an answered attempt keeps its socket
+    assert time.monotonic() - sent_at >= 0.25, "the client must wait retry_after_ms before resending"
+    answer(router, peer3, attached(request["rid"]))
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, out + err
+    assert out.strip() == "attached emu-7 attempts 3"
+
+
+def test_an_error_that_is_not_retried_returns_at_once(scripted):
+    router, proc = scripted(20_000, 5000)
+    peer, body = receive(router)
+    rid = p.decode(body)["rid"]
+    answer(router, peer, p.error_body(rid, p.OP_ATTACH, p.E_BAD_REQUEST, "`task_id` must be a str"))
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 1
+    assert out.strip() == "error bad_request attempts 1: `task_id` must be a str", out + err
+    assert not router.poll(300), "a bad_request must not be resent"
+
+
+def test_a_retried_error_whose_wait_ends_past_the_deadline_is_reported(scripted):
+    router, proc = scripted(1500, 1000)
+    peer, body = receive(router)
+    rid = p.decode(body)["rid"]
+    answer(router, peer, p.error_body(rid, p.OP_ATTACH, p.E_OVERLOADED, "storage (Redis) unavailable", retry_after_ms=5000))
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 1
+    assert out.strip() == "error overloaded attempts 1: storage (Redis) unavailable", out + err
+
+
+# --- A real broker ------------------------------------------------------------------------------
+def test_error_codes_and_fields_against_a_real_broker(c_build, broker, start_actor):
+    start_actor(broker.backend)
+    result = run(c_build / "test_client", "live", broker.frontend, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"test_client live: (\d+)/\1 checks ok", result.stdout), result.stdout
+
+
+@pytest.mark.slow
+def test_example_against_the_live_stack(c_build, live_stack, make_client):
+    """The real broker and a real LLM actor (tiny model): 3 episodes of 4 steps."""
+    result = run(c_build / "ppoz_example", live_stack.frontend, 3, 4, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "episodes 3 steps 12", result.stdout
+    assert sum(line.startswith("episode ") for line in lines) == 3, result.stdout
+    counters = make_client(live_stack.frontend).status()["counters"]
+    assert counters.get("broker/steps", 0) >= 12, counters
+    assert counters.get("broker/feedbacks", 0) >= 12, counters
+    assert counters.get("broker/attached", 0) >= 1 and counters.get("broker/detached", 0) >= 1, counters
+    assert counters.get("broker/segments_closed", 0) >= 3, counters  # one `done` per episode
+
+
+@pytest.mark.slow
+def test_example_waits_for_a_broker_that_starts_late(c_build, start_broker, start_actor, make_client, processes):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    proc = processes(str(c_build / "ppoz_example"), endpoint, "1", "2", "30000", "500")
+    time.sleep(2.0)
+    assert proc.poll() is None, "with nothing listening the example must keep retrying until its deadline"
+    broker = start_broker(frontend=endpoint)
+    start_actor(broker.backend)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out + err
+    assert out.splitlines()[-1] == "episodes 1 steps 2", out
+    counters = make_client(broker.frontend).status()["counters"]
+    # The attach was sent several times with one rid: one session, not several.
+    assert counters.get("broker/attached") == 1, counters
+    assert counters.get("broker/steps") == 2 and counters.get("broker/feedbacks") == 2, counters
+
+
+@pytest.mark.slow
+def test_no_leaks_under_valgrind(c_build, broker, start_actor):
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        pytest.skip("valgrind is not installed")
+    start_actor(broker.backend)
+    check = [valgrind, "-q", "--leak-check=full", "--errors-for-leak-kinds=definite,indirect,possible", "--error-exitcode=99"]
+    for args in (["test_client", "offline"], ["test_client", "live", broker.frontend],
+                 ["ppoz_example", broker.frontend, "2", "2"]):  # fmt: skip
+        result = subprocess.run([*check, str(c_build / args[0]), *args[1:]], capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, f"{' '.join(args)}:\n{result.stdout}\n{result.stderr}"
