@@ -8,6 +8,7 @@ from common.config import check, option, section
 from common.options import DTYPE_NAMES as DTYPES
 from common.options import NORMALISATIONS
 from common.options import SCORING_PATHS as PATHS
+from common.security import check_client_settings
 
 
 @section("actor")
@@ -35,6 +36,9 @@ class ActorConfig:
     heartbeat_ms: int = option(1000, "heartbeat interval towards the broker")
     heartbeat_liveness: int = option(3, "the broker is taken as gone after this many silent intervals; the actor reconnects")
     seed: int = option(0, "random seed for sampling")
+    curve_secret_key: str = option("", "CURVE: this actor's key pair file (NAME.key_secret from `ppoz keygen`); its NAME.key goes in the broker's and learner's curve_allowed_actors")
+    curve_broker_key: str = option("", "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)")
+    curve_learner_key: str = option("", "CURVE: the learner's public key file (NAME.key); set, the weight announcements (`weights`) are received encrypted")
 
     def __post_init__(self) -> None:
         check("://" in self.broker, f"`broker` must be a ZeroMQ endpoint such as tcp://127.0.0.1:5556, got {self.broker!r}")
@@ -52,3 +56,5 @@ class ActorConfig:
         check(self.max_batch > 0, f"`max_batch` must be positive, got {self.max_batch}")
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
         check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
+        check(not self.curve_learner_key or bool(self.weights), "`curve_learner_key` is set but `weights` is empty: no weight endpoint to connect to")
+        check_client_settings(self.curve_secret_key, {"curve_broker_key": self.curve_broker_key, "curve_learner_key": self.curve_learner_key})

@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 from common import protocol as p
+from common.security import ClientKeys
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class BrokerLink:
         heartbeat_ms: int = 1000,
         liveness: int = 3,
         context: zmq.Context | None = None,
+        curve: ClientKeys | None = None,
     ) -> None:
         if credits <= 0:
             raise ValueError(f"`credits` must be positive, got {credits}")
@@ -44,6 +46,7 @@ class BrokerLink:
         self.liveness = liveness
         self.policy_version = -1
         self.ctx = context or zmq.Context.instance()
+        self.curve = curve  # CURVE keys towards the broker (common/security.py), set on every new socket
         self.jobs: queue.Queue[dict[str, Any]] = queue.Queue()
         self.reconnects = 0
         self.broker_heartbeat = self.heartbeat  # learned from the broker's heartbeats
@@ -100,6 +103,8 @@ class BrokerLink:
     def _connect(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(self.endpoint)
         sock.send(p.encode(self._ready()))
         return sock
@@ -139,7 +144,13 @@ class BrokerLink:
                 if now - last_sent >= self.heartbeat:
                     body = p.header(p.OP_HEARTBEAT)
                     body["policy_version"] = self.policy_version
-                    sock.send(p.encode(body))
+                    try:
+                        # Never block on a heartbeat: a peer that refused our handshake (a CURVE key or
+                        # mechanism mismatch) leaves the DEALER with no pipe, and a blocking send would
+                        # hang this thread before the silence check below could reconnect.
+                        sock.send(p.encode(body), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
                     last_sent = now
                 if now - last_heard > max(self.heartbeat, self.broker_heartbeat) * self.liveness:
                     # The broker is gone or restarted: start over on a fresh socket. The jobs

@@ -7,6 +7,7 @@ import logging
 import redis
 import zmq
 
+from common.security import ClientKeys
 from common.weights import TOPIC, Announcement, WeightsError, latest, parse_announcement
 
 log = logging.getLogger(__name__)
@@ -16,7 +17,7 @@ class WeightFollower:
     """Tells an actor when a newer snapshot exists: from PUB announcements, and from Redis as a backstop."""
 
     def __init__(self, client: redis.Redis, prefix: str, endpoint: str = "", context: zmq.Context | None = None,
-                 poll_s: float = 5.0) -> None:  # fmt: skip
+                 poll_s: float = 5.0, curve: ClientKeys | None = None) -> None:  # fmt: skip
         self.client = client
         self.prefix = prefix
         self.poll_s = poll_s
@@ -26,6 +27,8 @@ class WeightFollower:
             self.sub = (context or zmq.Context.instance()).socket(zmq.SUB)
             self.sub.setsockopt(zmq.LINGER, 0)
             self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            if curve is not None:  # the learner's PUB is a CURVE server
+                curve.apply(self.sub)
             self.sub.connect(endpoint)
 
     def newest(self, now: float, current: int) -> Announcement | None:

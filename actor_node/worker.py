@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from actor_node.link import BrokerLink
 from actor_node.weight_follower import WeightFollower
@@ -38,13 +38,16 @@ def catch_up(policy: Any, follower: WeightFollower | None) -> bool:
 
 
 def serve(link: BrokerLink, policy: Policy, stop: threading.Event, max_batch: int = 8,
-          follower: WeightFollower | None = None) -> int:  # fmt: skip
+          follower: WeightFollower | None = None, tick: Callable[[int], None] | None = None) -> int:  # fmt: skip
     """Answer jobs until `stop` is set; return how many were answered.
 
     Weights change only here, between two batches, so all results of a batch
-    carry one policy version."""
+    carry one policy version. `tick(served)` is called once per turn of the loop
+    (the systemd watchdog: a hung forward stops it)."""
     served = 0
     while not stop.is_set():
+        if tick is not None:
+            tick(served)
         catch_up(policy, follower)
         link.policy_version = policy.policy_version
         jobs = link.get_jobs(max_batch, timeout=0.1)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from common.config import check, option, section
 from common.protocol import Limits
+from common.security import check_server_settings
 
 
 @section("broker")
@@ -19,6 +20,8 @@ class BrokerConfig:
     session_ttl_s: float = option(600.0, "a session with no request for this long expires; its data is flushed as a truncated segment")
     request_timeout_ms: int = option(30_000, "longest time a client request may wait for an answer before it gets a `timeout` error")
     heartbeat_ms: int = option(1000, "heartbeat interval towards actors")
+    metrics_bind: str = option("", "HOST:PORT for a Prometheus text endpoint (GET /metrics), e.g. 127.0.0.1:9101; empty: off")
+    drain_timeout_s: float = option(10.0, "on SIGTERM, how long steps in flight may take to finish before the broker exits anyway")
     heartbeat_liveness: int = option(3, "an actor silent for this many heartbeat intervals is dead; its jobs go to another actor")
     actor_job_timeout_ms: int = option(20_000, "an actor holding one job longer than this is taken as hung; its jobs go elsewhere")
     storage_timeout_ms: int = option(5000, "a Redis write not answered within this is taken as failed: its requests get `internal`")
@@ -31,10 +34,14 @@ class BrokerConfig:
     max_prompt_chars: int = option(1_000_000, "most characters in prompt + question")
     stream_key: str = option("segments", "name (after the prefix) of the Redis Stream closed segments go to")
     consumer_group: str = option("learners", "consumer group the broker creates on the stream for the learner")
+    curve_secret_key: str = option("", "CURVE: the broker's key pair file (NAME.key_secret from `ppoz keygen`); empty: no encryption (docs/security.md)")
+    curve_allowed_clients: str = option("", "CURVE: directory of the public key files (NAME.key) of the clients allowed on `frontend`, or '*' for any key")
+    curve_allowed_actors: str = option("", "CURVE: directory of the public key files (NAME.key) of the actors allowed on `backend`, or '*' for any key")
 
     def __post_init__(self) -> None:
         check(self.segment_len > 0, f"`segment_len` must be positive, got {self.segment_len}")
         check(self.session_ttl_s > 0, f"`session_ttl_s` must be positive, got {self.session_ttl_s}")
+        check(self.drain_timeout_s >= 0, f"`drain_timeout_s` must be 0 or more, got {self.drain_timeout_s}")
         check(self.request_timeout_ms > 0, f"`request_timeout_ms` must be positive, got {self.request_timeout_ms}")
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
         check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
@@ -51,6 +58,8 @@ class BrokerConfig:
             value = getattr(self, name)
             check("://" in value, f"`{name}` must be a ZeroMQ endpoint such as tcp://127.0.0.1:5555, got {value!r}")
         check(self.key_prefix != "" and " " not in self.key_prefix, f"`key_prefix` must be a non-empty word, got {self.key_prefix!r}")
+        check_server_settings(self.curve_secret_key, {"curve_allowed_clients": self.curve_allowed_clients,
+                                                      "curve_allowed_actors": self.curve_allowed_actors})  # fmt: skip
 
     @property
     def limits(self) -> Limits:

@@ -29,9 +29,12 @@ import zmq
 
 from broker.actors import MAX_ATTEMPTS, ActorRegistry, Job
 from broker.config import BrokerConfig
+from broker.metrics import MetricsServer, RateWindow, learner_summary
 from broker.sessions import REASON_DETACH, REASON_EXPIRED, PendingStep, Session, now_ms
 from broker.store import Batch, Committer, SessionStore
 from common import protocol as p
+from common.sd_notify import Notifier
+from common.security import AllowList, apply_server
 from common.stats import LatencyWindow
 from common.zmqio import recv_frames, send_frames
 
@@ -62,10 +65,17 @@ class Broker:
         self.started = time.monotonic()
         self.now = time.monotonic()
         self.running = False
+        self.draining = False  # set by stop(): finish the steps in flight, take no new ones
+        self.notifier = Notifier()  # systemd's notify socket, when run under systemd
+        self._next_status = 0.0
+        self.redis = redis_client
+        self.step_rate = RateWindow()
+        self.metrics_server: MetricsServer | None = None
         self.frontend: zmq.Socket | None = None
         self.backend: zmq.Socket | None = None
         self.frontend_endpoint = ""
         self.backend_endpoint = ""
+        self.allow_lists: list[AllowList] = []  # CURVE: the ZAP checks of both sockets, closed with them
         self.committer = Committer(redis_client)
         self.storage_ok = True
         self._staged = Batch()  # writes of the requests handled since the last send
@@ -96,13 +106,16 @@ class Broker:
             log.info("recovered %d sessions from Redis (%d with a pending step)", len(self.sessions),
                      sum(s.pending is not None for s in self.sessions.values()))  # fmt: skip
         self.stream_length = self.store.stream_length()
-        self.frontend = self._router(self.cfg.frontend, self.cfg.max_message_bytes)
-        self.backend = self._router(self.cfg.backend, self.cfg.max_message_bytes)
+        self.frontend = self._router(self.cfg.frontend, self.cfg.max_message_bytes, "clients", self.cfg.curve_allowed_clients)
+        self.backend = self._router(self.cfg.backend, self.cfg.max_message_bytes, "actors", self.cfg.curve_allowed_actors)
         self.frontend_endpoint = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_endpoint = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("broker ready: clients on %s, actors on %s", self.frontend_endpoint, self.backend_endpoint)
+        if self.cfg.metrics_bind:
+            self.metrics_server = MetricsServer(self.cfg.metrics_bind).start()
+        self.notifier.ready(f"clients on {self.frontend_endpoint}, actors on {self.backend_endpoint}")
 
-    def _router(self, endpoint: str, max_message_bytes: int) -> zmq.Socket:
+    def _router(self, endpoint: str, max_message_bytes: int, name: str = "", allowed: str = "") -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # Tell us when a reply has nowhere to go, rather than dropping it silently.
@@ -112,6 +125,8 @@ class Broker:
         # Messages over the configured limit get a `too_large` reply; ones far over it
         # are refused by libzmq itself (the peer is disconnected) so they never fill memory.
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes + 65536)
+        if self.cfg.curve_secret_key:  # before bind: a peer's security mechanism is fixed when it connects
+            self.allow_lists.append(apply_server(sock, self.cfg.curve_secret_key, allowed, f"broker {name}"))
         sock.bind(endpoint)
         return sock
 
@@ -124,8 +139,16 @@ class Broker:
         poller.register(self.backend, zmq.POLLIN)
         redis_fd = None
         self.running = True
+        drain_until = 0.0
         try:
             while self.running and not (until and until()):
+                if self.draining:
+                    if not drain_until:
+                        drain_until = time.monotonic() + self.cfg.drain_timeout_s
+                        self.notifier.stopping(f"draining {len(self.jobs)} steps in flight")
+                        log.info("stopping: %d steps in flight, %d queued; new steps are refused", len(self.jobs), len(self.queue))
+                    if not self.jobs or time.monotonic() > drain_until:
+                        break
                 # Wake up for Redis's answer too, so replies leave as soon as their batch is applied.
                 fd = self.committer.fileno() if self.storage_ok else None
                 if fd != redis_fd:
@@ -149,13 +172,21 @@ class Broker:
             self.close()
 
     def stop(self) -> None:
-        """Ask the loop to finish its turn and return (safe from a signal handler)."""
-        self.running = False
+        """Drain and return: refuse new steps, answer those in flight (up to drain_timeout_s), flush to Redis.
+
+        Safe from a signal handler: it only sets a flag the loop reads."""
+        self.draining = True
 
     def close(self) -> None:
         for sock in (self.frontend, self.backend):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
+        for allow_list in self.allow_lists:  # after the sockets: the last one stops the context's ZAP handler
+            allow_list.close()
+        self.allow_lists.clear()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
         for _ in range(DRAIN_BATCH):
@@ -379,6 +410,8 @@ class Broker:
         self.stream_length += n  # refreshed from Redis every second; counted here so back-pressure reacts at once
 
     def _backpressure(self) -> str:
+        if self.draining:
+            return "draining"
         if not self.registry.actors:
             return "no_actor"
         if len(self.queue) >= self.cfg.max_queue:
@@ -402,6 +435,9 @@ class Broker:
             self.metrics["broker/joined_retries"] += 1
             return
         obs = p.check_obs(msg, self.limits)
+        if self.draining:  # shutting down: no new work; the client's retry reaches the restarted broker
+            raise p.ProtocolError(p.E_OVERLOADED, "the broker is shutting down; retry with the same rid",
+                                  retry_after_ms=self.cfg.retry_after_ms)  # fmt: skip
         if len(self.queue) >= self.cfg.max_queue:
             raise p.ProtocolError(p.E_OVERLOADED, f"{len(self.queue)} steps are queued", retry_after_ms=self.cfg.retry_after_ms)
         if running is not None:  # the client gave up on its previous step and sent a new one
@@ -461,6 +497,12 @@ class Broker:
         body.update(status="ok", time_ms=now_ms())
         self.reply(envelope, body)
 
+    def status_line(self) -> str:
+        """The key figures in one line (systemd's STATUS=)."""
+        return (f"{len(self.sessions)} sessions, {len(self.registry.actors)} actors, {len(self.jobs)} steps in flight, "
+                f"{len(self.queue)} queued, {self.metrics['broker/steps']} steps, stream backlog {self.stream_length}"
+                + ("" if self.storage_ok else ", REDIS DOWN"))  # fmt: skip
+
     def status(self, window_s: float = 60.0) -> dict[str, Any]:
         return {
             "added_latency": self.added_latency.summary(window_s),
@@ -476,7 +518,16 @@ class Broker:
                  "served": a.served} for a in self.registry.actors.values()
             ],  # fmt: skip
             "counters": dict(self.metrics),
+            "steps_per_s": round(self.step_rate.rate(), 3),
+            "learner": self._learner(),
         }
+
+    def _learner(self) -> dict[str, float]:
+        """The learner's latest update, as it left it in Redis (its version, losses); {} if none or unreadable."""
+        try:
+            return learner_summary(self.redis.hgetall(f"{self.cfg.key_prefix}:learner:latest"))
+        except redis.RedisError:
+            return {}
 
     # --- actor back end --------------------------------------------------------------------
     def on_actor_frames(self, frames: list[bytes]) -> None:
@@ -676,6 +727,13 @@ class Broker:
             self.metrics["actors/hung"] += 1
             self._send_actor(actor.identity, p.header(p.OP_DISCONNECT))
             self._requeue(self.registry.remove(actor.identity))
+        self.notifier.watchdog(now)  # from the loop itself: a hung loop stops the pings
+        if now >= self._next_status:
+            self._next_status = now + 1.0
+            self.step_rate.add(now, self.metrics["broker/steps"])
+            self.notifier.status(self.status_line(), min_interval_s=5.0)
+            if self.metrics_server is not None:
+                self.metrics_server.update(self.status())
         for actor in list(self.registry.actors.values()):
             if now - actor.last_sent >= heartbeat:
                 self._send_actor(actor.identity, p.header(p.OP_HEARTBEAT) | {"heartbeat_ms": self.cfg.heartbeat_ms})

@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from client.retry import RetryRule, check_timeouts, feedback_fields
 from common import protocol as p
+from common.security import KeySource, client_keys
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ class AsyncClient:
     `deadline`: default overall time per request (s); `attempt_timeout`: longest
     wait for one attempt's reply (s); `context`: a zmq.asyncio.Context, or a
     blocking zmq.Context to share (its asyncio shadow is used), default the
-    process-wide asyncio context.
+    process-wide asyncio context. `curve_secret_key`, `curve_server_key`: CURVE
+    keys, as for client.sync.Client (docs/security.md).
     """
 
     def __init__(
@@ -48,11 +50,14 @@ class AsyncClient:
         deadline: float = 60.0,
         attempt_timeout: float = 10.0,
         context: zmq.asyncio.Context | zmq.Context | None = None,
+        curve_secret_key: KeySource | None = None,
+        curve_server_key: KeySource | None = None,
     ) -> None:
         check_timeouts(deadline, attempt_timeout)
         self.endpoint = endpoint
         self.deadline = deadline
         self.attempt_timeout = attempt_timeout
+        self.curve = client_keys(curve_secret_key, curve_server_key)  # loaded once, set on every new socket
         if context is None:
             self.ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance()
         elif isinstance(context, zmq.asyncio.Context):
@@ -73,6 +78,8 @@ class AsyncClient:
         if self._sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                self.curve.apply(sock)
             sock.connect(self.endpoint)
             self._sock = sock
             self._reader = asyncio.get_running_loop().create_task(self._read(sock), name=f"ppoz-reader {self.endpoint}")

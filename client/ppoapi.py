@@ -25,6 +25,7 @@ import zmq
 
 from client.sync import Client
 from common import protocol as p
+from common.security import KeySource
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class PPOClient:
     `base_url`: the broker's client endpoint (tcp://host:port); `deadline`: the
     longest a call may take, retries included (s); `attempt_timeout`: the longest
     wait for one attempt's reply (s); `context`: a zmq.Context to use instead of
-    the process-wide one. Safe to share between threads (calls go one at a time).
+    the process-wide one; `curve_secret_key`, `curve_server_key`: CURVE keys, as for
+    client.sync.Client (docs/security.md). Safe to share between threads (calls go one at a time).
     """
 
     def __init__(
@@ -51,6 +53,8 @@ class PPOClient:
         deadline: float = 60.0,
         attempt_timeout: float = 10.0,
         context: zmq.Context | None = None,
+        curve_secret_key: KeySource | None = None,
+        curve_server_key: KeySource | None = None,
     ) -> None:
         scheme = base_url.split("://", 1)[0].lower() if "://" in base_url else ""
         if scheme in ("http", "https"):
@@ -62,7 +66,8 @@ class PPOClient:
             raise ValueError(f"`base_url` must be a ZeroMQ endpoint such as tcp://localhost:5555, got {base_url!r}")
         self.base_url = base_url
         self.task_id: str | None = None
-        self.client = Client(base_url, deadline=deadline, attempt_timeout=attempt_timeout, context=context)
+        self.client = Client(base_url, deadline=deadline, attempt_timeout=attempt_timeout, context=context,
+                             curve_secret_key=curve_secret_key, curve_server_key=curve_server_key)  # fmt: skip
 
     def close(self) -> None:
         """Close the socket (Kea never calls it; the process exit does the same)."""

@@ -25,10 +25,16 @@ import zmq
 from client.errors import PPOZError
 from client.retry import RETRIED_CODES, RetryRule, check_timeouts, feedback_fields
 from common import protocol as p
+from common.security import KeySource, client_keys
 
 
 class Client:
-    """Blocking PPOZ client. `deadline`: default overall time per request; `attempt_timeout`: per send."""
+    """Blocking PPOZ client. `deadline`: default overall time per request; `attempt_timeout`: per send.
+
+    `curve_server_key` (the broker's public key: a NAME.key file or the Z85 key)
+    turns CURVE on; `curve_secret_key` is this client's key pair (a NAME.key_secret
+    file or the Z85 secret key), whose public key must be in the broker's allow-list
+    (docs/security.md). Missing or bad keys raise KeyFileError (a ValueError) here."""
 
     def __init__(
         self,
@@ -36,11 +42,14 @@ class Client:
         deadline: float = 60.0,
         attempt_timeout: float = 10.0,
         context: zmq.Context | None = None,
+        curve_secret_key: KeySource | None = None,
+        curve_server_key: KeySource | None = None,
     ) -> None:
         check_timeouts(deadline, attempt_timeout)
         self.endpoint = endpoint
         self.deadline = deadline
         self.attempt_timeout = attempt_timeout
+        self.curve = client_keys(curve_secret_key, curve_server_key)  # loaded once, set on every new socket
         self.ctx = context or zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.attempts = 0  # sends, retries included (for tests and diagnostics)
@@ -52,6 +61,8 @@ class Client:
         if self.sock is None:
             self.sock = self.ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                self.curve.apply(self.sock)
             self.sock.connect(self.endpoint)
         return self.sock
 

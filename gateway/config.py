@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import check, option, section
+from common.security import check_client_settings
 
 
 @section("gateway")
@@ -17,6 +18,8 @@ class GatewayConfig:
     attempt_timeout_s: float = option(10.0, "longest wait for one attempt's reply before the request is sent again")
     max_inflight: int = option(256, "most requests forwarded at once; more wait for a free slot until their deadline")
     max_body_bytes: int = option(8 * 1024 * 1024, "largest HTTP request body accepted")
+    curve_secret_key: str = option("", "CURVE: the gateway's key pair file (NAME.key_secret from `ppoz keygen`); its NAME.key goes in the broker's curve_allowed_clients")
+    curve_server_key: str = option("", "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)")
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, f"`port` must be 0-65535, got {self.port}")
@@ -24,3 +27,4 @@ class GatewayConfig:
         check(self.attempt_timeout_s > 0, f"`attempt_timeout_s` must be positive, got {self.attempt_timeout_s}")
         check(self.max_inflight >= 1, f"`max_inflight` must be at least 1, got {self.max_inflight}")
         check(self.max_body_bytes >= 1024, f"`max_body_bytes` must be at least 1024, got {self.max_body_bytes}")
+        check_client_settings(self.curve_secret_key, {"curve_server_key": self.curve_server_key})

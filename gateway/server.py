@@ -23,6 +23,7 @@ import zmq
 
 from client import Client, PPOZError
 from common import protocol as p
+from common.sd_notify import Notifier
 from gateway import ppoapi
 from gateway.config import GatewayConfig
 
@@ -49,7 +50,8 @@ class ClientPool:
                 client = self.free.get_nowait()
             except queue.Empty:
                 client = Client(self.cfg.broker, deadline=self.cfg.request_deadline_s, attempt_timeout=self.cfg.attempt_timeout_s,
-                                context=self.context)  # fmt: skip
+                                context=self.context, curve_secret_key=self.cfg.curve_secret_key or None,
+                                curve_server_key=self.cfg.curve_server_key or None)  # fmt: skip
                 with self.lock:
                     self.all.append(client)
             try:
@@ -76,6 +78,7 @@ class Gateway:
         self.httpd: ThreadingHTTPServer | None = None
         self.counters: dict[str, int] = {}
         self.counter_lock = threading.Lock()
+        self.notifier = Notifier()
 
     def start(self) -> "Gateway":
         gateway = self
@@ -83,10 +86,23 @@ class Gateway:
         class Handler(PPOAPIHandler):
             owner = gateway
 
-        self.httpd = ThreadingHTTPServer((self.cfg.host, self.cfg.port), Handler)
-        self.httpd.daemon_threads = True
+        class Server(ThreadingHTTPServer):
+            daemon_threads = False  # server_close() waits for requests in progress: SIGTERM drains
+
+            def service_actions(self) -> None:  # once per turn of serve_forever's loop
+                gateway.notifier.watchdog()
+                gateway.notifier.status(gateway.status_line())
+
+        self.httpd = Server((self.cfg.host, self.cfg.port), Handler)
         log.info("gateway ready: PPOAPI HTTP on http://%s:%d, forwarding to %s", self.cfg.host, self.port, self.cfg.broker)
+        self.notifier.ready(f"PPOAPI HTTP on {self.cfg.host}:{self.port}, forwarding to {self.cfg.broker}")
         return self
+
+    def status_line(self) -> str:
+        with self.counter_lock:
+            ok = sum(n for k, n in self.counters.items() if k.startswith("ok/"))
+            errors = sum(n for k, n in self.counters.items() if k.startswith("errors/"))
+        return f"{ok} requests forwarded, {errors} errors"
 
     @property
     def port(self) -> int:
@@ -105,6 +121,7 @@ class Gateway:
     def stop(self) -> None:
         """Stop accepting; requests in progress finish on their own threads (safe from a signal handler via a thread)."""
         if self.httpd is not None:
+            self.notifier.stopping("finishing the requests in progress")
             threading.Thread(target=self.httpd.shutdown, daemon=True).start()
 
     def count(self, key: str) -> None:
@@ -130,6 +147,7 @@ class Gateway:
 class PPOAPIHandler(BaseHTTPRequestHandler):
     owner: Gateway
     protocol_version = "HTTP/1.1"  # keep-alive for clients that reuse connections
+    timeout = 15  # an idle keep-alive connection is closed after this, so a drain never waits on one for long
     server_version = "ppoz-gateway"
 
     def do_POST(self) -> None:

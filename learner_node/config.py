@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from common.config import check, option, section
 from common.options import DTYPE_NAMES, NORMALISATIONS
+from common.security import check_server_settings
 
 
 @section("learner")
@@ -53,6 +54,8 @@ class LearnerConfig:
     keep_checkpoints: int = option(3, "checkpoints kept")
     resume: bool = option(False, "restore the newest checkpoint and go on from it")
     weights_bind: str = option("tcp://127.0.0.1:5557", "endpoint the learner binds to announce new weights (PUB)")
+    curve_secret_key: str = option("", "CURVE: the learner's key pair file (NAME.key_secret from `ppoz keygen`) for the weight PUB; empty: no encryption (docs/security.md)")
+    curve_allowed_actors: str = option("", "CURVE: directory of the public key files (NAME.key) of the actors allowed to subscribe, or '*' for any key")
     tensorboard_dir: str = option("runs/learner/tb", "TensorBoard log directory (empty: off)")
     max_updates: int = option(0, "stop after this many updates (0: run until stopped)")
     read_block_ms: int = option(1000, "longest a read of the stream blocks")
@@ -78,3 +81,4 @@ class LearnerConfig:
             check(getattr(self, name) >= 0, f"`{name}` must be 0 or more, got {getattr(self, name)}")
         check(all(isinstance(h, int) and h > 0 for h in self.value_hidden), f"`value_hidden` must be positive ints, got {self.value_hidden}")
         check("://" in self.weights_bind, f"`weights_bind` must be a ZeroMQ endpoint, got {self.weights_bind!r}")
+        check_server_settings(self.curve_secret_key, {"curve_allowed_actors": self.curve_allowed_actors})

@@ -36,6 +36,8 @@ import torch.distributed as dist
 import zmq
 
 from common import weights
+from common.sd_notify import Notifier
+from common.security import AllowList, apply_server
 from common.segments import decode_segment
 from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict
 from learner_node import checkpoint
@@ -81,12 +83,16 @@ class Learner:
         self.stop_event = threading.Event()
         self.ctx = context or zmq.Context.instance()
         self.pub: zmq.Socket | None = None
+        self.allow_list: AllowList | None = None  # CURVE: which actors may subscribe
         self.weights_endpoint = ""
         if self.is_main:
             self.pub = self.ctx.socket(zmq.PUB)
             self.pub.setsockopt(zmq.LINGER, 0)
+            if cfg.curve_secret_key:  # before bind, as every CURVE server socket
+                self.allow_list = apply_server(self.pub, cfg.curve_secret_key, cfg.curve_allowed_actors, "learner weights")
             self.pub.bind(cfg.weights_bind)
             self.weights_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.notifier = Notifier() if self.is_main else Notifier({})  # only rank 0 speaks to systemd
         self.writer = None
         if cfg.tensorboard_dir and self.is_main:
             from torch.utils.tensorboard import SummaryWriter
@@ -130,10 +136,15 @@ class Learner:
     # --- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
         self.start()
+        # Ready: the stream and consumer group exist, the checkpoint (if resuming) is restored
+        # and the current weights are published.
+        self.notifier.ready(f"policy version {self.version} after {self.updates} updates")
         while not self.stop_event.is_set():
             if self.cfg.max_updates and self.updates >= self.cfg.max_updates:
                 break
+            self.notifier.watchdog()
             self.step()
+        self.notifier.stopping(f"stopped at policy version {self.version} after {self.updates} updates")
         self.close()
 
     def stop(self) -> None:
@@ -205,6 +216,7 @@ class Learner:
         transitions = 0
         give_up = time.monotonic() + self.cfg.rollout_timeout_s if self.cfg.rollout_timeout_s else math.inf
         while transitions < self.cfg.rollout_batch and not self.stop_event.is_set():
+            self.notifier.watchdog()  # waiting for data is not hanging
             if segments and time.monotonic() > give_up:
                 log.info("rollout timeout: training on %d transitions", transitions)
                 break
@@ -281,6 +293,9 @@ class Learner:
         # dashboards): one small hash, overwritten each update.
         latest = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not math.isnan(v)}
         latest.update({"updates": self.updates, "version": self.version, "transitions": n, "time": time.time()})
+        self.notifier.status(f"policy version {self.version}, {self.updates} updates, last: {n} transitions, return "
+                             f"{metrics.get('charts/episodic_return', math.nan):.3f}, policy loss {metrics.get('losses/policy_loss', math.nan):.4f}",
+                             min_interval_s=0)  # fmt: skip
         try:
             self.redis.hset(f"{self.cfg.key_prefix}:learner:latest", mapping=latest)
         except redis.RedisError as e:  # a display's convenience; never worth stopping training for
@@ -303,3 +318,5 @@ class Learner:
             self.writer.close()
         if self.pub is not None:
             self.pub.close(linger=0)
+        if self.allow_list is not None:
+            self.allow_list.close()

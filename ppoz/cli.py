@@ -130,7 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's client endpoint (default: tcp://127.0.0.1:5555)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default: 5)")
     p.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    p.add_argument("--curve-server-key", default="", metavar="FILE", help="CURVE: the broker's public key file (NAME.key), for a broker with CURVE on")
+    p.add_argument("--curve-secret-key", default="", metavar="FILE", help="CURVE: this client's key pair file (NAME.key_secret), allowed by the broker")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("keygen", help="make a CURVE key pair: NAME.key (public) and NAME.key_secret (secret, mode 0600)",
+                       description="Write DIR/NAME.key (the public key: give it to the peers that must accept NAME) and "
+                                   "DIR/NAME.key_secret (the key pair: it stays on this machine). See docs/security.md.")  # fmt: skip
+    p.add_argument("name", metavar="NAME", help="the key's name, such as broker, learner, actor-gpu0 or client-42")
+    p.add_argument("--dir", default=".", help="directory for the two files (created if missing; default: .)")
+    p.add_argument("--force", action="store_true", help="replace existing files of that name (peers holding the old public key are then refused)")
+    p.set_defaults(func=cmd_keygen)
     return parser
 
 
@@ -187,6 +197,8 @@ def run_actor(cfg: Any, stop: threading.Event) -> int:
     from actor_node.policies import UniformPolicy
     from actor_node.weight_follower import WeightFollower
     from actor_node.worker import catch_up, serve
+    from common.security import client_keys
+    from common.sd_notify import Notifier
 
     follower = None
     if cfg.model:
@@ -199,17 +211,28 @@ def run_actor(cfg: Any, stop: threading.Event) -> int:
         if cfg.redis_url:
             from common.redis_server import connect
 
-            follower = WeightFollower(connect(cfg.redis_url), cfg.key_prefix, cfg.weights, poll_s=cfg.weights_poll_s)
+            follower = WeightFollower(connect(cfg.redis_url), cfg.key_prefix, cfg.weights, poll_s=cfg.weights_poll_s,
+                                      curve=client_keys(cfg.curve_secret_key, cfg.curve_learner_key, ("curve_secret_key", "curve_learner_key")))  # fmt: skip
             catch_up(policy, follower)  # a late joiner never serves stale weights
     else:
         log.warning("no --model given: serving the uniform random policy")
         policy = UniformPolicy(cfg.seed)
-    link = BrokerLink(cfg.broker, cfg.name, cfg.credits, cfg.heartbeat_ms, cfg.heartbeat_liveness)
+    link = BrokerLink(cfg.broker, cfg.name, cfg.credits, cfg.heartbeat_ms, cfg.heartbeat_liveness,
+                      curve=client_keys(cfg.curve_secret_key, cfg.curve_broker_key, ("curve_secret_key", "curve_broker_key")))  # fmt: skip
     link.policy_version = policy.policy_version
     link.start()
     log.info("actor %s serving %s (policy version %d) for %s", link.name, cfg.model or "the uniform policy",
              policy.policy_version, cfg.broker)  # fmt: skip
-    served = serve(link, policy, stop, cfg.max_batch, follower)
+    # Ready: the model is loaded and the newest weights are in place.
+    notifier = Notifier()
+    notifier.ready(f"serving {cfg.model or 'the uniform policy'} at policy version {policy.policy_version}")
+
+    def tick(served: int) -> None:
+        notifier.watchdog()
+        notifier.status(f"policy version {policy.policy_version}, {served} requests served")
+
+    served = serve(link, policy, stop, cfg.max_batch, follower, tick)
+    notifier.stopping(f"stopped after {served} requests; unscored jobs handed back to the broker")
     link.close()
     if follower is not None:
         follower.close()
@@ -256,25 +279,52 @@ def cmd_status(args: argparse.Namespace) -> int:
     from client import Client, PPOZError
 
     try:
-        with Client(args.broker, deadline=args.timeout, attempt_timeout=args.timeout) as c:
+        with Client(args.broker, deadline=args.timeout, attempt_timeout=args.timeout, curve_secret_key=args.curve_secret_key or None,
+                    curve_server_key=args.curve_server_key or None) as c:  # fmt: skip
             status = c.status()
     except PPOZError as e:
         print(f"ppoz status: no answer from {args.broker}: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # a missing or bad CURVE key file (common.security.KeyFileError)
+        print(f"ppoz status: {e}", file=sys.stderr)
+        return 2
     for key in ("proto", "v", "op", "rid", "status"):
         status.pop(key, None)
     if args.json:
         print(json.dumps(status, sort_keys=True))
         return 0
-    print(f"broker {args.broker}  up {status['uptime_s']:.0f} s")
+    learner = status.get("learner") or {}
+    newest = int(learner.get("version", 0)) if learner else None
+    print(f"broker {args.broker}  up {status['uptime_s']:.0f} s" + ("" if status.get("storage_ok", True) else "  REDIS DOWN"))
     print(f"  sessions {status['sessions']}  pending steps {status['pending_steps']}  queued {status['queued_jobs']}"
-          f"  stream backlog {status['stream_length']}")  # fmt: skip
+          f"  steps/s {status.get('steps_per_s', 0.0):.1f}  stream backlog {status['stream_length']}")  # fmt: skip
     print(f"  actors ({len(status['actors'])}):")
     for a in status["actors"]:
-        print(f"    {a['name']:<24} load {a['inflight']}/{a['credits']}  policy v{a['policy_version']}  served {a['served']}")
+        lag = f"  lag {newest - a['policy_version']}" if newest is not None else ""
+        print(f"    {a['name']:<24} load {a['inflight']}/{a['credits']}  policy v{a['policy_version']}{lag}  served {a['served']}")
+    if learner:
+        figures = "  ".join(f"{k.split('/')[-1]} {v:.4g}" for k, v in sorted(learner.items())
+                            if k.startswith("losses/") and k.split("/")[-1] in ("policy_loss", "value_loss", "entropy", "approx_kl"))  # fmt: skip
+        print(f"  learner: policy v{newest} after {int(learner.get('updates', 0))} updates; last update: {figures}")
+    else:
+        print("  learner: no update yet")
     print("  counters:")
     for key, value in sorted(status["counters"].items()):
         print(f"    {key:<36} {value}")
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from common.security import generate_keypair, load_public
+
+    try:
+        public, secret = generate_keypair(args.dir, args.name, force=args.force)
+    except (OSError, ValueError) as e:  # FileExistsError included: an existing key is never replaced silently
+        print(f"ppoz keygen: {e}", file=sys.stderr)
+        return 1
+    print(f"public key file: {public}  (copy it to the peers that must accept {args.name}: an allow-list directory, or a *_key setting)")
+    print(f"secret key file: {secret}  (mode 0600; keep it on this machine)")
+    print(f"public key: {load_public(public).decode()}")
     return 0
 
 

@@ -92,7 +92,7 @@ def start_broker(redis_url: str, key_prefix: str, zmq_context: zmq.Context) -> I
 
     def start(**overrides: Any) -> RunningBroker:
         settings = dict(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_url,
-                        key_prefix=key_prefix, heartbeat_ms=100)  # fmt: skip
+                        key_prefix=key_prefix, heartbeat_ms=100, drain_timeout_s=2.0)  # fmt: skip
         settings.update(overrides)
         cfg = BrokerConfig(**settings)
         broker = Broker(cfg, connect(redis_url), zmq_context)

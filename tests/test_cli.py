@@ -13,7 +13,7 @@ from tests.broker.test_restart import free_port
 from tests.helpers import wait_for
 
 PPOZ = [sys.executable, "-m", "ppoz.cli"]
-SUBCOMMANDS = [["broker"], ["actor"], ["learner"], ["up"], ["play"], ["gateway"], ["demo"], ["bench"], ["bench", "broker"], ["bench", "scoring"], ["bench", "learner"], ["status"]]
+SUBCOMMANDS = [["broker"], ["actor"], ["learner"], ["up"], ["play"], ["gateway"], ["keygen"], ["demo"], ["bench"], ["bench", "broker"], ["bench", "scoring"], ["bench", "learner"], ["status"]]
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -89,6 +89,13 @@ def test_up_runs_the_whole_stack_restarts_a_killed_actor_and_stops_cleanly(tmp_p
                  what=f"the actor to serve a trained version\n{up.text()[-3000:]}")  # fmt: skip
         for name in ("broker", "learner", "actor-0", "clients"):
             assert re.search(rf"^ *{name} \| ", up.text(), re.M), f"no log line prefixed with {name}"
+        # `ppoz status` against the running stack: actors and load, sessions, speed, backlog, version and lag, losses.
+        table = subprocess.run([sys.executable, "-m", "ppoz.cli", "status", "--broker", f"tcp://127.0.0.1:{front}"],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert table.returncode == 0, table.stderr
+        assert "sessions 2" in table.stdout and "steps/s" in table.stdout and "stream backlog" in table.stdout
+        assert re.search(r"actor-0 +load \d+/\d+  policy v\d+  lag \d+", table.stdout), table.stdout
+        assert re.search(r"learner: policy v[1-9]\d* after \d+ updates; last update: .*policy_loss", table.stdout), table.stdout
         actor = up.pid("actor-0")
         assert actor is not None
         os.kill(actor, signal.SIGKILL)

@@ -343,3 +343,35 @@ def test_status_reports_actors_sessions_and_added_latency(stack):
     assert status["sessions"] == 1 and status["pending_steps"] == 0 and status["storage_ok"] is True
     assert status["actors"][0]["served"] == 1 and status["actors"][0]["credits"] == 8
     assert status["added_latency"]["n"] == 2 and status["added_latency"]["p99_ms"] >= 0
+
+
+def test_prometheus_endpoint_serves_the_status_figures(start_broker, start_actor, make_client):
+    import urllib.request
+
+    broker = start_broker(metrics_bind="127.0.0.1:0")
+    start_actor(broker.backend, name="prom-actor")
+    client = make_client(broker.frontend)
+    wait_for(lambda: actors_ready(client, 1), what="the actor")
+    task = client.attach()
+    for _ in range(3):
+        client.step(task, OBS)
+        client.feedback(task, 1.0)
+    port = broker.broker.metrics_server.port
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            return r.read().decode()
+
+    def scraped_after_the_steps() -> str | None:
+        text = scrape()
+        return text if 'ppoz_events_total{name="broker/steps"} 3.0' in text else None
+
+    text = wait_for(scraped_after_the_steps, timeout=10, what="the scrape to show 3 steps")
+    assert "ppoz_sessions 1.0" in text and 'ppoz_actor_credits{actor="prom-actor"}' in text
+    assert "# TYPE ppoz_events_total counter" in text
+    for line in text.splitlines():  # every sample line is NAME[{labels}] VALUE
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            float(value)
+            assert name.startswith("ppoz_"), line

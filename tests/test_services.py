@@ -1,0 +1,208 @@
+"""The processes as systemd runs them: READY, WATCHDOG, STATUS, STOPPING, and a SIGTERM drain.
+
+Each `ppoz` command runs as a real process with NOTIFY_SOCKET pointing at a unix
+datagram socket of the test's own, as systemd's would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from actor_node.link import BrokerLink
+from actor_node.policies import UniformPolicy
+from actor_node.worker import serve
+from client import Client, Overloaded
+from tests.broker.test_restart import free_port
+from tests.helpers import OBS, wait_for
+
+PPOZ = [sys.executable, "-m", "ppoz.cli"]
+
+
+class NotifySocket:
+    """What systemd listens on: every datagram, in order."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+
+    def receive(self, until: float) -> None:
+        """Collect datagrams until the time `until` (monotonic)."""
+        while time.monotonic() < until:
+            try:
+                self.messages.append(self.sock.recv(65536).decode())
+            except socket.timeout:
+                continue
+
+    def wait_for(self, prefix: str, timeout: float) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for m in self.messages:
+                if m.startswith(prefix) or f"\n{prefix}" in m:
+                    return m
+            self.receive(min(end, time.monotonic() + 0.2))
+        pytest.fail(f"no {prefix!r} within {timeout} s; got {self.messages}")
+
+    def count(self, line: str) -> int:
+        return sum(line in m.split("\n") for m in self.messages)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def start(args: list[str], notify: NotifySocket, watchdog_usec: int = 400_000) -> subprocess.Popen:
+    env = {"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": str(watchdog_usec), "PYTHONUNBUFFERED": "1"}
+    # stderr to a file: a pipe nobody reads while the process runs could fill and block it
+    log = open(Path(notify.path).with_suffix(f".{len(args)}.{time.monotonic_ns()}.log"), "w+")
+    proc = subprocess.Popen([*PPOZ, *args], env={**os.environ, **env}, stderr=log, text=True)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    proc.log.seek(0)  # type: ignore[attr-defined]
+    return code, proc.log.read()  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_broker_notifies_ready_when_bound_pings_the_watchdog_reports_status_and_stops(tmp_path, redis_url, key_prefix):
+    notify = NotifySocket(tmp_path / "notify.sock")
+    front, back = free_port(), free_port()
+    proc = start(["broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}",
+                  "--redis-url", redis_url, "--key-prefix", key_prefix], notify)  # fmt: skip
+    try:
+        ready = notify.wait_for("READY=1", 30)
+        assert f"127.0.0.1:{front}" in ready
+        with Client(f"tcp://127.0.0.1:{front}", deadline=2, attempt_timeout=2) as c:
+            assert c.ping()["status"] == "ok"  # READY means it can do its job now
+        notify.receive(time.monotonic() + 2.5)
+        assert notify.count("WATCHDOG=1") >= 4, notify.messages  # every 0.2 s for a 0.4 s watchdog
+        assert any("sessions" in m and m.startswith("STATUS=") for m in notify.messages)
+    finally:
+        code, err = stop(proc)
+        notify.receive(time.monotonic() + 1)
+        notify.close()
+    assert code == 0, err[-2000:]
+    assert notify.count("STOPPING=1") == 1
+
+
+@pytest.mark.slow
+def test_broker_sigterm_drains_steps_in_flight_refuses_new_ones_and_loses_nothing(tmp_path, redis_url, key_prefix, zmq_context):
+    notify = NotifySocket(tmp_path / "notify.sock")
+    front, back = free_port(), free_port()
+    args = ["broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}", "--redis-url", redis_url,
+            "--key-prefix", key_prefix, "--heartbeat-ms", "100", "--drain-timeout-s", "20"]  # fmt: skip
+    proc = start(args, notify)
+
+    class SlowPolicy(UniformPolicy):
+        def choose_batch(self, jobs):
+            time.sleep(2.0)  # a long forward: SIGTERM arrives while it runs
+            return super().choose_batch(jobs)
+
+    link = BrokerLink(f"tcp://127.0.0.1:{back}", name="slow", credits=4, heartbeat_ms=100, context=zmq_context).start()
+    stop_actor = threading.Event()
+    actor = threading.Thread(target=serve, args=(link, SlowPolicy(0), stop_actor), daemon=True)
+    actor.start()
+    replies: list[dict] = []
+    try:
+        notify.wait_for("READY=1", 30)
+        with Client(f"tcp://127.0.0.1:{front}", deadline=30, context=zmq_context) as c:
+            wait_for(lambda: c.status()["actors"], timeout=20, what="the actor")
+            task = c.attach()
+            stepping = Client(f"tcp://127.0.0.1:{front}", deadline=30, context=zmq_context)  # its own socket: Client serialises calls
+            stepper = threading.Thread(target=lambda: replies.append(stepping.step(task, OBS, rid="in-flight-1")))
+            stepper.start()
+            wait_for(lambda: c.status()["jobs"] == 1, timeout=10, what="the step in flight")
+            proc.send_signal(signal.SIGTERM)
+            notify.wait_for("STOPPING=1", 10)
+            with Client(f"tcp://127.0.0.1:{front}", deadline=0.5, attempt_timeout=0.5, context=zmq_context) as late:
+                with pytest.raises(Overloaded):
+                    late.step(task, OBS, rid="new-during-drain")
+            stepper.join(20)
+            stepping.close()
+        try:
+            assert proc.wait(30) == 0
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.log.seek(0)
+            pytest.fail(proc.log.read()[-3000:])
+        assert len(replies) == 1 and 0 <= replies[0]["action"] < len(OBS["action"]), "the step in flight was answered"
+        # Nothing lost: a restarted broker takes the feedback for the step answered during the drain.
+        proc = start(args, notify)
+        notify.wait_for("READY=1", 30)
+        with Client(f"tcp://127.0.0.1:{front}", deadline=10, context=zmq_context) as c:
+            assert c.feedback(task, 1.0, done=True)["status"] == "ok"
+    finally:
+        stop_actor.set()
+        actor.join(10)
+        link.close()
+        stop(proc)
+        notify.close()
+
+
+@pytest.mark.slow
+def test_actor_is_ready_only_with_its_model_loaded_and_stops_cleanly(tmp_path, start_broker, tiny_models, redis_url, key_prefix):
+    broker = start_broker()
+    notify = NotifySocket(tmp_path / "notify.sock")
+    proc = start(["actor", "--broker", broker.backend, "--model", tiny_models["llama"], "--lora-rank", "0", "--device", "cpu",
+                  "--name", "svc-actor", "--heartbeat-ms", "100"], notify)  # fmt: skip
+    try:
+        ready = notify.wait_for("READY=1", 120)
+        assert tiny_models["llama"] in ready and "policy version 0" in ready
+        with Client(broker.frontend, deadline=5) as c:
+            wait_for(lambda: any(a["name"] == "svc-actor" for a in c.status()["actors"]), timeout=10, what="the actor at the broker")
+            task = c.attach()
+            assert 0 <= c.step(task, OBS)["action"] < len(OBS["action"])
+        notify.receive(time.monotonic() + 3)
+        assert notify.count("WATCHDOG=1") >= 2, notify.messages
+    finally:
+        code, err = stop(proc)
+        notify.receive(time.monotonic() + 1)
+        notify.close()
+    assert code == 0, err[-2000:]
+    assert notify.count("STOPPING=1") == 1
+    with Client(broker.frontend, deadline=5) as c:
+        wait_for(lambda: not c.status()["actors"], timeout=10, what="the broker to see the actor leave")
+
+
+@pytest.mark.slow
+def test_learner_and_gateway_notify_and_stop_cleanly(tmp_path, start_broker, tiny_models, redis_url, key_prefix):
+    broker = start_broker()
+    learner_notify = NotifySocket(tmp_path / "learner.sock")
+    gateway_notify = NotifySocket(tmp_path / "gateway.sock")
+    learner = start(["learner", "--model", tiny_models["llama"], "--lora-rank", "0", "--device", "cpu", "--redis-url", redis_url,
+                     "--key-prefix", key_prefix, "--weights-bind", f"tcp://127.0.0.1:{free_port()}",
+                     "--checkpoint-dir", str(tmp_path / "ckpt"), "--tensorboard-dir", ""], learner_notify)  # fmt: skip
+    gateway = start(["gateway", "--port", str(free_port()), "--broker", broker.frontend], gateway_notify)
+    try:
+        assert "policy version 0" in learner_notify.wait_for("READY=1", 120)
+        gateway_notify.wait_for("READY=1", 30)
+        learner_notify.receive(time.monotonic() + 1.5)
+        gateway_notify.receive(time.monotonic() + 1.5)
+        assert learner_notify.count("WATCHDOG=1") >= 2 and gateway_notify.count("WATCHDOG=1") >= 2
+    finally:
+        results = [stop(learner, 60), stop(gateway)]
+        for n in (learner_notify, gateway_notify):
+            n.receive(time.monotonic() + 1)
+            n.close()
+    for code, err in results:
+        assert code == 0, err[-2000:]
+    assert learner_notify.count("STOPPING=1") == 1 and gateway_notify.count("STOPPING=1") == 1
