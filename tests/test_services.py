@@ -206,3 +206,45 @@ def test_learner_and_gateway_notify_and_stop_cleanly(tmp_path, start_broker, tin
     for code, err in results:
         assert code == 0, err[-2000:]
     assert learner_notify.count("STOPPING=1") == 1 and gateway_notify.count("STOPPING=1") == 1
+
+
+@pytest.mark.slow
+def test_actor_sigterm_finishes_its_batch_and_hands_queued_jobs_back(tmp_path, start_broker, start_actor, make_client, tiny_models):
+    broker = start_broker()
+    notify = NotifySocket(tmp_path / "notify.sock")
+    proc = start(["actor", "--broker", broker.backend, "--model", tiny_models["llama"], "--lora-rank", "0", "--device", "cpu",
+                  "--name", "leaving", "--heartbeat-ms", "100", "--credits", "64", "--max-batch", "1"], notify)  # fmt: skip
+    obs = dict(OBS, prompt=OBS["prompt"] + " History: " + "TouchEvent(view=Cart) -> CartActivity. " * 100)
+    replies: list[dict] = []
+    errors: list[BaseException] = []
+    try:
+        notify.wait_for("READY=1", 120)
+        status = make_client(broker.frontend)
+        wait_for(lambda: status.status()["actors"], timeout=20, what="the actor")
+
+        def emulator() -> None:
+            try:
+                c = make_client(broker.frontend, deadline=120)
+                replies.append(c.step(c.attach(), obs))
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=emulator) for _ in range(48)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: sum(a["inflight"] for a in status.status()["actors"]) >= 20, timeout=30, what="jobs at the actor")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0  # it finished the forward in progress, not every queued job
+        start_actor(broker.backend, name="taking-over")  # the jobs it handed back go here
+        for t in threads:
+            t.join(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        notify.receive(time.monotonic() + 0.5)
+        notify.close()
+    assert not errors and len(replies) == 48, errors[:3]
+    counters = status.status()["counters"]
+    assert counters["jobs/requeued"] >= 1, counters
+    assert notify.count("STOPPING=1") == 1
