@@ -293,6 +293,7 @@ class Learner:
         # dashboards): one small hash, overwritten each update.
         latest = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not math.isnan(v)}
         latest.update({"updates": self.updates, "version": self.version, "transitions": n, "time": time.time()})
+        latest.update({f"counters/{k}": v for k, v in self.counters.items()})  # cumulative, restored on --resume: the ledger
         self.notifier.status(f"policy version {self.version}, {self.updates} updates, last: {n} transitions, return "
                              f"{metrics.get('charts/episodic_return', math.nan):.3f}, policy loss {metrics.get('losses/policy_loss', math.nan):.4f}",
                              min_interval_s=0)  # fmt: skip

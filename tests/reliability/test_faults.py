@@ -1,0 +1,149 @@
+"""Faults with real processes: an actor SIGKILLed mid-batch, an actor frozen by SIGSTOP.
+
+Each scenario ends with the ledger (reliability/ledger.py): every feedback the
+clients were told was recorded is stored, and every stored transition was
+trained or dropped by a counted rule. The learner is the real one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, Callable
+
+import pytest
+
+from client import Client
+from common.redis_server import connect
+from learner_node.config import LearnerConfig
+from learner_node.worker import Learner
+from reliability.ledger import read_ledger
+from tests.helpers import OBS, wait_for
+
+PPOZ = [sys.executable, "-m", "ppoz.cli"]
+LONG_OBS = dict(OBS, prompt=OBS["prompt"] + " History: " + "TouchEvent(view=Cart) -> CartActivity. " * 100)
+
+
+def start_learner(tiny_model: str, redis_url: str, key_prefix: str, tmp_path: Any) -> tuple[Learner, threading.Thread]:
+    cfg = LearnerConfig(model=tiny_model, lora_rank=0, normalisation="token", device="cpu", redis_url=redis_url, key_prefix=key_prefix,
+                        rollout_batch=16, rollout_timeout_s=1.0, policy_minibatch=16, micro_batch=16, update_epochs=1,
+                        max_policy_lag=1000, weights_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
+                        tensorboard_dir="")  # fmt: skip
+    learner = Learner(cfg, connect(redis_url, socket_timeout=30))
+    thread = threading.Thread(target=learner.run, daemon=True)
+    thread.start()
+    return learner, thread
+
+
+def start_actor_process(backend: str, tiny_model: str, name: str) -> subprocess.Popen:
+    return subprocess.Popen([*PPOZ, "actor", "--broker", backend, "--model", tiny_model, "--lora-rank", "0", "--device", "cpu",
+                             "--name", name, "--heartbeat-ms", "100", "--credits", "64", "--max-batch", "1"],
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+def play_emulators(frontend: str, n: int, steps: int, acknowledged: list[int], errors: list[BaseException],
+                   make_client: Callable[..., Client]) -> list[threading.Thread]:  # fmt: skip
+    """n emulators, each: attach, `steps` x (step, feedback), detach; acknowledged feedbacks are counted."""
+    lock = threading.Lock()
+
+    def emulator() -> None:
+        try:
+            c = make_client(frontend, deadline=120, attempt_timeout=10)
+            task = c.attach()
+            for _ in range(steps):
+                c.step(task, LONG_OBS)
+                c.feedback(task, 1.0)
+                with lock:
+                    acknowledged[0] += 1
+            c.detach(task)
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=emulator) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def settle_ledger(redis_url: str, key_prefix: str, acknowledged: int, learner: Learner, thread: threading.Thread):
+    client = connect(redis_url)
+    try:
+        ledger = wait_for(lambda: (l := read_ledger(client, key_prefix, acknowledged)).balanced and l, timeout=120,
+                          what=f"the ledger to balance ({read_ledger(client, key_prefix, acknowledged)})")  # fmt: skip
+    finally:
+        learner.stop()
+        thread.join(60)
+        client.close()
+    return ledger
+
+
+@pytest.mark.slow
+def test_actor_killed_mid_batch_its_requests_go_to_another_and_nothing_is_lost(start_broker, start_actor, make_client,
+                                                                                tiny_models, redis_url, key_prefix, tmp_path):  # fmt: skip
+    broker = start_broker(max_stream_backlog=0)
+    learner, learner_thread = start_learner(tiny_models["llama"], redis_url, key_prefix, tmp_path)
+    doomed = start_actor_process(broker.backend, tiny_models["llama"], "doomed")
+    status = make_client(broker.frontend)
+    try:
+        wait_for(lambda: status.status()["actors"], timeout=120, what="the actor process")
+        acknowledged, errors = [0], []
+        threads = play_emulators(broker.frontend, 16, 5, acknowledged, errors, make_client)
+        wait_for(lambda: sum(a["inflight"] for a in status.status()["actors"]) >= 10, timeout=60, what="a batch at the actor")
+        doomed.send_signal(signal.SIGKILL)  # in the middle of its work: jobs scored, queued and in the forward
+        doomed.wait(10)
+        start_actor(broker.backend, name="survivor")
+        for t in threads:
+            t.join(180)
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+            doomed.wait()
+    assert not errors, errors[:3]
+    assert acknowledged[0] == 80
+    counters = status.status()["counters"]
+    assert counters["jobs/requeued"] >= 1, counters  # the killed actor's jobs went elsewhere
+    assert counters["broker/steps"] == 80 and counters["broker/feedbacks"] == 80  # none answered twice, none lost
+    ledger = settle_ledger(redis_url, key_prefix, acknowledged[0], learner, learner_thread)
+    assert ledger.balanced and ledger.stored == 80, str(ledger)
+
+
+@pytest.mark.slow
+def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(start_broker, start_actor, make_client, tiny_models, redis_url,
+                                                               key_prefix, tmp_path):  # fmt: skip
+    broker = start_broker(max_stream_backlog=0, heartbeat_liveness=5, actor_job_timeout_ms=3000)
+    learner, learner_thread = start_learner(tiny_models["llama"], redis_url, key_prefix, tmp_path)
+    frozen = start_actor_process(broker.backend, tiny_models["llama"], "frozen")
+    status = make_client(broker.frontend)
+    try:
+        wait_for(lambda: status.status()["actors"], timeout=120, what="the actor process")
+        acknowledged, errors = [0], []
+        threads = play_emulators(broker.frontend, 8, 5, acknowledged, errors, make_client)
+        wait_for(lambda: sum(a["inflight"] for a in status.status()["actors"]) >= 4, timeout=60, what="jobs at the actor")
+        os.kill(frozen.pid, signal.SIGSTOP)  # hung, not dead: its socket stays open
+        start_actor(broker.backend, name="healthy")
+        for t in threads:
+            t.join(180)
+        assert not errors, errors[:3]
+        counters = status.status()["counters"]
+        assert counters.get("actors/dead", 0) + counters.get("actors/hung", 0) >= 1, counters
+        os.kill(frozen.pid, signal.SIGCONT)
+        wait_for(lambda: any(a["name"] == "frozen" for a in status.status()["actors"]), timeout=60,
+                 what="the resumed actor to rejoin")  # fmt: skip
+        task = status.attach()  # and it serves again (the broker may pick either actor; both answer)
+        for _ in range(4):
+            status.step(task, OBS)
+            status.feedback(task, 1.0)
+            acknowledged[0] += 1
+        status.detach(task)
+    finally:
+        if frozen.poll() is None:
+            os.kill(frozen.pid, signal.SIGCONT)
+            frozen.terminate()
+            frozen.wait(30)
+    assert acknowledged[0] == 44
+    assert status.status()["counters"]["broker/feedbacks"] == 44
+    ledger = settle_ledger(redis_url, key_prefix, acknowledged[0], learner, learner_thread)
+    assert ledger.balanced and ledger.stored == 44, str(ledger)
