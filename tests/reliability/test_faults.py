@@ -147,3 +147,36 @@ def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(start_broker, st
     assert status.status()["counters"]["broker/feedbacks"] == 44
     ledger = settle_ledger(redis_url, key_prefix, acknowledged[0], learner, learner_thread)
     assert ledger.balanced and ledger.stored == 44, str(ledger)
+
+
+@pytest.mark.slow
+def test_broker_killed_and_restarted_clients_go_on_and_nothing_is_applied_twice(start_actor, make_client, tiny_models, redis_url,
+                                                                                key_prefix, tmp_path):  # fmt: skip
+    from tests.broker.test_restart import free_port
+
+    front, back = free_port(), free_port()
+    args = [*PPOZ, "broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}", "--redis-url", redis_url,
+            "--key-prefix", key_prefix, "--heartbeat-ms", "100", "--segment-len", "4"]  # fmt: skip
+    broker = subprocess.Popen(args, stderr=subprocess.DEVNULL)
+    learner, learner_thread = start_learner(tiny_models["llama"], redis_url, key_prefix, tmp_path)
+    start_actor(f"tcp://127.0.0.1:{back}", name="steady")
+    frontend = f"tcp://127.0.0.1:{front}"
+    status = make_client(frontend, deadline=60)
+    acknowledged, errors = [0], []
+    try:
+        wait_for(lambda: status.status()["actors"], timeout=60, what="the actor at the broker")
+        threads = play_emulators(frontend, 8, 10, acknowledged, errors, make_client)
+        wait_for(lambda: acknowledged[0] >= 20, timeout=60, what="some feedbacks")
+        broker.send_signal(signal.SIGKILL)  # no drain, no flush: whatever was acknowledged is already in Redis
+        broker.wait(10)
+        broker = subprocess.Popen(args, stderr=subprocess.DEVNULL)  # sessions and open segments come back from Redis
+        for t in threads:
+            t.join(180)
+        assert not errors, errors[:3]
+        assert acknowledged[0] == 80
+    finally:
+        if broker.poll() is None:
+            broker.terminate()
+            broker.wait(30)
+    ledger = settle_ledger(redis_url, key_prefix, acknowledged[0], learner, learner_thread)
+    assert ledger.balanced and ledger.stored == 80, str(ledger)  # retried feedbacks were not applied twice
