@@ -119,6 +119,8 @@ def _json(body: bytes, required: bool) -> dict[str, Any]:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HTTPError(400, p.E_BAD_REQUEST, f"the body is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise HTTPError(400, p.E_BAD_REQUEST, "the body's JSON is nested too deeply") from e
     if not isinstance(data, dict):
         raise HTTPError(400, p.E_BAD_REQUEST, f"the body must be a JSON object, got {type(data).__name__}")
     return data

@@ -135,6 +135,8 @@ class Gateway:
             forward = ppoapi.translate(method, url.path.rstrip("/") or "/", url.query, body)
             try:
                 reply = self.pool.request(forward.op, forward.fields)
+            except (OverflowError, TypeError, ValueError) as e:  # msgpack cannot carry it (an int over 64 bits, say)
+                raise ppoapi.HTTPError(400, p.E_BAD_REQUEST, f"the request cannot be encoded for the broker: {e}") from e
             except PPOZError as e:
                 raise ppoapi.failure(e.reply or {"error": {"code": e.code or p.E_INTERNAL, "message": str(e)}}) from e
         except ppoapi.HTTPError as e:
@@ -155,6 +157,22 @@ class PPOAPIHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self._serve("GET")
+
+    # Every other method gets the API's JSON answer (405 on a known path, 404 elsewhere), not http.server's HTML 501.
+    def do_PUT(self) -> None:
+        self._serve("PUT")
+
+    def do_PATCH(self) -> None:
+        self._serve("PATCH")
+
+    def do_DELETE(self) -> None:
+        self._serve("DELETE")
+
+    def do_HEAD(self) -> None:
+        self._serve("HEAD")
+
+    def do_OPTIONS(self) -> None:
+        self._serve("OPTIONS")
 
     def _serve(self, method: str) -> None:
         try:
