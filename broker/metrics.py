@@ -1,4 +1,4 @@
-"""The broker's figures for people and scrapers: a rate window, the learner's latest update, Prometheus text.
+"""The broker's figures for people and scrapers: a rate window, Prometheus text.
 
 Prometheus text is rendered from the same dict `ppoz status --json` prints, so
 the two never disagree. The HTTP endpoint is a small thread serving the last
@@ -35,17 +35,6 @@ class RateWindow:
             return 0.0
         (t0, n0), (t1, n1) = self.samples[0], self.samples[-1]
         return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
-
-
-def learner_summary(raw: dict[bytes, bytes]) -> dict[str, float]:
-    """The learner's `<prefix>:learner:latest` hash as floats (empty if the learner has not updated yet)."""
-    out = {}
-    for key, value in raw.items():
-        try:
-            out[key.decode()] = float(value)
-        except (UnicodeDecodeError, ValueError):
-            continue
-    return out
 
 
 def _name(text: str) -> str:

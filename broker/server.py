@@ -29,10 +29,11 @@ import zmq
 
 from broker.actors import MAX_ATTEMPTS, ActorRegistry, Job
 from broker.config import BrokerConfig
-from broker.metrics import MetricsServer, RateWindow, learner_summary
+from broker.metrics import MetricsServer, RateWindow
 from broker.sessions import REASON_DETACH, REASON_EXPIRED, PendingStep, Session, now_ms
 from broker.store import Batch, Committer, SessionStore
 from common import protocol as p
+from common.learner_figures import read_latest
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
 from common.stats import LatencyWindow
@@ -524,8 +525,10 @@ class Broker:
 
     def _learner(self) -> dict[str, float]:
         """The learner's latest update, as it left it in Redis (its version, losses); {} if none or unreadable."""
+        if not self.storage_ok:  # a blocking read of a Redis known to be down would stall the loop
+            return {}
         try:
-            return learner_summary(self.redis.hgetall(f"{self.cfg.key_prefix}:learner:latest"))
+            return read_latest(self.redis, self.cfg.key_prefix)
         except redis.RedisError:
             return {}
 

@@ -141,11 +141,9 @@ def _episode(client: Client, task: str, env: TextEnv, stats: RunStats, stop: thr
         reply = client.step(task, obs)
         version = max(version, int(reply.get("policy_version", 0)))
         result = env.step(int(reply["action"]))
-        fields: dict[str, Any] = {"task_id": task, "reward": result.reward, "done": result.terminated,
-                                  "truncated": result.truncated and not result.terminated}  # fmt: skip
-        if fields["truncated"]:
-            fields["next_obs"] = result.obs  # the learner bootstraps from the state the time limit cut off
-        client.request(p.OP_FEEDBACK, **fields)
+        cut_off = result.truncated and not result.terminated
+        # A time limit: the learner bootstraps from the state it cut off.
+        client.feedback(task, result.reward, done=result.terminated, truncated=cut_off, next_obs=result.obs if cut_off else None)
         stats.count_step(version)
         total += result.reward
         steps += 1

@@ -152,29 +152,9 @@ class PPOAPIHandler(BaseHTTPRequestHandler):
     timeout = 15  # an idle keep-alive connection is closed after this, so a drain never waits on one for long
     server_version = "ppoz-gateway"
 
-    def do_POST(self) -> None:
-        self._serve("POST")
-
-    def do_GET(self) -> None:
-        self._serve("GET")
-
-    # Every other method gets the API's JSON answer (405 on a known path, 404 elsewhere), not http.server's HTML 501.
-    def do_PUT(self) -> None:
-        self._serve("PUT")
-
-    def do_PATCH(self) -> None:
-        self._serve("PATCH")
-
-    def do_DELETE(self) -> None:
-        self._serve("DELETE")
-
-    def do_HEAD(self) -> None:
-        self._serve("HEAD")
-
-    def do_OPTIONS(self) -> None:
-        self._serve("OPTIONS")
-
-    def _serve(self, method: str) -> None:
+    def _serve(self) -> None:
+        """Every method: the routes decide (405 on a known path, 404 elsewhere), never http.server's HTML 501."""
+        method = self.command
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
@@ -186,6 +166,8 @@ class PPOAPIHandler(BaseHTTPRequestHandler):
         body = self.rfile.read(length) if length else b""
         status, payload = self.owner.handle(method, self.path, body)
         self._send(status, payload)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _serve
 
     def _send(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import zmq
 
 from common import weights
+from common.learner_figures import COUNTER_PREFIX, write_latest
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
 from common.segments import decode_segment
@@ -293,12 +294,12 @@ class Learner:
         # dashboards): one small hash, overwritten each update.
         latest = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not math.isnan(v)}
         latest.update({"updates": self.updates, "version": self.version, "transitions": n, "time": time.time()})
-        latest.update({f"counters/{k}": v for k, v in self.counters.items()})  # cumulative, restored on --resume: the ledger
+        latest.update({f"{COUNTER_PREFIX}{k}": v for k, v in self.counters.items()})  # cumulative, restored on --resume: the ledger
         self.notifier.status(f"policy version {self.version}, {self.updates} updates, last: {n} transitions, return "
                              f"{metrics.get('charts/episodic_return', math.nan):.3f}, policy loss {metrics.get('losses/policy_loss', math.nan):.4f}",
                              min_interval_s=0)  # fmt: skip
         try:
-            self.redis.hset(f"{self.cfg.key_prefix}:learner:latest", mapping=latest)
+            write_latest(self.redis, self.cfg.key_prefix, latest)
         except redis.RedisError as e:  # a display's convenience; never worth stopping training for
             log.warning("could not store the latest metrics in Redis: %s", e)
         if self.writer is not None:

@@ -58,6 +58,7 @@ def main(args: argparse.Namespace) -> int:
     from actor_node.config import ActorConfig
     from broker.config import BrokerConfig
     from broker.server import Broker
+    from common.learner_figures import read_latest
     from common.redis_server import EmbeddedRedis, connect
     from envs.base import random_returns
     from envs.kea_sim import KeaSim, SimConfig
@@ -87,12 +88,11 @@ def main(args: argparse.Namespace) -> int:
                                      max_stream_backlog=16, segment_len=app.horizon), connect(redis_server.url))  # fmt: skip
         broker.start()
         threading.Thread(target=broker.run, name="broker", daemon=True).start()
-        learner = Learner(LearnerConfig(**policy, redis_url=redis_server.url, rollout_batch=40, policy_minibatch=20, micro_batch=10,
-                                        update_epochs=4, policy_lr=3e-4 if tiny else 1e-5, value_lr=1e-3, target_kl=0.03,
-                                        ent_coef=0.01, gamma=0.9, max_policy_lag=3, value_hidden=[256, 256],
-                                        checkpoint_dir=str(out / "checkpoints"), tensorboard_dir=str(out / "tensorboard"),
-                                        weights_bind="tcp://127.0.0.1:*"),
-                          connect(redis_server.url, socket_timeout=30))  # fmt: skip
+        learner_cfg = LearnerConfig(**policy, redis_url=redis_server.url, rollout_batch=40, policy_minibatch=20, micro_batch=10,
+                                    update_epochs=4, policy_lr=3e-4 if tiny else 1e-5, value_lr=1e-3, target_kl=0.03, ent_coef=0.01,
+                                    gamma=0.9, max_policy_lag=3, value_hidden=[256, 256], checkpoint_dir=str(out / "checkpoints"),
+                                    tensorboard_dir=str(out / "tensorboard"), weights_bind="tcp://127.0.0.1:*")  # fmt: skip
+        learner = Learner(learner_cfg, connect(redis_server.url, socket_timeout=30))
         learner_thread = threading.Thread(target=learner.run, name="learner", daemon=True)
         learner_thread.start()
         stop_actor = threading.Event()
@@ -106,7 +106,11 @@ def main(args: argparse.Namespace) -> int:
         try:
             while time.monotonic() - started < args.minutes * 60 and runner.running():
                 time.sleep(min(args.report_every, max(0.1, args.minutes * 60 - (time.monotonic() - started))))
-                print(progress_line(runner.stats.snapshot(), _latest(metrics_redis, redis)), flush=True)
+                try:
+                    figures = read_latest(metrics_redis, learner_cfg.key_prefix)
+                except redis.RedisError:
+                    figures = {}  # the line goes out without the learner's part
+                print(progress_line(runner.stats.snapshot(), figures), flush=True)
         except KeyboardInterrupt:
             print("  stopped by Ctrl-C; writing the summary")
         runner.stop()
@@ -120,14 +124,6 @@ def main(args: argparse.Namespace) -> int:
     curve = write_learning_curve(out / "learning_curve.png", episodes, random_baseline, started,
                                  title=f"ppoz demo: {args.clients} Kea-like clients, {Path(model).name}")  # fmt: skip
     return print_summary(episodes, random_baseline, learner, curve, out)
-
-
-def _latest(client: Any, redis: Any) -> dict[str, float]:
-    try:
-        raw = client.hgetall("ppoz:learner:latest")
-    except redis.RedisError:
-        return {}
-    return {k.decode(): float(v) for k, v in raw.items()}
 
 
 def progress_line(s: dict[str, Any], learner: dict[str, float]) -> str:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 import redis
 
+from common import learner_figures
+
 
 @dataclass(frozen=True)
 class Ledger:
@@ -34,19 +36,9 @@ class Ledger:
                 f"+ truncated {self.dropped_truncated}; {self.in_stream} segments unread")  # fmt: skip
 
 
-def learner_counters(client: redis.Redis, key_prefix: str) -> dict[str, int]:
-    raw = client.hgetall(f"{key_prefix}:learner:latest")
-    out: dict[str, int] = {}
-    for key, value in raw.items():
-        name = key.decode()
-        if name.startswith("counters/"):
-            out[name.removeprefix("counters/")] = int(float(value))
-    return out
-
-
 def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_key: str = "segments") -> Ledger:
     """The ledger from Redis: the learner's counters and what is still unread or unacknowledged in the stream."""
-    counters = learner_counters(client, key_prefix)
+    counters = learner_figures.counters(learner_figures.read_latest(client, key_prefix))
     # The learner deletes what it acknowledged (XACK + XDEL after its checkpoint): what is left is unread.
     unread = int(client.xlen(f"{key_prefix}:{stream_key}"))
     return Ledger(acknowledged, counters.get("transitions_stored", 0), counters.get("transitions_trained", 0),
