@@ -151,7 +151,7 @@ class Broker:
                     if not self.jobs or time.monotonic() > drain_until:
                         break
                 # Wake up for Redis's answer too, so replies leave as soon as their batch is applied.
-                fd = self.committer.fileno() if self.storage_ok else None
+                fd = self._redis_fd()
                 if fd != redis_fd:
                     if redis_fd is not None:
                         poller.unregister(redis_fd)
@@ -171,6 +171,18 @@ class Broker:
         finally:
             self.flush()
             self.close()
+
+    def _redis_fd(self) -> int | None:
+        """The write connection's socket, connecting if needed; None while Redis is down."""
+        if not self.storage_ok:
+            return None
+        try:
+            return self.committer.fileno()
+        except (redis.RedisError, OSError) as e:  # went away after the last reload: refuse writes until it is back
+            self.committer.reset()
+            self.storage_ok = False
+            log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", e)
+            return None
 
     def stop(self) -> None:
         """Drain and return: refuse new steps, answer those in flight (up to drain_timeout_s), flush to Redis.
@@ -285,6 +297,9 @@ class Broker:
             if self.storage_ok:
                 log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", e)
             self.storage_ok = False
+            # Memory may hold mutations Redis never got (the failed batch's, and replies remembered for
+            # their rids): none of it may answer a client. Sessions come back from Redis when it does.
+            self.sessions, self.attach_rids = {}, {}
             return
         self.attach_rids = {_key(s.attach_rid): s.task_id for s in self.sessions.values() if s.attach_rid is not None}
         if not self.storage_ok:
@@ -389,6 +404,12 @@ class Broker:
 
     def on_ask(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
         """ask: may the client step now? `wait` with retry_after_ms under back-pressure."""
+        if not self.storage_ok:  # sessions are reloaded when Redis is back; until then, nobody may step
+            body = p.header(p.OP_ASK, rid)
+            body.update(task_id=p.check_task_id(msg), status="wait", retry_after_ms=self.cfg.retry_after_ms, reason="storage")
+            self.metrics["broker/ask_wait"] += 1
+            self.reply(envelope, body)
+            return
         session = self._session(msg)
         replay = session.replay(rid)
         if replay is not None:
@@ -423,13 +444,13 @@ class Broker:
 
     def on_step(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
         """step / rag_step: queue the observation for an actor; the reply comes with the result."""
+        self._require_storage()  # before any session lookup: while Redis is down, sessions are not in memory
         session = self._session(msg)
         replay = session.replay(rid)
         if replay is not None:
             self.metrics["broker/replayed"] += 1
             self.reply(envelope, replay, durable=True)  # after the original's writes
             return
-        self._require_storage()
         running = self.task_jobs.get(session.task_id)
         if running is not None and _key(running.rid) == _key(rid):
             running.waiters.append(envelope)  # a retry of a step still being scored
@@ -455,13 +476,13 @@ class Broker:
 
     def on_feedback(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
         """feedback: the reward of the pending step; acknowledged once the transition is in Redis."""
+        self._require_storage()
         session = self._session(msg)
         replay = session.replay(rid)
         if replay is not None:
             self.metrics["broker/replayed"] += 1
             self.reply(envelope, replay, durable=True)
             return
-        self._require_storage()
         reward = p.check_reward(msg)
         done = p.optional(msg, "done", bool, "a bool", False)
         truncated = p.optional(msg, "truncated", bool, "a bool", False)
@@ -748,7 +769,14 @@ class Broker:
             self.expire_sessions()
             try:
                 self.stream_length = self.store.stream_length()
-            except (redis.RedisError, OSError) as e:
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+                # Idle clients write nothing, so this read may be the first to find Redis gone: refuse
+                # writes from now on (none can be acknowledged) and reload once it answers again.
+                if self._inflight is None:
+                    self.committer.reset()
+                    self.storage_ok = False
+                    log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", e)
+            except redis.RedisError as e:
                 log.warning("cannot read the stream length: %s", e)
 
     def expire_sessions(self) -> None:

@@ -88,8 +88,12 @@ def find_redis_server() -> str:
 class EmbeddedRedis:
     """A private redis-server child process on a unix socket; use as a context manager."""
 
-    def __init__(self, appendonly: bool = False, data_dir: str | Path | None = None, executable: str | None = None) -> None:
+    def __init__(self, appendonly: bool = False, data_dir: str | Path | None = None, executable: str | None = None,
+                 appendfsync: str = "everysec") -> None:  # fmt: skip
+        if appendfsync not in ("always", "everysec", "no"):
+            raise ValueError(f"appendfsync must be always, everysec or no, got {appendfsync!r}")
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
         self.executable = executable
         self._own_dir = data_dir is None
         self.dir = Path(data_dir) if data_dir is not None else None
@@ -111,7 +115,7 @@ class EmbeddedRedis:
             "--dir", str(self.dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
+            "--appendfsync", self.appendfsync,
             "--maxmemory-policy", "noeviction",
             "--daemonize", "no",
             "--loglevel", "warning",

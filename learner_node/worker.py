@@ -51,6 +51,9 @@ from learner_node.update import UpdateConfig, ppo_update
 log = logging.getLogger(__name__)
 
 RECENT_SEGMENTS = 100_000  # segment ids remembered to drop duplicates
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # redis-py's own retries gave up: Redis is down or restarting
+REDIS_BACKOFF_FIRST_S = 0.1
+REDIS_BACKOFF_CAP_S = 5.0
 
 
 class Learner:
@@ -101,18 +104,34 @@ class Learner:
             self.writer = SummaryWriter(cfg.tensorboard_dir)
         self._features: dict[int, torch.Tensor] = {}
         self._pending_own = True  # after a (re)start, this consumer's unacknowledged entries come first
+        # Work an update left undone when Redis went away after its checkpoint: done before the next rollout.
+        self._unacked: list[str] = []
+        self._unpublished = False
 
     # --- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
-        if self.is_main:
-            try:
-                self.redis.xgroup_create(self.stream, self.cfg.consumer_group, id="0", mkstream=True)
-            except redis.ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
+        """Restore the checkpoint (if resuming), then make the consumer group and announce the weights.
+
+        The Redis part is retried until Redis answers (or the learner is stopped).
+        """
         if self.cfg.resume:
             self.restore()
-        self.publish()  # a restored (or the initial) version is announced at once
+        self._unpublished = True  # a restored (or the initial) version is announced at once
+        while not self.stop_event.is_set():
+            try:
+                if self.is_main:
+                    self._ensure_group()
+                self._settle()
+                return
+            except REDIS_DOWN as e:
+                self._wait_for_redis(e)
+
+    def _ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream, self.cfg.consumer_group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
 
     def restore(self) -> None:
         path = checkpoint.latest(self.cfg.checkpoint_dir)
@@ -130,8 +149,7 @@ class Learner:
         for seg_id in state["recent_segments"]:
             self._remember(seg_id)
         # The update in this checkpoint consumed these entries; the crash may have come before they were acknowledged.
-        if self.is_main:
-            self._ack(state["last_entries"])
+        self._unacked = list(state["last_entries"]) if self.is_main else []
         log.info("resumed from %s: policy version %d after %d updates", path, self.version, self.updates)
 
     # --- the loop ------------------------------------------------------------------------------
@@ -144,7 +162,11 @@ class Learner:
             if self.cfg.max_updates and self.updates >= self.cfg.max_updates:
                 break
             self.notifier.watchdog()
-            self.step()
+            try:
+                self._settle()
+                self.step()
+            except REDIS_DOWN as e:
+                self._wait_for_redis(e)
         self.notifier.stopping(f"stopped at policy version {self.version} after {self.updates} updates")
         self.close()
 
@@ -193,9 +215,9 @@ class Learner:
         ids = [entry_id for entry_id, _ in entries]
         if self.is_main:
             self.save_checkpoint(ids)
-            self._ack(ids)
-            if train_policy and len(rollout):
-                self.publish()
+            self._unacked = ids
+            self._unpublished = bool(train_policy and len(rollout))
+            self._settle()
         elapsed = time.perf_counter() - started
         lag = [trained_from - v for v in rollout.versions] if rollout.versions else [0]
         metrics.update({
@@ -252,6 +274,46 @@ class Learner:
                 return [(i.decode(), f) for i, f in claimed[1] if f]
         got = self.redis.xreadgroup(group, me, {self.stream: ">"}, count=max(want, 1), block=self.cfg.read_block_ms)
         return [(i.decode(), f) for i, f in got[0][1]] if got else []
+
+    def _settle(self) -> None:
+        """Acknowledge the entries the last checkpoint consumed and publish its weights, if not done yet.
+
+        Both are idempotent (XACK/XDEL of an entry already gone, a snapshot stored twice), so
+        after a Redis failure they are simply done again.
+        """
+        if not self.is_main:
+            return
+        if self._unacked:
+            self._ack(self._unacked)
+            self._unacked = []
+        if self._unpublished:
+            self.publish()
+            self._unpublished = False
+
+    def _wait_for_redis(self, error: Exception) -> None:
+        """Redis went away (restart, network): wait for it with capped exponential back-off, then resume.
+
+        The rollout being read is dropped from memory; its entries stay in this consumer's
+        pending list in Redis and are read again first, so nothing is lost or trained twice.
+        """
+        down_since = time.monotonic()
+        delay = REDIS_BACKOFF_FIRST_S
+        log.error("Redis unreachable (%s): pausing, retrying with back-off up to %.0f s", error, REDIS_BACKOFF_CAP_S)
+        self.notifier.status(f"Redis unreachable: {error}", min_interval_s=0)
+        while not self.stop_event.wait(delay):
+            self.notifier.watchdog()  # waiting for Redis is not hanging
+            try:
+                self.redis.ping()
+                if self.is_main:
+                    self._ensure_group()  # a Redis restarted without persistence has lost it
+                break
+            except REDIS_DOWN as e:
+                delay = min(delay * 2, REDIS_BACKOFF_CAP_S)
+                log.warning("Redis still unreachable after %.1f s (%s); next try in %.1f s", time.monotonic() - down_since, e, delay)
+        else:
+            return
+        self._pending_own = True
+        log.warning("Redis is back after %.1f s; re-reading this learner's pending segments", time.monotonic() - down_since)
 
     def _ack(self, ids: list[str]) -> None:
         if ids:

@@ -13,15 +13,20 @@ from tests.broker.test_broker import raw_request
 from tests.helpers import OBS, actors_ready, wait_for
 
 
-@pytest.mark.slow
-def test_broker_refuses_writes_while_redis_is_down_and_recovers(tmp_path, start_actor, make_client, zmq_context):
-    server = EmbeddedRedis(appendonly=True, data_dir=tmp_path).start()
-    cfg = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=server.url, heartbeat_ms=100,
+def start_broker_thread(redis_url: str, zmq_context: zmq.Context) -> tuple[Broker, threading.Thread]:
+    cfg = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_url, heartbeat_ms=100,
                        storage_timeout_ms=1000)  # fmt: skip
-    broker = Broker(cfg, connect(server.url, socket_timeout=1.0), zmq_context)
+    broker = Broker(cfg, connect(redis_url, socket_timeout=1.0), zmq_context)
     broker.start()
     thread = threading.Thread(target=broker.run, daemon=True)
     thread.start()
+    return broker, thread
+
+
+@pytest.mark.slow
+def test_broker_refuses_writes_while_redis_is_down_and_recovers(tmp_path, start_actor, make_client, zmq_context):
+    server = EmbeddedRedis(appendonly=True, data_dir=tmp_path).start()
+    broker, thread = start_broker_thread(server.url, zmq_context)
     try:
         start_actor(broker.backend_endpoint)
         client = make_client(broker.frontend_endpoint)
@@ -45,6 +50,44 @@ def test_broker_refuses_writes_while_redis_is_down_and_recovers(tmp_path, start_
         stored = connect(server.url).lrange(f"ppoz:seg:{task}", 0, -1)
         assert [p.decode(x)["reward"] for x in stored] == [1.0, 2.0]
         assert broker.metrics["errors/storage"] >= 1
+    finally:
+        broker.stop()
+        thread.join(10)
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_retry_while_redis_is_still_down_is_not_answered_from_memory(tmp_path, start_actor, make_client, zmq_context):
+    """The failed write's feedback was remembered in memory; its retry must wait for Redis, not get that `ok`.
+
+    Found by the Redis-restart fault test: a retry answered from the in-memory reply cache was
+    acknowledged but never stored, and the next step orphaned the step it belonged to.
+    """
+    server = EmbeddedRedis(appendonly=True, data_dir=tmp_path).start()
+    broker, thread = start_broker_thread(server.url, zmq_context)
+    try:
+        start_actor(broker.backend_endpoint)
+        client = make_client(broker.frontend_endpoint)
+        wait_for(lambda: actors_ready(client, 1), what="the actor")
+        task = client.attach()
+        client.step(task, OBS)
+        server.stop()
+        feedback = [b"", p.encode(p.header("feedback", "fb-1") | {"task_id": task, "reward": 2.0})]
+        first = raw_request(zmq_context, broker.frontend_endpoint, feedback)
+        assert first["error"]["code"] in (p.E_INTERNAL, p.E_OVERLOADED)
+        wait_for(lambda: not broker.storage_ok, what="the broker to notice Redis is gone")
+        for _ in range(3):  # retries with the same rid while Redis is still down
+            retry = raw_request(zmq_context, broker.frontend_endpoint, feedback)
+            assert retry.get("status") != "ok" and retry["error"]["code"] == p.E_OVERLOADED, retry
+        ask = raw_request(zmq_context, broker.frontend_endpoint, [b"", p.encode(p.header("ask", "a-1") | {"task_id": task})])
+        assert ask["status"] == "wait" and ask["reason"] == "storage", ask
+
+        server = EmbeddedRedis(appendonly=True, data_dir=tmp_path).start()
+        wait_for(lambda: broker.storage_ok, timeout=20, what="the broker to reconnect")
+        assert client.feedback(task, 2.0, rid="fb-1")["status"] == "ok"  # applied now, once
+        stored = connect(server.url).lrange(f"ppoz:seg:{task}", 0, -1)
+        assert [p.decode(x)["reward"] for x in stored] == [2.0]
+        assert broker.metrics["broker/orphan_steps"] == 0
     finally:
         broker.stop()
         thread.join(10)

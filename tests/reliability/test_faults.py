@@ -1,4 +1,4 @@
-"""Faults with real processes: an actor SIGKILLed mid-batch, an actor frozen by SIGSTOP.
+"""Faults with real processes: actors SIGKILLed or frozen, the broker, Redis and the learner SIGKILLed and restarted.
 
 Each scenario ends with the ledger (reliability/ledger.py): every feedback the
 clients were told was recorded is stored, and every stored transition was
@@ -7,17 +7,22 @@ trained or dropped by a counted rule. The learner is the real one.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from typing import Any, Callable
 
 import pytest
 
 from client import Client
-from common.redis_server import connect
+from common.redis_server import EmbeddedRedis, connect
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
 from reliability.ledger import read_ledger
@@ -180,3 +185,100 @@ def test_broker_killed_and_restarted_clients_go_on_and_nothing_is_applied_twice(
             broker.wait(30)
     ledger = settle_ledger(redis_url, key_prefix, acknowledged[0], learner, learner_thread)
     assert ledger.balanced and ledger.stored == 80, str(ledger)  # retried feedbacks were not applied twice
+
+
+@pytest.mark.slow
+def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_lost(start_actor, make_client, tiny_models, tmp_path,
+                                                                                   caplog):  # fmt: skip
+    """Redis SIGKILLed (append-only, fsync always) and restarted on the same files under 8 emulators and a learner."""
+    from tests.broker.test_restart import free_port
+
+    data_dir = tempfile.mkdtemp(prefix="ppoz-aof-")  # short: a unix socket path has at most 107 bytes
+    redis_server = EmbeddedRedis(appendonly=True, appendfsync="always", data_dir=data_dir).start()
+    front, back = free_port(), free_port()
+    broker_log = tmp_path / "broker.log"
+    args = [*PPOZ, "broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}", "--redis-url",
+            redis_server.url, "--key-prefix", "aof", "--heartbeat-ms", "100", "--segment-len", "4"]  # fmt: skip
+    broker = subprocess.Popen(args, stderr=broker_log.open("w"))
+    learner, learner_thread = start_learner(tiny_models["llama"], redis_server.url, "aof", tmp_path)
+    start_actor(f"tcp://127.0.0.1:{back}", name="steady")
+    frontend = f"tcp://127.0.0.1:{front}"
+    status = make_client(frontend, deadline=60)
+    acknowledged, errors = [0], []
+    caplog.set_level(logging.INFO, logger="learner_node.worker")
+    try:
+        wait_for(lambda: status.status()["actors"], timeout=60, what="the actor at the broker")
+        threads = play_emulators(frontend, 8, 30, acknowledged, errors, make_client)
+        wait_for(lambda: acknowledged[0] >= 20, timeout=120, what="some feedbacks")
+        redis_server.process.send_signal(signal.SIGKILL)  # no shutdown save: only the append-only file survives
+        redis_server.process.wait(10)
+        wait_for(lambda: not status.status()["storage_ok"], timeout=30, what="the broker to notice")
+        # Down until the learner too has given up its client's quick retries and gone to its back-off;
+        # meanwhile clients are refused with `overloaded` and retry.
+        wait_for(lambda: "Redis unreachable" in caplog.text, timeout=60, what="the learner to notice")
+        redis_server.start()  # same directory: it replays the append-only file
+        for t in threads:
+            t.join(180)
+        assert not errors, errors[:3]
+        assert acknowledged[0] == 240
+        assert status.status()["storage_ok"]
+        ledger = settle_ledger(redis_server.url, "aof", acknowledged[0], learner, learner_thread)
+        assert ledger.balanced and ledger.stored == 240, str(ledger)
+    finally:
+        learner.stop()
+        if broker.poll() is None:
+            broker.terminate()
+            broker.wait(30)
+        redis_server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+    said = broker_log.read_text()
+    assert "Redis unreachable" in said and "Redis is back" in said, said[-2000:]
+    assert "Redis is back" in caplog.text, caplog.text[-2000:]  # the learner's
+
+
+@pytest.mark.slow
+def test_learner_killed_mid_update_resumes_and_the_ledger_balances(start_broker, start_actor, make_client, tiny_models, redis_url,
+                                                                   redis_client, key_prefix, tmp_path):  # fmt: skip
+    """The learner process SIGKILLed with a rollout read but not acknowledged, under 8 emulators; `--resume` finishes the job."""
+    broker = start_broker(max_stream_backlog=0)
+    start_actor(broker.backend, name="steady")
+    ckpt = tmp_path / "ckpt"
+    args = [*PPOZ, "--log-level", "warning", "learner", "--model", tiny_models["llama"], "--lora-rank", "4", "--normalisation", "token",
+            "--device", "cpu", "--redis-url", redis_url, "--key-prefix", key_prefix, "--rollout-batch", "16", "--rollout-timeout-s", "1",
+            "--policy-minibatch", "16", "--micro-batch", "16", "--max-policy-lag", "1000", "--checkpoint-dir", str(ckpt),
+            "--tensorboard-dir", "", "--weights-bind", "tcp://127.0.0.1:0", "--read-block-ms", "200"]  # fmt: skip
+    learner_log = tmp_path / "learner.log"
+    learner = subprocess.Popen(args, stderr=learner_log.open("w"))
+    stream = f"{key_prefix}:segments"
+    acknowledged, errors = [0], []
+    try:
+        # Phase 1: 48 feedbacks, trained and checkpointed.
+        for t in play_emulators(broker.frontend, 8, 6, acknowledged, errors, make_client):
+            t.join(180)
+        wait_for(lambda: list(ckpt.glob("ckpt-*")) and not redis_client.xlen(stream), timeout=180,
+                 what=f"the first updates ({learner_log.read_text()[-3000:]})")  # fmt: skip
+        # Phase 2: 48 more; the learner is killed while it holds a rollout it read but has not acknowledged.
+        threads = play_emulators(broker.frontend, 8, 6, acknowledged, errors, make_client)
+        wait_for(lambda: redis_client.xpending(stream, "learners")["pending"] >= 1, timeout=180,
+                 what=f"a rollout in the learner's hands ({learner_log.read_text()[-3000:]})")  # fmt: skip
+        learner.send_signal(signal.SIGKILL)
+        learner.wait(10)
+        killed_at = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "state.json").read_text())
+        assert redis_client.xpending(stream, "learners")["pending"] >= 1  # left pending by the dead learner
+        for t in threads:
+            t.join(180)
+        assert not errors, errors[:3]
+        assert acknowledged[0] == 96
+        learner = subprocess.Popen(args + ["--resume"], stderr=learner_log.open("a"))
+        ledger = wait_for(lambda: (l := read_ledger(redis_client, key_prefix, acknowledged[0])).balanced and l, timeout=180,
+                          what=f"the ledger to balance ({read_ledger(redis_client, key_prefix, acknowledged[0])})")  # fmt: skip
+    finally:
+        if learner.poll() is None:
+            learner.terminate()
+            learner.wait(60)
+    assert ledger.balanced and ledger.stored == 96, str(ledger)
+    final = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "state.json").read_text())
+    assert final["version"] > killed_at["version"] and final["updates"] > killed_at["updates"]  # the sequence goes on
+    trained = final["recent_segments"]
+    assert len(trained) == len(set(trained)), "a segment was trained twice"
+    assert not redis_client.xpending(stream, "learners")["pending"]
