@@ -19,9 +19,14 @@ def percentiles(values_ms: list[float]) -> dict[str, float]:
 
 
 class LatencyWindow:
-    """The most recent latency samples (bounded), summarised over a trailing window."""
+    """The most recent latency samples (bounded), summarised over a trailing window.
 
-    def __init__(self, max_samples: int = 200_000) -> None:
+    A sample costs about 120 bytes (a tuple of two floats in a deque); the bound keeps
+    the broker's memory flat (the 10-minute soak, docs/reliability.md, filled a
+    200,000-sample window: +21 MB) while holding a minute of a busy broker's replies.
+    """
+
+    def __init__(self, max_samples: int = 50_000) -> None:
         self.samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_samples)
 
     def add(self, seconds: float, now: float | None = None) -> None:

@@ -29,11 +29,10 @@ import logging
 import math
 import random
 import socket
-import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -41,6 +40,8 @@ import msgpack
 import zmq
 
 from common import protocol as p
+
+from reliability.output import print_report, run_as_script
 
 log = logging.getLogger(__name__)
 
@@ -639,26 +640,24 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reliability.fuzz", description=__doc__.split("\n")[0])
-    parser.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's client endpoint")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's client endpoint (default: tcp://127.0.0.1:5555)")
     parser.add_argument("--gateway", default="", help="the gateway's base URL (http://host:port); empty: no HTTP fuzz")
-    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--messages", type=int, default=100_000, help="adversarial messages to send (default: 100000)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--http-share", type=float, default=0.1, help="share of the messages sent over HTTP")
+    parser.add_argument("--http-share", type=float, default=0.1, help="share of the messages sent over HTTP (default: 0.1)")
     parser.add_argument("--pid", type=int, default=0, help="the broker's process id, to report its resident memory")
-    parser.add_argument("--rss-limit-mb", type=int, default=200, help="largest accepted growth of the broker's RSS")
+    parser.add_argument("--rss-limit-mb", type=int, default=200, help="largest accepted growth of the broker's RSS (default: 200)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.messages < 1 or not 0 <= args.http_share <= 1:
+        raise SystemExit("fuzz: --messages must be positive and --http-share between 0 and 1")
     report = run(args.broker, args.messages, args.seed, args.gateway or None, args.http_share, pid=args.pid or None)
     report.rss_growth_limit_kb = args.rss_limit_mb * 1024
-    if args.json:
-        print(json.dumps({**asdict(report), "failures": report.failures()}, indent=2))
-    else:
-        print(format_report(report))
-    return 1 if report.failures() else 0
+    return print_report(report, args.json, format_report)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_script("python -m reliability.fuzz", __doc__, add_arguments, main, logging.WARNING)

@@ -1,0 +1,65 @@
+"""The soak as users run it (`ppoz soak`), on the CI budget: 200 emulators for one minute against real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from reliability.soak import Report, Window, format_report, percentile, summarise
+
+PPOZ = [sys.executable, "-m", "ppoz.cli"]
+
+
+@pytest.mark.slow
+def test_soak_200_clients_one_minute_no_errors_bounded_memory_stable_latency_ledger_balanced(tmp_path):
+    run = subprocess.run([*PPOZ, "soak", "--clients", "200", "--minutes", "1", "--window-s", "15", "--json", "--keep", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["failures"] == []
+    assert report["error_count"] == 0
+    assert report["ledger_balanced"], report["ledger"]
+    assert report["steps"] > 1000 and report["acknowledged"] == report["steps"]
+    assert len(report["windows"]) == 4 and all(w["steps"] > 0 for w in report["windows"])
+    assert set(report["rss_growth_mb"]) == {"broker", "actor", "learner", "redis"}
+    assert set(report["latency_ratio"]) == {"p50", "p99"}
+    for name in ("broker", "actor", "learner"):
+        assert (tmp_path / f"{name}.log").exists()
+
+
+def report_with(**changes) -> Report:
+    report = Report(clients=2, seconds=60, steps=10, acknowledged=10, ledger="balanced", ledger_balanced=True,
+                    rss_growth_mb={"broker": 5.0}, latency_ratio={"p50": 1.0, "p99": 1.2},
+                    limits={"rss_growth_mb": 100.0, "latency_drift": 2.0})  # fmt: skip
+    for key, value in changes.items():
+        setattr(report, key, value)
+    return report
+
+
+def test_the_pass_rule_names_each_failure():
+    assert report_with().failures() == []
+    assert "client errors" in report_with(error_count=3, errors=["Timeout: x"]).failures()[0]
+    assert "ledger not balanced" in report_with(ledger_balanced=False).failures()[0]
+    assert "broker resident memory grew by 150 MB" in report_with(rss_growth_mb={"broker": 150.0}).failures()[0]
+    assert "p99 of the second half is 2.50x" in report_with(latency_ratio={"p50": 1.0, "p99": 2.5}).failures()[0]
+    assert "no step" in report_with(steps=0).failures()[0]
+    assert "FAIL" in format_report(report_with(steps=0)) and "PASS" in format_report(report_with())
+
+
+def test_memory_growth_and_latency_drift_leave_out_the_first_window():
+    report = Report(clients=1, seconds=40, limits={"rss_growth_mb": 100.0, "latency_drift": 2.0})
+    report.windows = [Window(10, 5, 0, 0, 1, 1, 1, {"broker": 100.0}), Window(20, 5, 0, 0, 1, 1, 1, {"broker": 150.0}),
+                      Window(30, 5, 0, 0, 1, 1, 1, {"broker": 160.0}), Window(40, 5, 0, 0, 1, 1, 1, {"broker": 170.0})]  # fmt: skip
+    # Warm-up latencies (first 10 s) are slow and ignored; after it, 25-40 s is twice 10-25 s.
+    latencies = [(t, 500.0) for t in range(10)] + [(t, 10.0) for t in range(10, 25)] + [(t, 20.0) for t in range(25, 40)]
+    summarise(report, latencies)
+    assert report.rss_growth_mb == {"broker": 70.0}  # from the end of the first window to the end
+    assert report.latency_ratio == {"p50": 2.0, "p99": 2.0}
+
+
+def test_percentile():
+    assert percentile([], 0.5) != percentile([], 0.5)  # nan
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile(list(range(100)), 0.99) == 99
