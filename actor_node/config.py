@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.config import check, option, section
 from common.options import DTYPE_NAMES as DTYPES
@@ -29,6 +30,15 @@ class ActorConfig:
     credits: int = option(16, "most requests the broker may hand this actor at once")
     max_batch: int = option(8, "most requests scored in one forward")
     max_batch_tokens: int = option(32768, "most tokens (context + candidates) in one forward")
+    rag: bool = option(True, "rag_step: put retrieved context (the task's recent steps, the corpus) into the prompt before scoring; off: rag_step scores the plain observation")
+    rag_corpus_dir: str = option("", "rag_step: folder of .md/.txt documents (app knowledge, testing guides) indexed at start; empty: history only")
+    rag_chunk_tokens: int = option(128, "rag_step: corpus chunk length, in tokens of the policy's tokenizer")
+    rag_chunk_overlap: int = option(32, "rag_step: tokens shared by consecutive chunks")
+    rag_top_k: int = option(4, "rag_step: most snippets (documents and history together) put into the prompt")
+    rag_max_context_tokens: int = option(256, "rag_step: most tokens the added context block may take")
+    rag_history_len: int = option(8, "rag_step: most recent steps of the task considered (the broker keeps its own rag_history_len)")
+    rag_embedder: str = option("", "rag_step: a sentence-transformers style encoder (local directory) to embed with; empty: the policy's base model, mean-pooled, adapter off")
+    rag_embed_batch: int = option(16, "rag_step: texts embedded per forward")
     redis_url: str = option("", "Redis holding the learner's weight snapshots (empty: start from the base model, follow nothing)")
     key_prefix: str = option("ppoz", "Redis key prefix shared with the broker and learner")
     weights: str = option("", "the learner's weight announcement endpoint (PUB), e.g. tcp://127.0.0.1:5557")
@@ -52,9 +62,24 @@ class ActorConfig:
         check(self.max_batch_tokens > 0, f"`max_batch_tokens` must be positive, got {self.max_batch_tokens}")
         check(self.weights_poll_s > 0, f"`weights_poll_s` must be positive, got {self.weights_poll_s}")
         check(not self.weights or "://" in self.weights, f"`weights` must be a ZeroMQ endpoint, got {self.weights!r}")
+        check(self.rag_chunk_tokens > 0, f"`rag_chunk_tokens` must be positive, got {self.rag_chunk_tokens}")
+        check(0 <= self.rag_chunk_overlap < self.rag_chunk_tokens,
+              f"`rag_chunk_overlap` must be 0 or more and less than `rag_chunk_tokens` ({self.rag_chunk_tokens}), got {self.rag_chunk_overlap}")
+        check(self.rag_top_k > 0, f"`rag_top_k` must be positive, got {self.rag_top_k}")
+        check(self.rag_max_context_tokens > 0, f"`rag_max_context_tokens` must be positive, got {self.rag_max_context_tokens}")
+        check(self.rag_history_len >= 0, f"`rag_history_len` must be 0 or more, got {self.rag_history_len}")
+        check(self.rag_embed_batch > 0, f"`rag_embed_batch` must be positive, got {self.rag_embed_batch}")
         check(self.credits > 0, f"`credits` must be positive, got {self.credits}")
         check(self.max_batch > 0, f"`max_batch` must be positive, got {self.max_batch}")
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
         check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
         check(not self.curve_learner_key or bool(self.weights), "`curve_learner_key` is set but `weights` is empty: no weight endpoint to connect to")
+        check(not self.rag_corpus_dir or Path(self.rag_corpus_dir).is_dir(), f"`rag_corpus_dir` {self.rag_corpus_dir!r} is not a directory")
+        check(not self.rag_embedder or Path(self.rag_embedder).is_dir(), f"`rag_embedder` {self.rag_embedder!r} is not a model directory")
         check_client_settings(self.curve_secret_key, {"curve_broker_key": self.curve_broker_key, "curve_learner_key": self.curve_learner_key})
+
+    def retrieval(self) -> "RetrievalConfig":
+        from actor_node.retrieval import RetrievalConfig
+
+        return RetrievalConfig(self.rag_corpus_dir, self.rag_chunk_tokens, self.rag_chunk_overlap, self.rag_top_k,
+                               self.rag_max_context_tokens, self.rag_history_len, self.rag_embed_batch)  # fmt: skip

@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from actor_node.link import BrokerLink
 from actor_node.weight_follower import WeightFollower
 from common import protocol as p
 from common import weights
+
+if TYPE_CHECKING:
+    from actor_node.rag import Retriever
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +41,14 @@ def catch_up(policy: Any, follower: WeightFollower | None) -> bool:
 
 
 def serve(link: BrokerLink, policy: Policy, stop: threading.Event, max_batch: int = 8,
-          follower: WeightFollower | None = None, tick: Callable[[int], None] | None = None) -> int:  # fmt: skip
+          follower: WeightFollower | None = None, tick: Callable[[int], None] | None = None,
+          retriever: Retriever | None = None) -> int:  # fmt: skip
     """Answer jobs until `stop` is set; return how many were answered.
 
     Weights change only here, between two batches, so all results of a batch
     carry one policy version. `tick(served)` is called once per turn of the loop
-    (the systemd watchdog: a hung forward stops it)."""
+    (the systemd watchdog: a hung forward stops it). With a `retriever`, rag_step
+    jobs are augmented first, and their results carry the observation scored."""
     served = 0
     while not stop.is_set():
         if tick is not None:
@@ -53,18 +58,24 @@ def serve(link: BrokerLink, policy: Policy, stop: threading.Event, max_batch: in
         jobs = link.get_jobs(max_batch, timeout=0.1)
         if not jobs:
             continue
+        failed = retriever.augment_batch(jobs) if retriever is not None else {}
+        scored = [job for i, job in enumerate(jobs) if i not in failed]
         try:
-            answers = policy.choose_batch(jobs)
+            answers = iter(policy.choose_batch(scored) if scored else [])
         except Exception as e:  # the whole batch failed (out of memory, say): answer every job
             log.exception("scoring a batch of %d failed", len(jobs))
-            answers = [e] * len(jobs)
+            answers = iter([e] * len(scored))
         results = []
-        for job, answer in zip(jobs, answers):
+        for i, job in enumerate(jobs):
+            answer = failed[i] if i in failed else next(answers)
             if isinstance(answer, Exception):
-                code = p.E_BAD_REQUEST if answer.__class__.__name__ == "ScoringError" else p.E_INTERNAL
+                code = p.E_BAD_REQUEST if answer.__class__.__name__ in ("ScoringError", "RetrievalError") else p.E_INTERNAL
                 results.append(link.error(job["job"], code, f"{type(answer).__name__}: {answer}"))
             else:
-                results.append(link.result(job["job"], answer.action, answer.logprob, answer.probs, policy.policy_version))
+                result = link.result(job["job"], answer.action, answer.logprob, answer.probs, policy.policy_version)
+                if "retrieved" in job:  # rag_step: the broker records the observation that was scored
+                    result.update(obs=job["obs"], retrieved=job["retrieved"])
+                results.append(result)
         link.send_results(results)
         served += len(jobs)
     return served

@@ -492,7 +492,12 @@ class Broker:
         if session.pending is None:
             self.metrics["broker/feedback_without_step"] += 1
             raise p.ProtocolError(p.E_FEEDBACK_WITHOUT_STEP, f"task {session.task_id!r} has no step waiting for a reward; nothing recorded")
+        step = session.pending
         transition, closes = session.record_feedback(reward, done, truncated, next_obs)
+        if step.mode == p.OP_RAG_STEP and self.cfg.rag_history_len:
+            entry = step.history_entry(reward, self.cfg.rag_history_chars)
+            session.history = (session.history + [entry])[-self.cfg.rag_history_len :]
+            self.store.stage_history(self._staged, session, entry, self.cfg.rag_history_len)
         body = p.header(p.OP_FEEDBACK, rid)
         body.update(status="ok", task_id=session.task_id, segment_closed=bool(closes))
         data = p.encode(body)
@@ -666,7 +671,26 @@ class Broker:
         body = p.header(job.mode, job.rid)
         body.update(task_id=job.task_id, status="ok", action=action, logprob=logprob, probs=[float(x) for x in probs],
                     policy_version=version)  # fmt: skip
-        return PendingStep(job.rid, job.mode, job.obs, action, logprob, body["probs"], version, now_ms(), p.encode(body))
+        obs, raw_prompt = job.obs, ""
+        if "obs" in msg:  # rag_step: the actor scored an augmented observation; that one is recorded for the learner
+            obs = self._checked_augmented(job, msg)
+            raw_prompt = job.obs["prompt"]
+            retrieved = msg.get("retrieved", [])
+            if not isinstance(retrieved, list) or not all(isinstance(x, str) for x in retrieved):
+                raise p.ProtocolError(p.E_BAD_REQUEST, "`retrieved` must be an array of strings")
+            body["retrieved"] = retrieved
+        return PendingStep(job.rid, job.mode, obs, action, logprob, body["probs"], version, now_ms(), p.encode(body), raw_prompt)
+
+    def _checked_augmented(self, job: Job, msg: dict[str, Any]) -> dict[str, Any]:
+        """The actor's augmented observation: the client's with context appended to the prompt, and nothing else changed."""
+        if job.mode != p.OP_RAG_STEP:
+            raise p.ProtocolError(p.E_BAD_REQUEST, f"an augmented `obs` came back for a {job.mode} job")
+        obs = p.check_obs(msg, self.limits)
+        if not obs["prompt"].startswith(job.obs["prompt"]):
+            raise p.ProtocolError(p.E_BAD_REQUEST, "the augmented prompt does not start with the client's prompt")
+        if {k: v for k, v in obs.items() if k != "prompt"} != {k: v for k, v in job.obs.items() if k != "prompt"}:
+            raise p.ProtocolError(p.E_BAD_REQUEST, "the augmented observation changed more than the prompt")
+        return obs
 
     def _send_actor(self, identity: bytes, body: dict[str, Any]) -> bool:
         try:
@@ -692,10 +716,12 @@ class Broker:
                 continue
             job.actor, job.dispatched_at = actor.identity, self.now
             actor.inflight[job.job_id] = job
-            batches.setdefault(actor.identity, []).append(
-                {"job": job.job_id, "task_id": job.task_id, "mode": job.mode, "obs": job.obs,
-                 "deadline_ms": max(1, int((job.deadline - self.now) * 1000))}  # fmt: skip
-            )
+            message = {"job": job.job_id, "task_id": job.task_id, "mode": job.mode, "obs": job.obs,
+                       "deadline_ms": max(1, int((job.deadline - self.now) * 1000))}  # fmt: skip
+            if job.mode == p.OP_RAG_STEP:  # the task's own history travels with the job: any actor can serve any task
+                session = self.sessions.get(job.task_id)
+                message["history"] = session.history if session is not None else []
+            batches.setdefault(actor.identity, []).append(message)
         for identity, jobs in batches.items():
             body = p.header(p.OP_SCORE)
             body["jobs"] = jobs

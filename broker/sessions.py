@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 REASON_DONE = "done"
@@ -58,16 +58,24 @@ class PendingStep:
     policy_version: int
     step_ms: int
     reply: bytes  # the encoded reply body, resent verbatim to a retry
+    raw_prompt: str = ""  # rag_step: the client's prompt before retrieval (`obs` holds the augmented one that was scored)
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "rid": self.rid, "mode": self.mode, "obs": self.obs, "action": self.action, "logprob": self.logprob,
             "probs": self.probs, "policy_version": self.policy_version, "step_ms": self.step_ms, "reply": self.reply,
+            "raw_prompt": self.raw_prompt,
         }  # fmt: skip
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "PendingStep":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        fields = cls.__dataclass_fields__
+        return cls(**{k: d[k] for k in fields if k in d or fields[k].default is MISSING})  # older records lack newer fields
+
+    def history_entry(self, reward: float, prompt_chars: int) -> dict[str, Any]:
+        """What a later rag_step of the task may retrieve about this step: its prompt's end, the action, the reward."""
+        prompt = self.raw_prompt or self.obs["prompt"]
+        return {"prompt": prompt[-prompt_chars:], "action": self.obs["action"][self.action], "reward": float(reward)}
 
 
 @dataclass
@@ -100,6 +108,7 @@ class Session:
     last_rid: Any = None  # rid of the last mutating request that was applied, persisted with it
     last_reply: bytes = b""
     recent: OrderedDict = field(default_factory=OrderedDict)  # rid -> encoded reply, this process only
+    history: list[dict[str, Any]] = field(default_factory=list)  # rag_step: the task's recent steps, oldest first (in Redis too)
 
     # --- replies for retried request ids ------------------------------------------
     def remember(self, rid: Any, reply: bytes, durable: bool) -> None:

@@ -5,6 +5,7 @@ Keys (P is `key_prefix`):
     P:tasks             SET     task ids of live sessions
     P:task:{task_id}    HASH    created_ms, seq, pending, last_rid, last_reply, attach_rid
     P:seg:{task_id}     LIST    the open segment: one msgpack transition per element
+    P:hist:{task_id}    LIST    rag_step: the task's last `rag_history_len` steps (prompt end, action, reward)
     P:detached:{tid}    STRING  the reply to a detach, kept an hour for a retried detach
     P:{stream_key}      STREAM  closed segments, read by the learner's consumer group
 
@@ -143,6 +144,9 @@ class SessionStore:
     def seg_key(self, task_id: str) -> str:
         return f"{self.prefix}:seg:{task_id}"
 
+    def history_key(self, task_id: str) -> str:
+        return f"{self.prefix}:hist:{task_id}"
+
     def tombstone_key(self, task_id: str) -> str:
         return f"{self.prefix}:detached:{task_id}"
 
@@ -162,16 +166,18 @@ class SessionStore:
         for task_id in task_ids:
             pipe.hgetall(self.task_key(task_id))
             pipe.llen(self.seg_key(task_id))
+            pipe.lrange(self.history_key(task_id), 0, -1)
         results = pipe.execute() if task_ids else []
         sessions: dict[str, Session] = {}
         for i, task_id in enumerate(task_ids):
-            fields, open_len = results[2 * i], results[2 * i + 1]
+            fields, open_len, history = results[3 * i], results[3 * i + 1], results[3 * i + 2]
             if not fields:
                 log.warning("task %s is listed but has no state; dropping it from %s", task_id, self.tasks_key)
                 self.client.srem(self.tasks_key, task_id)
                 continue
             s = Session(task_id, segment_len, created_ms=int(fields.get(b"created_ms", now_ms())), seq=int(fields[b"seq"]))
             s.open_len = open_len
+            s.history = [_decode(entry) for entry in history]
             if fields.get(b"pending"):
                 s.pending = PendingStep.from_wire(_decode(fields[b"pending"]))
             if fields.get(b"last_rid"):
@@ -201,6 +207,10 @@ class SessionStore:
         batch.add("RPUSH", self.seg_key(s.task_id), encode(transition))
         batch.add("HSET", self.task_key(s.task_id), "pending", b"", "last_rid", encode(s.last_rid), "last_reply", s.last_reply)
 
+    def stage_history(self, batch: Batch, s: Session, entry: dict[str, Any], keep: int) -> None:
+        batch.add("RPUSH", self.history_key(s.task_id), encode(entry))
+        batch.add("LTRIM", self.history_key(s.task_id), str(-keep), "-1")
+
     def stage_close(self, batch: Batch, s: Session, close: SegmentClose) -> None:
         batch.add(
             "CLOSE", self.seg_key(s.task_id), self.stream, self.task_key(s.task_id), close.seg_id, close.task_id,
@@ -209,7 +219,7 @@ class SessionStore:
         )  # fmt: skip
 
     def stage_delete(self, batch: Batch, s: Session, detach_reply: bytes | None) -> None:
-        batch.add("DEL", self.task_key(s.task_id), self.seg_key(s.task_id))
+        batch.add("DEL", self.task_key(s.task_id), self.seg_key(s.task_id), self.history_key(s.task_id))
         batch.add("SREM", self.tasks_key, s.task_id)
         if detach_reply is not None:
             batch.add("SET", self.tombstone_key(s.task_id), detach_reply, "EX", str(TOMBSTONE_TTL_S))

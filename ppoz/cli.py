@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     learner_bench.add_arguments(b)
     b.set_defaults(func=learner_bench.main)
+    b = benches.add_parser("rag", help="what rag_step's retrieval adds to a step, side by side with the plain step",
+                           description="Time step, retrieval and rag_step on simulated Kea tasks with a corpus (docs/benchmarks.md).")  # fmt: skip
+    from ppoz.bench import rag as rag_bench
+
+    rag_bench.add_arguments(b)
+    b.set_defaults(func=rag_bench.main)
 
     p = sub.add_parser("status", help="show a running broker's sessions, actors and counters",
                        description="Ask a running broker for its figures.")  # fmt: skip
@@ -133,6 +139,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-server-key", default="", metavar="FILE", help="CURVE: the broker's public key file (NAME.key), for a broker with CURVE on")
     p.add_argument("--curve-secret-key", default="", metavar="FILE", help="CURVE: this client's key pair file (NAME.key_secret), allowed by the broker")
     p.set_defaults(func=cmd_status)
+
+    from reliability import fuzz, soak
+
+    p = sub.add_parser("fuzz", help="send adversarial messages to a running broker (and gateway) and check every answer",
+                       description="Fuzz a running broker's front end (and a gateway): random bytes, truncated msgpack, wrong "
+                                   "types, huge strings and arrays, deep nesting, invalid UTF-8, floods; every well-framed "
+                                   "request must get an error reply, memory must stay bounded, a well-behaved client "
+                                   "alongside must see no error (docs/reliability.md).")  # fmt: skip
+    fuzz.add_arguments(p)
+    p.set_defaults(func=fuzz.main)
+
+    p = sub.add_parser("soak", help="many simulated emulators against a full stack of processes, for minutes",
+                       description="Start Redis, a broker, an LLM actor and the learner as processes, drive N emulators for "
+                                   "a while, and report errors, step latency and memory per window and the ledger "
+                                   "(docs/reliability.md).")  # fmt: skip
+    soak.add_arguments(p)
+    p.set_defaults(func=soak.main)
 
     p = sub.add_parser("keygen", help="make a CURVE key pair: NAME.key (public) and NAME.key_secret (secret, mode 0600)",
                        description="Write DIR/NAME.key (the public key: give it to the peers that must accept NAME) and "
@@ -201,6 +224,7 @@ def run_actor(cfg: Any, stop: threading.Event) -> int:
     from common.sd_notify import Notifier
 
     follower = None
+    retriever = None
     if cfg.model:
         from actor_node.llm_policy import LLMPolicy, SamplingConfig
         from common.policy_model import ModelSpec, load_policy
@@ -208,6 +232,10 @@ def run_actor(cfg: Any, stop: threading.Event) -> int:
         model, tokenizer = load_policy(ModelSpec(cfg.model, cfg.device, cfg.dtype, cfg.lora_rank, cfg.lora_alpha))
         sampling = SamplingConfig(cfg.normalisation, cfg.temperature, cfg.greedy, cfg.max_batch_tokens, cfg.seed)
         policy: Any = LLMPolicy(model, tokenizer, sampling, cfg.scoring_path, cfg.prefix_cache_mb)
+        if cfg.rag:
+            from actor_node.rag import Retriever
+
+            retriever = Retriever(cfg.retrieval(), model, tokenizer, cfg.rag_embedder, str(next(model.parameters()).device))
         if cfg.redis_url:
             from common.redis_server import connect
 
@@ -231,13 +259,14 @@ def run_actor(cfg: Any, stop: threading.Event) -> int:
         notifier.watchdog()
         notifier.status(f"policy version {policy.policy_version}, {served} requests served")
 
-    served = serve(link, policy, stop, cfg.max_batch, follower, tick)
+    served = serve(link, policy, stop, cfg.max_batch, follower, tick, retriever)
     notifier.stopping(f"stopped after {served} requests; unscored jobs handed back to the broker")
     link.close()
     if follower is not None:
         follower.close()
     cache = getattr(policy, "cache", None)
-    log.info("actor %s stopped after %d requests%s", link.name, served, f"; prefix cache {cache.stats()}" if cache else "")
+    log.info("actor %s stopped after %d requests%s%s", link.name, served, f"; prefix cache {cache.stats()}" if cache else "",
+             f"; retrieval {retriever.stats()}" if retriever else "")  # fmt: skip
     return 0
 
 

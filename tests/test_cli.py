@@ -13,7 +13,7 @@ from tests.broker.test_restart import free_port
 from tests.helpers import wait_for
 
 PPOZ = [sys.executable, "-m", "ppoz.cli"]
-SUBCOMMANDS = [["broker"], ["actor"], ["learner"], ["up"], ["play"], ["gateway"], ["keygen"], ["demo"], ["bench"], ["bench", "broker"], ["bench", "scoring"], ["bench", "learner"], ["status"]]
+SUBCOMMANDS = [["broker"], ["actor"], ["learner"], ["up"], ["play"], ["gateway"], ["keygen"], ["demo"], ["bench"], ["bench", "broker"], ["bench", "scoring"], ["bench", "learner"], ["bench", "rag"], ["fuzz"], ["soak"], ["status"]]
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -23,7 +23,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_top_level_help_lists_every_subcommand():
     result = run("--help")
     assert result.returncode == 0
-    for name in ("broker", "actor", "learner", "up", "demo", "bench", "status"):
+    for name in ("broker", "actor", "learner", "up", "demo", "bench", "status", "fuzz", "soak"):
         assert name in result.stdout
 
 
@@ -118,3 +118,22 @@ def test_demo_shows_progress_and_writes_a_learning_curve(tmp_path):
         counts = {colour: n for n, colour in image.convert("RGB").getcolors(maxcolors=1 << 24)}
         rgb = tuple(int(CURVE_COLOUR[i : i + 2], 16) for i in (1, 3, 5))
         assert counts.get(rgb, 0) > 200, "no learning curve drawn"
+
+
+def test_bench_rag_runs_and_reports_retrieval_cost_side_by_side(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "guide.md").write_text("On the Cart screen, Checkout opens payment. Back returns to the list. " * 20)
+    result = run("bench", "rag", "--corpus", str(corpus), "--tasks", "1", "--steps", "3", "--max-context-tokens", "128", "--json",
+                 timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout)
+    assert figures["steps"] == 3 and figures["corpus_chunks"] >= 2
+    assert figures["step_ms"] > 0 and figures["retrieve_ms"] > 0 and figures["rag_step_ms"] >= figures["retrieve_ms"]
+    assert 0 < figures["added_tokens_max"] <= 128  # the token budget holds
+
+
+@pytest.mark.parametrize("args", [["soak", "--clients", "0"], ["fuzz", "--messages", "0"], ["bench", "rag", "--steps", "0"]])
+def test_load_commands_refuse_nonsense_counts(args):
+    result = run(*args)
+    assert result.returncode != 0 and "must be positive" in result.stderr

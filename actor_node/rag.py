@@ -1,0 +1,85 @@
+"""rag_step at the actor: augment an observation with retrieved context before it is scored.
+
+The math (chunking, embedding, ranking, the prompt template) is in
+actor_node/retrieval.py; this module wires it to jobs. The corpus index is built
+once, at start; embeddings of history entries and queries are cached by text, so
+a task's history, which changes by one entry a step, costs one new embedding per
+step. Retrieval runs in the actor's compute thread, between weight swaps and
+scoring, because the default embedder briefly disables the LoRA adapter.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any
+
+from actor_node.retrieval import (CorpusIndex, EmbeddingCache, EncoderEmbedder, HistoryEntry, PolicyEmbedder, RetrievalConfig,
+                                  augment_counted, load_corpus, retrieve)  # fmt: skip
+from common import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+class RetrievalError(ValueError):
+    """A rag_step job this actor cannot augment (malformed history): the client gets `bad_request`."""
+
+
+class Retriever:
+    """Augments rag_step jobs: the task's history (sent by the broker) and the corpus, within a token budget."""
+
+    def __init__(self, cfg: RetrievalConfig, model: Any, tokenizer: Any, embedder_path: str = "", device: str = "cpu") -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        if embedder_path:
+            base: Any = EncoderEmbedder(embedder_path, device=device, batch=cfg.embed_batch)
+        elif hasattr(model, "peft_config"):  # LoRA: the base weights never change, the adapter is switched off
+            base = PolicyEmbedder(model, tokenizer, batch=cfg.embed_batch)
+        else:
+            # No adapter: the learner trains every weight and the actor swaps them in, which would move
+            # embeddings away from the corpus index built at start. Embed with a frozen copy instead.
+            base = PolicyEmbedder(copy.deepcopy(model).eval(), tokenizer, batch=cfg.embed_batch)
+        self.embedder = EmbeddingCache(base)
+        self.index: CorpusIndex | None = None
+        if cfg.corpus_dir:
+            started = time.perf_counter()
+            chunks = load_corpus(cfg.corpus_dir, tokenizer, cfg.chunk_tokens, cfg.chunk_overlap)
+            self.index = CorpusIndex.build(chunks, base)  # chunks are embedded once, here; not kept in the cache
+            log.info("rag corpus %s: %d chunks from %d files indexed in %.1f s", cfg.corpus_dir, len(chunks),
+                     len({c.source for c in chunks}), time.perf_counter() - started)  # fmt: skip
+        self.jobs = 0
+        self.seconds = 0.0
+
+    def augment_job(self, job: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """The augmented observation of a rag_step job and the labels of what was put in, best first."""
+        started = time.perf_counter()
+        raw = job.get("history", [])
+        if not isinstance(raw, list):
+            raise RetrievalError("`history` must be an array of {prompt, action, reward} maps")
+        try:
+            history = [HistoryEntry.from_dict(entry) for entry in raw]
+        except (ValueError, TypeError, AttributeError) as e:
+            raise RetrievalError(f"bad history entry: {e}") from e
+        snippets = retrieve(job["obs"], history, self.index, self.embedder, self.cfg)
+        obs, n_used = augment_counted(job["obs"], snippets, self.tokenizer, self.cfg.max_context_tokens)
+        used = [f"{s.kind} {s.label}" for s in snippets[:n_used]]
+        self.jobs += 1
+        self.seconds += time.perf_counter() - started
+        return obs, used
+
+    def augment_batch(self, jobs: list[dict[str, Any]]) -> dict[int, Exception]:
+        """Augment the rag_step jobs of a batch in place (obs replaced, `retrieved` added); failures by position."""
+        failed: dict[int, Exception] = {}
+        for i, job in enumerate(jobs):
+            if job.get("mode") != p.OP_RAG_STEP:
+                continue
+            try:
+                job["obs"], job["retrieved"] = self.augment_job(job)
+            except Exception as e:  # one bad job fails alone
+                failed[i] = e
+        return failed
+
+    def stats(self) -> dict[str, float]:
+        return {"jobs": self.jobs, "ms_per_job": 1000 * self.seconds / max(self.jobs, 1), "cache_hits": self.embedder.hits,
+                "cache_misses": self.embedder.misses}  # fmt: skip
