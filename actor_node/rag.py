@@ -32,24 +32,31 @@ class Retriever:
     def __init__(self, cfg: RetrievalConfig, model: Any, tokenizer: Any, embedder_path: str = "", device: str = "cpu") -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
-        if embedder_path:
-            base: Any = EncoderEmbedder(embedder_path, device=device, batch=cfg.embed_batch)
-        elif hasattr(model, "peft_config"):  # LoRA: the base weights never change, the adapter is switched off
-            base = PolicyEmbedder(model, tokenizer, batch=cfg.embed_batch)
-        else:
-            # No adapter: the learner trains every weight and the actor swaps them in, which would move
-            # embeddings away from the corpus index built at start. Embed with a frozen copy instead.
-            base = PolicyEmbedder(copy.deepcopy(model).eval(), tokenizer, batch=cfg.embed_batch)
-        self.embedder = EmbeddingCache(base)
+        self._model = model
+        self._base: Any = None  # the policy embedder is made on first use: an actor no client sends rag_step to pays nothing
+        if embedder_path:  # a separate encoder is loaded now, so a bad path stops the actor at start
+            self._base = EncoderEmbedder(embedder_path, device=device, batch=cfg.embed_batch)
+        self.embedder = EmbeddingCache(self._embed)
         self.index: CorpusIndex | None = None
         if cfg.corpus_dir:
             started = time.perf_counter()
             chunks = load_corpus(cfg.corpus_dir, tokenizer, cfg.chunk_tokens, cfg.chunk_overlap)
-            self.index = CorpusIndex.build(chunks, base)  # chunks are embedded once, here; not kept in the cache
+            self.index = CorpusIndex.build(chunks, self._embed)  # chunks are embedded once, here; not kept in the cache
             log.info("rag corpus %s: %d chunks from %d files indexed in %.1f s", cfg.corpus_dir, len(chunks),
                      len({c.source for c in chunks}), time.perf_counter() - started)  # fmt: skip
         self.jobs = 0
         self.seconds = 0.0
+
+    def _embed(self, texts: list[str]) -> Any:
+        if self._base is None:
+            if hasattr(self._model, "peft_config"):  # LoRA: the base weights never change, the adapter is switched off
+                self._base = PolicyEmbedder(self._model, self.tokenizer, batch=self.cfg.embed_batch)
+            else:
+                # No adapter: the learner trains every weight and the actor swaps them in, which would move
+                # embeddings away from the corpus index built at start. Embed with a frozen copy instead.
+                log.info("rag: embedding with a frozen copy of the model (no LoRA adapter to switch off)")
+                self._base = PolicyEmbedder(copy.deepcopy(self._model).eval(), self.tokenizer, batch=self.cfg.embed_batch)
+        return self._base(texts)
 
     def augment_job(self, job: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         """The augmented observation of a rag_step job and the labels of what was put in, best first."""
@@ -61,21 +68,27 @@ class Retriever:
             history = [HistoryEntry.from_dict(entry) for entry in raw]
         except (ValueError, TypeError, AttributeError) as e:
             raise RetrievalError(f"bad history entry: {e}") from e
-        snippets = retrieve(job["obs"], history, self.index, self.embedder, self.cfg)
-        obs, n_used = augment_counted(job["obs"], snippets, self.tokenizer, self.cfg.max_context_tokens)
+        try:
+            snippets = retrieve(job["obs"], history, self.index, self.embedder, self.cfg)
+            obs, n_used = augment_counted(job["obs"], snippets, self.tokenizer, self.cfg.max_context_tokens)
+        except ValueError as e:  # a malformed observation (the broker checks them; another client of the actor may not)
+            raise RetrievalError(str(e)) from e
         used = [f"{s.kind} {s.label}" for s in snippets[:n_used]]
         self.jobs += 1
         self.seconds += time.perf_counter() - started
         return obs, used
 
     def augment_batch(self, jobs: list[dict[str, Any]]) -> dict[int, Exception]:
-        """Augment the rag_step jobs of a batch in place (obs replaced, `retrieved` added); failures by position."""
+        """Augment the rag_step jobs of a batch in place (obs replaced; `context`, the text appended to the
+        prompt, and `retrieved` added); failures by position."""
         failed: dict[int, Exception] = {}
         for i, job in enumerate(jobs):
             if job.get("mode") != p.OP_RAG_STEP:
                 continue
             try:
+                raw_prompt = job["obs"]["prompt"]
                 job["obs"], job["retrieved"] = self.augment_job(job)
+                job["context"] = job["obs"]["prompt"][len(raw_prompt) :]
             except Exception as e:  # one bad job fails alone
                 failed[i] = e
         return failed

@@ -61,10 +61,13 @@ def serve(link: BrokerLink, policy: Policy, stop: threading.Event, max_batch: in
         failed = retriever.augment_batch(jobs) if retriever is not None else {}
         scored = [job for i, job in enumerate(jobs) if i not in failed]
         try:
-            answers = iter(policy.choose_batch(scored) if scored else [])
+            chosen = list(policy.choose_batch(scored)) if scored else []
+            if len(chosen) != len(scored):
+                raise RuntimeError(f"the policy answered {len(chosen)} of {len(scored)} jobs")
         except Exception as e:  # the whole batch failed (out of memory, say): answer every job
             log.exception("scoring a batch of %d failed", len(jobs))
-            answers = iter([e] * len(scored))
+            chosen = [e] * len(scored)
+        answers = iter(chosen)
         results = []
         for i, job in enumerate(jobs):
             answer = failed[i] if i in failed else next(answers)
@@ -73,8 +76,8 @@ def serve(link: BrokerLink, policy: Policy, stop: threading.Event, max_batch: in
                 results.append(link.error(job["job"], code, f"{type(answer).__name__}: {answer}"))
             else:
                 result = link.result(job["job"], answer.action, answer.logprob, answer.probs, policy.policy_version)
-                if "retrieved" in job:  # rag_step: the broker records the observation that was scored
-                    result.update(obs=job["obs"], retrieved=job["retrieved"])
+                if "context" in job:  # rag_step: the broker records the client's prompt + this context, as scored
+                    result.update(context=job["context"], retrieved=job["retrieved"])
                 results.append(result)
         link.send_results(results)
         served += len(jobs)

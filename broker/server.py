@@ -101,7 +101,7 @@ class Broker:
     def start(self) -> None:
         """Load sessions from Redis, create the stream, bind both sockets."""
         self.store.ensure_stream()
-        self.sessions = self.store.load_sessions(self.cfg.segment_len)
+        self.sessions = self.store.load_sessions(self.cfg.segment_len, self.cfg.rag_history_len)
         self.attach_rids = {_key(s.attach_rid): s.task_id for s in self.sessions.values() if s.attach_rid is not None}
         if self.sessions:
             log.info("recovered %d sessions from Redis (%d with a pending step)", len(self.sessions),
@@ -292,7 +292,7 @@ class Broker:
     def _reload(self) -> None:
         """Make memory agree with Redis again; while Redis is unreachable, refuse writes."""
         try:
-            self.sessions = self.store.load_sessions(self.cfg.segment_len)
+            self.sessions = self.store.load_sessions(self.cfg.segment_len, self.cfg.rag_history_len)
         except (redis.RedisError, OSError) as e:
             if self.storage_ok:
                 log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", e)
@@ -671,26 +671,21 @@ class Broker:
         body = p.header(job.mode, job.rid)
         body.update(task_id=job.task_id, status="ok", action=action, logprob=logprob, probs=[float(x) for x in probs],
                     policy_version=version)  # fmt: skip
-        obs, raw_prompt = job.obs, ""
-        if "obs" in msg:  # rag_step: the actor scored an augmented observation; that one is recorded for the learner
-            obs = self._checked_augmented(job, msg)
-            raw_prompt = job.obs["prompt"]
-            retrieved = msg.get("retrieved", [])
-            if not isinstance(retrieved, list) or not all(isinstance(x, str) for x in retrieved):
+        obs, context = job.obs, ""
+        if job.mode == p.OP_RAG_STEP:  # the actor scored the client's prompt + `context`; that is what the learner must see
+            context = p.optional(msg, "context", str, "a str (the text appended to the prompt)", "")
+            if len(context) > self.cfg.rag_max_context_chars:
+                raise p.ProtocolError(p.E_TOO_LARGE, f"`context` has {len(context)} characters, the limit is "
+                                                     f"{self.cfg.rag_max_context_chars}")  # fmt: skip
+            retrieved = p.optional(msg, "retrieved", list, "an array of str", [])
+            if not all(isinstance(x, str) for x in retrieved):
                 raise p.ProtocolError(p.E_BAD_REQUEST, "`retrieved` must be an array of strings")
+            if context:
+                obs = dict(job.obs, prompt=job.obs["prompt"] + context)
             body["retrieved"] = retrieved
-        return PendingStep(job.rid, job.mode, obs, action, logprob, body["probs"], version, now_ms(), p.encode(body), raw_prompt)
-
-    def _checked_augmented(self, job: Job, msg: dict[str, Any]) -> dict[str, Any]:
-        """The actor's augmented observation: the client's with context appended to the prompt, and nothing else changed."""
-        if job.mode != p.OP_RAG_STEP:
-            raise p.ProtocolError(p.E_BAD_REQUEST, f"an augmented `obs` came back for a {job.mode} job")
-        obs = p.check_obs(msg, self.limits)
-        if not obs["prompt"].startswith(job.obs["prompt"]):
-            raise p.ProtocolError(p.E_BAD_REQUEST, "the augmented prompt does not start with the client's prompt")
-        if {k: v for k, v in obs.items() if k != "prompt"} != {k: v for k, v in job.obs.items() if k != "prompt"}:
-            raise p.ProtocolError(p.E_BAD_REQUEST, "the augmented observation changed more than the prompt")
-        return obs
+        elif "context" in msg:
+            raise p.ProtocolError(p.E_BAD_REQUEST, f"a retrieval `context` came back for a {job.mode} job")
+        return PendingStep(job.rid, job.mode, obs, action, logprob, body["probs"], version, now_ms(), p.encode(body), len(context))
 
     def _send_actor(self, identity: bytes, body: dict[str, Any]) -> bool:
         try:

@@ -58,13 +58,13 @@ class PendingStep:
     policy_version: int
     step_ms: int
     reply: bytes  # the encoded reply body, resent verbatim to a retry
-    raw_prompt: str = ""  # rag_step: the client's prompt before retrieval (`obs` holds the augmented one that was scored)
+    context_chars: int = 0  # rag_step: characters of retrieved context at the end of obs["prompt"] (the scored prompt)
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "rid": self.rid, "mode": self.mode, "obs": self.obs, "action": self.action, "logprob": self.logprob,
             "probs": self.probs, "policy_version": self.policy_version, "step_ms": self.step_ms, "reply": self.reply,
-            "raw_prompt": self.raw_prompt,
+            "context_chars": self.context_chars,
         }  # fmt: skip
 
     @classmethod
@@ -74,7 +74,8 @@ class PendingStep:
 
     def history_entry(self, reward: float, prompt_chars: int) -> dict[str, Any]:
         """What a later rag_step of the task may retrieve about this step: its prompt's end, the action, the reward."""
-        prompt = self.raw_prompt or self.obs["prompt"]
+        prompt = self.obs["prompt"]
+        prompt = prompt[: len(prompt) - self.context_chars]  # the client's own prompt: context never nests
         return {"prompt": prompt[-prompt_chars:], "action": self.obs["action"][self.action], "reward": float(reward)}
 
 

@@ -159,8 +159,8 @@ class SessionStore:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    def load_sessions(self, segment_len: int) -> dict[str, Session]:
-        """Every live session with its pending step and open-segment length."""
+    def load_sessions(self, segment_len: int, history_len: int | None = None) -> dict[str, Session]:
+        """Every live session with its pending step, open-segment length and (the last `history_len`) rag history."""
         task_ids = sorted(t.decode() for t in self.client.smembers(self.tasks_key))
         pipe = self.client.pipeline(transaction=False)
         for task_id in task_ids:
@@ -174,10 +174,12 @@ class SessionStore:
             if not fields:
                 log.warning("task %s is listed but has no state; dropping it from %s", task_id, self.tasks_key)
                 self.client.srem(self.tasks_key, task_id)
+                self.client.delete(self.history_key(task_id))
                 continue
             s = Session(task_id, segment_len, created_ms=int(fields.get(b"created_ms", now_ms())), seq=int(fields[b"seq"]))
             s.open_len = open_len
-            s.history = [_decode(entry) for entry in history]
+            entries = [_decode(entry) for entry in history]
+            s.history = entries if history_len is None else entries[len(entries) - history_len :] if history_len else []
             if fields.get(b"pending"):
                 s.pending = PendingStep.from_wire(_decode(fields[b"pending"]))
             if fields.get(b"last_rid"):

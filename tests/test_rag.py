@@ -51,7 +51,7 @@ def corpus(tmp_path):
     return folder
 
 
-def start_rag_actor(backend: str, tiny_model: str, corpus, budget: int, zmq_context) -> tuple[Any, threading.Event, threading.Thread]:
+def start_rag_actor(backend: str, tiny_model: str, corpus, budget: int, zmq_context) -> tuple[Any, Any, threading.Event, threading.Thread]:
     torch.manual_seed(0)
     model, tokenizer = load_policy(ModelSpec(tiny_model, device="cpu", lora_rank=4))
     policy = LLMPolicy(model, tokenizer, SamplingConfig(normalisation="token", seed=0), "packed")
@@ -61,7 +61,7 @@ def start_rag_actor(backend: str, tiny_model: str, corpus, budget: int, zmq_cont
     stop = threading.Event()
     thread = threading.Thread(target=serve, args=(link, policy, stop, 8, None, None, retriever), daemon=True)
     thread.start()
-    return retriever, stop, thread
+    return retriever, link, stop, thread
 
 
 def play(client, marker: str, steps: int) -> tuple[str, list[dict[str, Any]]]:
@@ -82,12 +82,18 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
         start_broker, make_client, tiny_models, corpus, redis_client, key_prefix, zmq_context):  # fmt: skip
     budget = 160
     broker = start_broker(rag_history_len=4)
-    retriever, stop, thread = start_rag_actor(broker.backend, tiny_models["llama"], corpus, budget, zmq_context)
+    retriever, link, stop, thread = start_rag_actor(broker.backend, tiny_models["llama"], corpus, budget, zmq_context)
     try:
         alpha, bravo = make_client(broker.frontend, deadline=60), make_client(broker.frontend, deadline=60)
         wait_for(lambda: actors_ready(alpha, 1), timeout=60, what="the rag actor")
-        task_a, replies_a = play(alpha, "ALPHA", 6)
-        task_b, replies_b = play(bravo, "BRAVO", 6)
+        # The two tasks play at once, so their jobs share the actor's batches.
+        played: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+        threads = [threading.Thread(target=lambda c=c, m=m: played.__setitem__(m, play(c, m, 6))) for c, m in ((alpha, "ALPHA"), (bravo, "BRAVO"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        (task_a, replies_a), (task_b, replies_b) = played["ALPHA"], played["BRAVO"]
         # Both tasks' history is in Redis while they are attached (and would come back after a broker restart).
         store = SessionStore(redis_client, key_prefix, "segments", "learners")
         sessions = store.load_sessions(32)
@@ -98,6 +104,7 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
     finally:
         stop.set()
         thread.join(30)
+        link.close()
     assert retriever.jobs == 12
     assert all(r["retrieved"] for r in replies_a[1:])  # the reply names what was put into the prompt
     assert any(label.startswith("history") for r in replies_a[1:] for label in r["retrieved"])
@@ -115,7 +122,9 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
             block = t["obs"]["prompt"][len(raw["prompt"]):]
             assert CONTEXT_HEADER in block  # the corpus alone always has something to offer
             assert len(tokenizer.encode(block, add_special_tokens=False)) <= budget
-    assert any("SAVE10" in t["obs"]["prompt"] or "Coupon field" in t["obs"]["prompt"] for t in by_task[task_a])
+    # Corpus chunks reach the prompt (which ones rank first is tested with a meaningful embedder in test_retrieval.py;
+    # this model's weights are random).
+    assert any("[doc " in t["obs"]["prompt"] for t in by_task[task_a]) and any("[doc " in t["obs"]["prompt"] for t in by_task[task_b])
 
     # The learner recomputes what the actor sampled from: ratio 1 on the first minibatch.
     torch.manual_seed(0)
