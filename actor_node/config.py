@@ -39,6 +39,7 @@ class ActorConfig:
     rag_history_len: int = option(8, "rag_step: most recent steps of the task considered (the broker keeps its own rag_history_len)")
     rag_embedder: str = option("", "rag_step: a sentence-transformers style encoder (local directory) to embed with; empty: the policy's base model, mean-pooled, adapter off")
     rag_embed_batch: int = option(16, "rag_step: texts embedded per forward")
+    rag_query_chars: int = option(2000, "rag_step: characters of a prompt's end that are embedded; keep equal to the broker's rag_history_chars so a step's history entry reuses its cached embedding")
     redis_url: str = option("", "Redis holding the learner's weight snapshots (empty: start from the base model, follow nothing)")
     key_prefix: str = option("ppoz", "Redis key prefix shared with the broker and learner")
     weights: str = option("", "the learner's weight announcement endpoint (PUB), e.g. tcp://127.0.0.1:5557")
@@ -68,6 +69,7 @@ class ActorConfig:
         check(self.rag_top_k > 0, f"`rag_top_k` must be positive, got {self.rag_top_k}")
         check(self.rag_max_context_tokens > 0, f"`rag_max_context_tokens` must be positive, got {self.rag_max_context_tokens}")
         check(self.rag_history_len >= 0, f"`rag_history_len` must be 0 or more, got {self.rag_history_len}")
+        check(self.rag_query_chars > 0, f"`rag_query_chars` must be positive, got {self.rag_query_chars}")
         check(self.rag_embed_batch > 0, f"`rag_embed_batch` must be positive, got {self.rag_embed_batch}")
         check(self.credits > 0, f"`credits` must be positive, got {self.credits}")
         check(self.max_batch > 0, f"`max_batch` must be positive, got {self.max_batch}")
@@ -82,4 +84,5 @@ class ActorConfig:
         from actor_node.retrieval import RetrievalConfig
 
         return RetrievalConfig(self.rag_corpus_dir, self.rag_chunk_tokens, self.rag_chunk_overlap, self.rag_top_k,
-                               self.rag_max_context_tokens, self.rag_history_len, self.rag_embed_batch)  # fmt: skip
+                               self.rag_max_context_tokens, self.rag_history_len, self.rag_embed_batch,
+                               self.rag_query_chars)  # fmt: skip

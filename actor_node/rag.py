@@ -82,6 +82,11 @@ class Retriever:
         """Augment the rag_step jobs of a batch in place (obs replaced; `context`, the text appended to the
         prompt, and `retrieved` added); failures by position."""
         failed: dict[int, Exception] = {}
+        rag_jobs = [job for job in jobs if job.get("mode") == p.OP_RAG_STEP]
+        queries = [job["obs"]["prompt"][-self.cfg.query_chars :] for job in rag_jobs
+                   if isinstance(job.get("obs"), dict) and isinstance(job["obs"].get("prompt"), str)]  # fmt: skip
+        if queries:
+            self.embedder(queries)  # the batch's new prompts in one forward; each job's retrieval then finds them cached
         for i, job in enumerate(jobs):
             if job.get("mode") != p.OP_RAG_STEP:
                 continue

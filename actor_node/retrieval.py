@@ -82,6 +82,10 @@ class RetrievalConfig:
     """Recent steps the broker keeps per task and retrieval considers (0: no history)."""
     embed_batch: int = 16
     """Texts per embedding forward."""
+    query_chars: int = 2000
+    """What is embedded: the last `query_chars` characters of the current prompt, and of each history entry's
+    prompt. Equal to the broker's `rag_history_chars`, a history entry is embedded with exactly the text the
+    query of its own step was, so the embedding cache already holds it: one new embedding per step, not two."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:
@@ -97,6 +101,8 @@ class RetrievalConfig:
             raise ValueError(f"`history_len` must be 0 or more, got {self.history_len}")
         if self.embed_batch <= 0:
             raise ValueError(f"`embed_batch` must be positive, got {self.embed_batch}")
+        if self.query_chars <= 0:
+            raise ValueError(f"`query_chars` must be positive, got {self.query_chars}")
 
 
 # --- corpus ---------------------------------------------------------------------------------
@@ -400,6 +406,11 @@ class Snippet:
     score: float  # cosine similarity to the query, rounded to SCORE_DECIMALS
 
 
+def query_texts(obs: Mapping[str, Any], history: Sequence[HistoryEntry], cfg: RetrievalConfig) -> list[str]:
+    """The texts retrieval embeds for `obs`: its prompt's tail, then each history entry's prompt tail."""
+    return [obs["prompt"][-cfg.query_chars :]] + [h.prompt[-cfg.query_chars :] for h in history]
+
+
 def retrieve(obs: Mapping[str, Any], history: Sequence[HistoryEntry], index: CorpusIndex | None, embedder: Embedder,
              cfg: RetrievalConfig) -> list[Snippet]:  # fmt: skip
     """The cfg.top_k snippets (corpus chunks and history entries together) most similar to obs["prompt"], best first.
@@ -412,7 +423,8 @@ def retrieve(obs: Mapping[str, Any], history: Sequence[HistoryEntry], index: Cor
     if not isinstance(query, str):
         raise ValueError(f"obs `prompt` must be a string, got {type(query).__name__}")
     recent = list(history)[-cfg.history_len :] if cfg.history_len else []
-    vectors = embedder([query] + [h.text() for h in recent])  # one call: the cache batches the misses
+    # A history entry is ranked by its screen (its prompt), like the query; what it shows adds the action and reward.
+    vectors = embedder(query_texts(obs, recent, cfg))  # one call: the cache batches the misses
     q = vectors[0]
     ranked: list[tuple[tuple[float, str, str, int], Snippet]] = []
     if index is not None:
