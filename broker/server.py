@@ -364,7 +364,7 @@ class Broker:
         session = self.sessions.get(task_id)
         resumed = session is not None
         if session is None:
-            session = Session(task_id, self.cfg.segment_len, attach_rid=rid)
+            session = Session(task_id, self.cfg.segment_len, attach_rid=rid, epoch=uuid.uuid4().hex[:12])
             self.sessions[task_id] = session
             self.attach_rids[_key(rid)] = task_id
             self.store.stage_create(self._staged, session)

@@ -90,10 +90,11 @@ class SegmentClose:
     truncated: bool
     next_obs: dict[str, Any] | None
     length: int
+    epoch: str = ""  # the session's own id (see Session.epoch)
 
     @property
     def seg_id(self) -> str:
-        return f"{self.task_id}:{self.seq}"
+        return f"{self.task_id}:{self.epoch}:{self.seq}" if self.epoch else f"{self.task_id}:{self.seq}"
 
 
 @dataclass
@@ -103,6 +104,9 @@ class Session:
     created_ms: int = field(default_factory=now_ms)
     last_seen_ms: int = field(default_factory=now_ms)
     seq: int = 0  # sequence number of the open segment
+    # A client may detach and attach again under the same task_id; seq then starts at 0 again. The epoch,
+    # random per session, keeps segment ids unique across those lives: the learner drops an id it has seen.
+    epoch: str = ""
     open_len: int = 0  # transitions in the open segment
     pending: PendingStep | None = None
     attach_rid: Any = None
@@ -170,7 +174,7 @@ class Session:
     def _close(self, reason: str, done: bool, truncated: bool, next_obs: dict[str, Any] | None) -> list[SegmentClose]:
         if self.open_len == 0:
             return []
-        close = SegmentClose(self.task_id, self.seq, reason, done, truncated, next_obs, self.open_len)
+        close = SegmentClose(self.task_id, self.seq, reason, done, truncated, next_obs, self.open_len, self.epoch)
         self.seq += 1
         self.open_len = 0
         return [close]

@@ -3,7 +3,7 @@
 Keys (P is `key_prefix`):
 
     P:tasks             SET     task ids of live sessions
-    P:task:{task_id}    HASH    created_ms, seq, pending, last_rid, last_reply, attach_rid
+    P:task:{task_id}    HASH    created_ms, seq, epoch, pending, last_rid, last_reply, attach_rid
     P:seg:{task_id}     LIST    the open segment: one msgpack transition per element
     P:hist:{task_id}    LIST    rag_step: the task's last `rag_history_len` steps (prompt end, action, reward)
     P:detached:{tid}    STRING  the reply to a detach, kept an hour for a retried detach
@@ -178,6 +178,7 @@ class SessionStore:
                 continue
             s = Session(task_id, segment_len, created_ms=int(fields.get(b"created_ms", now_ms())), seq=int(fields[b"seq"]))
             s.open_len = open_len
+            s.epoch = fields.get(b"epoch", b"").decode()  # sessions from before epochs have none
             entries = [_decode(entry) for entry in history]
             s.history = entries if history_len is None else entries[len(entries) - history_len :] if history_len else []
             if fields.get(b"pending"):
@@ -199,7 +200,7 @@ class SessionStore:
     def stage_create(self, batch: Batch, s: Session) -> None:
         batch.add("SADD", self.tasks_key, s.task_id)
         batch.add("HSET", self.task_key(s.task_id), "created_ms", str(s.created_ms), "seq", str(s.seq), "pending", b"",
-                  "attach_rid", encode(s.attach_rid))  # fmt: skip
+                  "attach_rid", encode(s.attach_rid), "epoch", s.epoch)  # fmt: skip
 
     def stage_pending(self, batch: Batch, s: Session) -> None:
         pending = encode(s.pending.to_wire()) if s.pending is not None else b""

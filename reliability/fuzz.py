@@ -41,6 +41,8 @@ import zmq
 
 from common import protocol as p
 
+from common.redis_server import connect
+from reliability.ledger import settle_ledger
 from reliability.output import print_report, run_as_script
 
 log = logging.getLogger(__name__)
@@ -48,13 +50,14 @@ log = logging.getLogger(__name__)
 LIMITS = p.Limits()
 OBS = {"prompt": "Screen: MainActivity. History: none.", "question": "Which action should I choose next? I shall choose No. ",
        "action": ["0: TouchEvent(view=Shop)", "1: TouchEvent(view=Cart)", "2: KeyEvent(BACK)"]}  # fmt: skip
+FUZZ_TASK = "fuzz-t"  # the one task id the fuzz's messages name
 FIELDS_BY_OP = {
-    p.OP_ATTACH: {"task_id": "fuzz-t"},
-    p.OP_DETACH: {"task_id": "fuzz-t"},
-    p.OP_ASK: {"task_id": "fuzz-t"},
-    p.OP_STEP: {"task_id": "fuzz-t", "obs": OBS, "deadline_ms": 1000},
-    p.OP_RAG_STEP: {"task_id": "fuzz-t", "obs": OBS},
-    p.OP_FEEDBACK: {"task_id": "fuzz-t", "reward": 1.0, "done": False, "truncated": True, "next_obs": OBS},
+    p.OP_ATTACH: {"task_id": FUZZ_TASK},
+    p.OP_DETACH: {"task_id": FUZZ_TASK},
+    p.OP_ASK: {"task_id": FUZZ_TASK},
+    p.OP_STEP: {"task_id": FUZZ_TASK, "obs": OBS, "deadline_ms": 1000},
+    p.OP_RAG_STEP: {"task_id": FUZZ_TASK, "obs": OBS},
+    p.OP_FEEDBACK: {"task_id": FUZZ_TASK, "reward": 1.0, "done": False, "truncated": True, "next_obs": OBS},
     p.OP_STATUS: {"window_s": 10.0},
     p.OP_PING: {},
 }
@@ -109,6 +112,9 @@ class Report:
     client_steps: int = 0
     client_errors: list[str] = field(default_factory=list)  # must be empty
     broker_alive: bool = True
+    acknowledged_feedbacks: int = 0  # feedback replies with status ok: the well-behaved client's, and any fuzz message's
+    ledger: str = ""  # reliability/ledger.py, when a Redis to read it from was given
+    ledger_balanced: bool | None = None  # None: not checked
 
     def failures(self) -> list[str]:
         """The invariants that failed, each in a line; empty when the run passed."""
@@ -127,6 +133,8 @@ class Report:
             out.append(f"the well-behaved client saw {len(self.client_errors)} errors, first: {self.client_errors[0]}")
         if self.client_steps == 0:
             out.append("the well-behaved client made no progress")
+        if self.ledger_balanced is False:
+            out.append(f"the ledger did not balance: {self.ledger}")
         if not self.broker_alive:
             out.append("the broker did not answer ping after the fuzz")
         if self.rss_before_kb is not None and self.rss_after_kb is not None:
@@ -189,10 +197,10 @@ def gen_huge_string(rng: random.Random, i: int) -> Case:
     choice = rng.randrange(5)
     if choice == 0:
         n = LIMITS.max_prompt_chars + rng.choice([-1, 0, 1, 1000])
-        body = _pack(_request(p.OP_STEP, rid, task_id="fuzz-t", obs={**OBS, "prompt": "p" * n, "question": ""}))
+        body = _pack(_request(p.OP_STEP, rid, task_id=FUZZ_TASK, obs={**OBS, "prompt": "p" * n, "question": ""}))
     elif choice == 1:
         n = LIMITS.max_action_chars + rng.choice([-1, 0, 1, 100_000])
-        body = _pack(_request(p.OP_STEP, rid, task_id="fuzz-t", obs={**OBS, "action": ["a" * n]}))
+        body = _pack(_request(p.OP_STEP, rid, task_id=FUZZ_TASK, obs={**OBS, "action": ["a" * n]}))
     elif choice == 2:
         n = rng.choice([64, 65, 10_000])
         return _framed(rng, "huge_string", _pack(_request(p.OP_PING, "r" * n)), "r" * n if n <= p.MAX_RID_BYTES else None)
@@ -212,7 +220,7 @@ def gen_oversize(rng: random.Random, i: int) -> Case:
 
 def gen_many_candidates(rng: random.Random, i: int) -> Case:
     n = rng.choice([LIMITS.max_actions, LIMITS.max_actions + 1, 100_000])
-    body = _pack(_request(rng.choice([p.OP_STEP, p.OP_RAG_STEP]), f"r{i}", task_id="fuzz-t",
+    body = _pack(_request(rng.choice([p.OP_STEP, p.OP_RAG_STEP]), f"r{i}", task_id=FUZZ_TASK,
                           obs={"prompt": "p", "action": [f"{k}" for k in range(n)]}))  # fmt: skip
     return _framed(rng, "many_candidates", body, f"r{i}")
 
@@ -223,7 +231,7 @@ def gen_deep_nesting(rng: random.Random, i: int) -> Case:
     nest = (b"\x91" if rng.random() < 0.5 else b"\x81\xa1k") * depth + b"\xc0"
     if rng.random() < 0.3:
         return _framed(rng, "deep_nesting", nest)
-    head = _pack(_request(p.OP_STEP, f"r{i}", task_id="fuzz-t"))  # a fixmap of 5 entries: add a sixth
+    head = _pack(_request(p.OP_STEP, f"r{i}", task_id=FUZZ_TASK))  # a fixmap of 5 entries: add a sixth
     body = bytes([head[0] + 1]) + head[1:] + _pack("obs") + nest
     return _framed(rng, "deep_nesting", body)
 
@@ -233,13 +241,13 @@ def gen_bad_utf8(rng: random.Random, i: int) -> Case:
     rid = f"r{i}"
     if rng.random() < 0.4:
         name = rng.choice(["op", "proto", "task_id"])
-        msg = _request(p.OP_ASK, rid, task_id="fuzz-t")
+        msg = _request(p.OP_ASK, rid, task_id=FUZZ_TASK)
         msg[name] = msg[name].encode()  # bin where a str belongs
         return _framed(rng, "bin_for_str", _pack(msg), rid)
     bad = rng.choice(BAD_UTF8)
     marker = "\x01" * len(bad)
     where = rng.choice(["op", "rid", "task_id", "prompt", "action", "key"])
-    fields: dict[str, Any] = {"task_id": "fuzz-t", "obs": {**OBS}}
+    fields: dict[str, Any] = {"task_id": FUZZ_TASK, "obs": {**OBS}}
     msg = _request(p.OP_STEP, rid, **fields)
     if where == "op":
         msg["op"] = marker
@@ -270,7 +278,7 @@ def gen_bad_version(rng: random.Random, i: int) -> Case:
 
 def gen_unknown_op(rng: random.Random, i: int) -> Case:
     op = rng.choice(["", "STEP", "step ", "ready", "result", "score", "heartbeat", "disconnect", "x" * 1000, "\u00e9tape", "__init__"])
-    return _framed(rng, "unknown_op", _pack(_request(op, f"r{i}", task_id="fuzz-t")), f"r{i}")
+    return _framed(rng, "unknown_op", _pack(_request(op, f"r{i}", task_id=FUZZ_TASK)), f"r{i}")
 
 
 def gen_valid(rng: random.Random, i: int) -> Case:
@@ -345,16 +353,16 @@ def http_case(rng: random.Random, i: int) -> HTTPCase:
         body = rng.choice([b"{", b"{'a': 1}", b"\xff\xfe", b"[1,2]", b"null", b"\"s\"", b"{\"task_id\": }", rng.randbytes(50)])
         return HTTPCase("http_bad_json", _http("POST", path, body))
     if choice == 1:
-        body = json.dumps({"task_id": "fuzz-t", "obs": OBS}).encode()
+        body = json.dumps({"task_id": FUZZ_TASK, "obs": OBS}).encode()
         return HTTPCase("http_bad_length", _http("POST", path, body, length=rng.choice([-1, 0, 3, len(body) + 20, 10**12])))
     if choice == 2:
         return HTTPCase("http_bad_length", _http("POST", path, b"{}", headers={"Content-Length": rng.choice(["abc", "1e3", " ", "0x10"])}))
     if choice == 3:
         kind = rng.randrange(3)
         if kind == 0:
-            body = json.dumps({"task_id": "fuzz-t", "obs": {"prompt": "p" * 2_000_000, "action": ["a"]}}).encode()
+            body = json.dumps({"task_id": FUZZ_TASK, "obs": {"prompt": "p" * 2_000_000, "action": ["a"]}}).encode()
         elif kind == 1:
-            body = json.dumps({"task_id": "fuzz-t", "obs": {"prompt": "p", "action": [str(k) for k in range(100_000)]}}).encode()
+            body = json.dumps({"task_id": FUZZ_TASK, "obs": {"prompt": "p", "action": [str(k) for k in range(100_000)]}}).encode()
         else:
             return HTTPCase("http_huge_body", _http("POST", path, b"{", length=9 * 1024 * 1024))
         return HTTPCase("http_huge_body", _http("POST", "/step", body))
@@ -364,13 +372,13 @@ def http_case(rng: random.Random, i: int) -> HTTPCase:
                                                     rng.choice(["/", "/steps", "/health/x", "/%ff", "/step?x=%zz", "/" + "a" * 2000, "/attach"])))  # fmt: skip
     if choice == 5:
         depth = rng.choice([100, 1000, 100_000])
-        body = b'{"task_id": "fuzz-t", "obs": ' + b"[" * depth + b"]" * depth + b"}"
+        body = b'{"task_id": "' + FUZZ_TASK.encode() + b'", "obs": ' + b"[" * depth + b"]" * depth + b"}"
         return HTTPCase("http_deep_json", _http("POST", "/step", body))
     # wrong types, in the body (step/feedback) or the query string (ask/detach)
     value = rng.choice([None, True, 1, 1.5, "", "x" * 300, [], {}, [1], {"a": 1}, 10**30, -(10**30), "NaN", float("nan"), "bad id!"])
     if path in ("/ask", "/detach", "/attach") and rng.random() < 0.5:
         return HTTPCase("http_wrong_type", _http("POST", f"{path}?task_id={rng.choice(['', 'x' * 200, '%00', 'a%20b', '%ff'])}"))
-    data: dict[str, Any] = {"task_id": "fuzz-t", "obs": dict(OBS), "reward": 1.0, "done": False}
+    data: dict[str, Any] = {"task_id": FUZZ_TASK, "obs": dict(OBS), "reward": 1.0, "done": False}
     name = rng.choice(["task_id", "obs", "reward", "done", "truncated", "next_obs", "obs.prompt", "obs.action", "obs.question"])
     if name.startswith("obs."):
         data["obs"][name[4:]] = value
@@ -421,6 +429,7 @@ class WellBehavedClient(threading.Thread):
         self.context = context
         self.stop_event = threading.Event()
         self.steps = 0
+        self.feedbacks = 0  # acknowledged
         self.errors: list[str] = []
 
     def run(self) -> None:
@@ -438,6 +447,7 @@ class WellBehavedClient(threading.Thread):
                     self.steps += 1
                     done = self.steps % 4 == 0
                     client.feedback(task_id, 1.0, done=done)
+                    self.feedbacks += 1
                     if done:
                         client.detach(task_id)
                         task_id = None
@@ -445,6 +455,10 @@ class WellBehavedClient(threading.Thread):
                     self.errors.append(f"{type(e).__name__}: {e}")
                     task_id = None
                     time.sleep(0.1)
+            if task_id is not None:  # closes the open segment: every acknowledged feedback reaches the stream
+                client.detach(task_id)
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(f"detach: {type(e).__name__}: {e}")
         finally:
             client.close()
 
@@ -477,6 +491,8 @@ def _check_reply(frames: list[bytes], report: Report, echoed: Counter) -> None:
     if code not in p.ERROR_CODES and code != "ok":
         report.bad_replies.append(f"unknown error code {code!r}")
     report.replies_by_code[str(code)] = report.replies_by_code.get(str(code), 0) + 1
+    if code == "ok" and body.get("op") == p.OP_FEEDBACK:
+        report.acknowledged_feedbacks += 1
     if body.get("rid") is not None:
         echoed[body["rid"]] += 1
 
@@ -511,6 +527,7 @@ def run(frontend: str, n_messages: int, seed: int = 0, gateway_url: str | None =
     client = WellBehavedClient(frontend, ctx)
     client.start()
     http_done = threading.Event()
+    http_feedbacks = [0]  # 200s to POST /feedback
 
     def http_loop() -> None:
         for i in range(n_http):
@@ -521,6 +538,8 @@ def run(frontend: str, n_messages: int, seed: int = 0, gateway_url: str | None =
             except OSError as e:
                 status, problem = None, f"{type(e).__name__}: {e}"
             http_status[str(status)] += 1
+            if status == 200 and case.raw.startswith(b"POST /feedback"):
+                http_feedbacks[0] += 1
             if problem:
                 report.http_failures.append(f"{case.kind} {case.raw[:120]!r}: {problem}")
         http_done.set()
@@ -581,6 +600,8 @@ def run(frontend: str, n_messages: int, seed: int = 0, gateway_url: str | None =
         report.unmatched_rids = sum(expected_rids[rid] - echoed[rid] for rid in missing)
         report.unmatched_examples = [f"{rid!r}: {rid_kinds.get(rid)}" for rid in missing[:10]]
         report.broker_alive = _ping(ctx, frontend)
+        if report.broker_alive:
+            _detach_fuzz_task(ctx, frontend)
     finally:
         client.stop_event.set()
         client.join(60)
@@ -589,6 +610,7 @@ def run(frontend: str, n_messages: int, seed: int = 0, gateway_url: str | None =
         if context is None:
             ctx.term()
     report.client_steps = client.steps
+    report.acknowledged_feedbacks += client.feedbacks + http_feedbacks[0]
     report.client_errors = client.errors
     report.sent_by_kind = dict(sorted(sent_kinds.items()))
     report.http_sent = n_http
@@ -608,6 +630,20 @@ def _send_oversize(ctx: zmq.Context, frontend: str, case: Case) -> None:
         s.send_multipart(case.frames)
     finally:
         s.close()
+
+
+def _detach_fuzz_task(ctx: zmq.Context, frontend: str) -> None:
+    """The fuzz's valid messages may have attached FUZZ_TASK and given it feedbacks: close its open segment,
+    as every client's, so the ledger can balance."""
+    from client import Client, UnknownTask
+
+    client = Client(frontend, deadline=10.0, context=ctx)
+    try:
+        client.detach(FUZZ_TASK)
+    except UnknownTask:
+        pass
+    finally:
+        client.close()
 
 
 def _ping(ctx: zmq.Context, frontend: str, timeout: float = 10.0) -> bool:
@@ -634,7 +670,10 @@ def format_report(report: Report) -> str:
         lines.append("HTTP by status: " + ", ".join(f"{k}={v}" for k, v in report.http_by_status.items()))
     if report.rss_before_kb is not None:
         lines.append(f"broker RSS: {report.rss_before_kb} kB before, {report.rss_after_kb} kB after, peak {report.rss_peak_kb} kB")
-    lines.append(f"well-behaved client: {report.client_steps} steps, {len(report.client_errors)} errors")
+    lines.append(f"well-behaved client: {report.client_steps} steps, {len(report.client_errors)} errors; "
+                 f"feedbacks acknowledged: {report.acknowledged_feedbacks}")  # fmt: skip
+    if report.ledger_balanced is not None:
+        lines.append(f"ledger: {report.ledger} ({'balanced' if report.ledger_balanced else 'NOT balanced'})")
     failures = report.failures()
     lines += [f"FAIL: {f}" for f in failures] or ["PASS"]
     return "\n".join(lines)
@@ -648,6 +687,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-share", type=float, default=0.1, help="share of the messages sent over HTTP (default: 0.1)")
     parser.add_argument("--pid", type=int, default=0, help="the broker's process id, to report its resident memory")
     parser.add_argument("--rss-limit-mb", type=int, default=200, help="largest accepted growth of the broker's RSS (default: 200)")
+    parser.add_argument("--redis-url", default="", help="the broker's Redis: after the run, wait for the learner and check the ledger "
+                        "(docs/reliability.md); empty: no ledger")  # fmt: skip
+    parser.add_argument("--key-prefix", default="ppoz", help="the broker's and learner's key prefix (default: ppoz)")
+    parser.add_argument("--settle-s", type=float, default=300.0, help="longest wait for the learner to balance the ledger (default: 300)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -656,6 +699,13 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("fuzz: --messages must be positive and --http-share between 0 and 1")
     report = run(args.broker, args.messages, args.seed, args.gateway or None, args.http_share, pid=args.pid or None)
     report.rss_growth_limit_kb = args.rss_limit_mb * 1024
+    if args.redis_url:
+        client = connect(args.redis_url)
+        try:
+            ledger = settle_ledger(client, args.key_prefix, report.acknowledged_feedbacks, args.settle_s)
+        finally:
+            client.close()
+        report.ledger, report.ledger_balanced = str(ledger), ledger.balanced
     return print_report(report, args.json, format_report)
 
 

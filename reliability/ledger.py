@@ -5,16 +5,22 @@
 `acknowledged` is what clients were told was recorded (a feedback reply); the
 learner counts what it read from the stream (`transitions_stored`) and what
 became of each transition; its counters are cumulative across restarts (they
-are checkpointed) and published in `<prefix>:learner:latest`. A scenario
-balances the ledger once every client has detached (which closes every open
-segment) and the learner has read the whole stream.
+are checkpointed) and published in `<prefix>:learner:latest`. Transitions of
+sessions still attached sit in Redis in their open segments, not yet in the
+stream: they count as stored, beside what the learner read. The ledger
+balances once the learner has read the whole stream; when every client has
+detached (which closes every open segment) the open part is zero.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable
+
 import redis
 
+from broker.store import SessionStore
 from common import learner_figures
 
 
@@ -26,14 +32,17 @@ class Ledger:
     dropped_stale: int
     dropped_truncated: int
     in_stream: int  # segments written but not yet read by the learner
+    still_open: int = 0  # transitions in Redis in the open segments of sessions still attached
 
     @property
     def balanced(self) -> bool:
-        return self.in_stream == 0 and self.acknowledged == self.stored == self.trained + self.dropped_stale + self.dropped_truncated
+        return (self.in_stream == 0 and self.acknowledged == self.stored + self.still_open
+                and self.stored == self.trained + self.dropped_stale + self.dropped_truncated)  # fmt: skip
 
     def __str__(self) -> str:
-        return (f"acknowledged {self.acknowledged}, stored {self.stored} = trained {self.trained} + stale {self.dropped_stale} "
-                f"+ truncated {self.dropped_truncated}; {self.in_stream} segments unread")  # fmt: skip
+        opened = f" + {self.still_open} in open segments" if self.still_open else ""
+        return (f"acknowledged {self.acknowledged}, stored {self.stored}{opened}; {self.stored} = trained {self.trained} + stale "
+                f"{self.dropped_stale} + truncated {self.dropped_truncated}; {self.in_stream} segments unread")  # fmt: skip
 
 
 def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_key: str = "segments") -> Ledger:
@@ -42,4 +51,31 @@ def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_
     # The learner deletes what it acknowledged (XACK + XDEL after its checkpoint): what is left is unread.
     unread = int(client.xlen(f"{key_prefix}:{stream_key}"))
     return Ledger(acknowledged, counters.get("transitions_stored", 0), counters.get("transitions_trained", 0),
-                  counters.get("dropped_stale", 0), counters.get("dropped_truncated", 0), unread)  # fmt: skip
+                  counters.get("dropped_stale", 0), counters.get("dropped_truncated", 0), unread,
+                  open_transitions(client, key_prefix))  # fmt: skip
+
+
+def open_transitions(client: redis.Redis, key_prefix: str) -> int:
+    """Transitions stored in the open segments of live sessions (in Redis, not yet closed into the stream)."""
+    store = SessionStore(client, key_prefix, "", "")  # only its key layout
+    tasks = [t.decode() for t in client.smembers(store.tasks_key)]
+    pipe = client.pipeline(transaction=False)
+    for task_id in tasks:
+        pipe.llen(store.seg_key(task_id))
+    return sum(pipe.execute()) if tasks else 0
+
+
+def settle_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, timeout: float,
+                  still_running: Callable[[], None] | None = None, poll_s: float = 1.0) -> Ledger:  # fmt: skip
+    """Wait until the learner has trained (or dropped by rule) every stored transition; the last ledger read.
+
+    `still_running()` is called between reads and may raise to give up early (a process died).
+    """
+    end = time.monotonic() + timeout
+    while True:
+        ledger = read_ledger(client, key_prefix, acknowledged)
+        if ledger.balanced or time.monotonic() > end:
+            return ledger
+        if still_running is not None:
+            still_running()
+        time.sleep(poll_s)

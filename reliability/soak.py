@@ -44,7 +44,7 @@ from client import AsyncClient
 from common.redis_server import EmbeddedRedis, connect
 from reliability.fuzz import rss_kb
 from reliability.output import print_report, run_as_script
-from reliability.ledger import read_ledger
+from reliability.ledger import settle_ledger
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,11 @@ def run(clients: int, seconds: float, window_s: float, seed: int, workdir: Path,
         report.steps, report.acknowledged = len(driver.latencies), driver.acknowledged
         report.errors, report.error_count = driver.errors, driver.error_count
         summarise(report, driver.latencies)
-        ledger = _settle(stack, driver.acknowledged, settle_s)
+        client = connect(stack.redis.url)
+        try:
+            ledger = settle_ledger(client, KEY_PREFIX, driver.acknowledged, settle_s, stack.check_alive)
+        finally:
+            client.close()
         report.ledger, report.ledger_balanced = str(ledger), ledger.balanced
     finally:
         stack.stop()
@@ -355,21 +359,6 @@ def _wait_for_actor(stack: Stack, timeout: float = 300.0) -> None:
             if time.monotonic() > end:
                 raise RuntimeError(f"no actor joined the broker within {timeout:.0f} s")
             time.sleep(0.5)
-    finally:
-        client.close()
-
-
-def _settle(stack: Stack, acknowledged: int, timeout: float):
-    """Wait until the learner has trained (or dropped by rule) every stored transition."""
-    client = connect(stack.redis.url)
-    try:
-        end = time.monotonic() + timeout
-        while True:
-            ledger = read_ledger(client, KEY_PREFIX, acknowledged)
-            if ledger.balanced or time.monotonic() > end:
-                return ledger
-            stack.check_alive()
-            time.sleep(1.0)
     finally:
         client.close()
 

@@ -51,7 +51,8 @@ def test_full_life_cycle_writes_segments_with_bootstrap_observations(start_broke
         assert client.feedback(task, reward=0.1 * n, done=False)["status"] == "ok"
     assert client.detach(task)["segments_closed"] == 1
     segs = segments(redis_client, key_prefix)
-    assert [s["seg_id"] for s in segs] == [f"{task}:0", f"{task}:1", f"{task}:2"]
+    epoch = segs[0]["seg_id"].split(":")[1]
+    assert len(epoch) == 12 and [s["seg_id"] for s in segs] == [f"{task}:{epoch}:0", f"{task}:{epoch}:1", f"{task}:{epoch}:2"]
     assert [s["reason"] for s in segs] == ["length", "length", "detach"]
     transitions = [t for s in segs for t in s["transitions"]]
     assert [t["reward"] for t in transitions] == pytest.approx([0.1 * n for n in range(7)])
@@ -375,3 +376,16 @@ def test_prometheus_endpoint_serves_the_status_figures(start_broker, start_actor
             name, value = line.rsplit(" ", 1)
             float(value)
             assert name.startswith("ppoz_"), line
+
+
+def test_a_task_id_attached_again_after_detach_gets_new_segment_ids(stack, redis_client, key_prefix):
+    """Found by the fuzz's ledger: seq starts at 0 in each life of a task id, and the learner drops a seg_id it has seen,
+    so a client re-attaching under its own name lost its later segments from training."""
+    broker, client = stack
+    for life in range(2):
+        assert client.attach("emulator-7") == "emulator-7"
+        client.step("emulator-7", obs(life))
+        client.feedback("emulator-7", 1.0, done=True)
+        client.detach("emulator-7")
+    ids = [s["seg_id"] for s in segments(redis_client, key_prefix)]
+    assert len(ids) == 2 and len(set(ids)) == 2 and all(i.startswith("emulator-7:") and i.endswith(":0") for i in ids)

@@ -9,6 +9,8 @@ from typing import Iterator
 import pytest
 
 from reliability import fuzz
+from reliability.ledger import settle_ledger
+from tests.reliability.test_faults import start_learner
 from tests.broker.test_restart import free_port
 from tests.gateway.test_gateway import start_gateway  # noqa: F401 - a fixture
 from tests.helpers import wait_for
@@ -39,8 +41,10 @@ def test_generators_are_deterministic():
 
 
 @pytest.mark.slow
-def test_fuzz_broker_and_gateway(broker_process, start_actor, make_client, start_gateway):  # noqa: F811
+def test_fuzz_broker_and_gateway(broker_process, start_actor, make_client, start_gateway, tiny_models, redis_url, redis_client,
+                                 key_prefix, tmp_path):  # noqa: F811
     proc, frontend, backend = broker_process
+    learner, learner_thread = start_learner(tiny_models["llama"], redis_url, key_prefix, tmp_path)
     start_actor(backend)
     probe = make_client(frontend, deadline=20, attempt_timeout=1)
     wait_for(lambda: probe.status()["actors"], timeout=20, what="the actor to register")
@@ -59,6 +63,13 @@ def test_fuzz_broker_and_gateway(broker_process, start_actor, make_client, start
     assert report.http_sent > 0
     assert report.http_failures == []
     assert report.rss_after_kb - report.rss_before_kb < 200 * 1024
+    # Nothing the fuzz did cost an acknowledged feedback: all of them were stored and trained (or dropped by rule).
+    try:
+        ledger = settle_ledger(redis_client, key_prefix, report.acknowledged_feedbacks, timeout=120)
+    finally:
+        learner.stop()
+        learner_thread.join(60)
+    assert ledger.balanced and ledger.stored == report.acknowledged_feedbacks >= report.client_steps > 0, str(ledger)
 
 
 def test_gateway_answers_deep_json_and_huge_ints(broker_process, start_gateway):  # noqa: F811
