@@ -83,6 +83,6 @@ class ActorConfig:
     def retrieval(self) -> "RetrievalConfig":
         from actor_node.retrieval import RetrievalConfig
 
-        return RetrievalConfig(self.rag_corpus_dir, self.rag_chunk_tokens, self.rag_chunk_overlap, self.rag_top_k,
-                               self.rag_max_context_tokens, self.rag_history_len, self.rag_embed_batch,
-                               self.rag_query_chars)  # fmt: skip
+        return RetrievalConfig(corpus_dir=self.rag_corpus_dir, chunk_tokens=self.rag_chunk_tokens, chunk_overlap=self.rag_chunk_overlap,
+                               top_k=self.rag_top_k, max_context_tokens=self.rag_max_context_tokens, history_len=self.rag_history_len,
+                               embed_batch=self.rag_embed_batch, query_chars=self.rag_query_chars)  # fmt: skip

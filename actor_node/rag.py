@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from actor_node.retrieval import (CorpusIndex, EmbeddingCache, EncoderEmbedder, HistoryEntry, PolicyEmbedder, RetrievalConfig,
-                                  augment_counted, load_corpus, retrieve)  # fmt: skip
+                                  augment_counted, load_corpus, query_texts, retrieve)  # fmt: skip
 from common import protocol as p
 
 log = logging.getLogger(__name__)
@@ -83,10 +83,13 @@ class Retriever:
         prompt, and `retrieved` added); failures by position."""
         failed: dict[int, Exception] = {}
         rag_jobs = [job for job in jobs if job.get("mode") == p.OP_RAG_STEP]
-        queries = [job["obs"]["prompt"][-self.cfg.query_chars :] for job in rag_jobs
+        queries = [query_texts(job["obs"], [], self.cfg)[0] for job in rag_jobs
                    if isinstance(job.get("obs"), dict) and isinstance(job["obs"].get("prompt"), str)]  # fmt: skip
         if queries:
-            self.embedder(queries)  # the batch's new prompts in one forward; each job's retrieval then finds them cached
+            try:
+                self.embedder(queries)  # the batch's new prompts in one forward; each job's retrieval then finds them cached
+            except Exception:  # noqa: BLE001 - out of memory, say: each job embeds its own query below, failing alone
+                log.exception("embedding the queries of %d rag_step jobs together failed", len(queries))
         for i, job in enumerate(jobs):
             if job.get("mode") != p.OP_RAG_STEP:
                 continue

@@ -56,6 +56,8 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
+from common import scoring
+
 log = logging.getLogger(__name__)
 
 CONTEXT_HEADER = "Retrieved context (most relevant first):\n"
@@ -239,13 +241,14 @@ class PolicyEmbedder:
             return out
         device = next(self.model.parameters()).device
         adapter_off = self.model.disable_adapter() if hasattr(self.model, "peft_config") else contextlib.nullcontext()
+        decoder = scoring._parts(self.model)[0]
         with adapter_off, torch.inference_mode():
             for b in range(0, len(rows), self.batch):
                 part = rows[b : b + self.batch]
                 ids, mask = _pad_right([r[1] for r in part], self.pad_id)
-                result = self.model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
-                                    use_cache=False)  # fmt: skip
-                pooled = _normalise(_mean_pool(result.hidden_states[-1], mask))
+                # The decoder alone: its final-normed hidden states, without the LM head's vocabulary-wide logits.
+                hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).last_hidden_state
+                pooled = _normalise(_mean_pool(hidden, mask))
                 out[[r[0] for r in part]] = pooled
         return out
 

@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             prompt_tokens.append(len(tokenizer.encode(obs["prompt"], add_special_tokens=False)))
             added_tokens.append(len(tokenizer.encode(augmented["prompt"][len(obs["prompt"]):], add_special_tokens=False)))
             result = env.step(plain.action)
-            history.append({"prompt": obs["prompt"][-2000:], "action": obs["action"][plain.action], "reward": result.reward})
+            # As the broker keeps it (rag_history_chars, equal to query_chars by default).
+            history.append({"prompt": obs["prompt"][-cfg.query_chars :], "action": obs["action"][plain.action], "reward": result.reward})
             obs = env.reset() if result.terminated or result.truncated else result.obs
     stats = retriever.stats()
     return {

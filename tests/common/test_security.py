@@ -260,7 +260,7 @@ def test_actors_with_an_unknown_key_or_without_curve_are_not_registered(curve_br
     assert probe.status()["actors"] == []
     assert broker.broker.allow_lists[1].refused >= 1
     for link in refused:  # a refused link keeps trying (it logs each retry) and still stops at once
-        assert link.reconnects >= 1
+        wait_for(lambda link=link: link.reconnects >= 1, timeout=15, what=f"{link.name} to retry")
         start = time.monotonic()
         link.close()
         assert time.monotonic() - start < 2.0 and not link._thread.is_alive()
