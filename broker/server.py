@@ -178,9 +178,10 @@ class Broker:
             return None
         try:
             return self.committer.fileno()
-        except (redis.RedisError, OSError) as e:  # went away after the last reload
+        except (redis.RedisError, OSError) as e:  # went away after the last reload: refuse writes until it is back
             self.committer.reset()
-            self._storage_down(e)
+            self.storage_ok = False
+            log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", e)
             return None
 
     def stop(self) -> None:
@@ -293,24 +294,18 @@ class Broker:
         try:
             self.sessions = self.store.load_sessions(self.cfg.segment_len, self.cfg.rag_history_len)
         except (redis.RedisError, OSError) as e:
-            self._storage_down(e)
+            if self.storage_ok:
+                log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", e)
+            self.storage_ok = False
+            # Memory may hold mutations Redis never got (the failed batch's, and replies remembered for
+            # their rids): none of it may answer a client. Sessions come back from Redis when it does.
+            self.sessions, self.attach_rids = {}, {}
             return
         self.attach_rids = {_key(s.attach_rid): s.task_id for s in self.sessions.values() if s.attach_rid is not None}
         if not self.storage_ok:
             log.warning("Redis is back")
         self.storage_ok = True
         log.warning("reloaded %d sessions from Redis", len(self.sessions))
-
-    def _storage_down(self, error: BaseException) -> None:
-        """Redis is unreachable: refuse writes with `overloaded` until housekeeping's _reload finds it back.
-
-        The sessions leave memory too: it may hold mutations Redis never got (a failed batch's, and
-        replies remembered for their rids), and none of that may answer a client. They come back from Redis.
-        """
-        if self.storage_ok:
-            log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", error)
-        self.storage_ok = False
-        self.sessions, self.attach_rids = {}, {}
 
     def _require_storage(self) -> None:
         if not self.storage_ok:
@@ -800,7 +795,8 @@ class Broker:
                 # writes from now on (none can be acknowledged) and reload once it answers again.
                 if self._inflight is None:
                     self.committer.reset()
-                    self._storage_down(e)
+                    self.storage_ok = False
+                    log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", e)
             except redis.RedisError as e:
                 log.warning("cannot read the stream length: %s", e)
 

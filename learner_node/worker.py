@@ -217,6 +217,7 @@ class Learner:
             self.save_checkpoint(ids)
             self._unacked = ids
             self._unpublished = bool(train_policy and len(rollout))
+            self._settle()
         elapsed = time.perf_counter() - started
         lag = [trained_from - v for v in rollout.versions] if rollout.versions else [0]
         metrics.update({
@@ -228,8 +229,7 @@ class Learner:
             "charts/dropped_truncated": rollout.dropped_truncated,
         })  # fmt: skip
         if self.is_main:
-            self._log(metrics, len(rollout))  # before the Redis work below: an outage there must not lose the figures
-            self._settle()
+            self._log(metrics, len(rollout))
         return metrics
 
     def collect(self) -> tuple[list[tuple[str, dict]], list[dict[str, Any]]]:
