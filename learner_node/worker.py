@@ -103,10 +103,13 @@ class Learner:
 
             self.writer = SummaryWriter(cfg.tensorboard_dir)
         self._features: dict[int, torch.Tensor] = {}
-        self._pending_own = True  # after a (re)start, this consumer's unacknowledged entries come first
+        # Read positions of the rollout being collected (`collect`): own pending entries, then claimed ones.
+        self._own_cursor: str | None = "0"
+        self._claim_cursor: str | None = "0-0"
         # Work an update left undone when Redis went away after its checkpoint: done before the next rollout.
         self._unacked: list[str] = []
         self._unpublished = False
+        self._unreported: dict[str, float] = {}  # the last update's figures and counters (common/learner_figures.py)
 
     # --- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -117,6 +120,7 @@ class Learner:
         if self.cfg.resume:
             self.restore()
         self._unpublished = True  # a restored (or the initial) version is announced at once
+        self._unreported = self._figures({}, 0)  # and the counters it restored, which the ledger reads
         while not self.stop_event.is_set():
             try:
                 if self.is_main:
@@ -167,11 +171,33 @@ class Learner:
                 self.step()
             except REDIS_DOWN as e:
                 self._wait_for_redis(e)
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                # Redis came back empty (no persistence) within redis-py's own retries: the group went with it.
+                log.error("the consumer group %s is gone from Redis (%s); creating it again", self.cfg.consumer_group, e)
+                if self.is_main:
+                    self._ensure_group()
+        self._settle_before_exit()
         self.notifier.stopping(f"stopped at policy version {self.version} after {self.updates} updates")
         self.close()
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def _settle_before_exit(self) -> None:
+        """The last update's Redis work before the loop ends: waited for after `max_updates`;
+        tried once when stopped (then a learner resumed from the checkpoint finishes it)."""
+        while True:
+            try:
+                self._settle()
+                return
+            except REDIS_DOWN as e:
+                if self.stop_event.is_set():
+                    log.error("Redis unreachable while stopping (%s): the last update's acknowledgement, weights or figures "
+                              "are left to a learner resumed from the checkpoint (--resume)", e)  # fmt: skip
+                    return
+                self._wait_for_redis(e)
 
     def step(self) -> dict[str, float] | None:
         """Collect one rollout's segments and train on them; None if stopped before a rollout was complete."""
@@ -183,6 +209,9 @@ class Learner:
             if shared[1]:
                 self.stop_event.set()
         if not segments:
+            if entries:  # only duplicates or malformed entries: nothing to train, but nothing to keep pending either
+                self._unacked = [entry_id for entry_id, _ in entries]
+                self._settle()
             return None
         if self.stop_event.is_set():
             # Stopping: an update now would only delay the exit. The segments stay unacknowledged
@@ -212,12 +241,6 @@ class Learner:
         self.counters["segments_trained"] += len(segments)
         for seg in segments:
             self._remember(seg["seg_id"])
-        ids = [entry_id for entry_id, _ in entries]
-        if self.is_main:
-            self.save_checkpoint(ids)
-            self._unacked = ids
-            self._unpublished = bool(train_policy and len(rollout))
-            self._settle()
         elapsed = time.perf_counter() - started
         lag = [trained_from - v for v in rollout.versions] if rollout.versions else [0]
         metrics.update({
@@ -229,14 +252,31 @@ class Learner:
             "charts/dropped_truncated": rollout.dropped_truncated,
         })  # fmt: skip
         if self.is_main:
+            # The update is done once all of this is in Redis; `_settle` retries what a Redis outage interrupted
+            # before the next rollout is read, so acknowledgement, weights and counters never fall behind silently.
+            ids = [entry_id for entry_id, _ in entries]
+            self.save_checkpoint(ids)
+            self._unacked = ids
+            self._unpublished = bool(train_policy and len(rollout))
+            self._unreported = self._figures(metrics, len(rollout))
             self._log(metrics, len(rollout))
+            self._settle()
         return metrics
 
     def collect(self) -> tuple[list[tuple[str, dict]], list[dict[str, Any]]]:
-        """Stream entries until `rollout_batch` transitions are in hand (or the learner is stopped)."""
+        """Stream entries until `rollout_batch` transitions are in hand (or the learner is stopped).
+
+        Every rollout reads, in this order: this consumer's own pending entries (a rollout read
+        before a restart or a Redis outage, or entries delivered by a read whose reply was lost
+        and which redis-py retried), entries a dead consumer left pending for `claim_idle_ms`,
+        then new entries. Each source is read with a cursor, and an entry id is taken at most
+        once per rollout: a pending entry is never trained twice, nor counted twice as stored.
+        """
         entries: list[tuple[str, dict]] = []
         segments: list[dict[str, Any]] = []
+        taken: set[str] = set()
         transitions = 0
+        self._own_cursor, self._claim_cursor = "0", "0-0"
         give_up = time.monotonic() + self.cfg.rollout_timeout_s if self.cfg.rollout_timeout_s else math.inf
         while transitions < self.cfg.rollout_batch and not self.stop_event.is_set():
             self.notifier.watchdog()  # waiting for data is not hanging
@@ -244,14 +284,16 @@ class Learner:
                 log.info("rollout timeout: training on %d transitions", transitions)
                 break
             for entry_id, fields in self._read(self.cfg.rollout_batch - transitions):
+                if entry_id in taken:
+                    continue
+                taken.add(entry_id)
+                entries.append((entry_id, fields))
                 try:
                     seg = decode_segment(fields)
                 except Exception as e:  # a malformed entry must not stop training; it is acknowledged with the batch
                     log.error("stream entry %s is not a segment (%s); skipping it", entry_id, e)
                     self.counters["malformed_segments"] += 1
-                    entries.append((entry_id, fields))
                     continue
-                entries.append((entry_id, fields))
                 if seg["seg_id"] in self.seen_set:
                     self.counters["duplicate_segments"] += 1
                     continue
@@ -260,26 +302,44 @@ class Learner:
         return entries, segments
 
     def _read(self, want: int) -> list[tuple[str, dict]]:
-        group, me = self.cfg.consumer_group, self.cfg.consumer
-        if self._pending_own:
-            got = self.redis.xreadgroup(group, me, {self.stream: "0"}, count=max(want, 1))
+        """The next entries of this rollout: own pending, then claimed, then new (see `collect`)."""
+        group, me, count = self.cfg.consumer_group, self.cfg.consumer, max(want, 1)
+        if self._own_cursor is not None:
+            got = self.redis.xreadgroup(group, me, {self.stream: self._own_cursor}, count=count)
             own = got[0][1] if got else []
             if own:
-                return [(i.decode(), f) for i, f in own if f]
-            self._pending_own = False
-            claimed = self.redis.xautoclaim(self.stream, group, me, min_idle_time=self.cfg.claim_idle_ms, count=1000)
-            if claimed[1]:
-                log.info("took over %d segments left pending by another consumer", len(claimed[1]))
-                self._pending_own = True  # they are ours now: read them as own pending
-                return [(i.decode(), f) for i, f in claimed[1] if f]
-        got = self.redis.xreadgroup(group, me, {self.stream: ">"}, count=max(want, 1), block=self.cfg.read_block_ms)
-        return [(i.decode(), f) for i, f in got[0][1]] if got else []
+                self._own_cursor = _text(own[-1][0])  # pending entries after this one next time
+                return self._present(own)
+            self._own_cursor = None
+        if self._claim_cursor is not None:
+            cursor, claimed = self.redis.xautoclaim(self.stream, group, me, min_idle_time=self.cfg.claim_idle_ms,
+                                                    start_id=self._claim_cursor, count=count)[:2]  # fmt: skip
+            self._claim_cursor = None if _text(cursor) == "0-0" else _text(cursor)
+            claimed = [(i, f) for i, f in claimed if i is not None]  # Redis 6.2 lists entries deleted meanwhile as nil
+            if claimed:
+                log.info("took over %d segments left pending by another consumer", len(claimed))
+                return self._present(claimed)
+            if self._claim_cursor is not None:
+                return []
+        got = self.redis.xreadgroup(group, me, {self.stream: ">"}, count=count, block=self.cfg.read_block_ms)
+        return self._present(got[0][1]) if got else []
+
+    def _present(self, entries: list[tuple[bytes, dict | None]]) -> list[tuple[str, dict]]:
+        """Entries that still have their fields; pending ones deleted from the stream are acknowledged (nothing to train)."""
+        gone = [_text(i) for i, f in entries if not f]
+        if gone:
+            log.warning("%d pending stream entries are no longer in the stream (trimmed or deleted); acknowledging them", len(gone))
+            self.counters["vanished_segments"] += len(gone)
+            self.redis.xack(self.stream, self.cfg.consumer_group, *gone)
+        return [(_text(i), f) for i, f in entries if f]
 
     def _settle(self) -> None:
-        """Acknowledge the entries the last checkpoint consumed and publish its weights, if not done yet.
+        """Finish the last update's Redis work, if not done yet: acknowledge and delete the entries its
+        checkpoint consumed, store and announce its weights, publish its figures and counters.
 
-        Both are idempotent (XACK/XDEL of an entry already gone, a snapshot stored twice), so
-        after a Redis failure they are simply done again.
+        Each is idempotent (XACK/XDEL of an entry already gone, a snapshot or a hash written
+        twice), so after a Redis failure it is simply done again; a failure raises to `run`,
+        which waits for Redis and calls this again before reading anything new.
         """
         if not self.is_main:
             return
@@ -289,6 +349,9 @@ class Learner:
         if self._unpublished:
             self.publish()
             self._unpublished = False
+        if self._unreported:
+            write_latest(self.redis, self.cfg.key_prefix, self._unreported)
+            self._unreported = {}
 
     def _wait_for_redis(self, error: Exception) -> None:
         """Redis went away (restart, network): wait for it with capped exponential back-off, then resume.
@@ -312,7 +375,6 @@ class Learner:
                 log.warning("Redis still unreachable after %.1f s (%s); next try in %.1f s", time.monotonic() - down_since, e, delay)
         else:
             return
-        self._pending_own = True
         log.warning("Redis is back after %.1f s; re-reading this learner's pending segments", time.monotonic() - down_since)
 
     def _ack(self, ids: list[str]) -> None:
@@ -351,19 +413,18 @@ class Learner:
         ann = weights.store_snapshot(self.redis, self.cfg.key_prefix, self.version, policy_state_dict(self.lp.model), kind)
         weights.announce(self.pub, ann)
 
-    def _log(self, metrics: dict[str, float], n: int) -> None:
-        # The latest update's figures, for live displays on other machines (`ppoz demo`,
-        # dashboards): one small hash, overwritten each update.
+    def _figures(self, metrics: dict[str, float], n: int) -> dict[str, float]:
+        """The latest update's figures for `<prefix>:learner:latest`: live displays (`ppoz demo`, `ppoz status`)
+        and the ledger, which needs the cumulative, checkpointed counters."""
         latest = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not math.isnan(v)}
         latest.update({"updates": self.updates, "version": self.version, "transitions": n, "time": time.time()})
-        latest.update({f"{COUNTER_PREFIX}{k}": v for k, v in self.counters.items()})  # cumulative, restored on --resume: the ledger
+        latest.update({f"{COUNTER_PREFIX}{k}": v for k, v in self.counters.items()})
+        return latest
+
+    def _log(self, metrics: dict[str, float], n: int) -> None:
         self.notifier.status(f"policy version {self.version}, {self.updates} updates, last: {n} transitions, return "
                              f"{metrics.get('charts/episodic_return', math.nan):.3f}, policy loss {metrics.get('losses/policy_loss', math.nan):.4f}",
                              min_interval_s=0)  # fmt: skip
-        try:
-            write_latest(self.redis, self.cfg.key_prefix, latest)
-        except redis.RedisError as e:  # a display's convenience; never worth stopping training for
-            log.warning("could not store the latest metrics in Redis: %s", e)
         if self.writer is not None:
             for key, value in metrics.items():
                 if not (isinstance(value, float) and math.isnan(value)):
@@ -384,3 +445,7 @@ class Learner:
             self.pub.close(linger=0)
         if self.allow_list is not None:
             self.allow_list.close()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

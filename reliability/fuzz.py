@@ -690,7 +690,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default="", help="the broker's Redis: after the run, wait for the learner and check the ledger "
                         "(docs/reliability.md); empty: no ledger")  # fmt: skip
     parser.add_argument("--key-prefix", default="ppoz", help="the broker's and learner's key prefix (default: ppoz)")
-    parser.add_argument("--settle-s", type=float, default=300.0, help="longest wait for the learner to balance the ledger (default: 300)")
+    parser.add_argument("--settle-s", type=float, default=300.0, help="give up on the ledger once it has not moved (the learner counting, the stream shrinking) for this long (default: 300)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

@@ -33,26 +33,38 @@ class Ledger:
     dropped_truncated: int
     in_stream: int  # segments written but not yet read by the learner
     still_open: int = 0  # transitions in Redis in the open segments of sessions still attached
+    learner_reported: bool = True  # the learner's figures hash exists (False: its counters are unknown, not zero)
+    figures_key: str = ""
 
     @property
     def balanced(self) -> bool:
-        return (self.in_stream == 0 and self.acknowledged == self.stored + self.still_open
+        return (self.learner_reported and self.in_stream == 0 and self.acknowledged == self.stored + self.still_open
                 and self.stored == self.trained + self.dropped_stale + self.dropped_truncated)  # fmt: skip
+
+    @property
+    def progress(self) -> tuple[int, ...]:
+        """What moves while the system works through the stream; settle_ledger waits while it changes."""
+        return (self.stored, self.trained, self.dropped_stale, self.dropped_truncated, self.in_stream, self.still_open)
 
     def __str__(self) -> str:
         opened = f" + {self.still_open} in open segments" if self.still_open else ""
+        if not self.learner_reported:
+            return (f"acknowledged {self.acknowledged}; the learner's side is missing: it has published no counters "
+                    f"({self.figures_key} is absent: no learner has started on this key prefix, or it cannot reach Redis); "
+                    f"{self.in_stream} segments unread{opened}")  # fmt: skip
         return (f"acknowledged {self.acknowledged}, stored {self.stored}{opened}; {self.stored} = trained {self.trained} + stale "
                 f"{self.dropped_stale} + truncated {self.dropped_truncated}; {self.in_stream} segments unread")  # fmt: skip
 
 
 def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_key: str = "segments") -> Ledger:
     """The ledger from Redis: the learner's counters and what is still unread or unacknowledged in the stream."""
-    counters = learner_figures.counters(learner_figures.read_latest(client, key_prefix))
+    figures = learner_figures.read_latest(client, key_prefix)
+    counters = learner_figures.counters(figures)
     # The learner deletes what it acknowledged (XACK + XDEL after its checkpoint): what is left is unread.
     unread = int(client.xlen(f"{key_prefix}:{stream_key}"))
     return Ledger(acknowledged, counters.get("transitions_stored", 0), counters.get("transitions_trained", 0),
                   counters.get("dropped_stale", 0), counters.get("dropped_truncated", 0), unread,
-                  open_transitions(client, key_prefix))  # fmt: skip
+                  open_transitions(client, key_prefix), bool(figures), learner_figures.latest_key(key_prefix))  # fmt: skip
 
 
 def open_transitions(client: redis.Redis, key_prefix: str) -> int:
@@ -65,17 +77,24 @@ def open_transitions(client: redis.Redis, key_prefix: str) -> int:
     return sum(pipe.execute()) if tasks else 0
 
 
-def settle_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, timeout: float,
+def settle_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stall_s: float,
                   still_running: Callable[[], None] | None = None, poll_s: float = 1.0) -> Ledger:  # fmt: skip
     """Wait until the learner has trained (or dropped by rule) every stored transition; the last ledger read.
 
-    `still_running()` is called between reads and may raise to give up early (a process died).
+    Waits as long as the ledger moves (the learner counting an update, the stream shrinking,
+    segments closing) and gives up once it has not moved for `stall_s`: a slow machine takes
+    longer but still moves, a stuck learner does not. `stall_s` must exceed the longest single
+    update. `still_running()` is called between reads and may raise to give up early (a process died).
     """
-    end = time.monotonic() + timeout
-    while True:
-        ledger = read_ledger(client, key_prefix, acknowledged)
-        if ledger.balanced or time.monotonic() > end:
+    ledger = read_ledger(client, key_prefix, acknowledged)
+    moved_at = time.monotonic()
+    while not ledger.balanced:
+        if time.monotonic() - moved_at > stall_s:
             return ledger
         if still_running is not None:
             still_running()
         time.sleep(poll_s)
+        before, ledger = ledger, read_ledger(client, key_prefix, acknowledged)
+        if ledger.progress != before.progress or ledger.learner_reported != before.learner_reported:
+            moved_at = time.monotonic()
+    return ledger

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest accepted growth of any process's resident memory after the first window (default: 150)")
     parser.add_argument("--latency-drift", type=float, default=2.0,
                         help="largest accepted ratio of the second half's step latency (p50, p99) to the first half's (default: 2)")
-    parser.add_argument("--settle-s", type=float, default=600.0, help="longest wait for the learner to train what is left (default: 600)")
+    parser.add_argument("--settle-s", type=float, default=600.0, help="give up on the ledger once it has not moved (the learner counting, the stream shrinking) for this long (default: 600)")
     parser.add_argument("--keep", default="", help="keep the logs and checkpoints in this folder (default: a temporary one, removed)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 

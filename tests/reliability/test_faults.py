@@ -17,6 +17,8 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -25,22 +27,74 @@ from client import Client
 from common.redis_server import EmbeddedRedis, connect
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
-from reliability.ledger import read_ledger
+from reliability.ledger import Ledger, settle_ledger
 from tests.helpers import OBS, wait_for
 
 PPOZ = [sys.executable, "-m", "ppoz.cli"]
 LONG_OBS = dict(OBS, prompt=OBS["prompt"] + " History: " + "TouchEvent(view=Cart) -> CartActivity. " * 100)
 
 
-def start_learner(tiny_model: str, redis_url: str, key_prefix: str, tmp_path: Any) -> tuple[Learner, threading.Thread]:
-    cfg = LearnerConfig(model=tiny_model, lora_rank=0, normalisation="token", device="cpu", redis_url=redis_url, key_prefix=key_prefix,
-                        rollout_batch=16, rollout_timeout_s=1.0, policy_minibatch=16, micro_batch=16, update_epochs=1,
-                        max_policy_lag=1000, weights_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
-                        tensorboard_dir="")  # fmt: skip
+LEARNER_SETTINGS = dict(lora_rank=0, normalisation="token", device="cpu", rollout_batch=16, rollout_timeout_s=1.0, policy_minibatch=16,
+                        micro_batch=16, update_epochs=1, max_policy_lag=1000, tensorboard_dir="")  # fmt: skip
+SETTLE_STALL_S = 300  # longer than any single update here on a loaded 2-core machine; the ledger moves after each one
+
+
+@dataclass
+class RunningLearner:
+    """The real learner, in a thread of the test process or as its own process (as in a farm)."""
+
+    ckpt: Path
+    said: Callable[[], str]  # what it has logged so far
+    alive: Callable[[], bool]
+    stop: Callable[[], None]
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return json.loads((sorted(self.ckpt.glob("ckpt-*"))[-1] / "state.json").read_text())
+
+
+@pytest.fixture
+def start_learner(tiny_models: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """Start the real learner on the tiny Llama (`as_process`: `ppoz learner` as its own process); stopped at teardown."""
+    started: list[RunningLearner] = []
+
+    def start(redis_url: str, key_prefix: str, as_process: bool = False) -> RunningLearner:
+        learner = launch_learner(tiny_models["llama"], redis_url, key_prefix, tmp_path, caplog, as_process)
+        started.append(learner)
+        return learner
+
+    yield start
+    for learner in started:
+        learner.stop()
+
+
+def launch_learner(tiny_model: str, redis_url: str, key_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                   as_process: bool) -> RunningLearner:  # fmt: skip
+    ckpt = tmp_path / "ckpt"
+    if as_process:
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in LEARNER_SETTINGS.items()]
+        log_path = tmp_path / "learner.log"
+        proc = subprocess.Popen([*PPOZ, "learner", "--model", tiny_model, "--redis-url", redis_url, "--key-prefix", key_prefix,
+                                 "--weights-bind", "tcp://127.0.0.1:0", "--checkpoint-dir", str(ckpt), *flags],
+                                stderr=log_path.open("w"))  # fmt: skip
+
+        def stop_process() -> None:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(120)
+
+        return RunningLearner(ckpt, log_path.read_text, lambda: proc.poll() is None, stop_process)
+    caplog.set_level(logging.INFO, logger="learner_node.worker")
+    cfg = LearnerConfig(model=tiny_model, redis_url=redis_url, key_prefix=key_prefix, weights_bind="tcp://127.0.0.1:*",
+                        checkpoint_dir=str(ckpt), **LEARNER_SETTINGS)  # fmt: skip
     learner = Learner(cfg, connect(redis_url, socket_timeout=30))
     thread = threading.Thread(target=learner.run, daemon=True)
     thread.start()
-    return learner, thread
+
+    def stop_thread() -> None:
+        learner.stop()
+        thread.join(120)
+
+    return RunningLearner(ckpt, lambda: caplog.text, thread.is_alive, stop_thread)
 
 
 def start_actor_process(backend: str, tiny_model: str, name: str) -> subprocess.Popen:
@@ -73,23 +127,37 @@ def play_emulators(frontend: str, n: int, steps: int, acknowledged: list[int], e
     return threads
 
 
-def settle_ledger(redis_url: str, key_prefix: str, acknowledged: int, learner: Learner, thread: threading.Thread):
+def settle(redis_url: str, key_prefix: str, acknowledged: int, learner: RunningLearner) -> Ledger:
+    """Wait while the learner works through the stream (the ledger moving); fail with the last ledger read if it stalls."""
     client = connect(redis_url)
+
+    def learner_alive() -> None:
+        if not learner.alive():
+            pytest.fail(f"the learner died: {learner.said()[-3000:]}")
+
     try:
-        ledger = wait_for(lambda: (l := read_ledger(client, key_prefix, acknowledged)).balanced and l, timeout=120,
-                          what=f"the ledger to balance ({read_ledger(client, key_prefix, acknowledged)})")  # fmt: skip
+        ledger = settle_ledger(client, key_prefix, acknowledged, SETTLE_STALL_S, learner_alive, poll_s=0.5)
     finally:
-        learner.stop()
-        thread.join(60)
         client.close()
+    if not ledger.balanced:
+        pytest.fail(f"the ledger stopped moving for {SETTLE_STALL_S} s without balancing: {ledger}\n{learner.said()[-3000:]}")
     return ledger
 
 
+def assert_trained_once(learner: RunningLearner, stored: int) -> None:
+    """The learner's last checkpoint: every segment id trained at most once, every stored transition counted once."""
+    state = learner.checkpoint_state()
+    trained = state["recent_segments"]
+    assert len(trained) == len(set(trained)), f"a segment was trained twice: {len(trained)} trainings of {len(set(trained))} segments"
+    assert state["counters"]["segments_trained"] == len(trained)
+    assert state["counters"]["transitions_stored"] == stored, state["counters"]
+
+
 @pytest.mark.slow
-def test_actor_killed_mid_batch_its_requests_go_to_another_and_nothing_is_lost(start_broker, start_actor, make_client,
-                                                                                tiny_models, redis_url, key_prefix, tmp_path):  # fmt: skip
+def test_actor_killed_mid_batch_its_requests_go_to_another_and_nothing_is_lost(start_broker, start_actor, start_learner, make_client,
+                                                                                tiny_models, redis_url, key_prefix):  # fmt: skip
     broker = start_broker(max_stream_backlog=0)
-    learner, learner_thread = start_learner(tiny_models["llama"], redis_url, key_prefix, tmp_path)
+    learner = start_learner(redis_url, key_prefix)
     doomed = start_actor_process(broker.backend, tiny_models["llama"], "doomed")
     status = make_client(broker.frontend)
     try:
@@ -111,15 +179,16 @@ def test_actor_killed_mid_batch_its_requests_go_to_another_and_nothing_is_lost(s
     counters = status.status()["counters"]
     assert counters["jobs/requeued"] >= 1, counters  # the killed actor's jobs went elsewhere
     assert counters["broker/steps"] == 80 and counters["broker/feedbacks"] == 80  # none answered twice, none lost
-    ledger = settle_ledger(redis_url, key_prefix, acknowledged[0], learner, learner_thread)
+    ledger = settle(redis_url, key_prefix, acknowledged[0], learner)
     assert ledger.balanced and ledger.stored == 80, str(ledger)
+    assert_trained_once(learner, 80)
 
 
 @pytest.mark.slow
-def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(start_broker, start_actor, make_client, tiny_models, redis_url,
-                                                               key_prefix, tmp_path):  # fmt: skip
+def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(start_broker, start_actor, start_learner, make_client, tiny_models,
+                                                               redis_url, key_prefix):  # fmt: skip
     broker = start_broker(max_stream_backlog=0, heartbeat_liveness=5, actor_job_timeout_ms=3000)
-    learner, learner_thread = start_learner(tiny_models["llama"], redis_url, key_prefix, tmp_path)
+    learner = start_learner(redis_url, key_prefix)
     frozen = start_actor_process(broker.backend, tiny_models["llama"], "frozen")
     status = make_client(broker.frontend)
     try:
@@ -150,20 +219,21 @@ def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(start_broker, st
             frozen.wait(30)
     assert acknowledged[0] == 44
     assert status.status()["counters"]["broker/feedbacks"] == 44
-    ledger = settle_ledger(redis_url, key_prefix, acknowledged[0], learner, learner_thread)
+    ledger = settle(redis_url, key_prefix, acknowledged[0], learner)
     assert ledger.balanced and ledger.stored == 44, str(ledger)
+    assert_trained_once(learner, 44)
 
 
 @pytest.mark.slow
-def test_broker_killed_and_restarted_clients_go_on_and_nothing_is_applied_twice(start_actor, make_client, tiny_models, redis_url,
-                                                                                key_prefix, tmp_path):  # fmt: skip
+def test_broker_killed_and_restarted_clients_go_on_and_nothing_is_applied_twice(start_actor, start_learner, make_client, redis_url,
+                                                                                key_prefix):  # fmt: skip
     from tests.broker.test_restart import free_port
 
     front, back = free_port(), free_port()
     args = [*PPOZ, "broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}", "--redis-url", redis_url,
             "--key-prefix", key_prefix, "--heartbeat-ms", "100", "--segment-len", "4"]  # fmt: skip
     broker = subprocess.Popen(args, stderr=subprocess.DEVNULL)
-    learner, learner_thread = start_learner(tiny_models["llama"], redis_url, key_prefix, tmp_path)
+    learner = start_learner(redis_url, key_prefix)
     start_actor(f"tcp://127.0.0.1:{back}", name="steady")
     frontend = f"tcp://127.0.0.1:{front}"
     status = make_client(frontend, deadline=60)
@@ -183,14 +253,20 @@ def test_broker_killed_and_restarted_clients_go_on_and_nothing_is_applied_twice(
         if broker.poll() is None:
             broker.terminate()
             broker.wait(30)
-    ledger = settle_ledger(redis_url, key_prefix, acknowledged[0], learner, learner_thread)
+    ledger = settle(redis_url, key_prefix, acknowledged[0], learner)
     assert ledger.balanced and ledger.stored == 80, str(ledger)  # retried feedbacks were not applied twice
+    assert_trained_once(learner, 80)
 
 
 @pytest.mark.slow
-def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_lost(start_actor, make_client, tiny_models, tmp_path,
-                                                                                   caplog):  # fmt: skip
-    """Redis SIGKILLed (append-only, fsync always) and restarted on the same files under 8 emulators and a learner."""
+@pytest.mark.parametrize("learner_kind", ["thread", "process"])
+def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_lost(start_actor, start_learner, make_client, learner_kind,
+                                                                                   tmp_path):  # fmt: skip
+    """Redis SIGKILLed (append-only, fsync always) and restarted on the same files under 8 emulators and a learner.
+
+    The learner runs in a thread of this process or as its own process, as in a farm. Afterwards
+    the ledger balances, and the learner's checkpoint shows every segment trained once.
+    """
     from tests.broker.test_restart import free_port
 
     data_dir = tempfile.mkdtemp(prefix="ppoz-aof-")  # short: a unix socket path has at most 107 bytes
@@ -200,12 +276,11 @@ def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_los
     args = [*PPOZ, "broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}", "--redis-url",
             redis_server.url, "--key-prefix", "aof", "--heartbeat-ms", "100", "--segment-len", "4"]  # fmt: skip
     broker = subprocess.Popen(args, stderr=broker_log.open("w"))
-    learner, learner_thread = start_learner(tiny_models["llama"], redis_server.url, "aof", tmp_path)
+    learner = start_learner(redis_server.url, "aof", as_process=learner_kind == "process")
     start_actor(f"tcp://127.0.0.1:{back}", name="steady")
     frontend = f"tcp://127.0.0.1:{front}"
     status = make_client(frontend, deadline=60)
     acknowledged, errors = [0], []
-    caplog.set_level(logging.INFO, logger="learner_node.worker")
     try:
         wait_for(lambda: status.status()["actors"], timeout=60, what="the actor at the broker")
         threads = play_emulators(frontend, 8, 30, acknowledged, errors, make_client)
@@ -215,15 +290,17 @@ def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_los
         wait_for(lambda: not status.status()["storage_ok"], timeout=30, what="the broker to notice")
         # Down until the learner too has given up its client's quick retries and gone to its back-off;
         # meanwhile clients are refused with `overloaded` and retry.
-        wait_for(lambda: "Redis unreachable" in caplog.text, timeout=60, what="the learner to notice")
+        wait_for(lambda: "Redis unreachable" in learner.said(), timeout=60, what="the learner to notice")
         redis_server.start()  # same directory: it replays the append-only file
         for t in threads:
             t.join(180)
         assert not errors, errors[:3]
         assert acknowledged[0] == 240
         assert status.status()["storage_ok"]
-        ledger = settle_ledger(redis_server.url, "aof", acknowledged[0], learner, learner_thread)
+        ledger = settle(redis_server.url, "aof", acknowledged[0], learner)
         assert ledger.balanced and ledger.stored == 240, str(ledger)
+        assert_trained_once(learner, 240)
+        said = learner.said()
     finally:
         learner.stop()
         if broker.poll() is None:
@@ -231,9 +308,9 @@ def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_los
             broker.wait(30)
         redis_server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
-    said = broker_log.read_text()
-    assert "Redis unreachable" in said and "Redis is back" in said, said[-2000:]
-    assert "Redis is back" in caplog.text, caplog.text[-2000:]  # the learner's
+    told = broker_log.read_text()
+    assert "Redis unreachable" in told and "Redis is back" in told, told[-2000:]
+    assert "Redis is back" in said, said[-2000:]  # the learner's
 
 
 @pytest.mark.slow
@@ -250,13 +327,18 @@ def test_learner_killed_mid_update_resumes_and_the_ledger_balances(start_broker,
     learner_log = tmp_path / "learner.log"
     learner = subprocess.Popen(args, stderr=learner_log.open("w"))
     stream = f"{key_prefix}:segments"
+
+    def alive() -> None:
+        if learner.poll() is not None:
+            pytest.fail(f"the learner exited with {learner.returncode}: {learner_log.read_text()[-3000:]}")
+
     acknowledged, errors = [0], []
     try:
         # Phase 1: 48 feedbacks, trained and checkpointed.
         for t in play_emulators(broker.frontend, 8, 6, acknowledged, errors, make_client):
             t.join(180)
-        wait_for(lambda: list(ckpt.glob("ckpt-*")) and not redis_client.xlen(stream), timeout=180,
-                 what=f"the first updates ({learner_log.read_text()[-3000:]})")  # fmt: skip
+        first = settle_ledger(redis_client, key_prefix, acknowledged[0], SETTLE_STALL_S, alive, poll_s=0.5)
+        assert first.balanced and list(ckpt.glob("ckpt-*")), f"the first updates: {first}\n{learner_log.read_text()[-3000:]}"
         # Phase 2: 48 more; the learner is killed while it holds a rollout it read but has not acknowledged.
         threads = play_emulators(broker.frontend, 8, 6, acknowledged, errors, make_client)
         wait_for(lambda: redis_client.xpending(stream, "learners")["pending"] >= 1, timeout=180,
@@ -270,8 +352,7 @@ def test_learner_killed_mid_update_resumes_and_the_ledger_balances(start_broker,
         assert not errors, errors[:3]
         assert acknowledged[0] == 96
         learner = subprocess.Popen(args + ["--resume"], stderr=learner_log.open("a"))
-        ledger = wait_for(lambda: (l := read_ledger(redis_client, key_prefix, acknowledged[0])).balanced and l, timeout=180,
-                          what=f"the ledger to balance ({read_ledger(redis_client, key_prefix, acknowledged[0])})")  # fmt: skip
+        ledger = settle_ledger(redis_client, key_prefix, acknowledged[0], SETTLE_STALL_S, alive, poll_s=0.5)
     finally:
         if learner.poll() is None:
             learner.terminate()
@@ -281,4 +362,5 @@ def test_learner_killed_mid_update_resumes_and_the_ledger_balances(start_broker,
     assert final["version"] > killed_at["version"] and final["updates"] > killed_at["updates"]  # the sequence goes on
     trained = final["recent_segments"]
     assert len(trained) == len(set(trained)), "a segment was trained twice"
+    assert final["counters"]["transitions_stored"] == 96 and final["counters"]["segments_trained"] == len(trained)
     assert not redis_client.xpending(stream, "learners")["pending"]

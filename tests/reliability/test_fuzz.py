@@ -65,7 +65,7 @@ def test_fuzz_broker_and_gateway(broker_process, start_actor, make_client, start
     assert report.rss_after_kb - report.rss_before_kb < 200 * 1024
     # Nothing the fuzz did cost an acknowledged feedback: all of them were stored and trained (or dropped by rule).
     try:
-        ledger = settle_ledger(redis_client, key_prefix, report.acknowledged_feedbacks, timeout=120)
+        ledger = settle_ledger(redis_client, key_prefix, report.acknowledged_feedbacks, stall_s=300)
     finally:
         learner.stop()
         learner_thread.join(60)
