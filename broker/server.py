@@ -34,6 +34,7 @@ from broker.sessions import REASON_DETACH, REASON_EXPIRED, PendingStep, Session,
 from broker.store import Batch, Committer, SessionStore
 from common import protocol as p
 from common.learner_figures import read_latest
+from common.segments import RedisKeys
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
 from common.stats import LatencyWindow
@@ -53,7 +54,7 @@ class Broker:
     def __init__(self, config: BrokerConfig, redis_client: redis.Redis, context: zmq.Context | None = None) -> None:
         self.cfg = config
         self.limits = config.limits
-        self.store = SessionStore(redis_client, config.key_prefix, config.stream_key, config.consumer_group)
+        self.store = SessionStore(redis_client, RedisKeys(config.key_prefix, config.stream_key), config.consumer_group)
         self.ctx = context or zmq.Context.instance()
         self.sessions: dict[str, Session] = {}
         self.attach_rids: dict[Any, str] = {}  # attach rid -> task_id, so a retried attach gets the same task

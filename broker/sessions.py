@@ -30,6 +30,8 @@ from collections import OrderedDict
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
+from common.segments import Transition
+
 REASON_DONE = "done"
 REASON_LENGTH = "length"
 REASON_ORPHAN_STEP = "orphan_step"
@@ -146,16 +148,14 @@ class Session:
 
     def record_feedback(
         self, reward: float, done: bool, truncated: bool, next_obs: dict[str, Any] | None
-    ) -> tuple[dict[str, Any], list[SegmentClose]]:
+    ) -> tuple[Transition, list[SegmentClose]]:
         """Turn the pending step into a transition; return it and the segments this closes."""
         if self.pending is None:
             raise LookupError("no pending step")
         step = self.pending
-        transition = {
-            "obs": step.obs, "action": step.action, "logprob": step.logprob, "probs": step.probs,
-            "policy_version": step.policy_version, "mode": step.mode, "reward": reward, "done": done,
-            "truncated": truncated, "step_ms": step.step_ms, "feedback_ms": now_ms(),
-        }  # fmt: skip
+        transition = Transition(obs=step.obs, action=step.action, logprob=step.logprob, probs=step.probs,
+                                policy_version=step.policy_version, mode=step.mode, reward=reward, done=done,
+                                truncated=truncated, step_ms=step.step_ms, feedback_ms=now_ms())  # fmt: skip
         self.pending = None
         self.open_len += 1
         closes: list[SegmentClose] = []

@@ -1,13 +1,4 @@
-"""The broker's Redis layout: sessions, open segments and the segment stream.
-
-Keys (P is `key_prefix`):
-
-    P:tasks             SET     task ids of live sessions
-    P:task:{task_id}    HASH    created_ms, seq, epoch, pending, last_rid, last_reply, attach_rid
-    P:seg:{task_id}     LIST    the open segment: one msgpack transition per element
-    P:hist:{task_id}    LIST    rag_step: the task's last `rag_history_len` steps (prompt end, action, reward)
-    P:detached:{tid}    STRING  the reply to a detach, kept an hour for a retried detach
-    P:{stream_key}      STREAM  closed segments, read by the learner's consumer group
+"""The broker's writes to Redis and its reads after a restart (key layout: common/segments.py).
 
 Writes are staged into one Batch per broker loop turn (group commit), applied
 by one atomic Lua script call, and replies are sent only after it succeeds: an
@@ -26,7 +17,9 @@ import msgpack
 import redis
 
 from broker.sessions import PendingStep, SegmentClose, Session, now_ms
+from common import segments as seg
 from common.protocol import encode
+from common.segments import RedisKeys, Transition, unpack
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +33,8 @@ TOMBSTONE_TTL_S = 3600
 # list's already-encoded transitions with a msgpack array header, so the
 # entry's `transitions` field is one msgpack array and the transitions never
 # leave Redis. Not for Redis Cluster (the keys are not declared).
-APPLY_LUA = """
+APPLY_LUA = (
+    """
 local function close_segment(seg, stream, task, seg_id, task_id, seq, reason, done, truncated, next_obs, closed_ms, next_seq)
   local items = redis.call('LRANGE', seg, 0, -1)
   local n = #items
@@ -52,9 +46,7 @@ local function close_segment(seg, stream, task, seg_id, task_id, seq, reason, do
   else
     head = string.char(221, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256, math.floor(n / 256) % 256, n % 256)
   end
-  redis.call('XADD', stream, '*',
-    'seg_id', seg_id, 'task_id', task_id, 'seq', seq, 'reason', reason, 'done', done, 'truncated', truncated,
-    'n', n, 'next_obs', next_obs, 'transitions', head .. table.concat(items), 'closed_ms', closed_ms)
+  redis.call('XADD', stream, '*', ENTRY)
   redis.call('DEL', seg)
   redis.call('HSET', task, 'seq', next_seq)
 end
@@ -69,7 +61,14 @@ for i = 1, #ops do
   end
 end
 return #ops
-"""
+""".replace(
+        # The entry's field names are the ones the learner reads (common/segments.py), each with its Lua value.
+        "ENTRY",
+        ", ".join(f"'{name}', {value}" for name, value in zip(seg.ENTRY_FIELDS, (
+            "seg_id", "task_id", "seq", "reason", "done", "truncated", "n", "next_obs", "head .. table.concat(items)", "closed_ms",
+        ))),  # fmt: skip
+    )
+)
 
 
 class Batch:
@@ -131,63 +130,45 @@ class Committer:
 class SessionStore:
     """Stages the broker's writes and reads its state back after a restart."""
 
-    def __init__(self, client: redis.Redis, prefix: str, stream_key: str, group: str) -> None:
+    def __init__(self, client: redis.Redis, keys: RedisKeys, group: str) -> None:
         self.client = client
-        self.prefix = prefix
-        self.stream = f"{prefix}:{stream_key}"
+        self.keys = keys
         self.group = group
-        self.tasks_key = f"{prefix}:tasks"
-
-    def task_key(self, task_id: str) -> str:
-        return f"{self.prefix}:task:{task_id}"
-
-    def seg_key(self, task_id: str) -> str:
-        return f"{self.prefix}:seg:{task_id}"
-
-    def history_key(self, task_id: str) -> str:
-        return f"{self.prefix}:hist:{task_id}"
-
-    def tombstone_key(self, task_id: str) -> str:
-        return f"{self.prefix}:detached:{task_id}"
 
     # --- start-up ------------------------------------------------------------------------
     def ensure_stream(self) -> None:
         """Create the stream and the learners' consumer group if they do not exist."""
-        try:
-            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        seg.ensure_group(self.client, self.keys, self.group)
 
     def load_sessions(self, segment_len: int, history_len: int | None = None) -> dict[str, Session]:
         """Every live session with its pending step, open-segment length and (the last `history_len`) rag history."""
-        task_ids = sorted(t.decode() for t in self.client.smembers(self.tasks_key))
+        task_ids = sorted(t.decode() for t in self.client.smembers(self.keys.tasks))
         pipe = self.client.pipeline(transaction=False)
         for task_id in task_ids:
-            pipe.hgetall(self.task_key(task_id))
-            pipe.llen(self.seg_key(task_id))
-            pipe.lrange(self.history_key(task_id), 0, -1)
+            pipe.hgetall(self.keys.task(task_id))
+            pipe.llen(self.keys.open_segment(task_id))
+            pipe.lrange(self.keys.history(task_id), 0, -1)
         results = pipe.execute() if task_ids else []
         sessions: dict[str, Session] = {}
         for i, task_id in enumerate(task_ids):
             fields, open_len, history = results[3 * i], results[3 * i + 1], results[3 * i + 2]
             if not fields:
-                log.warning("task %s is listed but has no state; dropping it from %s", task_id, self.tasks_key)
-                self.client.srem(self.tasks_key, task_id)
-                self.client.delete(self.history_key(task_id))
+                log.warning("task %s is listed but has no state; dropping it from %s", task_id, self.keys.tasks)
+                self.client.srem(self.keys.tasks, task_id)
+                self.client.delete(self.keys.history(task_id))
                 continue
             s = Session(task_id, segment_len, created_ms=int(fields.get(b"created_ms", now_ms())), seq=int(fields[b"seq"]))
             s.open_len = open_len
             s.epoch = fields.get(b"epoch", b"").decode()  # sessions from before epochs have none
-            entries = [_decode(entry) for entry in history]
+            entries = [unpack(entry) for entry in history]
             s.history = entries if history_len is None else entries[len(entries) - history_len :] if history_len else []
             if fields.get(b"pending"):
-                s.pending = PendingStep.from_wire(_decode(fields[b"pending"]))
+                s.pending = PendingStep.from_wire(unpack(fields[b"pending"]))
             if fields.get(b"last_rid"):
-                s.last_rid = _decode(fields[b"last_rid"])
+                s.last_rid = unpack(fields[b"last_rid"])
                 s.last_reply = fields.get(b"last_reply", b"")
             if fields.get(b"attach_rid"):
-                s.attach_rid = _decode(fields[b"attach_rid"])
+                s.attach_rid = unpack(fields[b"attach_rid"])
             sessions[task_id] = s
         return sessions
 
@@ -198,42 +179,39 @@ class SessionStore:
             self.client.eval(APPLY_LUA, 0, batch.pack())
 
     def stage_create(self, batch: Batch, s: Session) -> None:
-        batch.add("SADD", self.tasks_key, s.task_id)
-        batch.add("HSET", self.task_key(s.task_id), "created_ms", str(s.created_ms), "seq", str(s.seq), "pending", b"",
+        batch.add("SADD", self.keys.tasks, s.task_id)
+        batch.add("HSET", self.keys.task(s.task_id), "created_ms", str(s.created_ms), "seq", str(s.seq), "pending", b"",
                   "attach_rid", encode(s.attach_rid), "epoch", s.epoch)  # fmt: skip
 
     def stage_pending(self, batch: Batch, s: Session) -> None:
         pending = encode(s.pending.to_wire()) if s.pending is not None else b""
-        batch.add("HSET", self.task_key(s.task_id), "pending", pending)
+        batch.add("HSET", self.keys.task(s.task_id), "pending", pending)
 
-    def stage_transition(self, batch: Batch, s: Session, transition: dict[str, Any]) -> None:
-        batch.add("RPUSH", self.seg_key(s.task_id), encode(transition))
-        batch.add("HSET", self.task_key(s.task_id), "pending", b"", "last_rid", encode(s.last_rid), "last_reply", s.last_reply)
+    def stage_transition(self, batch: Batch, s: Session, transition: Transition) -> None:
+        batch.add("RPUSH", self.keys.open_segment(s.task_id), encode(transition.to_wire()))
+        batch.add("HSET", self.keys.task(s.task_id), "pending", b"", "last_rid", encode(s.last_rid), "last_reply", s.last_reply)
 
     def stage_history(self, batch: Batch, s: Session, entry: dict[str, Any], keep: int) -> None:
-        batch.add("RPUSH", self.history_key(s.task_id), encode(entry))
-        batch.add("LTRIM", self.history_key(s.task_id), str(-keep), "-1")
+        batch.add("RPUSH", self.keys.history(s.task_id), encode(entry))
+        batch.add("LTRIM", self.keys.history(s.task_id), str(-keep), "-1")
 
     def stage_close(self, batch: Batch, s: Session, close: SegmentClose) -> None:
         batch.add(
-            "CLOSE", self.seg_key(s.task_id), self.stream, self.task_key(s.task_id), close.seg_id, close.task_id,
+            "CLOSE", self.keys.open_segment(s.task_id), self.keys.stream, self.keys.task(s.task_id), close.seg_id, close.task_id,
             str(close.seq), close.reason, "1" if close.done else "0", "1" if close.truncated else "0",
             encode(close.next_obs), str(now_ms()), str(close.seq + 1),
         )  # fmt: skip
 
     def stage_delete(self, batch: Batch, s: Session, detach_reply: bytes | None) -> None:
-        batch.add("DEL", self.task_key(s.task_id), self.seg_key(s.task_id), self.history_key(s.task_id))
-        batch.add("SREM", self.tasks_key, s.task_id)
+        batch.add("DEL", self.keys.task(s.task_id), self.keys.open_segment(s.task_id), self.keys.history(s.task_id))
+        batch.add("SREM", self.keys.tasks, s.task_id)
         if detach_reply is not None:
-            batch.add("SET", self.tombstone_key(s.task_id), detach_reply, "EX", str(TOMBSTONE_TTL_S))
+            batch.add("SET", self.keys.tombstone(s.task_id), detach_reply, "EX", str(TOMBSTONE_TTL_S))
 
     # --- reads -----------------------------------------------------------------------------
     def detach_tombstone(self, task_id: str) -> bytes | None:
-        return self.client.get(self.tombstone_key(task_id))
+        return self.client.get(self.keys.tombstone(task_id))
 
     def stream_length(self) -> int:
-        return int(self.client.xlen(self.stream))
+        return int(self.client.xlen(self.keys.stream))
 
-
-def _decode(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False)

@@ -3,7 +3,7 @@
 Written by the learner (losses, version, and its cumulative, checkpointed
 counters under `counters/...`); read by the broker's status and Prometheus
 endpoint, the demo's progress line and the reliability ledger. The key and
-its encoding live here only.
+its encoding live here only (the key's name: common/segments.py).
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from typing import Mapping
 
 import redis
 
+from common.segments import RedisKeys
+
 COUNTER_PREFIX = "counters/"
 
 
 def latest_key(key_prefix: str) -> str:
-    return f"{key_prefix}:learner:latest"
+    return RedisKeys(key_prefix).learner_latest
 
 
 def write_latest(client: redis.Redis, key_prefix: str, figures: Mapping[str, float]) -> None:

@@ -1,29 +1,163 @@
-"""The segment stream's entry format, shared by the broker (writer) and the learner (reader).
+"""What PPOZ's processes share in Redis: every key, the segment format, the consumer group.
 
-docs/protocol.md, section 7, describes the fields.
+The broker writes sessions, open segments and closed segments; the learner
+reads the segment stream through a consumer group and writes weight snapshots
+and its latest figures; actors read the snapshots; the ledger, `ppoz status`
+and the demo read the figures. Every key is built here and nowhere else
+(`RedisKeys`; P is `key_prefix`):
+
+    P:tasks             SET     task ids of live sessions                                     broker
+    P:task:{task_id}    HASH    created_ms, seq, epoch, pending, last_rid, last_reply,        broker
+                                attach_rid, recent (replies of the last few writes)
+    P:seg:{task_id}     LIST    the open segment: one msgpack `Transition` per element         broker
+    P:hist:{task_id}    LIST    rag_step: the task's last steps (prompt end, action, reward)  broker
+    P:detached:{tid}    STRING  the reply to a detach, kept an hour for a retried detach     broker
+    P:{stream_key}      STREAM  closed segments (`Segment`), read by the learners' group     broker -> learner
+    P:weights:latest    HASH    version, checksum, size, kind of the newest snapshot         learner -> actors
+    P:weights:v{n}      STRING  snapshot n: safetensors bytes                                learner -> actors
+    P:learner:latest    HASH    the learner's latest figures and cumulative counters         learner -> status, ledger
+
+A stream entry (one closed segment) has the fields in `ENTRY_FIELDS`; the
+broker's Lua script writes them (broker/store.py builds it from these names)
+and `Segment.from_entry` reads them. `transitions` is one msgpack array of
+`Transition` maps, `next_obs` a msgpack observation or nil; docs/protocol.md,
+section 7, describes each field.
 """
 
 from __future__ import annotations
 
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 import msgpack
+import redis
+
+# --- the stream entry's fields, in the order the broker writes them ---------------------------
+F_SEG_ID = "seg_id"  # "<task_id>:<epoch>:<seq>", unique across a task id's sessions
+F_TASK_ID = "task_id"
+F_SEQ = "seq"  # the segment's number within its session
+F_REASON = "reason"  # why it closed: done, length, orphan_step, truncated, detach, expired
+F_DONE = "done"  # "1": the episode ended with the last transition (no bootstrap)
+F_TRUNCATED = "truncated"  # "1": cut short (time limit, detach, expiry)
+F_N = "n"  # number of transitions
+F_NEXT_OBS = "next_obs"  # msgpack: the observation after the last transition, or nil
+F_TRANSITIONS = "transitions"  # msgpack array of Transition maps
+F_CLOSED_MS = "closed_ms"  # wall-clock time the segment closed
+ENTRY_FIELDS = (F_SEG_ID, F_TASK_ID, F_SEQ, F_REASON, F_DONE, F_TRUNCATED, F_N, F_NEXT_OBS, F_TRANSITIONS, F_CLOSED_MS)
 
 
-def decode_segment(fields: dict[bytes, bytes]) -> dict[str, Any]:
-    """A stream entry's fields as a segment map (the learner's view; see docs/protocol.md)."""
-    return {
-        "seg_id": fields[b"seg_id"].decode(),
-        "task_id": fields[b"task_id"].decode(),
-        "seq": int(fields[b"seq"]),
-        "reason": fields[b"reason"].decode(),
-        "done": fields[b"done"] == b"1",
-        "truncated": fields[b"truncated"] == b"1",
-        "next_obs": _decode(fields[b"next_obs"]),
-        "transitions": _decode(fields[b"transitions"]),
-        "closed_ms": int(fields[b"closed_ms"]),
-    }
+@dataclass(frozen=True)
+class RedisKeys:
+    """Every Redis key of one PPOZ deployment (one `key_prefix`)."""
+
+    prefix: str
+    stream_key: str = "segments"
+
+    @property
+    def stream(self) -> str:
+        return f"{self.prefix}:{self.stream_key}"
+
+    @property
+    def tasks(self) -> str:
+        return f"{self.prefix}:tasks"
+
+    def task(self, task_id: str) -> str:
+        return f"{self.prefix}:task:{task_id}"
+
+    def open_segment(self, task_id: str) -> str:
+        return f"{self.prefix}:seg:{task_id}"
+
+    def history(self, task_id: str) -> str:
+        return f"{self.prefix}:hist:{task_id}"
+
+    def tombstone(self, task_id: str) -> str:
+        return f"{self.prefix}:detached:{task_id}"
+
+    @property
+    def weights_latest(self) -> str:
+        return f"{self.prefix}:weights:latest"
+
+    def weights_snapshot(self, version: int) -> str:
+        return f"{self.prefix}:weights:v{version}"
+
+    @property
+    def learner_latest(self) -> str:
+        return f"{self.prefix}:learner:latest"
 
 
-def _decode(data: bytes) -> Any:
+def ensure_group(client: redis.Redis, keys: RedisKeys, group: str) -> None:
+    """Create the segment stream and the learners' consumer group if either is missing (broker and learner both do)."""
+    try:
+        client.xgroup_create(keys.stream, group, id="0", mkstream=True)
+    except redis.ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+def pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False)
+
+
+@dataclass
+class Transition:
+    """One step and its reward, as the broker stores it (an element of an open segment, then of a stream entry)."""
+
+    obs: dict[str, Any]  # the observation scored: prompt, question, action (the candidate strings)
+    action: int  # index of the chosen candidate
+    logprob: float  # behaviour log-probability of `action`
+    probs: list[float]  # behaviour probabilities of every candidate
+    policy_version: int  # the weights that chose it
+    mode: str  # "step" or "rag_step"
+    reward: float
+    done: bool
+    truncated: bool
+    step_ms: int = 0  # when the step was answered
+    feedback_ms: int = 0  # when its reward came
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Transition:
+        known = {f.name: f for f in fields(cls)}
+        missing = [name for name, f in known.items() if name not in d and f.default is MISSING]
+        if missing:
+            raise ValueError(f"transition lacks {', '.join(missing)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class Segment:
+    """A closed segment: consecutive transitions of one task, and what follows them."""
+
+    seg_id: str
+    task_id: str
+    seq: int
+    reason: str
+    done: bool
+    truncated: bool
+    next_obs: dict[str, Any] | None
+    transitions: list[Transition] = field(default_factory=list)
+    closed_ms: int = 0
+
+    @classmethod
+    def from_entry(cls, entry: dict[bytes, bytes]) -> Segment:
+        """A stream entry's fields (as redis-py returns them) as a Segment; ValueError if it is not one."""
+        try:
+            return cls(
+                seg_id=entry[F_SEG_ID.encode()].decode(),
+                task_id=entry[F_TASK_ID.encode()].decode(),
+                seq=int(entry[F_SEQ.encode()]),
+                reason=entry[F_REASON.encode()].decode(),
+                done=entry[F_DONE.encode()] == b"1",
+                truncated=entry[F_TRUNCATED.encode()] == b"1",
+                next_obs=unpack(entry[F_NEXT_OBS.encode()]),
+                transitions=[Transition.from_wire(t) for t in unpack(entry[F_TRANSITIONS.encode()])],
+                closed_ms=int(entry[F_CLOSED_MS.encode()]),
+            )
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+            raise ValueError(f"not a segment entry: {type(e).__name__}: {e}") from e

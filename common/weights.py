@@ -3,10 +3,9 @@
 The learner stores every new policy snapshot in Redis before it announces it,
 so PUB never carries the only copy: an actor that starts late, or misses an
 announcement (PUB/SUB drops messages for slow joiners and at the high-water
-mark), reads the newest snapshot from Redis. Keys (P is the key prefix):
-
-    P:weights:latest        HASH    version, checksum (sha256 hex), size, kind
-    P:weights:v{version}    STRING  the snapshot: safetensors bytes
+mark), reads the newest snapshot from Redis: `P:weights:latest` (a hash: version,
+checksum as sha256 hex, size, kind) names it, `P:weights:v{version}` holds its
+safetensors bytes (keys: common/segments.py).
 
 An announcement is a two-frame PUB message: topic `weights`, then a msgpack map
 {proto, v, op: "weights", version, checksum, size, kind}. `kind` is `lora`
@@ -27,6 +26,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from common import protocol as p
+from common.segments import RedisKeys
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ class Announcement:
 
 
 def _keys(prefix: str, version: int | None = None) -> str:
-    return f"{prefix}:weights:latest" if version is None else f"{prefix}:weights:v{version}"
+    keys = RedisKeys(prefix)
+    return keys.weights_latest if version is None else keys.weights_snapshot(version)
 
 
 def store_snapshot(client: redis.Redis, prefix: str, version: int, state: dict[str, torch.Tensor], kind: str) -> Announcement:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from common.segments import Segment
 from learner_node import ppo
 
 
@@ -42,27 +43,27 @@ class Rollout:
         return len(self.actions)
 
 
-def build_rollout(segments: list[dict[str, Any]], value_of: Callable[[list[dict[str, Any]]], list[float]],
+def build_rollout(segments: list[Segment], value_of: Callable[[list[dict[str, Any]]], list[float]],
                   gamma: float, lam: float, current_version: int, max_policy_lag: int) -> Rollout:  # fmt: skip
     """Turn decoded segments into a Rollout; `value_of(observations)` is the critic (no gradients)."""
     out = Rollout()
     # One critic call for every observation and bootstrap observation of the batch.
     wanted: list[dict[str, Any]] = []
     for seg in segments:
-        wanted += [t["obs"] for t in seg["transitions"]]
-        if seg["next_obs"] is not None and not seg["done"]:
-            wanted.append(seg["next_obs"])
+        wanted += [t.obs for t in seg.transitions]
+        if seg.next_obs is not None and not seg.done:
+            wanted.append(seg.next_obs)
     values = value_of(wanted) if wanted else []
     cursor = 0
     for seg in segments:
-        transitions = seg["transitions"]
+        transitions = seg.transitions
         n = len(transitions)
         out.stored += n
         seg_values = values[cursor : cursor + n]
         cursor += n
-        if seg["done"]:
+        if seg.done:
             next_value = 0.0
-        elif seg["next_obs"] is not None:
+        elif seg.next_obs is not None:
             next_value = values[cursor]
             cursor += 1
         else:  # truncated with no successor: drop the last transition, bootstrap from its observation
@@ -71,25 +72,25 @@ def build_rollout(segments: list[dict[str, Any]], value_of: Callable[[list[dict[
             n -= 1
             if n == 0:
                 continue
-        rewards = torch.tensor([float(t["reward"]) for t in transitions])
-        dones = torch.tensor([bool(t["done"]) for t in transitions])
+        rewards = torch.tensor([float(t.reward) for t in transitions])
+        dones = torch.tensor([bool(t.done) for t in transitions])
         b_values = torch.tensor(seg_values, dtype=torch.float32)
         advantages, returns = ppo.gae(rewards, b_values, dones, next_value, gamma, lam)
         episode = 0.0
         for t, adv, ret, v in zip(transitions, advantages.tolist(), returns.tolist(), seg_values):
-            episode += float(t["reward"])
-            if t["done"]:
+            episode += float(t.reward)
+            if t.done:
                 out.episodic_returns.append(episode)
                 episode = 0.0
-            if current_version - int(t["policy_version"]) > max_policy_lag:
+            if current_version - t.policy_version > max_policy_lag:
                 out.dropped_stale += 1
                 continue
-            out.obs.append(t["obs"])
-            out.actions.append(int(t["action"]))
-            out.logprobs.append(float(t["logprob"]))
-            out.versions.append(int(t["policy_version"]))
+            out.obs.append(t.obs)
+            out.actions.append(t.action)
+            out.logprobs.append(float(t.logprob))
+            out.versions.append(t.policy_version)
             out.advantages.append(adv)
             out.returns.append(ret)
             out.values.append(float(v))
-            out.seg_ids.append(seg["seg_id"])
+            out.seg_ids.append(seg.seg_id)
     return out

@@ -39,7 +39,7 @@ from common import weights
 from common.learner_figures import COUNTER_PREFIX, write_latest
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
-from common.segments import decode_segment
+from common.segments import RedisKeys, Segment, ensure_group
 from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
@@ -60,7 +60,8 @@ class Learner:
     def __init__(self, cfg: LearnerConfig, client: redis.Redis, context: zmq.Context | None = None) -> None:
         self.cfg = cfg
         self.redis = client
-        self.stream = f"{cfg.key_prefix}:{cfg.stream_key}"
+        self.keys = RedisKeys(cfg.key_prefix, cfg.stream_key)
+        self.stream = self.keys.stream
         device = cfg.device
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (dist.is_available() and dist.is_initialized()):
             from accelerate import Accelerator  # sets up the process group `accelerate launch` describes
@@ -131,11 +132,7 @@ class Learner:
                 self._wait_for_redis(e)
 
     def _ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.stream, self.cfg.consumer_group, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        ensure_group(self.redis, self.keys, self.cfg.consumer_group)
 
     def restore(self) -> None:
         path = checkpoint.latest(self.cfg.checkpoint_dir)
@@ -240,7 +237,7 @@ class Learner:
         self.counters["dropped_truncated"] += rollout.dropped_truncated
         self.counters["segments_trained"] += len(segments)
         for seg in segments:
-            self._remember(seg["seg_id"])
+            self._remember(seg.seg_id)
         elapsed = time.perf_counter() - started
         lag = [trained_from - v for v in rollout.versions] if rollout.versions else [0]
         metrics.update({
@@ -263,7 +260,7 @@ class Learner:
             self._settle()
         return metrics
 
-    def collect(self) -> tuple[list[tuple[str, dict]], list[dict[str, Any]]]:
+    def collect(self) -> tuple[list[tuple[str, dict]], list[Segment]]:
         """Stream entries until `rollout_batch` transitions are in hand (or the learner is stopped).
 
         Every rollout reads, in this order: this consumer's own pending entries (a rollout read
@@ -273,14 +270,14 @@ class Learner:
         once per rollout: a pending entry is never trained twice, nor counted twice as stored.
         """
         entries: list[tuple[str, dict]] = []
-        segments: list[dict[str, Any]] = []
+        rollout: list[Segment] = []
         taken: set[str] = set()
         transitions = 0
         self._own_cursor, self._claim_cursor = "0", "0-0"
         give_up = time.monotonic() + self.cfg.rollout_timeout_s if self.cfg.rollout_timeout_s else math.inf
         while transitions < self.cfg.rollout_batch and not self.stop_event.is_set():
             self.notifier.watchdog()  # waiting for data is not hanging
-            if segments and time.monotonic() > give_up:
+            if rollout and time.monotonic() > give_up:
                 log.info("rollout timeout: training on %d transitions", transitions)
                 break
             for entry_id, fields in self._read(self.cfg.rollout_batch - transitions):
@@ -289,17 +286,17 @@ class Learner:
                 taken.add(entry_id)
                 entries.append((entry_id, fields))
                 try:
-                    seg = decode_segment(fields)
-                except Exception as e:  # a malformed entry must not stop training; it is acknowledged with the batch
+                    seg = Segment.from_entry(fields)
+                except ValueError as e:  # a malformed entry must not stop training; it is acknowledged with the batch
                     log.error("stream entry %s is not a segment (%s); skipping it", entry_id, e)
                     self.counters["malformed_segments"] += 1
                     continue
-                if seg["seg_id"] in self.seen_set:
+                if seg.seg_id in self.seen_set:
                     self.counters["duplicate_segments"] += 1
                     continue
-                segments.append(seg)
-                transitions += len(seg["transitions"])
-        return entries, segments
+                rollout.append(seg)
+                transitions += len(seg.transitions)
+        return entries, rollout
 
     def _read(self, want: int) -> list[tuple[str, dict]]:
         """The next entries of this rollout: own pending, then claimed, then new (see `collect`)."""

@@ -20,8 +20,8 @@ from typing import Callable
 
 import redis
 
-from broker.store import SessionStore
 from common import learner_figures
+from common.segments import RedisKeys
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_
     figures = learner_figures.read_latest(client, key_prefix)
     counters = learner_figures.counters(figures)
     # The learner deletes what it acknowledged (XACK + XDEL after its checkpoint): what is left is unread.
-    unread = int(client.xlen(f"{key_prefix}:{stream_key}"))
+    unread = int(client.xlen(RedisKeys(key_prefix, stream_key).stream))
     return Ledger(acknowledged, counters.get("transitions_stored", 0), counters.get("transitions_trained", 0),
                   counters.get("dropped_stale", 0), counters.get("dropped_truncated", 0), unread,
                   open_transitions(client, key_prefix), bool(figures), learner_figures.latest_key(key_prefix))  # fmt: skip
@@ -69,11 +69,11 @@ def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_
 
 def open_transitions(client: redis.Redis, key_prefix: str) -> int:
     """Transitions stored in the open segments of live sessions (in Redis, not yet closed into the stream)."""
-    store = SessionStore(client, key_prefix, "", "")  # only its key layout
-    tasks = [t.decode() for t in client.smembers(store.tasks_key)]
+    keys = RedisKeys(key_prefix)
+    tasks = [t.decode() for t in client.smembers(keys.tasks)]
     pipe = client.pipeline(transaction=False)
     for task_id in tasks:
-        pipe.llen(store.seg_key(task_id))
+        pipe.llen(keys.open_segment(task_id))
     return sum(pipe.execute()) if tasks else 0
 
 

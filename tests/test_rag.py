@@ -21,8 +21,9 @@ from actor_node.rag import Retriever
 from actor_node.retrieval import CONTEXT_HEADER, RetrievalConfig
 from actor_node.worker import serve
 from broker.store import SessionStore
+from common.segments import RedisKeys
 from common.policy_model import ModelSpec, load_policy
-from common.segments import decode_segment
+from common.segments import Segment
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import build_rollout
 from learner_node.update import UpdateConfig, ppo_update
@@ -74,7 +75,7 @@ def play(client, marker: str, steps: int) -> tuple[str, list[dict[str, Any]]]:
 
 
 def stream_segments(redis_client, key_prefix: str) -> list[dict[str, Any]]:
-    return [decode_segment(fields) for _, fields in redis_client.xrange(f"{key_prefix}:segments")]
+    return [Segment.from_entry(fields) for _, fields in redis_client.xrange(f"{key_prefix}:segments")]
 
 
 @pytest.mark.slow
@@ -95,7 +96,7 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
             t.join(120)
         (task_a, replies_a), (task_b, replies_b) = played["ALPHA"], played["BRAVO"]
         # Both tasks' history is in Redis while they are attached (and would come back after a broker restart).
-        store = SessionStore(redis_client, key_prefix, "segments", "learners")
+        store = SessionStore(redis_client, RedisKeys(key_prefix), "learners")
         sessions = store.load_sessions(32)
         assert [h["prompt"] for h in sessions[task_a].history] == [obs("ALPHA", i)["prompt"] for i in range(2, 6)]  # the last 4
         assert all("BRAVO" not in h["prompt"] for h in sessions[task_a].history)
@@ -110,21 +111,21 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
     assert any(label.startswith("history") for r in replies_a[1:] for label in r["retrieved"])
 
     segments = stream_segments(redis_client, key_prefix)
-    by_task = {s["task_id"]: s["transitions"] for s in segments}
+    by_task = {s.task_id: s.transitions for s in segments}
     tokenizer = load_policy(ModelSpec(tiny_models["llama"], device="cpu", lora_rank=0))[1]
     for task, marker, other in ((task_a, "ALPHA", "BRAVO"), (task_b, "BRAVO", "ALPHA")):
         assert len(by_task[task]) == 6
         for i, t in enumerate(by_task[task]):
             raw = obs(marker, i)
-            assert t["mode"] == "rag_step"
-            assert t["obs"]["prompt"].startswith(raw["prompt"]) and t["obs"]["action"] == raw["action"]
-            assert other not in t["obs"]["prompt"], f"{other}'s history reached {marker}'s prompt"
-            block = t["obs"]["prompt"][len(raw["prompt"]):]
+            assert t.mode == "rag_step"
+            assert t.obs["prompt"].startswith(raw["prompt"]) and t.obs["action"] == raw["action"]
+            assert other not in t.obs["prompt"], f"{other}'s history reached {marker}'s prompt"
+            block = t.obs["prompt"][len(raw["prompt"]):]
             assert CONTEXT_HEADER in block  # the corpus alone always has something to offer
             assert len(tokenizer.encode(block, add_special_tokens=False)) <= budget
     # Corpus chunks reach the prompt (which ones rank first is tested with a meaningful embedder in test_retrieval.py;
     # this model's weights are random).
-    assert any("[doc " in t["obs"]["prompt"] for t in by_task[task_a]) and any("[doc " in t["obs"]["prompt"] for t in by_task[task_b])
+    assert any("[doc " in t.obs["prompt"] for t in by_task[task_a]) and any("[doc " in t.obs["prompt"] for t in by_task[task_b])
 
     # The learner recomputes what the actor sampled from: ratio 1 on the first minibatch.
     torch.manual_seed(0)
@@ -132,8 +133,8 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
     lp = LearnerPolicy(model, tok, "token", 1.0, [32, 16])
     # Had the broker recorded the client's plain observation, the learner would score another function.
     with torch.no_grad():
-        plain = [lp.logp_all([lp.tokenize(obs("ALPHA", i))])[0][t["action"]].item() for i, t in enumerate(by_task[task_a])]
-    assert max(abs(a - t["logprob"]) for a, t in zip(plain, by_task[task_a])) > 1e-3
+        plain = [lp.logp_all([lp.tokenize(obs("ALPHA", i))])[0][t.action].item() for i, t in enumerate(by_task[task_a])]
+    assert max(abs(a - t.logprob) for a, t in zip(plain, by_task[task_a])) > 1e-3
 
     def value_of(observations):
         with torch.no_grad():

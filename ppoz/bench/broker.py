@@ -267,10 +267,11 @@ def commit_costs(url: str, pairs: int = 100, rounds: int = 30) -> dict[str, floa
     import msgpack
 
     from broker.store import Batch, SessionStore
+    from common.segments import RedisKeys
     from common.redis_server import connect
 
     client = connect(url)
-    store = SessionStore(client, "bench-commit", "segments", "learners")
+    store = SessionStore(client, RedisKeys("bench-commit"), "learners")
     transition = msgpack.packb({"obs": OBS, "action": 1, "logprob": -1.6, "probs": [0.2] * 5, "reward": 0.5})
     reply = b"r" * 120
 
@@ -278,7 +279,7 @@ def commit_costs(url: str, pairs: int = 100, rounds: int = 30) -> dict[str, floa
         pipe = client.pipeline(transaction=True)
         for i in range(pairs):
             pipe.hset(store.task_key(f"t{i}"), "pending", transition)
-            pipe.rpush(store.seg_key(f"t{i}"), transition)
+            pipe.rpush(store.keys.open_segment(f"t{i}"), transition)
             pipe.hset(store.task_key(f"t{i}"), mapping={"pending": b"", "last_rid": b"rid", "last_reply": reply})
         pipe.execute()
 
@@ -286,7 +287,7 @@ def commit_costs(url: str, pairs: int = 100, rounds: int = 30) -> dict[str, floa
         batch = Batch()
         for i in range(pairs):
             batch.add("HSET", store.task_key(f"t{i}"), "pending", transition)
-            batch.add("RPUSH", store.seg_key(f"t{i}"), transition)
+            batch.add("RPUSH", store.keys.open_segment(f"t{i}"), transition)
             batch.add("HSET", store.task_key(f"t{i}"), "pending", b"", "last_rid", b"rid", "last_reply", reply)
         store.apply(batch)
 

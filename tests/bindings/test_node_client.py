@@ -14,7 +14,7 @@ import redis as redis_py
 
 from client import Client
 from common import protocol as p
-from common.segments import decode_segment
+from common.segments import Segment
 from tests.bindings.conftest import BINDINGS, LiveStack, require_tool
 
 NODE_DIR = os.path.join(BINDINGS, "node")
@@ -109,9 +109,9 @@ def test_integral_reward_goes_out_as_a_float(
     assert type(built["reward"]) is float and built["reward"] == 1.0, built
     assert type(built["v"]) is int, built
     # In Redis: the episode's segment closed at done, its one transition rewarded 1.0.
-    segments = [decode_segment(fields) for _, fields in redis_client.xrange(f"{key_prefix}:segments")]
-    mine = [s for s in segments if s["task_id"] == out["taskId"]]
-    assert [s["reason"] for s in mine] == ["done"], mine
-    (transition,) = mine[0]["transitions"]
-    assert type(transition["reward"]) is float and transition["reward"] == 1.0, transition
-    assert transition["done"] is True, transition
+    segments = [Segment.from_entry(fields) for _, fields in redis_client.xrange(f"{key_prefix}:segments")]
+    mine = [s for s in segments if s.task_id == out["taskId"]]
+    assert [s.reason for s in mine] == ["done"], mine
+    (transition,) = mine[0].transitions
+    assert type(transition.reward) is float and transition.reward == 1.0, transition
+    assert transition.done is True, transition

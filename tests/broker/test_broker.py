@@ -10,14 +10,14 @@ import pytest
 import zmq
 
 from actor_node.policies import UniformPolicy
-from common.segments import decode_segment
+from common.segments import Segment
 from client import BadRequest, FeedbackWithoutStep, InternalError, RequestTimeout, UnknownTask
 from common import protocol as p
 from tests.helpers import OBS, actors_ready, wait_for
 
 
 def segments(redis_client, prefix):
-    return [decode_segment(fields) for _, fields in redis_client.xrange(f"{prefix}:segments")]
+    return [Segment.from_entry(fields) for _, fields in redis_client.xrange(f"{prefix}:segments")]
 
 
 def obs(n: int) -> dict:
@@ -51,17 +51,17 @@ def test_full_life_cycle_writes_segments_with_bootstrap_observations(start_broke
         assert client.feedback(task, reward=0.1 * n, done=False)["status"] == "ok"
     assert client.detach(task)["segments_closed"] == 1
     segs = segments(redis_client, key_prefix)
-    epoch = segs[0]["seg_id"].split(":")[1]
-    assert len(epoch) == 12 and [s["seg_id"] for s in segs] == [f"{task}:{epoch}:0", f"{task}:{epoch}:1", f"{task}:{epoch}:2"]
-    assert [s["reason"] for s in segs] == ["length", "length", "detach"]
-    transitions = [t for s in segs for t in s["transitions"]]
-    assert [t["reward"] for t in transitions] == pytest.approx([0.1 * n for n in range(7)])
-    assert [t["action"] for t in transitions] == [r["action"] for r in replies]
-    assert [t["obs"]["prompt"] for t in transitions] == [obs(n)["prompt"] for n in range(7)]
+    epoch = segs[0].seg_id.split(":")[1]
+    assert len(epoch) == 12 and [s.seg_id for s in segs] == [f"{task}:{epoch}:0", f"{task}:{epoch}:1", f"{task}:{epoch}:2"]
+    assert [s.reason for s in segs] == ["length", "length", "detach"]
+    transitions = [t for s in segs for t in s.transitions]
+    assert [t.reward for t in transitions] == pytest.approx([0.1 * n for n in range(7)])
+    assert [t.action for t in transitions] == [r["action"] for r in replies]
+    assert [t.obs["prompt"] for t in transitions] == [obs(n)["prompt"] for n in range(7)]
     # A segment closed by length bootstraps from the observation that followed it.
-    assert segs[0]["next_obs"]["prompt"] == obs(3)["prompt"]
-    assert segs[1]["next_obs"]["prompt"] == obs(6)["prompt"]
-    assert segs[2]["truncated"] and segs[2]["next_obs"] is None
+    assert segs[0].next_obs["prompt"] == obs(3)["prompt"]
+    assert segs[1].next_obs["prompt"] == obs(6)["prompt"]
+    assert segs[2].truncated and segs[2].next_obs is None
     assert not redis_client.exists(f"{key_prefix}:task:{task}", f"{key_prefix}:seg:{task}")
 
 
@@ -73,7 +73,7 @@ def test_done_closes_the_segment_and_the_episode_goes_on(stack, redis_client, ke
     client.step(task, obs(1))
     client.feedback(task, 0.5)
     segs = segments(redis_client, key_prefix)
-    assert len(segs) == 1 and segs[0]["done"] and segs[0]["reason"] == "done" and segs[0]["next_obs"] is None
+    assert len(segs) == 1 and segs[0].done and segs[0].reason == "done" and segs[0].next_obs is None
     assert redis_client.llen(f"{key_prefix}:seg:{task}") == 1  # the new episode's first transition
 
 
@@ -127,7 +127,7 @@ def test_step_while_pending_closes_the_segment_and_counts_the_orphan(stack, redi
     client.step(task, obs(1))  # feedback for this one is lost
     client.step(task, obs(2))
     segs = segments(redis_client, key_prefix)
-    assert [(s["reason"], len(s["transitions"]), s["next_obs"]["prompt"]) for s in segs] == [("orphan_step", 1, obs(1)["prompt"])]
+    assert [(s.reason, len(s.transitions), s.next_obs["prompt"]) for s in segs] == [("orphan_step", 1, obs(1)["prompt"])]
     assert client.status()["counters"]["broker/orphan_steps"] == 1
     client.feedback(task, 0.2)
     assert msgpack.unpackb(redis_client.lindex(f"{key_prefix}:seg:{task}", 0))["obs"]["prompt"] == obs(2)["prompt"]
@@ -327,7 +327,7 @@ def test_silent_sessions_expire_into_truncated_segments(start_broker, start_acto
     client.feedback(task, 1.0)
     client.step(task, obs(1))  # the emulator dies here, without detach
     segs = wait_for(lambda: segments(redis_client, key_prefix), timeout=10, what="the expired session's segment")
-    assert [(s["reason"], s["truncated"], len(s["transitions"]), s["next_obs"]["prompt"]) for s in segs] == [
+    assert [(s.reason, s.truncated, len(s.transitions), s.next_obs["prompt"]) for s in segs] == [
         ("expired", True, 1, obs(1)["prompt"])
     ]
     with pytest.raises(UnknownTask):
@@ -387,5 +387,5 @@ def test_a_task_id_attached_again_after_detach_gets_new_segment_ids(stack, redis
         client.step("emulator-7", obs(life))
         client.feedback("emulator-7", 1.0, done=True)
         client.detach("emulator-7")
-    ids = [s["seg_id"] for s in segments(redis_client, key_prefix)]
+    ids = [s.seg_id for s in segments(redis_client, key_prefix)]
     assert len(ids) == 2 and len(set(ids)) == 2 and all(i.startswith("emulator-7:") and i.endswith(":0") for i in ids)

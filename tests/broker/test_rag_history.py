@@ -16,6 +16,7 @@ from actor_node.link import BrokerLink
 from actor_node.policies import UniformPolicy
 from actor_node.worker import serve
 from broker.store import SessionStore
+from common.segments import RedisKeys
 from client import InternalError
 from common import protocol as p
 from tests.helpers import OBS, actors_ready, wait_for
@@ -69,7 +70,7 @@ def test_rag_step_records_prompt_plus_context_and_keeps_the_plain_prompt_as_hist
     client = make_client(broker.frontend)
     wait_for(lambda: actors_ready(client, 1), what="the actor")
     task, other = client.attach(), client.attach()
-    store = SessionStore(redis_client, key_prefix, "segments", "learners")
+    store = SessionStore(redis_client, RedisKeys(key_prefix), "learners")
     for i in range(3):
         reply = client.rag_step(task, screen(i))
         assert reply["retrieved"] == ["doc guide.md#0"]
@@ -87,9 +88,9 @@ def test_rag_step_records_prompt_plus_context_and_keeps_the_plain_prompt_as_hist
     kept = store.load_sessions(32, history_len=2)[task].history
     assert [(h["prompt"], h["reward"]) for h in kept] == [(screen(1)["prompt"], 1.0), (screen(2)["prompt"], 2.0)]
     assert all(CONTEXT not in h["prompt"] for h in kept)
-    assert redis_client.llen(store.history_key(task)) == 2  # trimmed in Redis too
+    assert redis_client.llen(store.keys.history(task)) == 2  # trimmed in Redis too
     client.detach(task)
-    assert not redis_client.exists(store.history_key(task))  # gone with the session
+    assert not redis_client.exists(store.keys.history(task))  # gone with the session
 
 
 def test_rag_step_without_retrieval_scores_the_plain_observation(start_broker, rag_actor, make_client, redis_client, key_prefix):
@@ -100,7 +101,7 @@ def test_rag_step_without_retrieval_scores_the_plain_observation(start_broker, r
     task = client.attach()
     assert client.rag_step(task, OBS)["retrieved"] == []
     assert "retrieved" not in client.step(task, OBS)
-    assert SessionStore(redis_client, key_prefix, "segments", "learners").load_sessions(32)[task].pending.obs == OBS
+    assert SessionStore(redis_client, RedisKeys(key_prefix), "learners").load_sessions(32)[task].pending.obs == OBS
 
 
 def test_a_context_over_the_limit_is_refused_and_nothing_is_recorded(start_broker, rag_actor, make_client, redis_client, key_prefix):
@@ -111,5 +112,5 @@ def test_a_context_over_the_limit_is_refused_and_nothing_is_recorded(start_broke
     task = client.attach()
     with pytest.raises(InternalError, match="invalid result"):
         client.request("rag_step", task_id=task, obs=OBS, deadline=2.0)
-    assert SessionStore(redis_client, key_prefix, "segments", "learners").load_sessions(32)[task].pending is None
+    assert SessionStore(redis_client, RedisKeys(key_prefix), "learners").load_sessions(32)[task].pending is None
     assert client.status()["counters"]["errors/bad_actor_result"] >= 1

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from common.segments import decode_segment
+from common.segments import Segment
 from client import Client
 from tests.helpers import OBS, wait_for
 
@@ -74,16 +74,16 @@ def test_broker_killed_and_restarted_loses_nothing(redis_url, redis_client, key_
 
         status = probe.status()
         assert status["sessions"] == 4  # recovered from Redis, not re-created
-        segments = [decode_segment(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")]
-        stored = sum(len(s["transitions"]) for s in segments)
+        segments = [Segment.from_entry(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")]
+        stored = sum(len(s.transitions) for s in segments)
         stored += sum(redis_client.llen(f"{key_prefix}:seg:emu-{i}") for i in range(4))
         assert stored == sum(acknowledged), "transitions in Redis must equal the feedbacks acknowledged"
         # Each emulator's rewards count 0, 1, 2, ...: nothing lost, nothing doubled, in order.
         for i in range(4):
-            rewards = [t["reward"] for s in segments if s["task_id"] == f"emu-{i}" for t in s["transitions"]]
+            rewards = [t.reward for s in segments if s.task_id == f"emu-{i}" for t in s.transitions]
             rewards += [decode_open(x)["reward"] for x in redis_client.lrange(f"{key_prefix}:seg:emu-{i}", 0, -1)]
             assert rewards == [float(n) for n in range(acknowledged[i])]
-        assert len({s["seg_id"] for s in segments}) == len(segments)
+        assert len({s.seg_id for s in segments}) == len(segments)
         probe.close()
     finally:
         if proc.poll() is None:

@@ -10,7 +10,7 @@ import zmq
 
 from client import AsyncClient, BadRequest, FeedbackWithoutStep, RequestTimeout, UnknownTask
 from common import protocol as p
-from common.segments import decode_segment
+from common.segments import Segment
 from tests.client.helpers import EchoPolicy, free_port, pick
 from tests.helpers import wait_for
 
@@ -39,8 +39,8 @@ def test_full_life_cycle(serving, zmq_context, redis_client, key_prefix):
 
     asyncio.run(main())
     [segment] = [decode_segment(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")]
-    assert segment["reason"] == "done" and [t["action"] for t in segment["transitions"]] == [0, 1, 2, 5]
-    assert [t["mode"] for t in segment["transitions"]] == ["step"] * 3 + ["rag_step"]
+    assert segment.reason == "done" and [t.action for t in segment.transitions] == [0, 1, 2, 5]
+    assert [t.mode for t in segment.transitions] == ["step"] * 3 + ["rag_step"]
 
 
 def test_concurrent_coroutines_share_one_client_and_each_gets_its_own_reply(serving, zmq_context, redis_client, key_prefix):

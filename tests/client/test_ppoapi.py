@@ -7,7 +7,7 @@ import pytest
 
 from client import FeedbackWithoutStep, PPOClient, UnknownTask
 from common import protocol as p
-from common.segments import decode_segment
+from common.segments import Segment
 from tests.client.helpers import pick
 
 KEA_OBS = {
@@ -52,11 +52,11 @@ def test_kea_loop_attach_ask_step_feedback_detach(serving, ppo_client, redis_cli
         ack = client.feedback(0.5 + 0.1 * n, False, next_obs={}) if n % 2 else client.feedback(0.5 + 0.1 * n, False)
         assert ack == {"status": "ok", "task_id": task_id, "segment_closed": False}
     assert client.detach() is None and client.task_id is None
-    segments = [decode_segment(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")]
-    assert [(s["reason"], len(s["transitions"])) for s in segments] == [("length", 4), ("detach", 1)]
-    transitions = [t for s in segments for t in s["transitions"]]
-    assert [t["action"] for t in transitions] == actions
-    assert [t["reward"] for t in transitions] == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9])
+    segments = [Segment.from_entry(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")]
+    assert [(s.reason, len(s.transitions)) for s in segments] == [("length", 4), ("detach", 1)]
+    transitions = [t for s in segments for t in s.transitions]
+    assert [t.action for t in transitions] == actions
+    assert [t.reward for t in transitions] == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9])
     assert transitions[-1]["mode"] == "rag_step"
 
 
@@ -84,8 +84,8 @@ def test_a_real_next_obs_reaches_the_broker_with_truncated(serving, ppo_client, 
     client.attach()
     client.step(pick(1))
     assert client.feedback(0.5, False, next_obs=pick(9), truncated=True)["segment_closed"] is True
-    [segment] = [decode_segment(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")]
-    assert segment["reason"] == "truncated" and segment["next_obs"]["prompt"] == pick(9)["prompt"]
+    [segment] = [Segment.from_entry(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")]
+    assert segment.reason == "truncated" and segment.next_obs["prompt"] == pick(9)["prompt"]
 
 
 def test_protocol_errors_raise_their_exceptions(serving, ppo_client):

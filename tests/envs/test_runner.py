@@ -17,7 +17,7 @@ import pytest
 import redis as redis_py
 
 from client import Client
-from common.segments import decode_segment
+from common.segments import Segment
 from envs.runner import Runner, environment_names, make_env_factory
 from tests.conftest import RunningActor, RunningBroker
 from tests.helpers import actors_ready, wait_for
@@ -38,7 +38,7 @@ def served(start_broker: Callable[..., RunningBroker], start_actor: Callable[...
 
 
 def segments(redis_client: redis_py.Redis, key_prefix: str) -> list[dict[str, Any]]:
-    return [decode_segment(fields) for _, fields in redis_client.xrange(f"{key_prefix}:segments")]
+    return [Segment.from_entry(fields) for _, fields in redis_client.xrange(f"{key_prefix}:segments")]
 
 
 def free_endpoint() -> str:
@@ -66,17 +66,17 @@ def test_runner_plays_every_client_to_max_episodes(served: tuple[RunningBroker, 
 
     segs = segments(redis_client, key_prefix)
     assert len(segs) == 6  # one per episode: a horizon of 4 is below the broker's segment length
-    assert Counter(s["task_id"] for s in segs) == Counter({task: 2 for task in {s["task_id"] for s in segs}})
-    assert len({s["task_id"] for s in segs}) == 3
+    assert Counter(s.task_id for s in segs) == Counter({task: 2 for task in {s.task_id for s in segs}})
+    assert len({s.task_id for s in segs}) == 3
     returns = Counter(round(e.ret, 6) for e in episodes)
-    assert Counter(round(sum(t["reward"] for t in s["transitions"]), 6) for s in segs) == returns
+    assert Counter(round(sum(t.reward for t in s.transitions), 6) for s in segs) == returns
     for s in segs:
-        assert (s["reason"], s["done"], s["truncated"], len(s["transitions"])) == ("truncated", False, True, horizon)
-        steps = s["transitions"]
-        assert [(t["truncated"], t["done"]) for t in steps] == [(False, False)] * (horizon - 1) + [(True, False)]
-        assert "Visited pages: MainActivity\nHistory of actions:\nCurrent page: MainActivity" in steps[0]["obs"]["prompt"]
-        assert all(0 <= t["action"] < len(t["obs"]["action"]) for t in steps)
-        next_obs = s["next_obs"]  # the state the time limit cut off, for the learner to bootstrap from
+        assert (s.reason, s.done, s.truncated, len(s.transitions)) == ("truncated", False, True, horizon)
+        steps = s.transitions
+        assert [(t.truncated, t.done) for t in steps] == [(False, False)] * (horizon - 1) + [(True, False)]
+        assert "Visited pages: MainActivity\nHistory of actions:\nCurrent page: MainActivity" in steps[0].obs["prompt"]
+        assert all(0 <= t.action < len(t.obs["action"]) for t in steps)
+        next_obs = s.next_obs  # the state the time limit cut off, for the learner to bootstrap from
         assert set(next_obs) == {"prompt", "question", "action"}
         assert next_obs["prompt"].count("\n- ") == horizon  # one history line per step taken
 
@@ -84,12 +84,12 @@ def test_runner_plays_every_client_to_max_episodes(served: tuple[RunningBroker, 
     for s in segs:
         env = make_env_factory("kea", seed=3, **APP)(0)
         obs = env.reset()
-        for t in s["transitions"]:
-            assert t["obs"]["prompt"] == obs["prompt"] and t["obs"]["action"] == obs["action"]
-            result = env.step(t["action"])
-            assert result.reward == t["reward"]
+        for t in s.transitions:
+            assert t.obs["prompt"] == obs["prompt"] and t.obs["action"] == obs["action"]
+            result = env.step(t.action)
+            assert result.reward == t.reward
             obs = result.obs
-        assert obs == s["next_obs"]
+        assert obs == s.next_obs
 
 
 def test_gym_episodes_end_done(served: tuple[RunningBroker, Client], redis_client: redis_py.Redis, key_prefix: str) -> None:
@@ -98,19 +98,19 @@ def test_gym_episodes_end_done(served: tuple[RunningBroker, Client], redis_clien
     stats = runner.run_for(60)
     assert (stats["episodes"], stats["failures"]) == (8, 0)
     segs = segments(redis_client, key_prefix)
-    assert sum(len(s["transitions"]) for s in segs) == stats["steps"]
+    assert sum(len(s.transitions) for s in segs) == stats["steps"]
     assert len(segs) == 8
-    done = [s for s in segs if s["done"]]
+    done = [s for s in segs if s.done]
     assert done, "random moves on FrozenLake fall into a hole well within 20 steps"
     for s in segs:
-        last = s["transitions"][-1]
-        if s["done"]:  # a hole or the goal: nothing to bootstrap from
-            assert (s["reason"], s["truncated"], s["next_obs"], last["done"]) == ("done", False, None, True)
-            assert last["reward"] in (0.0, 1.0)
+        last = s.transitions[-1]
+        if s.done:  # a hole or the goal: nothing to bootstrap from
+            assert (s.reason, s.truncated, s.next_obs, last.done) == ("done", False, None, True)
+            assert last.reward in (0.0, 1.0)
         else:  # 20 steps without either
-            assert (s["reason"], s["truncated"], len(s["transitions"]), last["truncated"]) == ("truncated", True, 20, True)
-            assert s["next_obs"]["action"] == ["move left", "move down", "move right", "move up"]
-    assert sorted(e.ret for e in runner.stats.episodes) == sorted(sum(t["reward"] for t in s["transitions"]) for s in segs)
+            assert (s.reason, s.truncated, len(s.transitions), last.truncated) == ("truncated", True, 20, True)
+            assert s.next_obs["action"] == ["move left", "move down", "move right", "move up"]
+    assert sorted(e.ret for e in runner.stats.episodes) == sorted(sum(t.reward for t in s.transitions) for s in segs)
 
 
 def test_make_env_factory_names_what_it_does_not_know() -> None:

@@ -13,13 +13,14 @@ import pytest
 
 from broker.sessions import SegmentClose, Session
 from broker.store import Batch, SessionStore
+from common.segments import RedisKeys
 from common import weights
 from common.protocol import encode
 
 
 def write_segments(redis_client, prefix: str, n: int) -> set[str]:
     """n one-step bandit segments in the broker's stream format, written by the broker's own store code."""
-    store = SessionStore(redis_client, prefix, "segments", "learners")
+    store = SessionStore(redis_client, RedisKeys(prefix), "learners")
     store.ensure_stream()
     ids = set()
     batch = Batch()
@@ -28,7 +29,7 @@ def write_segments(redis_client, prefix: str, n: int) -> set[str]:
         t = {"obs": {"prompt": "Pick the best colour.", "question": " Answer: ", "action": ["red", "green", "blue"]},
              "action": i % 3, "logprob": -1.0986, "probs": [1 / 3] * 3, "policy_version": 0, "reward": float(i % 3 == 1),
              "done": True, "truncated": False, "mode": "step", "step_ms": 0, "feedback_ms": 0}  # fmt: skip
-        batch.add("RPUSH", store.seg_key(session.task_id), encode(t))
+        batch.add("RPUSH", store.keys.open_segment(session.task_id), encode(t))
         close = SegmentClose(session.task_id, session.seq, "done", True, False, None, 1)
         store.stage_close(batch, session, close)
         ids.add(close.seg_id)

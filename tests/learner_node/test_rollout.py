@@ -2,6 +2,7 @@
 
 import pytest
 
+from common.segments import Segment, Transition
 from learner_node.rollout import build_rollout
 
 
@@ -10,13 +11,13 @@ def obs(name):
 
 
 def transition(name, reward, done=False, version=5):
-    return {"obs": obs(name), "action": 1, "logprob": -0.7, "probs": [0.5, 0.5], "policy_version": version, "reward": reward,
-            "done": done, "truncated": False, "mode": "step"}  # fmt: skip
+    return Transition(obs=obs(name), action=1, logprob=-0.7, probs=[0.5, 0.5], policy_version=version, reward=reward, done=done,
+                      truncated=False, mode="step")  # fmt: skip
 
 
 def segment(seg_id, transitions, next_obs=None, done=False, truncated=False):
-    return {"seg_id": seg_id, "task_id": "t", "seq": 0, "reason": "x", "done": done, "truncated": truncated,
-            "next_obs": next_obs, "transitions": transitions, "closed_ms": 0}  # fmt: skip
+    return Segment(seg_id=seg_id, task_id="t", seq=0, reason="x", done=done, truncated=truncated, next_obs=next_obs,
+                   transitions=transitions)  # fmt: skip
 
 
 VALUES = {"s0": 0.5, "s1": 0.4, "s2": 0.3, "after": 2.0}

@@ -1,0 +1,60 @@
+"""The broker -> learner contract: Redis keys, stream entries written by the broker's own script, read back as Segments."""
+
+import pytest
+
+from broker.sessions import SegmentClose, Session
+from broker.store import Batch, SessionStore
+from common.protocol import encode
+from common.segments import ENTRY_FIELDS, RedisKeys, Segment, Transition, ensure_group
+
+OBS = {"prompt": "Screen: Main", "question": "Next? ", "action": ["a", "b"]}
+
+
+def transition(reward: float, done: bool = False) -> Transition:
+    return Transition(obs=OBS, action=1, logprob=-0.69, probs=[0.5, 0.5], policy_version=3, mode="step", reward=reward, done=done,
+                      truncated=False, step_ms=1, feedback_ms=2)  # fmt: skip
+
+
+def test_keys_have_one_layout():
+    keys = RedisKeys("P", "segs")
+    assert (keys.stream, keys.tasks, keys.task("t"), keys.open_segment("t"), keys.history("t"), keys.tombstone("t")) == (
+        "P:segs", "P:tasks", "P:task:t", "P:seg:t", "P:hist:t", "P:detached:t")  # fmt: skip
+    assert (keys.weights_latest, keys.weights_snapshot(7), keys.learner_latest) == ("P:weights:latest", "P:weights:v7", "P:learner:latest")
+
+
+def test_a_segment_closed_by_the_broker_script_reads_back_field_for_field(redis_client, key_prefix):
+    keys = RedisKeys(key_prefix)
+    store = SessionStore(redis_client, keys, "learners")
+    store.ensure_stream()
+    session = Session("emu-1", segment_len=4, epoch="e1")
+    batch = Batch()
+    for t in (transition(0.5), transition(1.0, done=True)):
+        store.stage_transition(batch, session, t)
+    store.stage_close(batch, session, SegmentClose("emu-1", 0, "done", True, False, None, 2, "e1"))
+    store.apply(batch)
+    [(_, fields)] = redis_client.xrange(keys.stream)
+    assert tuple(k.decode() for k in fields) == ENTRY_FIELDS  # exactly the names the learner reads, in order
+    seg = Segment.from_entry(fields)
+    assert (seg.seg_id, seg.task_id, seg.seq, seg.reason, seg.done, seg.truncated, seg.next_obs) == ("emu-1:e1:0", "emu-1", 0, "done",
+                                                                                                    True, False, None)  # fmt: skip
+    assert seg.transitions == [transition(0.5), transition(1.0, done=True)]
+    assert not redis_client.exists(keys.open_segment("emu-1"))
+
+
+def test_an_entry_that_is_not_a_segment_is_refused_by_name(redis_client, key_prefix):
+    with pytest.raises(ValueError, match="not a segment entry.*seg_id"):
+        Segment.from_entry({b"task_id": b"t"})
+    good = {name.encode(): b"0" for name in ENTRY_FIELDS}
+    good.update({b"seg_id": b"t:0", b"task_id": b"t", b"reason": b"done", b"next_obs": encode({}), b"transitions": b"\xc1"})
+    with pytest.raises(ValueError, match="not a segment entry"):  # 0xc1 is never valid msgpack
+        Segment.from_entry(good)
+    good[b"transitions"] = encode([{"obs": OBS}])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="transition lacks action"):
+        Segment.from_entry(good)
+
+
+def test_the_consumer_group_is_created_once_whoever_comes_first(redis_client, key_prefix):
+    keys = RedisKeys(key_prefix)
+    ensure_group(redis_client, keys, "learners")
+    ensure_group(redis_client, keys, "learners")  # the second caller (broker or learner) finds it there
+    assert [g["name"] for g in redis_client.xinfo_groups(keys.stream)] == [b"learners"]
