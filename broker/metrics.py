@@ -15,7 +15,53 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from common import protocol as p
+from common.stats import LatencyWindow
+
 log = logging.getLogger(__name__)
+
+# Every counter of a `status` reply's `counters` map, present from 0 (docs/protocol.md, section 3, says the same to clients).
+COUNTERS: dict[str, str] = {
+    "broker/requests": "messages on the client socket, well framed or not (dropped/malformed_frames counts the others)",
+    "broker/attached": "sessions created by attach (a resumed or retried attach creates none)",
+    "broker/detached": "sessions ended by detach",
+    "broker/steps": "step and rag_step results recorded as pending steps",
+    "broker/feedbacks": "feedbacks recorded as transitions",
+    "broker/orphan_steps": "pending steps dropped because a new step came before their feedback",
+    "broker/feedback_without_step": "feedbacks refused for want of a pending step",
+    "broker/replayed": "step, rag_step and feedback requests answered from their kept reply (a retried rid)",
+    "broker/joined_retries": "retried steps that joined their step still being scored",
+    "broker/ask_wait": "ask replies with status wait",
+    "broker/segments_closed": "segments written to the stream",
+    "broker/commits": "write batches sent to Redis",
+    "sessions/expired": "sessions ended by session_ttl_s of silence",
+    "jobs/requeued": "jobs given back to the queue after their actor died, hung or left",
+    "jobs/late_results": "results dropped because their job was already answered (timeout, superseded, detached) or unknown",
+    "actors/dead": "actors taken as dead (silent for heartbeat_liveness intervals)",
+    "actors/hung": "actors taken as hung (a job held over actor_job_timeout_ms)",
+    "dropped/malformed_frames": "client messages not well framed, dropped without a reply",
+    "dropped/unroutable_replies": "replies whose client was gone or not reading",
+    "dropped/malformed_actor_frames": "actor messages not of two frames",
+    "dropped/bad_actor_messages": "actor messages that could not be read or named an unknown op",
+    "dropped/unroutable_actor_messages": "messages to actors that could not be delivered",
+    "errors/storage": "times Redis was found failing or gone (each answers what was unacknowledged with internal)",
+    "errors/bad_actor_result": "actor results that broke the rules (answered internal)",
+    **{f"errors/{code}": f"error replies with code {code}" for code in p.ERROR_CODES},
+}
+
+
+def new_counters() -> collections.Counter[str]:
+    """The broker's counters, every documented key at 0, so a client sees each one from the first `status`."""
+    return collections.Counter({name: 0 for name in COUNTERS})
+
+
+LATENCY_KEYS = ("n", "p50_ms", "p99_ms", "max_ms")
+
+
+def latency_summary(window: LatencyWindow, window_s: float) -> dict[str, float]:
+    """`added_latency` of a status reply: always n, p50_ms, p99_ms and max_ms (0.0 each when n is 0)."""
+    summary = window.summary(window_s)
+    return {"n": summary.get("n", 0), **{key: float(summary.get(key, 0.0)) for key in LATENCY_KEYS[1:]}}
 
 
 class RateWindow:
@@ -73,8 +119,8 @@ def prometheus_text(status: dict[str, Any]) -> str:
     metric("events_total", "counter", "broker counters by name (requests, errors, segments, ...)",
            [({"name": k}, v) for k, v in sorted(status["counters"].items())])  # fmt: skip
     latency = status.get("added_latency") or {}
-    metric("added_latency_ms", "gauge", "latency the broker added to step and feedback replies, by quantile",
-           [({"quantile": q}, latency[q]) for q in ("p50", "p99") if isinstance(latency.get(q), (int, float))])  # fmt: skip
+    metric("added_latency_ms", "gauge", "latency the broker added to step and feedback replies, by quantile (none while n is 0)",
+           [({"quantile": q}, latency[key]) for q, key in (("0.5", "p50_ms"), ("0.99", "p99_ms")) if latency.get("n")])  # fmt: skip
     learner = status.get("learner") or {}
     if learner:
         metric("learner_policy_version", "gauge", "newest policy version the learner published", [({}, learner.get("version", 0))])

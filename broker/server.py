@@ -5,20 +5,23 @@ One thread, one loop, in the spirit of the ZeroMQ guide's Majordomo broker:
     poll both sockets (timeout: the housekeeping interval)
     drain client messages  -> on_client_*   (may stage Redis writes and replies)
     drain actor messages   -> on_actor_*    (may stage Redis writes and replies)
-    commit                 -> one MULTI/EXEC for the whole turn, then send the replies
-    dispatch               -> queued jobs to the least loaded actors with free credits
     housekeeping           -> deadlines, dead or hung actors, heartbeats, session expiry
+    commit                 -> the turn's writes in one atomic script call, then the replies they acknowledge
+    dispatch               -> queued jobs to the least loaded actors with free credits
 
-Replies that acknowledge state (a step's pending record, a feedback's
-transition) leave only after the turn's transaction succeeded. If Redis fails,
-those replies become `internal` errors (the client retries with the same rid)
-and the broker reloads its sessions from Redis, which the transaction left at
-a turn boundary, so memory and Redis never disagree.
+Each message kind has one short handler, found in a table (`_client_handlers`,
+`_actor_handlers`). The storage path (the staged batch, the one batch in flight,
+the replies waiting on them) is broker/outbox.py. Replies that acknowledge state
+leave only after Redis applied their writes. Wherever the broker finds Redis
+failing or gone, `_storage_lost` answers what is unacknowledged with `internal`
+and makes memory agree with Redis again (or hold no session while Redis is
+away), so memory and Redis never disagree and nothing unstored is acknowledged.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 import uuid
@@ -29,15 +32,15 @@ import zmq
 
 from broker.actors import MAX_ATTEMPTS, ActorRegistry, Job
 from broker.config import BrokerConfig
-from broker.metrics import MetricsServer, RateWindow
+from broker.metrics import MetricsServer, RateWindow, latency_summary, new_counters
+from broker.outbox import Outbox, StorageFailure
 from broker.sessions import REASON_DETACH, REASON_EXPIRED, PendingStep, Session, now_ms
-from broker.store import Batch, Committer, SessionStore
+from broker.store import SessionStore
 from common import protocol as p
 from common.learner_figures import read_latest
 from common.segments import RedisKeys
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
-from common.stats import LatencyWindow
 from common.zmqio import recv_frames, send_frames
 
 log = logging.getLogger(__name__)
@@ -62,7 +65,7 @@ class Broker:
         self.queue: collections.deque[Job] = collections.deque()
         self.jobs: dict[int, Job] = {}  # every job not yet answered, queued or in flight
         self.task_jobs: dict[str, Job] = {}  # the step job in progress per task
-        self.metrics: collections.Counter[str] = collections.Counter()
+        self.metrics: collections.Counter[str] = new_counters()  # every documented key, from 0
         self.stream_length = 0
         self.started = time.monotonic()
         self.now = time.monotonic()
@@ -78,13 +81,8 @@ class Broker:
         self.frontend_endpoint = ""
         self.backend_endpoint = ""
         self.allow_lists: list[AllowList] = []  # CURVE: the ZAP checks of both sockets, closed with them
-        self.committer = Committer(redis_client)
-        self.storage_ok = True
-        self._staged = Batch()  # writes of the requests handled since the last send
-        # A reply: (envelope, encoded body, when the broker's own work on it began, or 0).
-        self._staged_replies: list[tuple[tuple[bytes, ...], bytes, float]] = []
-        self._inflight: list[tuple[tuple[bytes, ...], bytes, float]] | None = None  # replies waiting on the batch in Redis
-        self.added_latency = LatencyWindow()  # time step and feedback replies spent in the broker, actor time excluded
+        self.outbox = Outbox(redis_client, config.storage_timeout_ms / 1000, self.metrics)
+        self.storage_ok = True  # False from `_storage_lost` until `_reload` finds Redis again: writes are refused meanwhile
         self._next_housekeeping = 0.0
         self._next_session_scan = 0.0
         self._client_handlers: dict[str, Callable[[tuple[bytes, ...], Any, dict], None]] = {
@@ -97,18 +95,25 @@ class Broker:
             p.OP_STATUS: self.on_status,
             p.OP_PING: self.on_ping,
         }
+        # Actor messages: every op but `ready` comes from a registered actor (see on_actor_frames).
+        self._actor_handlers: dict[str, Callable[[bytes, dict[str, Any]], None]] = {
+            p.OP_READY: self.on_actor_ready,
+            p.OP_HEARTBEAT: self.on_actor_heartbeat,
+            p.OP_RESULT: self.on_actor_results,
+            p.OP_DISCONNECT: self.on_actor_disconnect,
+        }
 
     # --- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Load sessions from Redis, create the stream, bind both sockets."""
         self.store.ensure_stream()
-        self.sessions = self.store.load_sessions(self.cfg.segment_len, self.cfg.rag_history_len)
-        self.attach_rids = {_key(s.attach_rid): s.task_id for s in self.sessions.values() if s.attach_rid is not None}
+        self._adopt(self.store.load_sessions(self.cfg.segment_len, self.cfg.rag_history_len))
         if self.sessions:
             log.info("recovered %d sessions from Redis (%d with a pending step)", len(self.sessions),
                      sum(s.pending is not None for s in self.sessions.values()))  # fmt: skip
         self.stream_length = self.store.stream_length()
         self.frontend = self._router(self.cfg.frontend, self.cfg.max_message_bytes, "clients", self.cfg.curve_allowed_clients)
+        self.outbox.sock = self.frontend
         self.backend = self._router(self.cfg.backend, self.cfg.max_message_bytes, "actors", self.cfg.curve_allowed_actors)
         self.frontend_endpoint = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_endpoint = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -178,11 +183,9 @@ class Broker:
         if not self.storage_ok:
             return None
         try:
-            return self.committer.fileno()
+            return self.outbox.fileno()
         except (redis.RedisError, OSError) as e:  # went away after the last reload: refuse writes until it is back
-            self.committer.reset()
-            self.storage_ok = False
-            log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", e)
+            self._storage_lost(f"cannot connect to Redis: {e}")
             return None
 
     def stop(self) -> None:
@@ -210,103 +213,71 @@ class Broker:
                 return
             handle(frames)
 
-    # --- commit: group commit, one batch in flight, then the replies ------------------------
+    # --- storage: the outbox (broker/outbox.py), and what happens when Redis fails ----------
     def reply(self, envelope: tuple[bytes, ...], body: dict[str, Any] | bytes, durable: bool = False, since: float = 0.0) -> None:
-        """Send a reply; a durable one waits until the writes staged before it are in Redis.
-
-        `since` (monotonic s), when given, is when the broker's own work on the request
-        began; the time to the send is recorded as latency the broker added."""
-        data = body if isinstance(body, bytes) else p.encode(body)
-        if durable:
-            self._staged_replies.append((envelope, data, since))
-        else:
-            self._send_replies([(envelope, data, since)])
+        """Send a reply; a durable one waits until the writes staged before it are in Redis (Outbox.reply)."""
+        self.outbox.reply(envelope, body, durable, since)
 
     def commit(self) -> None:
-        """Finish the batch in flight if Redis answered, then send the staged one."""
-        if self._inflight is not None:
-            try:
-                applied = self.committer.poll()
-            except (redis.RedisError, OSError) as e:
-                self._storage_failed(f"Redis write failed: {e}")
-                return
-            if not applied:
-                if self.now - self.committer.sent_at > self.cfg.storage_timeout_ms / 1000:
-                    self._storage_failed(f"Redis did not answer a write within {self.cfg.storage_timeout_ms} ms")
-                return
-            replies, self._inflight = self._inflight, None
-            self._send_replies(replies)
-        if not self._staged_replies and not len(self._staged):
-            return
-        batch, replies = self._staged, self._staged_replies
-        self._staged, self._staged_replies = Batch(), []
-        if not len(batch):
-            self._send_replies(replies)  # nothing to write (replays): only ordering mattered
-            return
+        """Send the replies of the batch Redis applied, and the staged batch (Outbox.commit)."""
         try:
-            self.committer.send(batch, self.now)
-        except (redis.RedisError, OSError) as e:
-            self._inflight = replies
-            self._storage_failed(f"cannot send writes to Redis: {e}")
-            return
-        self._inflight = replies
-        self.metrics["broker/commits"] += 1
+            self.outbox.commit(self.now)
+        except StorageFailure as e:
+            self._storage_lost(str(e), batch_failed=True)
 
     def flush(self, timeout: float = 5.0) -> None:
         """Commit everything staged and wait for it (shutdown)."""
-        end = time.monotonic() + timeout
-        while (self._inflight is not None or self._staged_replies or len(self._staged)) and time.monotonic() < end:
-            self.now = time.monotonic()
-            self.commit()
-            if self._inflight is not None:
-                time.sleep(0.001)
+        try:
+            self.outbox.flush(timeout)
+        except StorageFailure as e:
+            self._storage_lost(str(e), batch_failed=True)
 
-    def _storage_failed(self, why: str) -> None:
-        """Answer every unacknowledged request with `internal`, then resync memory from Redis."""
+    def _storage_lost(self, why: str, batch_failed: bool = False) -> None:
+        """Redis failed or is gone: nothing unacknowledged may be acknowledged, and memory must agree with Redis again.
+
+        The one place for it, whoever finds it: a write that failed or went unanswered
+        (commit, flush: `batch_failed`), the write connection that cannot connect
+        (_redis_fd), a read in housekeeping (an idle broker writes nothing) or in a handler.
+
+        1. A read that fails while a batch is in flight says nothing sure about that batch
+           (it may yet be applied): its own answer, an error or none within
+           storage_timeout_ms, comes through commit and calls this again. So nothing here.
+        2. Every reply not yet sent (the batch in flight, the staged ones) is answered with
+           `internal` first, while the writes they wait on are dropped unsent: the client
+           retries with the same rid, and nothing it was not told about is applied twice.
+        3. Then memory is made to agree with Redis (_reload): sessions are read back, or,
+           while Redis does not answer, dropped, so that no reply can come from memory that
+           may hold the failed batch's changes (the in-memory replay of a retried rid was
+           one such reply: docs/reliability.md, "Redis restart"); writes are refused with
+           `overloaded` until housekeeping's _reload finds Redis back.
+        """
+        if self.outbox.in_flight and not batch_failed:
+            return
         self.metrics["errors/storage"] += 1
-        log.error("%s; answering the unacknowledged requests with `internal` and reloading from Redis", why)
-        unacked = (self._inflight or []) + self._staged_replies
-        self._inflight, self._staged, self._staged_replies = None, Batch(), []
-        self.committer.reset()
-        self._send_replies([(env, self._storage_error(data), 0.0) for env, data, _ in unacked])
+        answered = self.outbox.fail()
+        log.error("%s; %d unacknowledged requests answered with `internal`, reloading sessions from Redis", why, answered)
         self._reload()
 
-    def _storage_error(self, data: bytes) -> bytes:
-        try:
-            original = p.decode(data)
-        except p.ProtocolError:
-            original = {}
-        return p.encode(p.error_body(original.get("rid"), original.get("op"), p.E_INTERNAL,
-                                     "storage unavailable; nothing was applied, retry with the same rid"))  # fmt: skip
-
-    def _send_replies(self, replies: list[tuple[tuple[bytes, ...], bytes, float]]) -> None:
-        now = time.monotonic()
-        for envelope, data, since in replies:
-            try:
-                send_frames(self.frontend, (*envelope, data))
-            except zmq.ZMQError:  # EHOSTUNREACH (client gone) or EAGAIN (client not reading)
-                self.metrics["dropped/unroutable_replies"] += 1
-                continue
-            if since:
-                self.added_latency.add(now - since, now)
-
     def _reload(self) -> None:
-        """Make memory agree with Redis again; while Redis is unreachable, refuse writes."""
+        """Make memory agree with Redis again; while Redis is unreachable, hold no session and refuse writes."""
         try:
-            self.sessions = self.store.load_sessions(self.cfg.segment_len, self.cfg.rag_history_len)
+            sessions = self.store.load_sessions(self.cfg.segment_len, self.cfg.rag_history_len)
         except (redis.RedisError, OSError) as e:
             if self.storage_ok:
                 log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", e)
             self.storage_ok = False
-            # Memory may hold mutations Redis never got (the failed batch's, and replies remembered for
-            # their rids): none of it may answer a client. Sessions come back from Redis when it does.
-            self.sessions, self.attach_rids = {}, {}
+            self.sessions, self.attach_rids = {}, {}  # they come back from Redis when it does
             return
-        self.attach_rids = {_key(s.attach_rid): s.task_id for s in self.sessions.values() if s.attach_rid is not None}
+        self._adopt(sessions)
         if not self.storage_ok:
             log.warning("Redis is back")
         self.storage_ok = True
         log.warning("reloaded %d sessions from Redis", len(self.sessions))
+
+    def _adopt(self, sessions: dict[str, Session]) -> None:
+        """Sessions read from Redis become the broker's, with the index of their attach rids."""
+        self.sessions = sessions
+        self.attach_rids = {_key(s.attach_rid): s.task_id for s in sessions.values() if s.attach_rid is not None}
 
     def _require_storage(self) -> None:
         if not self.storage_ok:
@@ -315,11 +286,11 @@ class Broker:
     # --- client front end -------------------------------------------------------------------
     def on_client_frames(self, frames: list[bytes]) -> None:
         """Split the envelope, decode, check, and hand the request to its handler."""
-        self.metrics["broker/requests"] += 1
+        self.metrics["broker/requests"] += 1  # every message, well framed or not
         if len(frames) == 3 and frames[1] == b"":
-            envelope, body = (frames[0], b""), frames[2]  # REQ-style, with the empty delimiter
+            envelope, body = (frames[0], b""), frames[2]  # the client sent [empty, body] (DEALER) or REQ added the empty frame
         elif len(frames) == 2:
-            envelope, body = (frames[0],), frames[1]  # DEALER without delimiter
+            envelope, body = (frames[0],), frames[1]  # the client sent [body] alone
         else:
             self.metrics["dropped/malformed_frames"] += 1
             return
@@ -334,15 +305,19 @@ class Broker:
                 raise p.ProtocolError(p.E_UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(sorted(p.CLIENT_OPS))}")
             handler(envelope, rid, msg)
         except p.ProtocolError as e:
-            self._error(envelope, msg, e)
+            self._error(envelope, msg or p.read_header(body), e)  # unread (too large, undecodable): its rid, if it has one
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:  # a handler's read (detach's tombstone) found Redis gone
+            self._storage_lost(f"Redis read failed: {e}")
+            self._error(envelope, msg, p.ProtocolError(p.E_OVERLOADED, "storage (Redis) unavailable", retry_after_ms=self.cfg.retry_after_ms))
         except Exception:
             log.exception("internal error on a %r request", msg.get("op"))
             self._error(envelope, msg, p.ProtocolError(p.E_INTERNAL, "the broker failed on this request; see its log"))
 
     def _error(self, envelope: tuple[bytes, ...], msg: dict[str, Any], e: p.ProtocolError) -> None:
+        """An error reply: the request's rid (nil when none can be read) and op, never a task_id."""
         self.metrics[f"errors/{e.code}"] += 1
         rid = msg.get("rid")
-        rid = rid if isinstance(rid, (str, bytes)) and len(rid) <= p.MAX_RID_BYTES else None
+        rid = rid if p.readable_rid(rid) else None
         extra = dict(e.extra)
         if e.code == p.E_UNSUPPORTED_VERSION:
             extra["supported"] = [p.PROTOCOL_VERSION]
@@ -368,7 +343,7 @@ class Broker:
             session = Session(task_id, self.cfg.segment_len, attach_rid=rid, epoch=uuid.uuid4().hex[:12])
             self.sessions[task_id] = session
             self.attach_rids[_key(rid)] = task_id
-            self.store.stage_create(self._staged, session)
+            self.store.stage_create(self.outbox.batch, session)
             self.metrics["broker/attached"] += 1
         session.last_seen_ms = now_ms()
         body = p.header(p.OP_ATTACH, rid)
@@ -376,35 +351,43 @@ class Broker:
         self.reply(envelope, body, durable=True)
 
     def on_detach(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
-        """detach: close the open segment (truncated) and forget the session."""
+        """detach: close the open segment (truncated) and forget the session; a retried detach gets the first reply."""
         self._require_storage()
         task_id = p.check_task_id(msg)
         session = self.sessions.get(task_id)
         if session is None:
-            tombstone = self.store.detach_tombstone(task_id)
-            if tombstone is not None:
-                record = p.decode(tombstone)
-                if _key(record.get("rid")) == _key(rid):
-                    self.reply(envelope, record["reply"])
-                    return
-            raise p.ProtocolError(p.E_UNKNOWN_TASK, f"no session {task_id!r} to detach")
+            replay = self.store.detach_reply(task_id, rid)
+            if replay is None:
+                raise p.ProtocolError(p.E_UNKNOWN_TASK, f"no session {task_id!r} to detach")
+            self.reply(envelope, replay)
+            return
         had_pending = session.pending is not None
-        closes = session.flush(REASON_DETACH)
-        for close in closes:
-            self.store.stage_close(self._staged, session, close)
-        self._abandon_task_job(task_id, p.E_UNKNOWN_TASK, "the task was detached while its step was being scored")
+        closed = self._end_session(session, REASON_DETACH, "the task was detached while its step was being scored")
         body = p.header(p.OP_DETACH, rid)
-        body.update(status="detached", task_id=task_id, segments_closed=len(closes), dropped_pending_step=had_pending)
+        body.update(status="detached", task_id=task_id, segments_closed=closed, dropped_pending_step=had_pending)
         data = p.encode(body)
-        self.store.stage_delete(self._staged, session, p.encode({"rid": rid, "reply": data}))
-        del self.sessions[task_id]
-        self.attach_rids.pop(_key(session.attach_rid), None)
+        self.store.stage_tombstone(self.outbox.batch, task_id, rid, data)
         self.metrics["broker/detached"] += 1
-        self._count_closed(len(closes))
         self.reply(envelope, data, durable=True)
 
+    def _end_session(self, session: Session, reason: str, why: str) -> int:
+        """End a session (detach, expiry): close its open segment, stage its deletion, forget it; return segments closed.
+
+        A step of the task still waiting for an actor is answered `unknown_task` (`why`)
+        and its late result dropped; the pending step, if any, is dropped (its observation
+        is the closed segment's next_obs). An empty open segment closes nothing (0)."""
+        closes = session.flush(reason)
+        for close in closes:
+            self.store.stage_close(self.outbox.batch, session, close)
+        self.store.stage_delete(self.outbox.batch, session)
+        self._abandon_task_job(session.task_id, p.E_UNKNOWN_TASK, why)
+        del self.sessions[session.task_id]
+        self.attach_rids.pop(_key(session.attach_rid), None)
+        self._count_closed(len(closes))
+        return len(closes)
+
     def on_ask(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
-        """ask: may the client step now? `wait` with retry_after_ms under back-pressure."""
+        """ask: may the client step now? `wait` with retry_after_ms under back-pressure; no effect, so answered afresh every time."""
         if not self.storage_ok:  # sessions are reloaded when Redis is back; until then, nobody may step
             body = p.header(p.OP_ASK, rid)
             body.update(task_id=p.check_task_id(msg), status="wait", retry_after_ms=self.cfg.retry_after_ms, reason="storage")
@@ -412,10 +395,6 @@ class Broker:
             self.reply(envelope, body)
             return
         session = self._session(msg)
-        replay = session.replay(rid)
-        if replay is not None:
-            self.reply(envelope, replay)
-            return
         reason = self._backpressure()
         body = p.header(p.OP_ASK, rid)
         body["task_id"] = session.task_id
@@ -424,9 +403,7 @@ class Broker:
             self.metrics["broker/ask_wait"] += 1
         else:
             body["status"] = "ok"
-        data = p.encode(body)
-        session.remember(rid, data, durable=False)
-        self.reply(envelope, data)
+        self.reply(envelope, body)
 
     def _count_closed(self, n: int) -> None:
         self.metrics["broker/segments_closed"] += n
@@ -498,14 +475,13 @@ class Broker:
         if step.mode == p.OP_RAG_STEP and self.cfg.rag_history_len:
             entry = step.history_entry(reward, self.cfg.rag_history_chars)
             session.history = (session.history + [entry])[-self.cfg.rag_history_len :]
-            self.store.stage_history(self._staged, session, entry, self.cfg.rag_history_len)
+            self.store.stage_history(self.outbox.batch, session, entry, self.cfg.rag_history_len)
         body = p.header(p.OP_FEEDBACK, rid)
         body.update(status="ok", task_id=session.task_id, segment_closed=bool(closes))
         data = p.encode(body)
-        session.remember(rid, data, durable=True)
-        self.store.stage_transition(self._staged, session, transition)
+        self.store.stage_transition(self.outbox.batch, session, transition, session.remember(rid, data))
         for close in closes:
-            self.store.stage_close(self._staged, session, close)
+            self.store.stage_close(self.outbox.batch, session, close)
         self.metrics["broker/feedbacks"] += 1
         self._count_closed(len(closes))
         self.reply(envelope, data, durable=True, since=self.now)
@@ -532,8 +508,9 @@ class Broker:
                 + ("" if self.storage_ok else ", REDIS DOWN"))  # fmt: skip
 
     def status(self, window_s: float = 60.0) -> dict[str, Any]:
+        """The `status` reply's figures (docs/protocol.md, section 3, lists each)."""
         return {
-            "added_latency": self.added_latency.summary(window_s),
+            "added_latency": latency_summary(self.outbox.added_latency, window_s),
             "uptime_s": round(time.monotonic() - self.started, 3),
             "sessions": len(self.sessions),
             "pending_steps": sum(s.pending is not None for s in self.sessions.values()),
@@ -548,6 +525,7 @@ class Broker:
             "counters": dict(self.metrics),
             "steps_per_s": round(self.step_rate.rate(), 3),
             "learner": self._learner(),
+            "limits": dataclasses.asdict(self.limits),
         }
 
     def _learner(self) -> dict[str, float]:
@@ -561,7 +539,10 @@ class Broker:
 
     # --- actor back end --------------------------------------------------------------------
     def on_actor_frames(self, frames: list[bytes]) -> None:
-        """Messages from actors: ready, heartbeat, result, disconnect."""
+        """Messages from actors (ready, heartbeat, result, disconnect): decode, check, hand to the op's handler.
+
+        Every op but `ready` must come from a registered actor; an unknown one (say, after a
+        broker restart) is told `disconnect`, which makes it announce itself again."""
         if len(frames) != 2:
             self.metrics["dropped/malformed_actor_frames"] += 1
             return
@@ -571,33 +552,38 @@ class Broker:
             if msg.get("proto") != p.PROTOCOL_ID or msg.get("v") != p.PROTOCOL_VERSION:
                 raise p.ProtocolError(p.E_UNSUPPORTED_VERSION, f"actor speaks proto={msg.get('proto')!r} v={msg.get('v')!r}")
             op = msg.get("op")
-            if op == p.OP_READY:
-                self.on_actor_ready(identity, msg)
-                return
-            actor = self.registry.get(identity)
-            if actor is None:  # unknown (say, the broker restarted): ask it to announce itself
-                self._send_actor(identity, p.header(p.OP_DISCONNECT))
-                return
-            actor.last_heard = self.now
-            if op == p.OP_HEARTBEAT:
-                version = msg.get("policy_version")
-                if isinstance(version, int):
-                    actor.policy_version = version
-            elif op == p.OP_RESULT:
-                results = p.require(msg, "results", list, "an array of result maps")
-                for result in results:
-                    if isinstance(result, dict):
-                        self.on_actor_result(actor.identity, result)
-                    else:
-                        self.metrics["dropped/bad_actor_messages"] += 1
-            elif op == p.OP_DISCONNECT:
-                log.info("actor %s disconnected", actor.name)
-                self._requeue(self.registry.remove(identity))
-            else:
+            handler = self._actor_handlers.get(op) if isinstance(op, str) else None
+            if handler is None:
                 raise p.ProtocolError(p.E_UNKNOWN_OP, f"unknown actor op {op!r}")
+            if op != p.OP_READY:
+                actor = self.registry.get(identity)
+                if actor is None:
+                    self._send_actor(identity, p.header(p.OP_DISCONNECT))
+                    return
+                actor.last_heard = self.now
+            handler(identity, msg)
         except p.ProtocolError as e:
             self.metrics["dropped/bad_actor_messages"] += 1
             log.warning("bad message from actor %r: %s", identity, e)
+
+    def on_actor_heartbeat(self, identity: bytes, msg: dict[str, Any]) -> None:
+        """heartbeat: the actor is alive (on_actor_frames noted it) and says which policy version it serves."""
+        version = msg.get("policy_version")
+        if isinstance(version, int) and not isinstance(version, bool):
+            self.registry.actors[identity].policy_version = version
+
+    def on_actor_results(self, identity: bytes, msg: dict[str, Any]) -> None:
+        """result: the outcome of some of the actor's jobs, each handled on its own."""
+        for result in p.require(msg, "results", list, "an array of result maps"):
+            if isinstance(result, dict):
+                self.on_job_result(identity, result)
+            else:
+                self.metrics["dropped/bad_actor_messages"] += 1
+
+    def on_actor_disconnect(self, identity: bytes, msg: dict[str, Any]) -> None:
+        """disconnect: the actor leaves; the jobs it held go back to the front of the queue."""
+        log.info("actor %s disconnected", self.registry.actors[identity].name)
+        self._requeue(self.registry.remove(identity))
 
     def on_actor_ready(self, identity: bytes, msg: dict[str, Any]) -> None:
         credits = p.require(msg, "credits", int, "a positive int")
@@ -613,8 +599,11 @@ class Broker:
         self._requeue(orphans)
         log.info("actor %s ready with %d credits (policy version %s)", name, credits, version)
 
-    def on_actor_result(self, identity: bytes, msg: dict[str, Any]) -> None:
-        """One job's result: record the pending step and answer the client once it is in Redis."""
+    def on_job_result(self, identity: bytes, msg: dict[str, Any]) -> None:
+        """One job's result: record the pending step and answer the client once it is in Redis.
+
+        The result of a job already answered (timeout, superseded, detached: `abandoned`) or
+        unknown is dropped (jobs/late_results): nothing of it is recorded."""
         actor = self.registry.get(identity)
         job = actor.inflight.pop(msg.get("job"), None) if actor is not None else None
         if job is None:
@@ -630,7 +619,8 @@ class Broker:
         if "error" in msg:
             error = msg["error"] if isinstance(msg["error"], dict) else {}
             code = error.get("code") if error.get("code") in p.ERROR_CODES else p.E_INTERNAL
-            self._answer_job(job, p.error_body(job.rid, job.mode, code, f"actor {actor.name}: {error.get('message', 'failed')}"))
+            extra = {"retry_after_ms": self.cfg.retry_after_ms} if code == p.E_OVERLOADED else {}  # `overloaded` always says when
+            self._answer_job(job, p.error_body(job.rid, job.mode, code, f"actor {actor.name}: {error.get('message', 'failed')}", **extra))
             return
         try:
             step = self._checked_result(job, msg)
@@ -649,8 +639,8 @@ class Broker:
             return
         closes, orphaned = session.record_step(step)
         for close in closes:
-            self.store.stage_close(self._staged, session, close)
-        self.store.stage_pending(self._staged, session)
+            self.store.stage_close(self.outbox.batch, session, close)
+        self.store.stage_pending(self.outbox.batch, session, session.remember(step.rid, step.reply))
         self.metrics["broker/steps"] += 1
         self.metrics["broker/orphan_steps"] += orphaned
         self._count_closed(len(closes))
@@ -792,12 +782,8 @@ class Broker:
             try:
                 self.stream_length = self.store.stream_length()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-                # Idle clients write nothing, so this read may be the first to find Redis gone: refuse
-                # writes from now on (none can be acknowledged) and reload once it answers again.
-                if self._inflight is None:
-                    self.committer.reset()
-                    self.storage_ok = False
-                    log.error("Redis unreachable (%s): refusing writes with `overloaded` until it is back", e)
+                # Idle clients write nothing, so this read may be the first to find Redis gone.
+                self._storage_lost(f"Redis read failed (stream length): {e}")
             except redis.RedisError as e:
                 log.warning("cannot read the stream length: %s", e)
 
@@ -807,16 +793,10 @@ class Broker:
         for session in [s for s in self.sessions.values() if s.last_seen_ms < cutoff]:
             if session.task_id in self.task_jobs:
                 continue  # its step is still being scored
-            closes = session.flush(REASON_EXPIRED)
-            for close in closes:
-                self.store.stage_close(self._staged, session, close)
-            self.store.stage_delete(self._staged, session, None)
-            del self.sessions[session.task_id]
-            self.attach_rids.pop(_key(session.attach_rid), None)
+            closed = self._end_session(session, REASON_EXPIRED, "the session expired while its step was being scored")
             self.metrics["sessions/expired"] += 1
-            self._count_closed(len(closes))
             log.info("session %s expired after %.0f s of silence (%d segment closed)", session.task_id,
-                     self.cfg.session_ttl_s, len(closes))  # fmt: skip
+                     self.cfg.session_ttl_s, closed)  # fmt: skip
 
 
 def _key(rid: Any) -> Any:

@@ -40,7 +40,9 @@ REASON_DETACH = "detach"
 REASON_EXPIRED = "expired"
 
 RECENT_REPLIES = 8
-"""Replies remembered per session for retried request ids (a client has one request in flight per task)."""
+"""Writes (step, rag_step, feedback) per task whose replies are kept, in memory and in the task's Redis hash,
+so that any of them sent again with its rid gets its first reply and no second effect (docs/protocol.md,
+section 5). A client has one request in flight per task, so 8 reach well past anything it may still resend."""
 
 
 def now_ms() -> int:
@@ -81,6 +83,31 @@ class PendingStep:
         return {"prompt": prompt[-prompt_chars:], "action": self.obs["action"][self.action], "reward": float(reward)}
 
 
+@dataclass(frozen=True)
+class Replied:
+    """The reply given to one write of a task, kept for a retry with its rid (see RECENT_REPLIES)."""
+
+    n: int  # the task's count of writes when it was made: orders them, and picks its slot in Redis
+    rid: Any
+    reply: bytes
+
+    @property
+    def field(self) -> str:
+        """Its field in the task's Redis hash: `recent:<n mod RECENT_REPLIES>`, so a write overwrites the oldest."""
+        return f"{RECENT_FIELD_PREFIX}{self.n % RECENT_REPLIES}"
+
+    def to_wire(self) -> list[Any]:
+        return [self.n, self.rid, self.reply]
+
+    @classmethod
+    def from_wire(cls, d: list[Any]) -> "Replied":
+        n, rid, reply = d
+        return cls(int(n), rid, reply)
+
+
+RECENT_FIELD_PREFIX = "recent:"
+
+
 @dataclass
 class SegmentClose:
     """Everything about a closing segment except its transitions (which are in Redis)."""
@@ -112,27 +139,38 @@ class Session:
     open_len: int = 0  # transitions in the open segment
     pending: PendingStep | None = None
     attach_rid: Any = None
-    last_rid: Any = None  # rid of the last mutating request that was applied, persisted with it
-    last_reply: bytes = b""
-    recent: OrderedDict = field(default_factory=OrderedDict)  # rid -> encoded reply, this process only
+    writes: int = 0  # steps and feedbacks recorded in this session's life: numbers the next Replied
+    recent: OrderedDict = field(default_factory=OrderedDict)  # rid -> Replied, the last RECENT_REPLIES writes, oldest first
     history: list[dict[str, Any]] = field(default_factory=list)  # rag_step: the task's recent steps, oldest first (in Redis too)
 
     # --- replies for retried request ids ------------------------------------------
-    def remember(self, rid: Any, reply: bytes, durable: bool) -> None:
-        self.recent[_rid_key(rid)] = reply
-        while len(self.recent) > RECENT_REPLIES:
+    def remember(self, rid: Any, reply: bytes) -> Replied:
+        """Keep the reply of a write (step, rag_step, feedback) for its retries; the caller stages it in Redis with the write."""
+        entry = Replied(self.writes, rid, reply)
+        self.writes += 1
+        self.restore(entry)
+        return entry
+
+    def restore(self, entry: Replied) -> None:
+        """Add a kept reply (from remember, or read back from Redis oldest first).
+
+        Kept: the replies of the last RECENT_REPLIES writes, the ones whose Redis slots
+        (`recent:<n mod RECENT_REPLIES>`) they still hold, so memory and Redis agree."""
+        key = _rid_key(entry.rid)
+        self.recent.pop(key, None)  # a rid used again for another write: its newest reply is the one to give
+        self.recent[key] = entry
+        self.writes = max(self.writes, entry.n + 1)
+        while self.recent and next(iter(self.recent.values())).n < self.writes - RECENT_REPLIES:
             self.recent.popitem(last=False)
-        if durable:
-            self.last_rid, self.last_reply = rid, reply
 
     def replay(self, rid: Any) -> bytes | None:
-        """The reply already given to this request id, if any."""
-        reply = self.recent.get(_rid_key(rid))
-        if reply is None and self.last_rid is not None and _rid_key(self.last_rid) == _rid_key(rid):
-            reply = self.last_reply
-        if reply is None and self.pending is not None and _rid_key(self.pending.rid) == _rid_key(rid):
-            reply = self.pending.reply
-        return reply
+        """The reply already given to this request id (one of the task's last RECENT_REPLIES writes), if any."""
+        entry = self.recent.get(_rid_key(rid))
+        if entry is not None:
+            return entry.reply
+        if self.pending is not None and _rid_key(self.pending.rid) == _rid_key(rid):
+            return self.pending.reply  # a pending step written by a broker older than `recent`
+        return None
 
     # --- the state machine ------------------------------------------------------------
     def record_step(self, step: PendingStep) -> tuple[list[SegmentClose], bool]:

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import redis
 
-from broker.sessions import PendingStep, SegmentClose, Session, now_ms
+from broker.sessions import RECENT_FIELD_PREFIX, PendingStep, Replied, SegmentClose, Session, now_ms
 from common import segments as seg
 from common.protocol import encode
 from common.segments import RedisKeys, Transition, unpack
@@ -164,9 +164,8 @@ class SessionStore:
             s.history = entries if history_len is None else entries[len(entries) - history_len :] if history_len else []
             if fields.get(b"pending"):
                 s.pending = PendingStep.from_wire(unpack(fields[b"pending"]))
-            if fields.get(b"last_rid"):
-                s.last_rid = unpack(fields[b"last_rid"])
-                s.last_reply = fields.get(b"last_reply", b"")
+            for entry in _recent_replies(fields):
+                s.restore(entry)
             if fields.get(b"attach_rid"):
                 s.attach_rid = unpack(fields[b"attach_rid"])
             sessions[task_id] = s
@@ -183,13 +182,16 @@ class SessionStore:
         batch.add("HSET", self.keys.task(s.task_id), "created_ms", str(s.created_ms), "seq", str(s.seq), "pending", b"",
                   "attach_rid", encode(s.attach_rid), "epoch", s.epoch)  # fmt: skip
 
-    def stage_pending(self, batch: Batch, s: Session) -> None:
+    def stage_pending(self, batch: Batch, s: Session, replied: Replied) -> None:
+        """A step's pending record, with its reply kept for retries (`recent:<slot>`) in the same HSET."""
         pending = encode(s.pending.to_wire()) if s.pending is not None else b""
-        batch.add("HSET", self.keys.task(s.task_id), "pending", pending)
+        batch.add("HSET", self.keys.task(s.task_id), "pending", pending, replied.field, encode(replied.to_wire()))
 
-    def stage_transition(self, batch: Batch, s: Session, transition: Transition) -> None:
+    def stage_transition(self, batch: Batch, s: Session, transition: Transition, replied: Replied | None = None) -> None:
+        """A feedback's transition appended to the open segment; the pending step cleared and the reply kept, in one HSET."""
         batch.add("RPUSH", self.keys.open_segment(s.task_id), encode(transition.to_wire()))
-        batch.add("HSET", self.keys.task(s.task_id), "pending", b"", "last_rid", encode(s.last_rid), "last_reply", s.last_reply)
+        kept = (replied.field, encode(replied.to_wire())) if replied is not None else ()
+        batch.add("HSET", self.keys.task(s.task_id), "pending", b"", *kept)
 
     def stage_history(self, batch: Batch, s: Session, entry: dict[str, Any], keep: int) -> None:
         batch.add("RPUSH", self.keys.history(s.task_id), encode(entry))
@@ -202,16 +204,34 @@ class SessionStore:
             encode(close.next_obs), str(now_ms()), str(close.seq + 1),
         )  # fmt: skip
 
-    def stage_delete(self, batch: Batch, s: Session, detach_reply: bytes | None) -> None:
+    def stage_delete(self, batch: Batch, s: Session) -> None:
+        """Forget a session in Redis (detach, expiry): its hash, open segment (already closed or empty) and history."""
         batch.add("DEL", self.keys.task(s.task_id), self.keys.open_segment(s.task_id), self.keys.history(s.task_id))
         batch.add("SREM", self.keys.tasks, s.task_id)
-        if detach_reply is not None:
-            batch.add("SET", self.keys.tombstone(s.task_id), detach_reply, "EX", str(TOMBSTONE_TTL_S))
+
+    def stage_tombstone(self, batch: Batch, task_id: str, rid: Any, reply: bytes) -> None:
+        """The reply to a detach, kept TOMBSTONE_TTL_S for a retried detach (the session it names is gone)."""
+        batch.add("SET", self.keys.tombstone(task_id), encode({"rid": rid, "reply": reply}), "EX", str(TOMBSTONE_TTL_S))
 
     # --- reads -----------------------------------------------------------------------------
-    def detach_tombstone(self, task_id: str) -> bytes | None:
-        return self.client.get(self.keys.tombstone(task_id))
+    def detach_reply(self, task_id: str, rid: Any) -> bytes | None:
+        """The reply a detach of `task_id` with this rid got (within TOMBSTONE_TTL_S), else None."""
+        tombstone = self.client.get(self.keys.tombstone(task_id))
+        if tombstone is None:
+            return None
+        record = unpack(tombstone)
+        same = type(record.get("rid")) is type(rid) and record.get("rid") == rid  # str and bin rids are distinct on the wire
+        return record["reply"] if same else None
 
     def stream_length(self) -> int:
         return int(self.client.xlen(self.keys.stream))
 
+
+
+def _recent_replies(fields: dict[bytes, bytes]) -> list[Replied]:
+    """The kept replies of a task hash, oldest first: its `recent:<slot>` fields, and a broker's older `last_rid`/`last_reply`."""
+    prefix = RECENT_FIELD_PREFIX.encode()
+    entries = [Replied.from_wire(unpack(value)) for name, value in fields.items() if name.startswith(prefix)]
+    if fields.get(b"last_rid") and not entries:  # written before `recent` existed: its one kept reply, as the oldest write
+        entries.append(Replied(0, unpack(fields[b"last_rid"]), fields.get(b"last_reply", b"")))
+    return sorted(entries, key=lambda e: e.n)

@@ -124,14 +124,63 @@ def check_header(body: dict[str, Any]) -> tuple[str, Any]:
             f"this peer speaks proto={PROTOCOL_ID!r} v={PROTOCOL_VERSION}, got proto={body.get('proto')!r} v={body.get('v')!r}",
         )
     rid = body.get("rid")
-    if not isinstance(rid, (str, bytes)) or not rid:
-        raise ProtocolError(E_BAD_REQUEST, "`rid` must be a non-empty str or bin (the client-chosen request id)")
-    if len(rid) > MAX_RID_BYTES:
-        raise ProtocolError(E_BAD_REQUEST, f"`rid` is longer than {MAX_RID_BYTES} bytes")
+    check_rid(rid)
     op = body.get("op")
     if not isinstance(op, str):
         raise ProtocolError(E_BAD_REQUEST, f"`op` must be a str, got {type(op).__name__}")
     return op, rid
+
+
+def check_rid(rid: Any) -> Any:
+    """A request id: a str or bin of 1 to MAX_RID_BYTES bytes (a str counts its UTF-8 bytes); raise bad_request naming what is wrong."""
+    if not isinstance(rid, (str, bytes)) or not rid:
+        got = f"an empty {_wire_type(rid)}" if isinstance(rid, (str, bytes)) else _wire_type(rid)
+        raise ProtocolError(E_BAD_REQUEST, f"`rid` must be a non-empty str or bin (the client-chosen request id), got {got}")
+    try:
+        size = len(rid.encode("utf-8")) if isinstance(rid, str) else len(rid)
+    except UnicodeEncodeError as e:  # a Python str with lone surrogates: no UTF-8 for it exists
+        raise ProtocolError(E_BAD_REQUEST, f"`rid` {rid[:16]!r} is not valid UTF-8 ({e.reason})") from e
+    if size > MAX_RID_BYTES:
+        raise ProtocolError(E_BAD_REQUEST, f"`rid` is longer than {MAX_RID_BYTES} bytes ({size}): {rid[:16]!r}...")
+    return rid
+
+
+def readable_rid(rid: Any) -> bool:
+    """Whether `rid` is one the broker echoes in its reply (see check_rid); else the reply carries nil."""
+    try:
+        check_rid(rid)
+    except ProtocolError:
+        return False
+    return True
+
+
+def read_header(frame: bytes) -> dict[str, Any]:
+    """The `rid` and `op` of a body that decode() refused or that is over the size limit, as far as they can be read.
+
+    Why: a reply to a body the broker cannot fully read (invalid UTF-8 or an int key somewhere,
+    too large) should still carry its rid, so the client can match it and stop waiting
+    (docs/protocol.md, section 4). The map is walked at its top level only: each key is read,
+    the values of other keys are skipped without being built (so neither their UTF-8 nor their
+    size matters), and the walk stops at the first thing it cannot read. Returns a map with
+    `rid` (only when readable_rid) and `op` (only when a str) where found; the last of repeated keys wins.
+    """
+    found: dict[str, Any] = {}
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(1, len(frame)))
+    try:
+        unpacker.feed(frame)
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key in ("rid", "op"):
+                found[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
+    except Exception:  # noqa: BLE001 - msgpack raises several types for hostile input; what was read so far stands
+        pass
+    if not readable_rid(found.get("rid")):
+        found.pop("rid", None)
+    if not isinstance(found.get("op"), str):
+        found.pop("op", None)
+    return found
 
 
 def require(body: dict[str, Any], name: str, types: type | tuple[type, ...], what: str) -> Any:
@@ -188,7 +237,10 @@ def check_obs(body: dict[str, Any], limits: Limits, name: str = "obs") -> dict[s
 
 
 def check_reward(body: dict[str, Any]) -> float:
-    """A finite int or float reward."""
+    """A finite int or float reward, as a float (what is stored); bool, nan and inf are refused.
+
+    Both msgpack number types are accepted: a JSON or JavaScript client cannot always tell
+    1 from 1.0. The conformance vectors carry float64 (what the bindings send), docs/protocol.md section 3."""
     reward = require(body, "reward", (int, float), "a finite number")
     if not math.isfinite(reward):
         raise ProtocolError(E_BAD_REQUEST, f"`reward` must be finite, got {reward}")

@@ -84,14 +84,31 @@ def test_flush_marks_truncated_and_uses_the_pending_observation():
     assert s.Session("u", segment_len=10).flush(s.REASON_EXPIRED) == []
 
 
-def test_replay_finds_recent_durable_and_pending_replies():
+def test_replay_keeps_the_last_writes_replies_str_and_bin_rids_apart():
     session = s.Session("t", segment_len=10)
-    session.remember("a", b"A", durable=False)
-    session.remember(b"a", b"BIN", durable=True)
+    first = session.remember("a", b"A")
+    session.remember(b"a", b"BIN")
+    assert (first.n, first.field) == (0, "recent:0")
     assert session.replay("a") == b"A" and session.replay(b"a") == b"BIN"
-    for i in range(20):
-        session.remember(f"x{i}", b"X", durable=False)
-    assert session.replay("a") is None  # fell out of the recent window
-    assert session.replay(b"a") == b"BIN"  # still the last durable one
+    for i in range(s.RECENT_REPLIES - 2):
+        session.remember(f"x{i}", b"X")
+    assert session.replay("a") == b"A"  # the oldest of the last RECENT_REPLIES writes
+    last = session.remember("y", b"Y")
+    assert session.replay("a") is None and session.replay(b"a") == b"BIN"  # "a" fell out; its Redis slot is "y"'s now
+    assert last.field == first.field and len(session.recent) == s.RECENT_REPLIES
+
+
+def test_replay_of_a_rid_used_twice_gives_its_newest_reply_and_restore_rebuilds_the_same_window():
+    session = s.Session("t", segment_len=10)
+    entries = [session.remember(rid, rid.encode()) for rid in ("a", "b", "a", "c")]
+    assert session.replay("a") == b"a" and list(session.recent) == [("str", "b"), ("str", "a"), ("str", "c")]
+    restored = s.Session("t", segment_len=10)
+    for entry in entries:  # Redis holds every slot; loading restores them oldest first
+        restored.restore(entry)
+    assert restored.recent == session.recent and restored.writes == session.writes == 4
+
+
+def test_a_pending_step_written_by_an_older_broker_replays_its_own_reply():
+    session = s.Session("t", segment_len=10)
     session.record_step(step(5, rid="stepped"))
     assert session.replay("stepped") == b"reply"
