@@ -13,6 +13,10 @@ the blocking client follows. An attempt that gets no reply replaces the socket,
 as the rule says; every other request in flight on the old socket is then
 sent again at once, with its own rid, on the new one (the broker answers a
 repeated rid with its first reply and applies it once, so this is safe).
+A reply with `rid: nil` (a request whose rid the broker could not read) is the
+answer of the one request in flight when only one is; with several it matches
+none and is logged (docs/protocol.md, section 4). Every rid is checked before
+it is sent (client/retry.py), so this client never causes one.
 
 Use an AsyncClient from one event loop (the one it was first used in); it is
 not thread-safe. `close()` is final: in-flight requests fail with RuntimeError.
@@ -27,7 +31,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from client.retry import RetryRule, check_timeouts, feedback_fields
+from client.retry import RetryRule, answers, check_timeouts, feedback_fields
 from common import protocol as p
 from common.security import KeySource, client_keys
 
@@ -121,9 +125,15 @@ class AsyncClient:
             log.warning("ignoring an undecodable reply from %s: %s", self.endpoint, e)
             return
         rid = reply.get("rid")
+        if rid is None and len(self._waiters) == 1:  # the broker could not read a rid: the one request in flight is its cause
+            rid = next(iter(self._waiters))
         futures = self._waiters.get(rid) if isinstance(rid, (str, bytes)) else None
-        if not futures:
-            log.debug("ignoring a reply nobody waits for (rid %r): a late answer to an earlier attempt", rid)
+        if not futures or not answers(reply, rid, alone=True):
+            if reply.get("rid") is None:  # never from a request of this client (each rid is checked before sending)
+                log.warning("a reply with rid nil from %s matches none of %d requests in flight: %s", self.endpoint,
+                            len(self._waiters), reply.get("error"))  # fmt: skip
+            else:
+                log.debug("ignoring a reply nobody waits for (rid %r): a late answer to an earlier attempt", rid)
             return
         for future in futures:
             if not future.done():

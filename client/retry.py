@@ -4,7 +4,9 @@ docs/protocol.md (section 5) says how a client sends one request: a fresh rid,
 attempts of at most `attempt_timeout` each, a new socket after an attempt that
 got no reply, a wait (`retry_after_ms`, else 100 ms) and the same rid again after
 `overloaded`, `timeout` or `internal`, any other error raised at once, and
-RequestTimeout once the caller's deadline has passed. client/sync.py and
+RequestTimeout once the caller's deadline has passed. A reply with `rid: nil`
+is the broker's answer to a request it could not read a rid from: final, never
+retried (section 4). client/sync.py and
 client/aio.py differ only in how they wait (a poll or an await); what they
 send and what each reply means is decided here, so the two cannot drift apart.
 Nothing here touches a socket or sleeps.
@@ -32,10 +34,32 @@ def new_rid() -> str:
 
 
 def build_request(op: str, rid: Any = None, fields: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The body of one request: the header (with a fresh rid unless one is given) and `fields`."""
-    body = p.header(op, rid or new_rid())
+    """The body of one request: the header (with a fresh rid unless one is given) and `fields`.
+
+    A given rid is checked here (a str or bin of 1 to 64 bytes, a str counted in UTF-8): one the
+    broker cannot read would be answered with `rid: nil`, which a client with several requests
+    in flight cannot match (docs/protocol.md, section 4). ValueError names it."""
+    if rid is None:
+        rid = new_rid()
+    try:
+        p.check_rid(rid)
+    except p.ProtocolError as e:
+        raise ValueError(e.message) from None
+    body = p.header(op, rid)
     body.update(fields or {})
     return body
+
+
+def answers(reply: dict[str, Any], rid: Any, alone: bool) -> bool:
+    """Whether `reply` is the answer to the request with this `rid`.
+
+    Its own rid (str and bin kept apart), or `rid: nil` when that request is the only one
+    in flight on the socket (`alone`): the broker could not read the request's rid, so its
+    reply names none; with several in flight it cannot be told which one it answers."""
+    got = reply.get("rid")
+    if got is None:
+        return alone and "error" in reply
+    return type(got) is type(rid) and got == rid
 
 
 def feedback_fields(
@@ -117,7 +141,7 @@ class RetryRule:
         if "error" not in reply:
             return None
         error = from_reply(reply)
-        if error.code not in RETRIED_CODES:
+        if error.code not in RETRIED_CODES or reply.get("rid") is None:  # nil rid: the broker could not read it; resending cannot help
             raise error
         wait = retry_after(reply)
         if wait >= self.remaining():

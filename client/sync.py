@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 
 from client.errors import PPOZError
-from client.retry import RETRIED_CODES, RetryRule, check_timeouts, feedback_fields
+from client.retry import RETRIED_CODES, RetryRule, answers, check_timeouts, feedback_fields
 from common import protocol as p
 from common.security import KeySource, client_keys
 
@@ -120,7 +120,9 @@ class Client:
                 reply = p.decode(frames[-1])
             except p.ProtocolError:
                 continue
-            if reply.get("rid") == rid:
+            # One request at a time is in flight on this socket (an attempt that got no reply replaces
+            # the socket), so a reply with `rid: nil` can only be this request's: the broker could not read it.
+            if answers(reply, rid, alone=True):
                 return reply
             # a reply to an earlier attempt that we already gave up on
         return None

@@ -371,6 +371,7 @@ def test_prometheus_endpoint_serves_the_status_figures(start_broker, start_actor
     text = wait_for(scraped_after_the_steps, timeout=10, what="the scrape to show 3 steps")
     assert "ppoz_sessions 1.0" in text and 'ppoz_actor_credits{actor="prom-actor"}' in text
     assert "# TYPE ppoz_events_total counter" in text
+    assert 'ppoz_added_latency_ms{quantile="0.5"}' in text and 'ppoz_added_latency_ms{quantile="0.99"}' in text
     for line in text.splitlines():  # every sample line is NAME[{labels}] VALUE
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)

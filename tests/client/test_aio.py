@@ -38,7 +38,7 @@ def test_full_life_cycle(serving, zmq_context, redis_client, key_prefix):
             await client.ping()
 
     asyncio.run(main())
-    [segment] = [decode_segment(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")]
+    [segment] = [Segment.from_entry(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")]
     assert segment.reason == "done" and [t.action for t in segment.transitions] == [0, 1, 2, 5]
     assert [t.mode for t in segment.transitions] == ["step"] * 3 + ["rag_step"]
 

@@ -57,7 +57,7 @@ def test_kea_loop_attach_ask_step_feedback_detach(serving, ppo_client, redis_cli
     transitions = [t for s in segments for t in s.transitions]
     assert [t.action for t in transitions] == actions
     assert [t.reward for t in transitions] == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9])
-    assert transitions[-1]["mode"] == "rag_step"
+    assert transitions[-1].mode == "rag_step"
 
 
 def test_ask_reports_back_pressure(start_broker, ppo_client):

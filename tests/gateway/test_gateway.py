@@ -163,6 +163,18 @@ def test_bad_http_requests_are_named(start_broker, start_gateway):
         assert words in body["error"] or words == body["code"], body
 
 
+def test_a_body_the_gateway_takes_but_the_broker_refuses_as_too_large_gets_413_at_once(start_broker, start_gateway):
+    """Over the broker's max_message_bytes, under the gateway's max_body_bytes: the broker's `too_large` names the rid,
+    so the gateway's client stops at once (it used to wait out its deadline on a reply with rid nil, then 504)."""
+    broker = start_broker(max_message_bytes=2048)
+    base = url(start_gateway(broker.frontend, request_deadline_s=10.0, attempt_timeout_s=5.0))
+    task = requests.post(f"{base}/attach", timeout=30).json()["task_id"]
+    started = time.monotonic()
+    response = requests.post(f"{base}/step", json={"task_id": task, "obs": {**OBS, "prompt": "p" * 5000}}, timeout=30)
+    assert response.status_code == 413 and "the limit is 2048" in response.json()["error"], response.json()
+    assert time.monotonic() - started < 3
+
+
 def test_many_clients_are_served_concurrently(start_broker, start_actor, make_client, start_gateway):
     class SlowPolicy(UniformPolicy):
         """A neighbour stand-in: the actor takes 0.3 s per batch and records batch sizes."""
