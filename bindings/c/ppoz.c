@@ -637,7 +637,11 @@ static int attempt(ppoz_client *c, const char *rid, const char *data, size_t len
         ppoz_reply reply;
         int ok = ppoz_parse_reply(zmq_msg_data(&msg), zmq_msg_size(&msg), &reply, NULL, 0) == PPOZ_OK;
         zmq_msg_close(&msg);
-        if (ok && reply.has_rid && reply.rid_len == rid_len && memcmp(reply.rid, rid, rid_len) == 0) {
+        /* Its own rid; or rid nil on an error: the broker could not read this request's rid (protocol
+         * section 4), and this client has one request in flight per socket (an attempt without reply
+         * replaces the socket), so that reply can only be this request's. */
+        if (ok && ((reply.has_rid && reply.rid_len == rid_len && memcmp(reply.rid, rid, rid_len) == 0) ||
+                   (!reply.has_rid && reply.is_error))) {
             c->reply = reply;
             c->has_reply = 1;
             return 1;
@@ -696,8 +700,8 @@ static int request(ppoz_client *c, ppoz_request *req)
         }
         rc = ppoz_code_to_rc(c->reply.error_code);
         fail(c, rc, c->reply.error_code, "%s", c->reply.error_message);
-        if (!is_retried(rc))
-            break;
+        if (!is_retried(rc) || !c->reply.has_rid)
+            break; /* rid nil is final: the same bytes would get the same answer */
         int64_t wait = c->reply.has_retry_after_ms ? c->reply.retry_after_ms : PPOZ_DEFAULT_RETRY_AFTER_MS;
         if (wait >= end - now_ms())
             break; /* waiting would end past the deadline: report the broker's reason */

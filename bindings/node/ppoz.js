@@ -55,6 +55,8 @@ const RETRIED_CODES = new Set([E.OVERLOADED, E.TIMEOUT, E.INTERNAL]);
 // The wait before a retry when the error reply suggests none (rule 4).
 const DEFAULT_RETRY_AFTER_MS = 100;
 const HEADER_KEYS = new Set(["proto", "v", "op", "rid"]);
+// A rid is 1 to 64 bytes (a string counted in UTF-8); the broker answers any other with `rid: nil` (section 4).
+const MAX_RID_BYTES = 64;
 
 // --- Errors: one class per protocol error code ----------------------------------------------
 /** An error reply from the broker (`.code`, `.message`, `.reply`), or no reply within the deadline. */
@@ -198,9 +200,26 @@ function header(op, rid) {
   return { proto: PROTOCOL_ID, v: PROTOCOL_VERSION, op, rid };
 }
 
-/** The body of one request: the header (a fresh rid unless one is given), then `fields` in their order. */
+/**
+ * Throw unless `rid` is one the broker can read and echo: a string (well-formed UTF-16, so its UTF-8 is the
+ * same text) or a Uint8Array of 1 to 64 bytes. A reply with `rid: nil` could not be matched to it.
+ */
+function checkRid(rid) {
+  if (typeof rid === "string") {
+    const bytes = Buffer.byteLength(rid, "utf8");
+    if (Buffer.from(rid, "utf8").toString("utf8") !== rid) throw new RangeError(`\`rid\` ${JSON.stringify(rid.slice(0, 16))} is not valid UTF-8 (a lone surrogate)`);
+    if (bytes < 1 || bytes > MAX_RID_BYTES) throw new RangeError(`\`rid\` must be 1 to ${MAX_RID_BYTES} bytes, got ${bytes}: ${JSON.stringify(rid.slice(0, 16))}`);
+  } else if (rid instanceof Uint8Array) {
+    if (rid.length < 1 || rid.length > MAX_RID_BYTES) throw new RangeError(`\`rid\` must be 1 to ${MAX_RID_BYTES} bytes, got ${rid.length}`);
+  } else {
+    throw new TypeError(`\`rid\` must be a string or a Uint8Array, got ${rid === null ? "null" : typeof rid}`);
+  }
+  return rid;
+}
+
+/** The body of one request: the header (a fresh rid unless one is given, checked), then `fields` in their order. */
 function buildRequest(op, fields = {}, rid = undefined) {
-  const body = header(op, rid === undefined || rid === null || rid === "" ? newRid() : rid);
+  const body = header(op, rid === undefined || rid === null || rid === "" ? newRid() : checkRid(rid));
   for (const [key, value] of Object.entries(fields)) {
     if (HEADER_KEYS.has(key)) throw new TypeError(`\`${key}\` is part of the header; pass it as an option, not a field`);
     if (value !== undefined) body[key] = value;
@@ -287,7 +306,8 @@ class RetryRule {
   waitBeforeRetry(reply) {
     if (!("error" in reply)) return null;
     const error = errorFromReply(reply);
-    if (!RETRIED_CODES.has(error.code)) throw error;
+    // rid nil: the broker could not read the request's rid, so resending the same bytes cannot help (section 4).
+    if (!RETRIED_CODES.has(error.code) || reply.rid === null) throw error;
     const wait = retryAfterMs(reply);
     if (wait >= this.remainingMs()) throw error;
     return wait;
@@ -372,7 +392,18 @@ class PPOZClient {
     } catch {
       return; // not a PPOZ body: nothing can be matched to it
     }
-    const waiters = this._waiters.get(ridKey(reply.rid));
+    let key = ridKey(reply.rid);
+    if (reply.rid === null) {
+      // The broker could not read a rid (section 4): the answer of the one request in flight, if only one is.
+      // Every rid this client sends is checked first (checkRid), so with several it matches none of them.
+      if (this._waiters.size === 1 && "error" in reply) {
+        key = this._waiters.keys().next().value;
+      } else {
+        process.emitWarning(`a reply with rid nil from ${this.endpoint} matches none of ${this._waiters.size} requests in flight: ${JSON.stringify(reply.error)}`, "PPOZWarning");
+        return;
+      }
+    }
+    const waiters = this._waiters.get(key);
     if (!waiters) return; // a late answer to an attempt given up on, or to a request already answered
     for (const waiter of [...waiters]) waiter.settle({ reply });
   }
@@ -504,6 +535,8 @@ module.exports = {
   decode,
   header,
   buildRequest,
+  checkRid,
+  MAX_RID_BYTES,
   feedbackFields,
   stepFields,
   obsFields,

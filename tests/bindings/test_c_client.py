@@ -171,6 +171,18 @@ def test_an_error_that_is_not_retried_returns_at_once(scripted):
     assert not router.poll(300), "a bad_request must not be resent"
 
 
+@pytest.mark.parametrize("code", [p.E_BAD_REQUEST, p.E_INTERNAL])
+def test_an_error_with_rid_nil_answers_the_request_and_is_final(scripted, code):
+    """protocol section 4: the broker could not read the rid; one request per socket, so it is this one's, never resent."""
+    router, proc = scripted(20_000, 5000)
+    peer, _ = receive(router)
+    answer(router, peer, p.error_body(None, None, code, "no readable rid"))
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 1
+    assert out.strip() == f"error {code} attempts 1: no readable rid", out + err
+    assert not router.poll(300), "a request the broker could not read must not be resent"
+
+
 def test_a_retried_error_whose_wait_ends_past_the_deadline_is_reported(scripted):
     router, proc = scripted(1500, 1000)
     peer, body = receive(router)

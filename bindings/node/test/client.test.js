@@ -179,3 +179,56 @@ test("close() fails the requests still waiting", async () => {
     await broker.close();
   }
 });
+
+test("a reply with rid nil answers the one request in flight: raised at once, never resent", async () => {
+  const broker = await fakeBroker(({ body }) => [{ ...ppoz.header(body.op, null), error: { code: "bad_request", message: "`rid` must be a non-empty str or bin, got nil" } }]);
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 2000 });
+  try {
+    const t0 = performance.now();
+    await assert.rejects(client.ping(), (e) => e instanceof ppoz.BadRequest && e.reply.rid === null);
+    assert.ok(performance.now() - t0 < 1500, "not after the deadline");
+    await new Promise((resolve) => setTimeout(resolve, 200));
+    assert.equal(broker.seen.length, 1, "a request the broker cannot read is not sent again");
+  } finally {
+    client.close();
+    await broker.close();
+  }
+});
+
+test("with several in flight a reply with rid nil matches none: a warning, and each gets its own reply", async () => {
+  const held = [];
+  const broker = await fakeBroker(({ body }) => {
+    held.push(body);
+    if (held.length < 2) return [];
+    return [{ ...ppoz.header(null, null), error: { code: "bad_request", message: "unreadable" } }, ...held.map((b) => ok(b, { time_ms: 1 }))];
+  });
+  const warnings = [];
+  const onWarning = (w) => warnings.push(w);
+  process.on("warning", onWarning);
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 2000 });
+  try {
+    const replies = await Promise.all([client.ping({ rid: "p-0" }), client.ping({ rid: "p-1" })]);
+    assert.deepEqual(replies.map((r) => r.rid), ["p-0", "p-1"]);
+    await new Promise((resolve) => setImmediate(resolve));
+    assert.ok(warnings.some((w) => w.name === "PPOZWarning" && /rid nil .* matches none of 2/.test(w.message)), warnings.map(String).join("; "));
+  } finally {
+    process.off("warning", onWarning);
+    client.close();
+    await broker.close();
+  }
+});
+
+test("a rid the broker could not read is refused before anything is sent, naming it", () => {
+  assert.throws(() => ppoz.buildRequest("ping", {}, "x".repeat(65)), /1 to 64 bytes, got 65/);
+  assert.throws(() => ppoz.buildRequest("ping", {}, "é".repeat(33)), /1 to 64 bytes, got 66/);
+  assert.throws(() => ppoz.buildRequest("ping", {}, "\ud800"), /not valid UTF-8/);
+  assert.throws(() => ppoz.buildRequest("ping", {}, 7), /must be a string or a Uint8Array, got number/);
+  assert.throws(() => ppoz.buildRequest("ping", {}, new Uint8Array(65)), /got 65/);
+  assert.equal(ppoz.buildRequest("ping", {}, "é".repeat(32)).rid, "é".repeat(32));
+});
+
+test("a reply with rid nil is final whatever its code: a retried code is not resent", () => {
+  const rule = new ppoz.RetryRule("ping", "p1", {}, 5000, 1000);
+  assert.throws(() => rule.waitBeforeRetry({ rid: null, error: { code: "internal", message: "no rid" } }), ppoz.InternalError);
+  assert.equal(rule.waitBeforeRetry({ rid: "p1", error: { code: "internal", message: "" } }), 100);
+});
