@@ -92,3 +92,52 @@ def test_task_id_pattern():
             p.check_task_id({"task_id": bad})
 
 
+
+
+def test_an_integral_reward_is_read_as_a_float():
+    reward = p.check_reward({"reward": 1})
+    assert reward == 1.0 and isinstance(reward, float)
+
+
+@pytest.mark.parametrize(
+    "rid, readable, words",
+    [("r", True, ""), (b"\x00" * 64, True, ""), ("é" * 32, True, ""), ("x" * 65, False, "longer than 64 bytes (65)"),
+     ("é" * 33, False, "longer than 64 bytes (66)"), ("", False, "got an empty str"), (b"", False, "got an empty bin"),
+     (None, False, "got nil"), (7, False, "got int"), (True, False, "got bool"), ("\ud800", False, "not valid UTF-8")],
+)  # fmt: skip
+def test_a_rid_is_a_str_or_bin_of_1_to_64_bytes_counted_in_utf8(rid, readable, words):
+    assert p.readable_rid(rid) is readable
+    if readable:
+        assert p.check_rid(rid) == rid
+    else:
+        with pytest.raises(p.ProtocolError) as e:
+            p.check_rid(rid)
+        assert e.value.code == p.E_BAD_REQUEST and words in e.value.message
+
+
+def test_read_header_finds_rid_and_op_in_a_body_decode_refuses():
+    bad_utf8 = p.encode({"proto": "ppoz", "v": 1, "op": "step", "obs": {"prompt": "XXXX"}, "rid": "r1"}).replace(b"XXXX", b"\xff\xfe\xfd\xfc")
+    with pytest.raises(p.ProtocolError):
+        p.decode(bad_utf8)
+    assert p.read_header(bad_utf8) == {"op": "step", "rid": "r1"}
+    assert p.read_header(p.encode({1: "int key", "rid": b"bin", "op": "ask"})) == {"rid": b"bin", "op": "ask"}
+    huge = p.encode({"op": "ping", "pad": "z" * 100_000, "rid": "after-the-pad"})
+    assert p.read_header(huge) == {"op": "ping", "rid": "after-the-pad"}
+
+
+@pytest.mark.parametrize(
+    "frame, found",
+    [
+        (b"", {}),
+        (b"\xc1", {}),
+        (msgpack.packb([1, 2]), {}),
+        (p.encode({"op": "ask", "rid": "x" * 65}), {"op": "ask"}),  # an unreadable rid is left out, not cut
+        (p.encode({"op": 3, "rid": "r"}), {"rid": "r"}),  # an op that is not a str is left out
+        (p.encode({"op": "ask", "rid": "abc"})[:-1], {"op": "ask"}),  # cut short inside the rid
+        (b"\x82\xa3obs" + b"\x91" * 100_000 + b"\xc0" + p.encode("rid") + p.encode("r"), {}),  # nested too deep before the rid
+        (b"\x83" + p.encode("rid") + p.encode("r") + b"\xa2\xff\xfe" + b"\x01" + p.encode("op") + p.encode("ask"), {"rid": "r"}),
+    ],
+    ids=["empty", "not-msgpack", "array", "long-rid", "int-op", "truncated", "deep", "bad-key"],  # bad-key: the walk stops there
+)
+def test_read_header_gives_only_what_it_can_read(frame, found):
+    assert p.read_header(frame) == found
