@@ -15,27 +15,24 @@ from typing import Any
 
 import torch
 
+from actor_node.policies import Choice
 from actor_node.prefix_cache import PrefixCache
 from common import scoring
+from common.config import option
 from common.policy_model import load_policy_state_dict
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-    normalisation: str = "word"
-    temperature: float = 1.0
-    greedy: bool = False  # evaluation mode: argmax instead of sampling
-    max_batch_tokens: int = 32768
-    seed: int = 0
+    """How the actor turns candidate scores into a choice, and how much it scores at once."""
 
-
-@dataclass
-class Choice:
-    action: int
-    logprob: float
-    probs: list[float]
+    normalisation: str = option("word", "token, word or sum: how a candidate's summed log-probability is normalised")
+    temperature: float = option(1.0, "softmax temperature over the normalised scores")
+    greedy: bool = option(False, "evaluation mode: argmax instead of sampling")
+    max_batch_tokens: int = option(32768, "most tokens (context + candidates) in one forward")
+    seed: int = option(0, "seed of the sampling generator")
 
 
 class LLMPolicy:
@@ -62,6 +59,9 @@ class LLMPolicy:
         self.cache.clear()
         self.policy_version = version
         log.info("now serving policy version %d", version)
+
+    def stats(self) -> str:
+        return f"{self.scored} scored in {self.forwards} forwards; prefix cache {self.cache.stats()}"
 
     # --- scoring --------------------------------------------------------------------------
     def choose_batch(self, jobs: list[dict[str, Any]]) -> list[Choice | Exception]:

@@ -1,22 +1,52 @@
-"""Policies an actor can serve without a model.
+"""What an actor serves: the `Policy` protocol the actor loop drives, and the policies needing no model.
 
-`uniform` picks every candidate with equal probability. It is the stand-in the
-broker tests and `ppoz bench broker` use (an actor that answers at once), and a
-baseline to compare a learned policy with. The LLM policy is actor_node/llm_policy.py;
-both answer `choose_batch(jobs)` with one Choice (or exception) per job.
+A policy answers `choose_batch(jobs)` with one `Choice` (or the exception that
+job raised) per job, in order, and carries the `policy_version` of its weights.
+The actor loop (actor_node/worker.py) swaps weights with `set_weights` between
+batches only. `uniform` picks every candidate with equal probability: the
+stand-in the broker tests and `ppoz bench broker` use (an actor that answers at
+once), and a baseline for a learned policy. The LLM policy is
+actor_node/llm_policy.py. This module imports no torch, so a uniform actor starts
+in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from actor_node.llm_policy import Choice
+
+@dataclass
+class Choice:
+    """A policy's answer to one job: the chosen candidate, its log-probability, every candidate's probability."""
+
+    action: int
+    logprob: float
+    probs: list[float]
+
+
+class Policy(Protocol):
+    """What the actor loop and its wiring (actor_node/main.py) need of a policy."""
+
+    policy_version: int
+
+    def choose_batch(self, jobs: list[dict[str, Any]]) -> list[Choice | Exception]:
+        """One answer per job, in order: a Choice, or the exception that job alone raised."""
+        ...
+
+    def set_weights(self, state: dict[str, Any], version: int) -> None:
+        """Serve these weights from now on (called between batches)."""
+        ...
+
+    def stats(self) -> str:
+        """A one-line summary of the work done, for the log at exit ('' if nothing to say)."""
+        ...
 
 
 class UniformPolicy:
-    """Samples a candidate uniformly at random; its policy version is always 0."""
+    """Samples a candidate uniformly at random; it has no weights, so its policy version stays 0."""
 
     policy_version = 0
 
@@ -35,3 +65,9 @@ class UniformPolicy:
             except Exception as e:  # a malformed observation fails its own job only
                 out.append(e)
         return out
+
+    def set_weights(self, state: dict[str, Any], version: int) -> None:
+        raise TypeError("the uniform policy has no weights to follow; serve a model (--model) to follow the learner")
+
+    def stats(self) -> str:
+        return ""

@@ -15,27 +15,29 @@ import logging
 import time
 from typing import Any
 
-from actor_node.retrieval import (CorpusIndex, EmbeddingCache, EncoderEmbedder, HistoryEntry, PolicyEmbedder, RetrievalConfig,
-                                  augment_counted, load_corpus, query_texts, retrieve)  # fmt: skip
+from actor_node.embedders import EncoderEmbedder, PolicyEmbedder
+from actor_node.retrieval import CorpusIndex, EmbeddingCache, HistoryEntry, augment_counted, load_corpus, query_texts, retrieve
 from common import protocol as p
+from common.errors import BadInput
+from common.shared_settings import RetrievalConfig
 
 log = logging.getLogger(__name__)
 
 
-class RetrievalError(ValueError):
+class RetrievalError(BadInput):
     """A rag_step job this actor cannot augment (malformed history): the client gets `bad_request`."""
 
 
 class Retriever:
     """Augments rag_step jobs: the task's history (sent by the broker) and the corpus, within a token budget."""
 
-    def __init__(self, cfg: RetrievalConfig, model: Any, tokenizer: Any, embedder_path: str = "", device: str = "cpu") -> None:
+    def __init__(self, cfg: RetrievalConfig, model: Any, tokenizer: Any, device: str = "cpu") -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self._model = model
         self._base: Any = None  # the policy embedder is made on first use: an actor no client sends rag_step to pays nothing
-        if embedder_path:  # a separate encoder is loaded now, so a bad path stops the actor at start
-            self._base = EncoderEmbedder(embedder_path, device=device, batch=cfg.embed_batch)
+        if cfg.embedder:  # a separate encoder is loaded now, so a bad path stops the actor at start
+            self._base = EncoderEmbedder(cfg.embedder, device=device, batch=cfg.embed_batch)
         self.embedder = EmbeddingCache(self._embed)
         self.index: CorpusIndex | None = None
         if cfg.corpus_dir:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 from actor_node.link import BrokerLink
+from actor_node.policies import Policy
 from actor_node.weight_follower import WeightFollower
 from common import protocol as p
 from common import weights
+from common.errors import BadInput
 
 if TYPE_CHECKING:
     from actor_node.rag import Retriever
@@ -18,15 +20,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Policy(Protocol):
-    policy_version: int
-
-    def choose_batch(self, jobs: list[dict[str, Any]]) -> list[Any]: ...
-
-
-def catch_up(policy: Any, follower: WeightFollower | None) -> bool:
+def catch_up(policy: Policy, follower: WeightFollower | None) -> bool:
     """Load the newest snapshot the learner announced or stored, if newer than what the policy has."""
-    if follower is None or not hasattr(policy, "set_weights"):
+    if follower is None:
         return False
     ann = follower.newest(time.monotonic(), policy.policy_version)
     if ann is None:
@@ -72,7 +68,7 @@ def serve(link: BrokerLink, policy: Policy, stop: threading.Event, max_batch: in
         for i, job in enumerate(jobs):
             answer = failed[i] if i in failed else next(answers)
             if isinstance(answer, Exception):
-                code = p.E_BAD_REQUEST if answer.__class__.__name__ in ("ScoringError", "RetrievalError") else p.E_INTERNAL
+                code = p.E_BAD_REQUEST if isinstance(answer, BadInput) else p.E_INTERNAL
                 results.append(link.error(job["job"], code, f"{type(answer).__name__}: {answer}"))
             else:
                 result = link.result(job["job"], answer.action, answer.logprob, answer.probs, policy.policy_version)

@@ -1,12 +1,14 @@
-"""The broker's configuration (TOML table [broker], or flags of `ppoz broker`)."""
+"""The broker's configuration (TOML table [broker], or flags of `ppoz broker`; the shared [retrieval] table)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from common.config import check, option, section
+from common.config import check, nested, option, section
 from common.protocol import Limits
 from common.security import check_server_settings
+from common.shared_settings import RetrievalConfig
 
 
 @section("broker")
@@ -32,9 +34,8 @@ class BrokerConfig:
     max_actions: int = option(256, "most candidate actions in one observation")
     max_action_chars: int = option(4096, "most characters in one candidate action")
     max_prompt_chars: int = option(1_000_000, "most characters in prompt + question")
-    rag_history_len: int = option(8, "rag_step: recent steps of a task (prompt, action, reward) kept in Redis and sent to the actor to retrieve from; 0: none")
     rag_max_context_chars: int = option(64_000, "rag_step: most characters of retrieved context an actor may append to a prompt")
-    rag_history_chars: int = option(2000, "rag_step: characters kept of each history entry's prompt (its end, where the current screen is)")
+    retrieval: RetrievalConfig = nested(RetrievalConfig, "rag_")  # [retrieval]: the history the broker keeps is the one the actor expects
     stream_key: str = option("segments", "name (after the prefix) of the Redis Stream closed segments go to")
     consumer_group: str = option("learners", "consumer group the broker creates on the stream for the learner")
     curve_secret_key: str = option("", "CURVE: the broker's key pair file (NAME.key_secret from `ppoz keygen`); empty: no encryption (docs/security.md)")
@@ -51,9 +52,7 @@ class BrokerConfig:
         check(self.actor_job_timeout_ms > 0, f"`actor_job_timeout_ms` must be positive, got {self.actor_job_timeout_ms}")
         check(self.storage_timeout_ms > 0, f"`storage_timeout_ms` must be positive, got {self.storage_timeout_ms}")
         check(self.max_queue > 0, f"`max_queue` must be positive, got {self.max_queue}")
-        check(self.rag_history_len >= 0, f"`rag_history_len` must be 0 or more, got {self.rag_history_len}")
         check(self.rag_max_context_chars >= 0, f"`rag_max_context_chars` must be 0 or more, got {self.rag_max_context_chars}")
-        check(self.rag_history_chars > 0, f"`rag_history_chars` must be positive, got {self.rag_history_chars}")
         check(self.max_stream_backlog >= 0, f"`max_stream_backlog` must be 0 or more, got {self.max_stream_backlog}")
         check(self.retry_after_ms > 0, f"`retry_after_ms` must be positive, got {self.retry_after_ms}")
         check(self.max_message_bytes >= 1024, f"`max_message_bytes` must be at least 1024, got {self.max_message_bytes}")
@@ -66,6 +65,18 @@ class BrokerConfig:
         check(self.key_prefix != "" and " " not in self.key_prefix, f"`key_prefix` must be a non-empty word, got {self.key_prefix!r}")
         check_server_settings(self.curve_secret_key, {"curve_allowed_clients": self.curve_allowed_clients,
                                                       "curve_allowed_actors": self.curve_allowed_actors})  # fmt: skip
+
+    MOVED_KEYS: ClassVar[dict[str, tuple[str, str]]] = {"rag_history_chars": ("retrieval", "query_chars")}
+
+    @property
+    def rag_history_len(self) -> int:
+        """rag_step: recent steps kept per task ([retrieval] history_len)."""
+        return self.retrieval.history_len
+
+    @property
+    def rag_history_chars(self) -> int:
+        """rag_step: characters kept of each history entry's prompt ([retrieval] query_chars, what the actor embeds)."""
+        return self.retrieval.query_chars
 
     @property
     def limits(self) -> Limits:

@@ -8,6 +8,13 @@ given. A TOML file has one table per component (`[broker]`, `[actor]`, ...);
 keys at the top level apply to every component that has a field of that name
 (handy for `redis_url`). Unknown keys and values of the wrong type fail at
 start with a message naming the key and the value.
+
+Settings that two processes must agree on are one dataclass of their own,
+embedded in each component's config with `nested(...)`: its own TOML table
+(`[policy]`, shared by actor and learner; `[retrieval]`, shared by broker and
+actor), so a file states them once, and its fields' flags on every command
+that embeds it. A key that used to sit in a component's table and moved to a
+shared one fails with a message saying where to write it.
 """
 
 from __future__ import annotations
@@ -41,6 +48,17 @@ def option(default: Any, help: str, **metadata: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
+def nested(cls: type, flag_prefix: str = "") -> Any:
+    """A field holding a shared section (`cls`, registered with `section`): read from its own TOML table,
+    flags named `--{flag_prefix}{field}`. Keys `{flag_prefix}{field}` in the embedding table are reported as moved."""
+    return dataclasses.field(default_factory=cls, metadata={"nested": True, "flag_prefix": flag_prefix, "help": cls.__doc__ or ""})
+
+
+def _nested_fields(cls: type) -> list[tuple[dataclasses.Field, type]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.metadata.get("nested")]
+
+
 def section(name: str):
     """Class decorator that registers a config dataclass under its TOML table name."""
 
@@ -58,58 +76,83 @@ def check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One --flag per field; only flags actually given end up in the namespace."""
+def add_flags(parser: argparse.ArgumentParser, cls: type, flag_prefix: str = "", dest_prefix: str = "") -> None:
+    """One --flag per field (and per field of each nested section); only flags actually given end up in the namespace."""
     hints = typing.get_type_hints(cls)
     name = getattr(cls, "section_name", cls.__name__)
-    group = parser.add_argument_group(f"{name} options (TOML table [{name}])")
+    shared = f", shared: {cls.__doc__.strip().splitlines()[0]}" if dest_prefix and cls.__doc__ else ""
+    group = parser.add_argument_group(f"{name} options (TOML table [{name}]{shared})")
     for f in dataclasses.fields(cls):
-        if f.metadata.get("cli") is False:
+        if f.metadata.get("cli") is False or f.metadata.get("nested"):
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + (flag_prefix + f.name).replace("_", "-")
+        dest = dest_prefix + f.name
         kind = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         text = f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%")  # argparse formats help with %
         if kind is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         elif kind is list:
             item = type(default[0]) if default else str
-            group.add_argument(flag, dest=f.name, nargs="*", type=item, default=argparse.SUPPRESS, help=text, metavar=item.__name__.upper())
+            group.add_argument(flag, dest=dest, nargs="*", type=item, default=argparse.SUPPRESS, help=text, metavar=item.__name__.upper())
         else:
-            group.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS, help=text, metavar=kind.__name__.upper())
+            group.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, help=text, metavar=kind.__name__.upper())
+    for f, sub in _nested_fields(cls):
+        add_flags(parser, sub, f.metadata["flag_prefix"], f"{dest_prefix}{f.name}.")
 
 
 def load(cls: type[T], config_file: str | Path | None = None, flags: argparse.Namespace | dict | None = None) -> T:
-    """Build a validated config: dataclass defaults < TOML file < flags."""
-    name = getattr(cls, "section_name", cls.__name__)
-    hints = typing.get_type_hints(cls)
-    field_names = {f.name for f in dataclasses.fields(cls)}
-    values: dict[str, Any] = {}
-    where = "flags"
+    """Build a validated config: dataclass defaults < TOML file < flags (nested shared sections alike)."""
+    where = str(config_file) if config_file is not None else "flags"
+    table: dict[str, Any] = {}
     if config_file is not None:
-        where = str(config_file)
         table = read_toml(config_file)
         known_anywhere = {f.name for c in SECTIONS.values() for f in dataclasses.fields(c)}
         for key, value in table.items():
             if isinstance(value, dict):
                 if key not in SECTIONS:
                     raise ConfigError(f"{where}: unknown table [{key}]; known tables: {', '.join(sorted(SECTIONS))}")
-                continue
-            if key not in known_anywhere:
+            elif key not in known_anywhere:
                 raise ConfigError(f"{where}: unknown top-level key {key!r} = {value!r}")
-            if key in field_names:
-                values[key] = _checked(hints[key], value, f"{where}: {key}")
-        for key, value in table.get(name, {}).items():
-            if key not in field_names:
-                raise ConfigError(f"{where}: unknown key [{name}] {key!r} = {value!r}; known keys: {', '.join(sorted(field_names))}")
-            values[key] = _checked(hints[key], value, f"{where}: [{name}] {key}")
-    if flags is not None:
-        given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags)
-        values.update({k: v for k, v in given.items() if k in field_names})
+    given = {} if flags is None else vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags)
+    return _build(cls, table, given, where)
+
+
+def _build(cls: type[T], table: dict[str, Any], given: dict[str, Any], where: str) -> T:
+    name = getattr(cls, "section_name", cls.__name__)
+    hints = typing.get_type_hints(cls)
+    nested = {f.name: sub for f, sub in _nested_fields(cls)}
+    field_names = {f.name for f in dataclasses.fields(cls)} - set(nested)
+    moved = _moved_keys(cls)
+    values: dict[str, Any] = {}
+    for key, value in table.items():  # top-level keys apply to every component that has them
+        if not isinstance(value, dict) and key in field_names:
+            values[key] = _checked(hints[key], value, f"{where}: {key}")
+    for key, value in table.get(name, {}).items():
+        if key in moved:
+            raise ConfigError(f"{where}: [{name}] {key} has moved: write it as `{moved[key][1]} = {value!r}` in the [{moved[key][0]}] "
+                              f"table, which every component that must agree on it reads")  # fmt: skip
+        if key not in field_names:
+            raise ConfigError(f"{where}: unknown key [{name}] {key!r} = {value!r}; known keys: {', '.join(sorted(field_names))}")
+        values[key] = _checked(hints[key], value, f"{where}: [{name}] {key}")
+    for field_name, sub in nested.items():
+        prefix = f"{field_name}."
+        values[field_name] = _build(sub, table, {k[len(prefix):]: v for k, v in given.items() if k.startswith(prefix)}, where)
+    values.update({k: v for k, v in given.items() if k in field_names})
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"invalid configuration [{name}] (from {where}): {e}") from e
+
+
+def _moved_keys(cls: type) -> dict[str, tuple[str, str]]:
+    """Old key in this component's table -> (shared table, key there): the nested sections' fields under their
+    flag names, and any `MOVED_KEYS` the class lists itself (keys renamed on the way)."""
+    moved: dict[str, tuple[str, str]] = dict(getattr(cls, "MOVED_KEYS", {}))
+    for f, sub in _nested_fields(cls):
+        for g in dataclasses.fields(sub):
+            moved[f.metadata["flag_prefix"] + g.name] = (sub.section_name, g.name)  # type: ignore[attr-defined]
+    return moved
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

@@ -8,21 +8,29 @@ from typing import Any
 
 import torch
 
+from common.config import option
+from common.shared_settings import PolicySpec
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """What to load. `model` is a Hugging Face id or a local directory."""
+    """What to load, in this process: the shared policy settings plus this process's device."""
 
-    model: str
-    device: str = "auto"  # auto: cuda if available, else cpu
-    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    lora_rank: int = 8  # 0: no adapter, all weights are the policy's (tiny models)
-    lora_alpha: int = 16
-    attn_implementation: str = "sdpa"
+    model: str = option("", "a Hugging Face id or a local directory")
+    device: str = option("auto", "auto: cuda if available, else cpu")
+    dtype: str = option("auto", "auto: bfloat16 on GPU, float32 on CPU")
+    lora_rank: int = option(8, "0: no adapter, all weights are the policy's (tiny models)")
+    lora_alpha: int = option(16, "LoRA alpha")
+    attn_implementation: str = option("sdpa", "transformers' attention implementation")
+
+    @classmethod
+    def of(cls, policy: PolicySpec, device: str) -> ModelSpec:
+        """The model of the shared [policy] settings, on this process's device."""
+        return cls(model=policy.model, device=device, dtype=policy.dtype, lora_rank=policy.lora_rank, lora_alpha=policy.lora_alpha)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -33,11 +33,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
+from common.errors import BadInput
 from common.options import NORMALISATIONS
 from common.options import SCORING_PATHS as PATHS
 
 
-class ScoringError(ValueError):
+class ScoringError(BadInput):
     """An observation that cannot be scored (for example a candidate with no tokens)."""
 
 
@@ -95,7 +96,7 @@ def policy_logprobs(scores: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 # --- model parts ------------------------------------------------------------------------
-def _parts(model: Any) -> tuple[Any, Any, float | None]:
+def model_parts(model: Any) -> tuple[Any, Any, float | None]:
     """(decoder that returns the final-normed hidden states, LM head, logit soft-cap)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # unwrap peft
     decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else inner.base_model
@@ -104,7 +105,7 @@ def _parts(model: Any) -> tuple[Any, Any, float | None]:
     return decoder, head, cap
 
 
-def _token_logprobs(head: Any, cap: float | None, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_logprobs(head: Any, cap: float | None, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(target) at each hidden state: LM head, optional soft-cap, float32 log-softmax."""
     logits = head(hidden).float()
     if cap:
@@ -182,7 +183,7 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
     copies the cached KV once instead of twice, and the masked-away attention is small."""
     from transformers import DynamicCache
 
-    decoder, head, cap = _parts(model)
+    decoder, head, cap = model_parts(model)
     use_bool, dtype = _mask_value(model)
     device = next(model.parameters()).device
     rows, positions, layouts = [], [], []
@@ -229,7 +230,7 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
             owners.extend([(b, j)] * size)
     if any(n_ctx == 0 for n_ctx, _ in layouts):
         raise ScoringError("a cached prefix must leave at least one context token to compute")
-    logp = _token_logprobs(head, cap, hidden[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)],
+    logp = token_logprobs(head, cap, hidden[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)],
                            torch.tensor(targets, device=device))  # fmt: skip
     results = _sum_per_candidate(items, logp)
     return results, (out.past_key_values if keep_cache else None)
@@ -248,7 +249,7 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
     """
     from transformers import DynamicCache
 
-    decoder, head, cap = _parts(model)
+    decoder, head, cap = model_parts(model)
     use_bool, dtype = _mask_value(model)
     device = next(model.parameters()).device
     batch = len(items)
@@ -311,7 +312,7 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
             if size:
                 states.append(hidden[b, start : start + size])
             targets.extend(action)
-    logp = _token_logprobs(head, cap, torch.cat(states), torch.tensor(targets, device=device))
+    logp = token_logprobs(head, cap, torch.cat(states), torch.tensor(targets, device=device))
     results = _sum_per_candidate(items, logp)
     return results, (cache if keep_cache else None)
 
@@ -320,14 +321,14 @@ def score_kv_batch(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]
     """Context KV once per item, then all its candidates in one batched pass over that cache."""
     from transformers import DynamicCache
 
-    decoder, head, cap = _parts(model)
+    decoder, head, cap = model_parts(model)
     device = next(model.parameters()).device
     results = []
     for item in items:
         c, k = len(item.context), len(item.actions)
         out = decoder(input_ids=torch.tensor([item.context], device=device), use_cache=True)
         first = torch.tensor([a[0] for a in item.actions], device=device)
-        first_lp = _token_logprobs(head, cap, out.last_hidden_state[0, -1].expand(k, -1), first)
+        first_lp = token_logprobs(head, cap, out.last_hidden_state[0, -1].expand(k, -1), first)
         longest = max(len(a) for a in item.actions)
         if longest == 1:
             results.append(first_lp)
@@ -346,14 +347,14 @@ def score_kv_batch(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]
         sums = first_lp.clone()
         for j, a in enumerate(item.actions):
             if len(a) > 1:
-                sums[j] = sums[j] + _token_logprobs(head, cap, hidden[j, : len(a) - 1], torch.tensor(a[1:], device=device)).sum()
+                sums[j] = sums[j] + token_logprobs(head, cap, hidden[j, : len(a) - 1], torch.tensor(a[1:], device=device)).sum()
         results.append(sums)
     return results
 
 
 def score_per_candidate(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]:
     """The reference: one unpadded forward of context + candidate per candidate."""
-    decoder, head, cap = _parts(model)
+    decoder, head, cap = model_parts(model)
     device = next(model.parameters()).device
     results = []
     for item in items:
@@ -362,7 +363,7 @@ def score_per_candidate(model: Any, items: Sequence[Tokenized]) -> list[torch.Te
         for a in item.actions:
             ids = torch.tensor([list(item.context) + list(a)], device=device)
             hidden = decoder(input_ids=ids).last_hidden_state[0, c - 1 : c - 1 + len(a)]
-            sums.append(_token_logprobs(head, cap, hidden, torch.tensor(a, device=device)).sum())
+            sums.append(token_logprobs(head, cap, hidden, torch.tensor(a, device=device)).sum())
         results.append(torch.stack(sums))
     return results
 

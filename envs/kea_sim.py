@@ -89,6 +89,12 @@ class SimConfig:
             raise ValueError(f"history_limit={self.history_limit}: must be 0 (all) or more")
 
 
+def demo_app(seed: int = 0) -> SimConfig:
+    """The app `ppoz demo` and `ppoz bench rag` play: 8 screens, 10-step episodes, and a bounded history and no
+    event hashes, so prompts stay near 750 tokens for a byte-level tiny model on a CPU (Kea's full shapes are the defaults)."""
+    return SimConfig(seed=seed, screens=8, horizon=10, history_limit=3, event_hashes=False)
+
+
 @dataclass(frozen=True)
 class Widget:
     kind: str  # Button, TextView, ImageButton

@@ -1,25 +1,20 @@
-"""The learner's configuration (TOML table [learner], or flags of `ppoz learner`)."""
+"""The learner's configuration (TOML table [learner], or flags of `ppoz learner`; the shared [policy] table)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import check, option, section
-from common.options import DTYPE_NAMES, NORMALISATIONS
+from common.config import check, nested, option, section
 from common.security import check_server_settings
+from common.shared_settings import PolicySpec
 
 
 @section("learner")
 @dataclass
 class LearnerConfig:
-    # --- the policy: must match the actors' ---
-    model: str = option("", "causal LM: a local directory or a Hugging Face id (the actors' --model)")
-    lora_rank: int = option(8, "LoRA rank (0: train all weights, for tiny models); the actors' --lora-rank")
-    lora_alpha: int = option(16, "LoRA alpha; the actors' --lora-alpha")
-    normalisation: str = option("word", "candidate score normalisation (token, word, sum); the actors' --normalisation")
-    temperature: float = option(1.0, "softmax temperature over candidate scores; the actors' --temperature")
+    # --- the policy: the [policy] table the actors read too; the device is this process's own ---
+    policy: PolicySpec = nested(PolicySpec)  # [policy]: model, LoRA, dtype, normalisation, temperature, scoring path
     device: str = option("auto", "torch device: auto, cpu, cuda, cuda:N")
-    dtype: str = option("auto", "base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16; the adapter stays float32")
     # --- data ---
     redis_url: str = option("", "Redis holding the segment stream (required)")
     key_prefix: str = option("ppoz", "Redis key prefix shared with the broker and actors")
@@ -62,11 +57,7 @@ class LearnerConfig:
     seed: int = option(0, "random seed")
 
     def __post_init__(self) -> None:
-        check(self.model != "", "`model` is required: a local directory or a Hugging Face id")
-        check(self.lora_rank >= 0, f"`lora_rank` must be 0 or more, got {self.lora_rank}")
-        check(self.normalisation in NORMALISATIONS, f"`normalisation` must be one of {', '.join(NORMALISATIONS)}, got {self.normalisation!r}")
-        check(self.temperature > 0, f"`temperature` must be positive, got {self.temperature}")
-        check(self.dtype == "auto" or self.dtype in DTYPE_NAMES, f"`dtype` must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        check(self.policy.model != "", "`model` is required: a local directory or a Hugging Face id ([policy] model, or --model)")
         check(self.redis_url != "", "`redis_url` is required: the Redis the broker writes segments to")
         check(self.rollout_batch > 0, f"`rollout_batch` must be positive, got {self.rollout_batch}")
         check(self.rollout_timeout_s >= 0, f"`rollout_timeout_s` must be 0 or more, got {self.rollout_timeout_s}")

@@ -82,7 +82,7 @@ class LearnerPolicy:
         device = next(self.model.parameters()).device
         out = []
         with self.base() as base:
-            decoder = scoring._parts(base)[0]
+            decoder = scoring.model_parts(base)[0]
             for start in range(0, len(items), batch):
                 chunk = items[start : start + batch]
                 longest = max(len(it.context) for it in chunk)

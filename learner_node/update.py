@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.config import option
 from learner_node import ppo
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import Rollout
@@ -23,20 +24,22 @@ from learner_node.rollout import Rollout
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UpdateConfig:
-    update_epochs: int = 2
-    policy_minibatch: int = 16
-    micro_batch: int = 4
-    value_minibatch: int = 32
-    clip_coef: float = 0.2
-    value_clip: float | None = 0.2
-    ent_coef: float = 0.01
-    vf_coef: float = 0.5
-    kl_coef: float = 0.0
-    target_kl: float | None = 0.02
-    max_grad_norm: float = 0.5
-    seed: int = 0
+    """One update's settings (the learner fills it from its config; docs there)."""
+
+    update_epochs: int = option(2, "passes over the rollout")
+    policy_minibatch: int = option(16, "transitions per policy optimizer step")
+    micro_batch: int = option(4, "transitions per forward/backward (gradient accumulation up to policy_minibatch)")
+    value_minibatch: int = option(32, "transitions per critic optimizer step")
+    clip_coef: float = option(0.2, "PPO ratio clipping")
+    value_clip: float | None = option(0.2, "value clipping around the old values (None: off)")
+    ent_coef: float = option(0.01, "entropy bonus coefficient")
+    vf_coef: float = option(0.5, "value loss coefficient")
+    kl_coef: float = option(0.0, "coefficient of the KL penalty to the reference policy")
+    target_kl: float | None = option(0.02, "stop the policy epochs once approx KL exceeds this (None: never)")
+    max_grad_norm: float = option(0.5, "gradient clipping norm")
+    seed: int = option(0, "seed of the minibatch permutation")
 
 
 def _world() -> tuple[int, int]:

@@ -71,15 +71,16 @@ class Learner:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
-        model, tokenizer = load_policy(ModelSpec(cfg.model, device, cfg.dtype, cfg.lora_rank, cfg.lora_alpha))
+        model, tokenizer = load_policy(ModelSpec.of(cfg.policy, device))
         model.train()
-        self.lp = LearnerPolicy(model, tokenizer, cfg.normalisation, cfg.temperature, cfg.value_hidden)
+        self.lp = LearnerPolicy(model, tokenizer, cfg.policy.normalisation, cfg.policy.temperature, cfg.value_hidden)
         self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=cfg.policy_lr, eps=1e-5)
         self.value_opt = torch.optim.Adam(self.lp.value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
         self.kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target or None)
-        self.update_cfg = UpdateConfig(cfg.update_epochs, cfg.policy_minibatch, cfg.micro_batch, cfg.value_minibatch,
-                                       cfg.clip_coef, cfg.value_clip or None, cfg.ent_coef, cfg.vf_coef, cfg.kl_coef,
-                                       cfg.target_kl or None, cfg.max_grad_norm, cfg.seed)  # fmt: skip
+        self.update_cfg = UpdateConfig(update_epochs=cfg.update_epochs, policy_minibatch=cfg.policy_minibatch, micro_batch=cfg.micro_batch,
+                                       value_minibatch=cfg.value_minibatch, clip_coef=cfg.clip_coef, value_clip=cfg.value_clip or None,
+                                       ent_coef=cfg.ent_coef, vf_coef=cfg.vf_coef, kl_coef=cfg.kl_coef, target_kl=cfg.target_kl or None,
+                                       max_grad_norm=cfg.max_grad_norm, seed=cfg.seed)
         self.version = 0
         self.updates = 0
         self.seen: collections.deque[str] = collections.deque(maxlen=RECENT_SEGMENTS)

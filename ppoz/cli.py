@@ -208,66 +208,12 @@ def cmd_broker(args: argparse.Namespace) -> int:
 def cmd_actor(args: argparse.Namespace) -> int:
     from actor_node.config import ActorConfig
 
+    from actor_node.main import run_actor
+
     cfg = load(ActorConfig, args.config, args)
     stop = threading.Event()
     _on_stop(stop.set)
     return run_actor(cfg, stop)
-
-
-def run_actor(cfg: Any, stop: threading.Event) -> int:
-    """Load the policy, catch up with the newest weights, then serve the broker until `stop` is set."""
-    from actor_node.link import BrokerLink
-    from actor_node.policies import UniformPolicy
-    from actor_node.weight_follower import WeightFollower
-    from actor_node.worker import catch_up, serve
-    from common.security import client_keys
-    from common.sd_notify import Notifier
-
-    follower = None
-    retriever = None
-    if cfg.model:
-        from actor_node.llm_policy import LLMPolicy, SamplingConfig
-        from common.policy_model import ModelSpec, load_policy
-
-        model, tokenizer = load_policy(ModelSpec(cfg.model, cfg.device, cfg.dtype, cfg.lora_rank, cfg.lora_alpha))
-        sampling = SamplingConfig(cfg.normalisation, cfg.temperature, cfg.greedy, cfg.max_batch_tokens, cfg.seed)
-        policy: Any = LLMPolicy(model, tokenizer, sampling, cfg.scoring_path, cfg.prefix_cache_mb)
-        if cfg.rag:
-            from actor_node.rag import Retriever
-
-            retriever = Retriever(cfg.retrieval(), model, tokenizer, cfg.rag_embedder, str(next(model.parameters()).device))
-        if cfg.redis_url:
-            from common.redis_server import connect
-
-            follower = WeightFollower(connect(cfg.redis_url), cfg.key_prefix, cfg.weights, poll_s=cfg.weights_poll_s,
-                                      curve=client_keys(cfg.curve_secret_key, cfg.curve_learner_key, ("curve_secret_key", "curve_learner_key")))  # fmt: skip
-            catch_up(policy, follower)  # a late joiner never serves stale weights
-    else:
-        log.warning("no --model given: serving the uniform random policy")
-        policy = UniformPolicy(cfg.seed)
-    link = BrokerLink(cfg.broker, cfg.name, cfg.credits, cfg.heartbeat_ms, cfg.heartbeat_liveness,
-                      curve=client_keys(cfg.curve_secret_key, cfg.curve_broker_key, ("curve_secret_key", "curve_broker_key")))  # fmt: skip
-    link.policy_version = policy.policy_version
-    link.start()
-    log.info("actor %s serving %s (policy version %d) for %s", link.name, cfg.model or "the uniform policy",
-             policy.policy_version, cfg.broker)  # fmt: skip
-    # Ready: the model is loaded and the newest weights are in place.
-    notifier = Notifier()
-    notifier.ready(f"serving {cfg.model or 'the uniform policy'} at policy version {policy.policy_version}")
-
-    def tick(served: int) -> None:
-        notifier.watchdog()
-        notifier.status(f"policy version {policy.policy_version}, {served} requests served")
-
-    served = serve(link, policy, stop, cfg.max_batch, follower, tick, retriever)
-    notifier.stopping(f"stopped after {served} requests; unscored jobs handed back to the broker")
-    link.close()
-    if follower is not None:
-        follower.close()
-    cache = getattr(policy, "cache", None)
-    log.info("actor %s stopped after %d requests%s%s", link.name, served, f"; prefix cache {cache.stats()}" if cache else "",
-             f"; retrieval {retriever.stats()}" if retriever else "")  # fmt: skip
-    return 0
 
 
 def cmd_learner(args: argparse.Namespace) -> int:

@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 # The app the demo explores, sized for a tiny model on a CPU: short event strings and the
 # last few steps of history keep a prompt near 1k tokens (a real Kea prompt is 1k-20k).
-DEMO_APP = dict(screens=8, horizon=10, history_limit=3, event_hashes=False)
 
 EPILOG = """\
 A real model and a GPU:
@@ -60,14 +59,15 @@ def main(args: argparse.Namespace) -> int:
     from broker.server import Broker
     from common.learner_figures import read_latest
     from common.redis_server import EmbeddedRedis, connect
+    from common.shared_settings import PolicySpec
     from envs.base import random_returns
-    from envs.kea_sim import KeaSim, SimConfig
+    from envs.kea_sim import KeaSim, demo_app
     from envs.runner import Runner
     from learner_node.config import LearnerConfig
     from learner_node.worker import Learner
-    from ppoz.cli import run_actor
+    from actor_node.main import run_actor
     from ppoz.curve import write_learning_curve
-    from ppoz.tiny_models import build_tiny_model
+    from common.tiny_models import build_tiny_model
 
     if args.minutes <= 0 or args.clients < 1:
         print("ppoz demo: --minutes must be positive and --clients at least 1", file=sys.stderr)
@@ -77,9 +77,9 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     tiny = not args.model
     model = args.model or str(build_tiny_model(Path.home() / ".cache" / "ppoz" / "tiny-llama", "llama", hidden=64, layers=2))
-    app = SimConfig(seed=args.seed, **DEMO_APP)  # type: ignore[arg-type]
+    app = demo_app(seed=args.seed)
     random_baseline = statistics.mean(random_returns(lambda i: KeaSim(app), 500, seed=args.seed))
-    policy = dict(model=model, lora_rank=0 if tiny else 8, normalisation="token", device=args.device)
+    policy = PolicySpec(model=model, lora_rank=0 if tiny else 8, normalisation="token")
     print(f"ppoz demo: {args.clients} simulated Kea clients explore an app of {app.screens} screens with tarpits "
           f"({app.horizon} steps per episode)\n  model {model}; training for {args.minutes:g} minutes\n"
           f"  random policy: mean return {random_baseline:.2f} (played locally, 500 episodes)", flush=True)  # fmt: skip
@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
                                      max_stream_backlog=16, segment_len=app.horizon), connect(redis_server.url))  # fmt: skip
         broker.start()
         threading.Thread(target=broker.run, name="broker", daemon=True).start()
-        learner_cfg = LearnerConfig(**policy, redis_url=redis_server.url, rollout_batch=40, policy_minibatch=20, micro_batch=10,
+        learner_cfg = LearnerConfig(policy=policy, device=args.device, redis_url=redis_server.url, rollout_batch=40, policy_minibatch=20, micro_batch=10,
                                     update_epochs=4, policy_lr=3e-4 if tiny else 1e-5, value_lr=1e-3, target_kl=0.03, ent_coef=0.01,
                                     gamma=0.9, max_policy_lag=3, value_hidden=[256, 256], checkpoint_dir=str(out / "checkpoints"),
                                     tensorboard_dir=str(out / "tensorboard"), weights_bind="tcp://127.0.0.1:*")  # fmt: skip
@@ -96,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
         learner_thread = threading.Thread(target=learner.run, name="learner", daemon=True)
         learner_thread.start()
         stop_actor = threading.Event()
-        actor = ActorConfig(broker=broker.backend_endpoint, **policy, redis_url=redis_server.url, weights=learner.weights_endpoint,
+        actor = ActorConfig(broker=broker.backend_endpoint, policy=policy, device=args.device, redis_url=redis_server.url, weights=learner.weights_endpoint,
                             weights_poll_s=1.0)  # fmt: skip
         actor_thread = threading.Thread(target=run_actor, args=(actor, stop_actor), name="actor", daemon=True)
         actor_thread.start()

@@ -80,8 +80,8 @@ def main(args: argparse.Namespace) -> int:
     for name, endpoint in (("broker.frontend", broker.frontend), ("broker.backend", broker.backend),
                            ("learner.weights_bind", learner.weights_bind if learner else "")):  # fmt: skip
         check(not endpoint.endswith(":*"), f"{name} = {endpoint!r}: `ppoz up` needs fixed ports to wire components together")
-    if up.actors and not actor.model:
-        log.warning("[actor] model is empty: the actors serve the uniform random policy")
+    if up.actors and not actor.policy.model:
+        log.warning("[policy] model is empty: the actors serve the uniform random policy")
     # Components started here find each other through the bind addresses; those elsewhere
     # through the addresses the config gives ([actor] broker and weights, [up] env_broker).
     actor_broker = connect_address(broker.backend) if up.broker else actor.broker

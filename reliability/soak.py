@@ -172,7 +172,7 @@ class Stack:
         self.frontend = ""
 
     def start(self) -> None:
-        from ppoz.tiny_models import build_tiny_model
+        from common.tiny_models import build_tiny_model
 
         model = str(build_tiny_model(self.workdir / "model", arch="llama", seed=self.seed))
         # Short path for the unix socket (at most 107 bytes).

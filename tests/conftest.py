@@ -164,7 +164,7 @@ def make_client(zmq_context: zmq.Context) -> Iterator[Callable[..., Client]]:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Tiny Llama-, Qwen2- and GPT-2-style models with a byte tokenizer, built locally once per session."""
-    from ppoz.tiny_models import ARCHITECTURES, build_tiny_model
+    from common.tiny_models import ARCHITECTURES, build_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     return {arch: str(build_tiny_model(root / arch, arch)) for arch in ARCHITECTURES}

@@ -21,7 +21,8 @@ from envs.kea_sim import KeaSim, SimConfig
 from envs.runner import Runner
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
-from ppoz.cli import run_actor
+from actor_node.main import run_actor
+from common.shared_settings import PolicySpec
 from tests.helpers import actors_ready, wait_for
 
 APP = SimConfig(screens=5, links_per_screen=2, external_links=1, horizon=6, history_limit=1, event_hashes=False)
@@ -34,8 +35,8 @@ WINDOW = 60  # episodes the trained policy's mean is taken over
 def test_trained_policy_beats_random_within_bounded_steps(start_broker, make_client, tiny_models, redis_url, key_prefix, tmp_path):
     baseline = statistics.mean(random_returns(lambda i: KeaSim(APP), 1000))
     broker = start_broker(max_stream_backlog=48, segment_len=APP.horizon)
-    policy = dict(model=tiny_models["llama"], lora_rank=0, normalisation="token", device="cpu")
-    learner = Learner(LearnerConfig(**policy, redis_url=redis_url, key_prefix=key_prefix, rollout_batch=24, policy_minibatch=12,
+    policy = PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token")
+    learner = Learner(LearnerConfig(policy=policy, device="cpu", redis_url=redis_url, key_prefix=key_prefix, rollout_batch=24, policy_minibatch=12,
                                     micro_batch=12, update_epochs=4, policy_lr=1e-3, value_lr=1e-3, target_kl=0.05, ent_coef=0.0,
                                     gamma=0.9, max_policy_lag=2, value_hidden=[128], weights_bind="tcp://127.0.0.1:*",
                                     checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=""),
@@ -43,7 +44,7 @@ def test_trained_policy_beats_random_within_bounded_steps(start_broker, make_cli
     learner_thread = threading.Thread(target=learner.run, daemon=True)
     learner_thread.start()
     stop_actor = threading.Event()
-    actor_cfg = ActorConfig(broker=broker.backend, **policy, redis_url=redis_url, key_prefix=key_prefix,
+    actor_cfg = ActorConfig(broker=broker.backend, policy=policy, device="cpu", redis_url=redis_url, key_prefix=key_prefix,
                             weights=learner.weights_endpoint, weights_poll_s=1.0, heartbeat_ms=100)  # fmt: skip
     threading.Thread(target=run_actor, args=(actor_cfg, stop_actor), daemon=True).start()
     wait_for(lambda: actors_ready(make_client(broker.frontend), 1), timeout=60, what="the actor")

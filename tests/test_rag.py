@@ -18,7 +18,8 @@ import torch
 from actor_node.link import BrokerLink
 from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from actor_node.rag import Retriever
-from actor_node.retrieval import CONTEXT_HEADER, RetrievalConfig
+from actor_node.retrieval import CONTEXT_HEADER
+from common.shared_settings import RetrievalConfig
 from actor_node.worker import serve
 from broker.store import SessionStore
 from common.segments import RedisKeys
@@ -54,7 +55,7 @@ def corpus(tmp_path):
 
 def start_rag_actor(backend: str, tiny_model: str, corpus, budget: int, zmq_context) -> tuple[Any, Any, threading.Event, threading.Thread]:
     torch.manual_seed(0)
-    model, tokenizer = load_policy(ModelSpec(tiny_model, device="cpu", lora_rank=4))
+    model, tokenizer = load_policy(ModelSpec(model=tiny_model, device="cpu", lora_rank=4))
     policy = LLMPolicy(model, tokenizer, SamplingConfig(normalisation="token", seed=0), "packed")
     retriever = Retriever(RetrievalConfig(corpus_dir=str(corpus), chunk_tokens=48, chunk_overlap=8, top_k=4, max_context_tokens=budget),
                           model, tokenizer)  # fmt: skip
@@ -82,7 +83,7 @@ def stream_segments(redis_client, key_prefix: str) -> list[dict[str, Any]]:
 def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_sees_ratio_one(
         start_broker, make_client, tiny_models, corpus, redis_client, key_prefix, zmq_context):  # fmt: skip
     budget = 160
-    broker = start_broker(rag_history_len=4)
+    broker = start_broker(retrieval=RetrievalConfig(history_len=4))
     retriever, link, stop, thread = start_rag_actor(broker.backend, tiny_models["llama"], corpus, budget, zmq_context)
     try:
         alpha, bravo = make_client(broker.frontend, deadline=60), make_client(broker.frontend, deadline=60)
@@ -112,7 +113,7 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
 
     segments = stream_segments(redis_client, key_prefix)
     by_task = {s.task_id: s.transitions for s in segments}
-    tokenizer = load_policy(ModelSpec(tiny_models["llama"], device="cpu", lora_rank=0))[1]
+    tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))[1]
     for task, marker, other in ((task_a, "ALPHA", "BRAVO"), (task_b, "BRAVO", "ALPHA")):
         assert len(by_task[task]) == 6
         for i, t in enumerate(by_task[task]):
@@ -129,7 +130,7 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
 
     # The learner recomputes what the actor sampled from: ratio 1 on the first minibatch.
     torch.manual_seed(0)
-    model, tok = load_policy(ModelSpec(tiny_models["llama"], device="cpu", lora_rank=4))
+    model, tok = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4))
     lp = LearnerPolicy(model, tok, "token", 1.0, [32, 16])
     # Had the broker recorded the client's plain observation, the learner would score another function.
     with torch.no_grad():

@@ -51,7 +51,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from ppoz.bench.scoring import build_model, full_sequences_scores, observation
 
     method, prompt, n = args.child[0], int(args.child[1]), int(args.child[2])
-    device = ModelSpec("bench", args.device).resolved_device()
+    device = ModelSpec(model="bench", device=args.device).resolved_device()
     model = build_model(args.hidden, args.layers, args.vocab, device, torch.float32)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
     model.train()

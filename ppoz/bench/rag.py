@@ -66,18 +66,17 @@ def _median_ms(values: list[float]) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from actor_node.llm_policy import LLMPolicy, SamplingConfig
     from actor_node.rag import Retriever
-    from actor_node.retrieval import RetrievalConfig
+    from common.shared_settings import RetrievalConfig
     from common.policy_model import ModelSpec, load_policy
-    from envs.kea_sim import KeaSim, SimConfig
-    from ppoz.demo import DEMO_APP
+    from envs.kea_sim import KeaSim, demo_app
 
     model_path = args.model
     if not model_path:
-        from ppoz.tiny_models import build_tiny_model
+        from common.tiny_models import build_tiny_model
 
         model_path = str(build_tiny_model(Path.home() / ".cache" / "ppoz" / "tiny-llama", "llama", hidden=64, layers=2))  # the demo's
     torch.manual_seed(0)
-    model, tokenizer = load_policy(ModelSpec(model_path, args.device, "auto", args.lora_rank, 2 * max(args.lora_rank, 1)))
+    model, tokenizer = load_policy(ModelSpec(model=model_path, device=args.device, lora_rank=args.lora_rank, lora_alpha=2 * max(args.lora_rank, 1)))
     policy = LLMPolicy(model, tokenizer, SamplingConfig(normalisation="token"), "auto", prefix_cache_mb=0.0)
     with tempfile.TemporaryDirectory(prefix="ppoz-rag-bench-") as tmp:
         corpus = args.corpus
@@ -91,7 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         index_s = time.perf_counter() - started
     step_s, retrieve_s, rag_s, prompt_tokens, added_tokens = [], [], [], [], []
     for task in range(args.tasks):
-        env = KeaSim(SimConfig(seed=0, **DEMO_APP))
+        env = KeaSim(demo_app(seed=0))
         obs = env.reset(seed=task)
         history: list[dict[str, Any]] = []
         for _ in range(args.steps):

@@ -93,9 +93,9 @@ def full_sequences(model: Any, item: Any, logits_budget_mb: int = 2048) -> torch
 
 def full_sequences_scores(model: Any, item: Any) -> torch.Tensor:
     """One padded sequence per candidate, the LM head only at scored positions (the learner bench's baseline)."""
-    from common.scoring import _parts, _token_logprobs
+    from common.scoring import model_parts, token_logprobs
 
-    decoder, head, cap = _parts(model)
+    decoder, head, cap = model_parts(model)
     device = next(model.parameters()).device
     c, k = len(item.context), len(item.actions)
     longest = max(len(a) for a in item.actions)
@@ -105,7 +105,7 @@ def full_sequences_scores(model: Any, item: Any) -> torch.Tensor:
         ids[j, : c + len(a)] = torch.tensor(list(item.context) + list(a), device=device)
         attn[j, : c + len(a)] = 1
     hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
-    return torch.stack([_token_logprobs(head, cap, hidden[j, c - 1 : c - 1 + len(a)], torch.tensor(a, device=device)).sum()
+    return torch.stack([token_logprobs(head, cap, hidden[j, c - 1 : c - 1 + len(a)], torch.tensor(a, device=device)).sum()
                         for j, a in enumerate(item.actions)])  # fmt: skip
 
 
@@ -133,22 +133,22 @@ def kv_per_action(model: Any, item: Any) -> torch.Tensor:
 def kv_per_action_lean(model: Any, item: Any) -> torch.Tensor:
     """kv_per_action made as cheap as it gets: the LM head only at scored positions, and the
     cache cropped back after each candidate instead of copied."""
-    from common.scoring import _parts, _token_logprobs
+    from common.scoring import model_parts, token_logprobs
 
-    decoder, head, cap = _parts(model)
+    decoder, head, cap = model_parts(model)
     device = next(model.parameters()).device
     c = len(item.context)
     out = decoder(input_ids=torch.tensor([item.context], device=device), use_cache=True)
     cache, last = out.past_key_values, out.last_hidden_state[:, -1]
     sums = []
     for a in item.actions:
-        lp = _token_logprobs(head, cap, last, torch.tensor(a[:1], device=device)).sum()
+        lp = token_logprobs(head, cap, last, torch.tensor(a[:1], device=device)).sum()
         if len(a) > 1:
             pos = torch.arange(c, c + len(a) - 1, device=device)[None]
             h = decoder(input_ids=torch.tensor([a[:-1]], device=device), position_ids=pos, past_key_values=cache,
                         use_cache=True).last_hidden_state[0]  # fmt: skip
             cache.crop(-(len(a) - 1))  # back to the prompt alone for the next candidate
-            lp = lp + _token_logprobs(head, cap, h, torch.tensor(a[1:], device=device)).sum()
+            lp = lp + token_logprobs(head, cap, h, torch.tensor(a[1:], device=device)).sum()
         sums.append(lp)
     return torch.stack(sums)
 
@@ -249,7 +249,7 @@ def growing_history(model: Any, args: argparse.Namespace, device: torch.device, 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from common.policy_model import ModelSpec
 
-    spec = ModelSpec("bench", args.device, args.dtype)
+    spec = ModelSpec(model="bench", device=args.device, dtype=args.dtype)
     device, dtype = spec.resolved_device(), spec.resolved_dtype()
     model = build_model(args.hidden, args.layers, args.vocab, device, dtype)
     params = sum(p.numel() for p in model.parameters())

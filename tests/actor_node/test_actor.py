@@ -12,8 +12,9 @@ from actor_node.config import ActorConfig
 from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from common import weights
 from common.policy_model import ModelSpec, load_policy, policy_state_dict
-from ppoz.cli import run_actor
+from actor_node.main import run_actor
 from tests.helpers import OBS, actors_ready, wait_for
+from common.shared_settings import PolicySpec
 
 
 @pytest.fixture
@@ -21,9 +22,9 @@ def start_llm_actor(tiny_models, redis_url, key_prefix):
     started = []
 
     def start(backend: str, weights_endpoint: str = "", poll_s: float = 30.0) -> threading.Event:
-        cfg = ActorConfig(broker=backend, model=tiny_models["llama"], lora_rank=4, device="cpu", heartbeat_ms=100,
-                          redis_url=redis_url, key_prefix=key_prefix, weights=weights_endpoint, weights_poll_s=poll_s,
-                          normalisation="token", prefix_cache_mb=16)  # fmt: skip
+        cfg = ActorConfig(broker=backend, policy=PolicySpec(model=tiny_models["llama"], lora_rank=4, normalisation="token"), device="cpu",
+                          heartbeat_ms=100, redis_url=redis_url, key_prefix=key_prefix, weights=weights_endpoint, weights_poll_s=poll_s,
+                          prefix_cache_mb=16)  # fmt: skip
         stop = threading.Event()
         thread = threading.Thread(target=run_actor, args=(cfg, stop), daemon=True)
         thread.start()
@@ -38,14 +39,14 @@ def start_llm_actor(tiny_models, redis_url, key_prefix):
 
 def new_snapshot(tiny_models, seed: int) -> dict[str, torch.Tensor]:
     """Adapter weights with a non-zero B, so the policy really changes."""
-    model, _ = load_policy(ModelSpec(tiny_models["llama"], device="cpu", lora_rank=4))
+    model, _ = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4))
     gen = torch.Generator().manual_seed(seed)
     return {k: torch.randn(v.shape, generator=gen) * 0.3 for k, v in policy_state_dict(model).items()}
 
 
 def expected_probs(tiny_models, state) -> list[float]:
-    model, tok = load_policy(ModelSpec(tiny_models["llama"], device="cpu", lora_rank=4))
-    policy = LLMPolicy(model, tok, SamplingConfig("token"), "per_candidate")
+    model, tok = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4))
+    policy = LLMPolicy(model, tok, SamplingConfig(normalisation="token"), "per_candidate")
     if state is not None:
         policy.set_weights(state, 1)
     return policy.choose_batch([{"job": 1, "obs": OBS}])[0].probs

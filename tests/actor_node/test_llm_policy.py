@@ -22,8 +22,8 @@ def job(obs=OBS, task="t1", n=1):
 @pytest.fixture
 def policy_factory(tiny_models):
     def make(cache_mb=0.0, greedy=False, lora_rank=4, normalisation="token", seed=0):
-        model, tok = load_policy(ModelSpec(tiny_models["llama"], device="cpu", lora_rank=lora_rank))
-        return LLMPolicy(model, tok, SamplingConfig(normalisation, 1.0, greedy, 4096, seed), "auto", cache_mb)
+        model, tok = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=lora_rank))
+        return LLMPolicy(model, tok, SamplingConfig(normalisation=normalisation, greedy=greedy, max_batch_tokens=4096, seed=seed), "auto", cache_mb)
 
     return make
 
@@ -100,7 +100,7 @@ def test_a_batch_is_one_forward_within_the_token_budget(policy_factory):
     for a, b in zip(batched, alone):
         assert a.probs == pytest.approx(b.probs, abs=1e-5)
     tight = policy_factory()
-    tight.sampling = SamplingConfig("token", 1.0, False, max_batch_tokens=300, seed=0)
+    tight.sampling = SamplingConfig(normalisation="token", max_batch_tokens=300, seed=0)
     tight.choose_batch(jobs)
     sizes = [scoring.tokenize_observation(tight.tokenizer, j["obs"]["prompt"], j["obs"]["question"], j["obs"]["action"]).n_tokens
              for j in jobs]  # fmt: skip

@@ -10,9 +10,10 @@ import msgpack
 import pytest
 import torch
 
-from actor_node.retrieval import (CONTEXT_HEADER, MIN_SNIPPET_TOKENS, Chunk, CorpusIndex, EmbeddingCache,
-                                  EncoderEmbedder, HistoryEntry, PolicyEmbedder, RetrievalConfig, Snippet, augment,
+from actor_node.embedders import EncoderEmbedder, PolicyEmbedder
+from actor_node.retrieval import (CONTEXT_HEADER, MIN_SNIPPET_TOKENS, Chunk, CorpusIndex, EmbeddingCache, HistoryEntry, Snippet, augment,
                                   chunk_text, load_corpus, retrieve)  # fmt: skip
+from common.shared_settings import RetrievalConfig
 
 DOCS = {
     "cart.md": "# Shopping cart\nTap the cart icon to open the shopping cart. The checkout button in the cart "
@@ -376,7 +377,7 @@ def test_policy_embedder_feeds_retrieval(policy_parts, corpus_dir):
 def test_encoder_embedder(tmp_path):
     from transformers import BertConfig, BertModel
 
-    from ppoz.tiny_models import build_byte_tokenizer
+    from common.tiny_models import build_byte_tokenizer
 
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=259, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

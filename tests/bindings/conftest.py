@@ -11,7 +11,8 @@ from typing import Iterator
 import pytest
 
 from actor_node.config import ActorConfig
-from ppoz.cli import run_actor
+from actor_node.main import run_actor
+from common.shared_settings import PolicySpec
 from tests.helpers import actors_ready, wait_for
 
 BINDINGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bindings")
@@ -27,8 +28,8 @@ class LiveStack:
 def live_stack(start_broker, make_client, tiny_models) -> Iterator[LiveStack]:
     broker = start_broker()
     stop = threading.Event()
-    cfg = ActorConfig(broker=broker.backend, model=tiny_models["llama"], lora_rank=0, normalisation="token", device="cpu",
-                      heartbeat_ms=100)  # fmt: skip
+    cfg = ActorConfig(broker=broker.backend, policy=PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token"),
+                      device="cpu", heartbeat_ms=100)  # fmt: skip
     thread = threading.Thread(target=run_actor, args=(cfg, stop), daemon=True)
     thread.start()
     wait_for(lambda: actors_ready(make_client(broker.frontend), 1), timeout=60, what="the LLM actor")

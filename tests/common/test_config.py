@@ -57,3 +57,59 @@ def test_invalid_flag_value_names_it():
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file .*nope.toml"):
         load(BrokerConfig, tmp_path / "nope.toml", parse([]))
+
+
+# --- shared tables: [policy] for actor and learner, [retrieval] for broker and actor ----------------
+
+
+def test_one_policy_table_configures_actor_and_learner_alike(tmp_path):
+    from actor_node.config import ActorConfig
+    from learner_node.config import LearnerConfig
+
+    path = tmp_path / "farm.toml"
+    path.write_text('redis_url = "redis://r:6379/0"\n[policy]\nmodel = "m"\nlora_rank = 4\nnormalisation = "token"\n'
+                    '[actor]\ndevice = "cuda:1"\n[learner]\ndevice = "cuda:0"\n')  # fmt: skip
+    actor, learner = load(ActorConfig, path), load(LearnerConfig, path)
+    assert actor.policy == learner.policy and (actor.policy.model, actor.policy.lora_rank) == ("m", 4)
+    assert (actor.device, learner.device) == ("cuda:1", "cuda:0")  # the device is each process's own
+
+
+def test_policy_flags_keep_their_names_and_override_the_table(tmp_path):
+    from actor_node.config import ActorConfig
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ActorConfig)
+    path = tmp_path / "a.toml"
+    path.write_text('[policy]\nmodel = "m"\ntemperature = 2.0\n[retrieval]\ntop_k = 2\n')
+    cfg = load(ActorConfig, path, parser.parse_args(["--temperature", "0.5", "--rag-top-k", "3", "--lora-rank", "0"]))
+    assert (cfg.policy.model, cfg.policy.temperature, cfg.policy.lora_rank, cfg.retrieval.top_k) == ("m", 0.5, 0, 3)
+
+
+def test_the_broker_keeps_the_history_the_actor_expects(tmp_path):
+    from actor_node.config import ActorConfig
+
+    path = tmp_path / "r.toml"
+    path.write_text("[retrieval]\nhistory_len = 3\nquery_chars = 500\n")
+    broker, actor = load(BrokerConfig, path), load(ActorConfig, path)
+    assert (broker.rag_history_len, broker.rag_history_chars) == (actor.retrieval.history_len, actor.retrieval.query_chars) == (3, 500)
+
+
+@pytest.mark.parametrize("component, text, words", [
+    ("actor", '[actor]\nmodel = "m"\n', "[actor] model has moved: write it as `model = 'm'` in the [policy] table"),
+    ("learner", "[learner]\nlora_rank = 4\n", "[learner] lora_rank has moved: write it as `lora_rank = 4` in the [policy] table"),
+    ("actor", "[actor]\nrag_top_k = 2\n", "[actor] rag_top_k has moved: write it as `top_k = 2` in the [retrieval] table"),
+    ("broker", "[broker]\nrag_history_len = 4\n", "[broker] rag_history_len has moved: write it as `history_len = 4` in the [retrieval] table"),
+    ("broker", "[broker]\nrag_history_chars = 9\n", "[broker] rag_history_chars has moved: write it as `query_chars = 9` in the [retrieval] table"),
+    ("actor", "[policy]\nlora_rnk = 4\n", "unknown key [policy] 'lora_rnk'"),
+    ("actor", '[policy]\nnormalisation = "tokens"\n', "`normalisation` must be one of token, word, sum"),
+])  # fmt: skip
+def test_old_keys_say_where_they_moved(tmp_path, component, text, words):
+    from actor_node.config import ActorConfig
+    from learner_node.config import LearnerConfig
+
+    cls = {"actor": ActorConfig, "learner": LearnerConfig, "broker": BrokerConfig}[component]
+    path = tmp_path / "old.toml"
+    path.write_text('redis_url = "redis://r:6379/0"\nmodel = "m"\n' + text)
+    with pytest.raises(ConfigError) as e:
+        load(cls, path)
+    assert words in str(e.value)

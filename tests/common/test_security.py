@@ -36,6 +36,7 @@ from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from tests.broker.test_restart import free_port
 from tests.helpers import OBS, actors_ready, wait_for
+from common.shared_settings import PolicySpec
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
 
@@ -345,7 +346,7 @@ def test_traffic_is_not_readable_on_the_wire_with_curve(curve, start_broker, sta
 # --- 5. weight announcements ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from ppoz.tiny_models import build_tiny_model
+    from common.tiny_models import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "llama", "llama"))
 
@@ -356,7 +357,7 @@ def test_weight_announcements_reach_only_allowed_curve_subscribers(tiny_llama, r
     from learner_node.worker import Learner
 
     learner_keys = {"curve_secret_key": keys.secret("learner"), "curve_allowed_actors": str(keys.allowed_actors)}
-    learner = Learner(LearnerConfig(model=tiny_llama, lora_rank=4, device="cpu", redis_url=redis_url, key_prefix=key_prefix,
+    learner = Learner(LearnerConfig(policy=PolicySpec(model=tiny_llama, lora_rank=4), device="cpu", redis_url=redis_url, key_prefix=key_prefix,
                                     weights_bind="tcp://127.0.0.1:*", tensorboard_dir="", checkpoint_dir=str(tmp_path / "ck"),
                                     **learner_keys), redis_client, zmq_context)  # fmt: skip
     # The followers read another prefix, so Redis (the backstop) never hands them the snapshot: only PUB can.

@@ -12,7 +12,7 @@ BANDIT = {"prompt": "Pick the best colour.", "question": " Answer: ", "action": 
 
 def on_policy_segments(model, tokenizer, n: int, version: int = 0, seed: int = 0, normalisation: str = "token"):
     """n one-step bandit episodes sampled by the actor's policy code from `model` (reward 1 for "green")."""
-    actor = LLMPolicy(model, tokenizer, SamplingConfig(normalisation, seed=seed), "packed")
+    actor = LLMPolicy(model, tokenizer, SamplingConfig(normalisation=normalisation, seed=seed), "packed")
     actor.policy_version = version
     segments = []
     with torch.no_grad():

@@ -17,6 +17,7 @@ import threading
 
 import pytest
 
+from common.shared_settings import PolicySpec
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
 from tests.learner_node.test_resume import write_segments
@@ -25,7 +26,7 @@ GROUP, CONSUMER = "learners", "learner-0"
 
 
 def make_learner(tiny_models, redis_url, redis_client, key_prefix, tmp_path, **overrides) -> Learner:
-    settings = dict(model=tiny_models["llama"], lora_rank=0, normalisation="token", device="cpu", redis_url=redis_url,
+    settings = dict(policy=PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token"), device="cpu", redis_url=redis_url,
                     key_prefix=key_prefix, rollout_batch=4, policy_minibatch=4, micro_batch=4, update_epochs=1,
                     max_policy_lag=1000, weights_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
                     tensorboard_dir="", read_block_ms=100)  # fmt: skip

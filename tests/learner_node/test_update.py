@@ -18,7 +18,7 @@ from tests.learner_node.helpers import BANDIT, on_policy_segments
 
 def make(path: str, lora_rank: int = 4, lr: float = 1e-2):
     torch.manual_seed(0)
-    model, tok = load_policy(ModelSpec(path, device="cpu", lora_rank=lora_rank))
+    model, tok = load_policy(ModelSpec(model=path, device="cpu", lora_rank=lora_rank))
     lp = LearnerPolicy(model, tok, "token", 1.0, [32, 16])
     return lp, torch.optim.Adam(lp.trainable_parameters(), lr=lr), torch.optim.Adam(lp.value_head.parameters(), lr=1e-3)
 

@@ -25,6 +25,7 @@ import pytest
 
 from client import Client
 from common.redis_server import EmbeddedRedis, connect
+from common.shared_settings import PolicySpec
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
 from reliability.ledger import Ledger, settle_ledger
@@ -34,7 +35,8 @@ PPOZ = [sys.executable, "-m", "ppoz.cli"]
 LONG_OBS = dict(OBS, prompt=OBS["prompt"] + " History: " + "TouchEvent(view=Cart) -> CartActivity. " * 100)
 
 
-LEARNER_SETTINGS = dict(lora_rank=0, normalisation="token", device="cpu", rollout_batch=16, rollout_timeout_s=1.0, policy_minibatch=16,
+POLICY = dict(lora_rank=0, normalisation="token")
+LEARNER_SETTINGS = dict(device="cpu", rollout_batch=16, rollout_timeout_s=1.0, policy_minibatch=16,
                         micro_batch=16, update_epochs=1, max_policy_lag=1000, tensorboard_dir="")  # fmt: skip
 SETTLE_STALL_S = 300  # longer than any single update here on a loaded 2-core machine; the ledger moves after each one
 
@@ -71,7 +73,7 @@ def launch_learner(tiny_model: str, redis_url: str, key_prefix: str, tmp_path: P
                    as_process: bool) -> RunningLearner:  # fmt: skip
     ckpt = tmp_path / "ckpt"
     if as_process:
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in LEARNER_SETTINGS.items()]
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**POLICY, **LEARNER_SETTINGS}.items()]
         log_path = tmp_path / "learner.log"
         proc = subprocess.Popen([*PPOZ, "learner", "--model", tiny_model, "--redis-url", redis_url, "--key-prefix", key_prefix,
                                  "--weights-bind", "tcp://127.0.0.1:0", "--checkpoint-dir", str(ckpt), *flags],
@@ -84,7 +86,7 @@ def launch_learner(tiny_model: str, redis_url: str, key_prefix: str, tmp_path: P
 
         return RunningLearner(ckpt, log_path.read_text, lambda: proc.poll() is None, stop_process)
     caplog.set_level(logging.INFO, logger="learner_node.worker")
-    cfg = LearnerConfig(model=tiny_model, redis_url=redis_url, key_prefix=key_prefix, weights_bind="tcp://127.0.0.1:*",
+    cfg = LearnerConfig(policy=PolicySpec(model=tiny_model, **POLICY), redis_url=redis_url, key_prefix=key_prefix, weights_bind="tcp://127.0.0.1:*",
                         checkpoint_dir=str(ckpt), **LEARNER_SETTINGS)  # fmt: skip
     learner = Learner(cfg, connect(redis_url, socket_timeout=30))
     thread = threading.Thread(target=learner.run, daemon=True)
