@@ -8,9 +8,8 @@ from typing import Iterator
 
 import pytest
 
-from reliability import fuzz
+from reliability import fuzz, fuzz_cases
 from reliability.ledger import settle_ledger
-from tests.reliability.test_faults import start_learner
 from tests.broker.test_restart import free_port
 from tests.gateway.test_gateway import start_gateway  # noqa: F401 - a fixture
 from tests.helpers import wait_for
@@ -34,17 +33,17 @@ def broker_process(redis_url: str, key_prefix: str) -> Iterator[tuple[subprocess
 
 
 def test_generators_are_deterministic():
-    first, second = fuzz.cases(7), fuzz.cases(7)
+    first, second = fuzz_cases.cases(7), fuzz_cases.cases(7)
     for i in range(300):
         a, b = first(i), second(i)
         assert (a.kind, a.frames, a.rid) == (b.kind, b.frames, b.rid)
 
 
 @pytest.mark.slow
-def test_fuzz_broker_and_gateway(broker_process, start_actor, make_client, start_gateway, tiny_models, redis_url, redis_client,
-                                 key_prefix, tmp_path):  # noqa: F811
+def test_fuzz_broker_and_gateway(broker_process, start_actor, start_learner, make_client, start_gateway, redis_url, redis_client,
+                                 key_prefix):  # noqa: F811
     proc, frontend, backend = broker_process
-    learner, learner_thread = start_learner(tiny_models["llama"], redis_url, key_prefix, tmp_path)
+    learner = start_learner(redis_url, key_prefix)
     start_actor(backend)
     probe = make_client(frontend, deadline=20, attempt_timeout=1)
     wait_for(lambda: probe.status()["actors"], timeout=20, what="the actor to register")
@@ -68,7 +67,6 @@ def test_fuzz_broker_and_gateway(broker_process, start_actor, make_client, start
         ledger = settle_ledger(redis_client, key_prefix, report.acknowledged_feedbacks, stall_s=300)
     finally:
         learner.stop()
-        learner_thread.join(60)
     assert ledger.balanced and ledger.stored == report.acknowledged_feedbacks >= report.client_steps > 0, str(ledger)
 
 
@@ -79,5 +77,5 @@ def test_gateway_answers_deep_json_and_huge_ints(broker_process, start_gateway):
     deep = b'{"task_id": "t", "obs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     huge = b'{"task_id": "t", "reward": 1000000000000000000000000000000, "done": false}'
     for path, body in (("/step", deep), ("/feedback", huge)):
-        status, problem = fuzz.send_http(base, fuzz.HTTPCase("probe", fuzz._http("POST", path, body)))
+        status, problem = fuzz.send_http(base, fuzz_cases.HTTPCase("probe", fuzz_cases.http_request("POST", path, body)))
         assert problem == "" and status == 400, (path, status, problem)
