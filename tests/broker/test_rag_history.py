@@ -19,6 +19,7 @@ from broker.store import SessionStore
 from common.segments import RedisKeys
 from client import InternalError
 from common import protocol as p
+from common.shared_settings import RetrievalConfig
 from tests.helpers import OBS, actors_ready, wait_for
 
 CONTEXT = "\n\nRetrieved context (most relevant first):\n[doc guide.md#0] Back leaves the licence list.\n"
@@ -64,7 +65,7 @@ def screen(i: int) -> dict[str, Any]:
 
 def test_rag_step_records_prompt_plus_context_and_keeps_the_plain_prompt_as_history(start_broker, rag_actor, make_client,
                                                                                    redis_client, key_prefix):  # fmt: skip
-    broker = start_broker(rag_history_len=2)
+    broker = start_broker(retrieval=RetrievalConfig(history_len=2))
     retriever = FixedContext()
     rag_actor(broker.backend, retriever)
     client = make_client(broker.frontend)
