@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import redis
 import torch
@@ -40,6 +40,7 @@ from common.learner_figures import COUNTER_PREFIX, write_latest
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
 from common.segments import RedisKeys, Segment, ensure_group
+from common.zmqio import bound
 from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
@@ -159,6 +160,8 @@ class Learner:
         self.start()
         # Ready: the stream and consumer group exist, the checkpoint (if resuming) is restored
         # and the current weights are published.
+        log.info("learner ready: policy version %d after %d updates, reading %s as %s/%s", self.version, self.updates,
+                 self.keys.stream, self.cfg.consumer_group, self.cfg.consumer)  # fmt: skip
         self.notifier.ready(f"policy version {self.version} after {self.updates} updates")
         while not self.stop_event.is_set():
             if self.cfg.max_updates and self.updates >= self.cfg.max_updates:
@@ -203,7 +206,7 @@ class Learner:
         if self.world > 1:  # rank 0 read the stream; everyone trains on the same segments
             shared = [segments, self.stop_event.is_set()]
             dist.broadcast_object_list(shared, src=0)
-            segments = shared[0]
+            segments = cast(list[Segment], shared[0])
             if shared[1]:
                 self.stop_event.set()
         if not segments:
@@ -409,7 +412,7 @@ class Learner:
             return
         kind = "lora" if self.lp.has_adapter else "full"
         ann = weights.store_snapshot(self.redis, self.cfg.key_prefix, self.version, policy_state_dict(self.lp.model), kind)
-        weights.announce(self.pub, ann)
+        weights.announce(bound(self.pub, "the weights publisher"), ann)
 
     def _figures(self, metrics: dict[str, float], n: int) -> dict[str, float]:
         """The latest update's figures for `<prefix>:learner:latest`: live displays (`ppoz demo`, `ppoz status`)

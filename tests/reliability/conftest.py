@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -22,6 +23,7 @@ PPOZ = [sys.executable, "-m", "ppoz.cli"]
 POLICY = dict(lora_rank=0, normalisation="token")
 LEARNER_SETTINGS = dict(device="cpu", rollout_batch=16, rollout_timeout_s=1.0, policy_minibatch=16,
                         micro_batch=16, update_epochs=1, max_policy_lag=1000, tensorboard_dir="")  # fmt: skip
+READY_TIMEOUT_S = 300  # importing torch and loading the model in a fresh process, on a loaded 2-core machine
 SETTLE_STALL_S = 300  # longer than any single update here on a loaded 2-core machine; the ledger moves after each one
 
 
@@ -46,11 +48,24 @@ def start_learner(tiny_models: dict[str, str], tmp_path: Path, caplog: pytest.Lo
     def start(redis_url: str, key_prefix: str, as_process: bool = False) -> RunningLearner:
         learner = launch_learner(tiny_models["llama"], redis_url, key_prefix, tmp_path, caplog, as_process)
         started.append(learner)
+        wait_until_ready(learner)
         return learner
 
     yield start
     for learner in started:
         learner.stop()
+
+
+def wait_until_ready(learner: RunningLearner) -> None:
+    """Until the learner has made its consumer group and published its weights: a fault injected
+    before then would test its start-up, not its recovery (a learner process loads torch and the model first)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while "learner ready" not in learner.said():
+        if not learner.alive():
+            pytest.fail(f"the learner ended before it was ready; it said:\n{learner.said()[-4000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"the learner was not ready after {READY_TIMEOUT_S} s; it said:\n{learner.said()[-4000:]}")
+        time.sleep(0.2)
 
 
 def launch_learner(tiny_model: str, redis_url: str, key_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
