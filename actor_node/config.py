@@ -22,7 +22,11 @@ class ActorConfig:
     credits: int = option(16, "most requests the broker may hand this actor at once")
     max_batch: int = option(8, "most requests scored in one forward")
     max_batch_tokens: int = option(32768, "most tokens (context + candidates) in one forward")
-    rag: bool = option(True, "rag_step: put retrieved context (the task's recent steps, the corpus) into the prompt before scoring; off: rag_step scores the plain observation")
+    rag: bool = option(
+        True,
+        "rag_step: put retrieved context (the task's recent steps, the corpus) into the prompt "
+        "before scoring; off: rag_step scores the plain observation",
+    )
     retrieval: RetrievalConfig = nested(RetrievalConfig, "rag_")  # [retrieval], flags --rag-...
     redis_url: str = option("", "Redis holding the learner's weight snapshots (empty: start from the base model, follow nothing)")
     key_prefix: str = option("ppoz", "Redis key prefix shared with the broker and learner")
@@ -31,13 +35,24 @@ class ActorConfig:
     heartbeat_ms: int = option(1000, "heartbeat interval towards the broker")
     heartbeat_liveness: int = option(3, "the broker is taken as gone after this many silent intervals; the actor reconnects")
     seed: int = option(0, "random seed for sampling")
-    curve_secret_key: str = option("", "CURVE: this actor's key pair file (NAME.key_secret from `ppoz keygen`); its NAME.key goes in the broker's and learner's curve_allowed_actors")
-    curve_broker_key: str = option("", "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)")
-    curve_learner_key: str = option("", "CURVE: the learner's public key file (NAME.key); set, the weight announcements (`weights`) are received encrypted")
+    curve_secret_key: str = option(
+        "",
+        "CURVE: this actor's key pair file (NAME.key_secret from `ppoz keygen`); its NAME.key goes "
+        "in the broker's and learner's curve_allowed_actors",
+    )
+    curve_broker_key: str = option(
+        "", "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)"
+    )
+    curve_learner_key: str = option(
+        "", "CURVE: the learner's public key file (NAME.key); set, the weight announcements (`weights`) are received encrypted"
+    )
 
     def __post_init__(self) -> None:
         check("://" in self.broker, f"`broker` must be a ZeroMQ endpoint such as tcp://127.0.0.1:5556, got {self.broker!r}")
-        check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"), f"`device` must be auto, cpu or cuda[:N], got {self.device!r}")
+        check(
+            self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
+            f"`device` must be auto, cpu or cuda[:N], got {self.device!r}",
+        )
         check(self.prefix_cache_mb >= 0, f"`prefix_cache_mb` must be 0 or more, got {self.prefix_cache_mb}")
         check(self.max_batch_tokens > 0, f"`max_batch_tokens` must be positive, got {self.max_batch_tokens}")
         check(self.weights_poll_s > 0, f"`weights_poll_s` must be positive, got {self.weights_poll_s}")
@@ -46,9 +61,14 @@ class ActorConfig:
         check(self.max_batch > 0, f"`max_batch` must be positive, got {self.max_batch}")
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
         check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
-        check(not self.curve_learner_key or bool(self.weights), "`curve_learner_key` is set but `weights` is empty: no weight endpoint to connect to")
+        check(
+            not self.curve_learner_key or bool(self.weights),
+            "`curve_learner_key` is set but `weights` is empty: no weight endpoint to connect to",
+        )
         # Paths are checked here, on the machine that reads them: a broker sharing the [retrieval] table has no corpus.
         corpus, embedder = self.retrieval.corpus_dir, self.retrieval.embedder
         check(not corpus or Path(corpus).is_dir(), f"`rag_corpus_dir` {corpus!r} is not a directory")
         check(not embedder or Path(embedder).is_dir(), f"`rag_embedder` {embedder!r} is not a model directory")
-        check_client_settings(self.curve_secret_key, {"curve_broker_key": self.curve_broker_key, "curve_learner_key": self.curve_learner_key})
+        check_client_settings(
+            self.curve_secret_key, {"curve_broker_key": self.curve_broker_key, "curve_learner_key": self.curve_learner_key}
+        )

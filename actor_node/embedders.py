@@ -133,8 +133,9 @@ class EncoderEmbedder:
         with torch.inference_mode():
             for b in range(0, len(rows), self.batch):
                 part = rows[b : b + self.batch]
-                enc = self.tokenizer([texts[i] for i in part], padding=True, truncation=True, max_length=self.max_tokens,
-                                     return_tensors="pt")  # fmt: skip
+                enc = self.tokenizer(
+                    [texts[i] for i in part], padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
+                )
                 hidden = self.model(**{k: v.to(self.device) for k, v in enc.items()}).last_hidden_state
                 out[part] = _normalise(_mean_pool(hidden, enc["attention_mask"]))
         return out

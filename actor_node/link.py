@@ -59,7 +59,7 @@ class BrokerLink:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._io_loop, name=f"{self.name}-io", daemon=True)
 
-    def start(self) -> "BrokerLink":
+    def start(self) -> BrokerLink:
         self._thread.start()
         return self
 
@@ -111,8 +111,7 @@ class BrokerLink:
 
     def _ready(self) -> dict[str, Any]:
         body = p.header(p.OP_READY)
-        body.update(name=self.name, credits=self.credits, policy_version=self.policy_version,
-                    heartbeat_ms=int(self.heartbeat * 1000))  # fmt: skip
+        body.update(name=self.name, credits=self.credits, policy_version=self.policy_version, heartbeat_ms=int(self.heartbeat * 1000))
         return body
 
     def _io_loop(self) -> None:
@@ -123,7 +122,7 @@ class BrokerLink:
         last_heard = last_sent = time.monotonic()
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(self.heartbeat * 1000 / 4))
+                events = dict(poller.poll(int(self.heartbeat * 1000 / 4)))
                 now = time.monotonic()
                 if sock in events:
                     while True:

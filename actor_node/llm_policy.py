@@ -36,8 +36,15 @@ class SamplingConfig:
 
 
 class LLMPolicy:
-    def __init__(self, model: Any, tokenizer: Any, sampling: SamplingConfig, path: str = "auto",
-                 prefix_cache_mb: float = 0.0, policy_version: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        sampling: SamplingConfig,
+        path: str = "auto",
+        prefix_cache_mb: float = 0.0,
+        policy_version: int = 0,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -72,8 +79,13 @@ class LLMPolicy:
         for i, job in enumerate(jobs):
             obs = job["obs"]
             try:
-                items.append((i, str(job.get("task_id", "")), scoring.tokenize_observation(
-                    self.tokenizer, obs["prompt"], obs.get("question", ""), obs["action"])))  # fmt: skip
+                items.append(
+                    (
+                        i,
+                        str(job.get("task_id", "")),
+                        scoring.tokenize_observation(self.tokenizer, obs["prompt"], obs.get("question", ""), obs["action"]),
+                    )
+                )
             except scoring.ScoringError as e:
                 out[i] = e
         with torch.inference_mode():
@@ -113,8 +125,7 @@ class LLMPolicy:
         return sums
 
     def _sample(self, item: scoring.Tokenized, sums: torch.Tensor) -> Choice:
-        logp = scoring.policy_logprobs(scoring.normalise(sums.float().cpu(), item, self.sampling.normalisation),
-                                       self.sampling.temperature)  # fmt: skip
+        logp = scoring.policy_logprobs(scoring.normalise(sums.float().cpu(), item, self.sampling.normalisation), self.sampling.temperature)
         probs = logp.exp()
         if self.sampling.greedy:
             action = int(torch.argmax(logp))

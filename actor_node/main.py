@@ -38,8 +38,13 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
         from common.policy_model import ModelSpec, load_policy
 
         model, tokenizer = load_policy(ModelSpec.of(cfg.policy, cfg.device))
-        sampling = SamplingConfig(normalisation=cfg.policy.normalisation, temperature=cfg.policy.temperature, greedy=cfg.greedy,
-                                  max_batch_tokens=cfg.max_batch_tokens, seed=cfg.seed)  # fmt: skip
+        sampling = SamplingConfig(
+            normalisation=cfg.policy.normalisation,
+            temperature=cfg.policy.temperature,
+            greedy=cfg.greedy,
+            max_batch_tokens=cfg.max_batch_tokens,
+            seed=cfg.seed,
+        )
         policy = LLMPolicy(model, tokenizer, sampling, cfg.policy.scoring_path, cfg.prefix_cache_mb)
         if cfg.rag:
             from actor_node.rag import Retriever
@@ -48,14 +53,25 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
         if cfg.redis_url:
             from common.redis_server import connect
 
-            follower = WeightFollower(connect(cfg.redis_url), cfg.key_prefix, cfg.weights, poll_s=cfg.weights_poll_s,
-                                      curve=client_keys(cfg.curve_secret_key, cfg.curve_learner_key, ("curve_secret_key", "curve_learner_key")))  # fmt: skip
+            follower = WeightFollower(
+                connect(cfg.redis_url),
+                cfg.key_prefix,
+                cfg.weights,
+                poll_s=cfg.weights_poll_s,
+                curve=client_keys(cfg.curve_secret_key, cfg.curve_learner_key, ("curve_secret_key", "curve_learner_key")),
+            )
             catch_up(policy, follower)
     else:
         log.warning("no --model given: serving the uniform random policy")
         policy = UniformPolicy(cfg.seed)
-    link = BrokerLink(cfg.broker, cfg.name, cfg.credits, cfg.heartbeat_ms, cfg.heartbeat_liveness,
-                      curve=client_keys(cfg.curve_secret_key, cfg.curve_broker_key, ("curve_secret_key", "curve_broker_key")))  # fmt: skip
+    link = BrokerLink(
+        cfg.broker,
+        cfg.name,
+        cfg.credits,
+        cfg.heartbeat_ms,
+        cfg.heartbeat_liveness,
+        curve=client_keys(cfg.curve_secret_key, cfg.curve_broker_key, ("curve_secret_key", "curve_broker_key")),
+    )
     link.policy_version = policy.policy_version
     link.start()
     serving = cfg.policy.model or "the uniform policy"

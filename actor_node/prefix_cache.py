@@ -90,5 +90,10 @@ class PrefixCache:
             self.nbytes -= entry.nbytes
 
     def stats(self) -> dict[str, float]:
-        return {"entries": len(self.entries), "mb": round(self.nbytes / 2**20, 1), "hits": self.hits, "misses": self.misses,
-                "reused_tokens": self.reused_tokens}  # fmt: skip
+        return {
+            "entries": len(self.entries),
+            "mb": round(self.nbytes / 2**20, 1),
+            "hits": self.hits,
+            "misses": self.misses,
+            "reused_tokens": self.reused_tokens,
+        }

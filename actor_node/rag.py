@@ -44,8 +44,13 @@ class Retriever:
             started = time.perf_counter()
             chunks = load_corpus(cfg.corpus_dir, tokenizer, cfg.chunk_tokens, cfg.chunk_overlap)
             self.index = CorpusIndex.build(chunks, self._embed)  # chunks are embedded once, here; not kept in the cache
-            log.info("rag corpus %s: %d chunks from %d files indexed in %.1f s", cfg.corpus_dir, len(chunks),
-                     len({c.source for c in chunks}), time.perf_counter() - started)  # fmt: skip
+            log.info(
+                "rag corpus %s: %d chunks from %d files indexed in %.1f s",
+                cfg.corpus_dir,
+                len(chunks),
+                len({c.source for c in chunks}),
+                time.perf_counter() - started,
+            )
         self.jobs = 0
         self.seconds = 0.0
 
@@ -85,8 +90,11 @@ class Retriever:
         prompt, and `retrieved` added); failures by position."""
         failed: dict[int, Exception] = {}
         rag_jobs = [job for job in jobs if job.get("mode") == p.OP_RAG_STEP]
-        queries = [query_texts(job["obs"], [], self.cfg)[0] for job in rag_jobs
-                   if isinstance(job.get("obs"), dict) and isinstance(job["obs"].get("prompt"), str)]  # fmt: skip
+        queries = [
+            query_texts(job["obs"], [], self.cfg)[0]
+            for job in rag_jobs
+            if isinstance(job.get("obs"), dict) and isinstance(job["obs"].get("prompt"), str)
+        ]
         if queries:
             try:
                 self.embedder(queries)  # the batch's new prompts in one forward; each job's retrieval then finds them cached
@@ -104,5 +112,9 @@ class Retriever:
         return failed
 
     def stats(self) -> dict[str, float]:
-        return {"jobs": self.jobs, "ms_per_job": 1000 * self.seconds / max(self.jobs, 1), "cache_hits": self.embedder.hits,
-                "cache_misses": self.embedder.misses}  # fmt: skip
+        return {
+            "jobs": self.jobs,
+            "ms_per_job": 1000 * self.seconds / max(self.jobs, 1),
+            "cache_hits": self.embedder.hits,
+            "cache_misses": self.embedder.misses,
+        }

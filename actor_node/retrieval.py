@@ -51,9 +51,10 @@ import copy
 import hashlib
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -101,8 +102,9 @@ def load_corpus(folder: str | Path, tokenizer: Any, chunk_tokens: int, overlap: 
     root = Path(folder)
     if not root.is_dir():
         raise ValueError(f"corpus folder {str(root)!r} does not exist or is not a folder")
-    files = sorted((p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in CORPUS_SUFFIXES),
-                   key=lambda p: p.relative_to(root).as_posix())  # fmt: skip
+    files = sorted(
+        (p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in CORPUS_SUFFIXES), key=lambda p: p.relative_to(root).as_posix()
+    )
     chunks: list[Chunk] = []
     for path in files:
         try:
@@ -116,8 +118,7 @@ def load_corpus(folder: str | Path, tokenizer: Any, chunk_tokens: int, overlap: 
         chunks += [Chunk(source, i, t) for i, t in enumerate(chunk_text(text, tokenizer, chunk_tokens, overlap))]
     if not chunks:
         raise ValueError(f"corpus folder {str(root)!r} holds no non-empty {' or '.join(CORPUS_SUFFIXES)} files")
-    log.info("corpus %s: %d files, %d chunks of %d tokens (overlap %d)", root, len(files), len(chunks), chunk_tokens,
-             overlap)  # fmt: skip
+    log.info("corpus %s: %d files, %d chunks of %d tokens (overlap %d)", root, len(files), len(chunks), chunk_tokens, overlap)
     return chunks
 
 
@@ -209,7 +210,7 @@ class CorpusIndex:
             raise ValueError(f"query has {q.shape[0]} dimensions, the index {self.matrix.shape[1]}")
         scores = torch.round(self.matrix @ q, decimals=SCORE_DECIMALS)
         order = torch.sort(scores, descending=True, stable=True).indices[:k]
-        return [(_quantise(scores[i]), self.chunks[i]) for i in order.tolist()]
+        return [(_quantise(scores[i].item()), self.chunks[i]) for i in order.tolist()]
 
 
 @dataclass
@@ -254,8 +255,9 @@ def query_texts(obs: Mapping[str, Any], history: Sequence[HistoryEntry], cfg: Re
     return [obs["prompt"][-cfg.query_chars :]] + [h.prompt[-cfg.query_chars :] for h in history]
 
 
-def retrieve(obs: Mapping[str, Any], history: Sequence[HistoryEntry], index: CorpusIndex | None, embedder: Embedder,
-             cfg: RetrievalConfig) -> list[Snippet]:  # fmt: skip
+def retrieve(
+    obs: Mapping[str, Any], history: Sequence[HistoryEntry], index: CorpusIndex | None, embedder: Embedder, cfg: RetrievalConfig
+) -> list[Snippet]:
     """The cfg.top_k snippets (corpus chunks and history entries together) most similar to obs["prompt"], best first.
 
     Only the last cfg.history_len history entries (oldest first, as kept) count.
@@ -301,8 +303,9 @@ def augment(obs: Mapping[str, Any], snippets: Sequence[Snippet], tokenizer: Any,
     return augment_counted(obs, snippets, tokenizer, max_context_tokens)[0]
 
 
-def augment_counted(obs: Mapping[str, Any], snippets: Sequence[Snippet], tokenizer: Any,
-                    max_context_tokens: int) -> tuple[dict[str, Any], int]:  # fmt: skip
+def augment_counted(
+    obs: Mapping[str, Any], snippets: Sequence[Snippet], tokenizer: Any, max_context_tokens: int
+) -> tuple[dict[str, Any], int]:
     """A new observation whose prompt is obs["prompt"] followed by the context block (module docstring),
     and how many of `snippets` (the first ones) went into it.
 
@@ -327,8 +330,7 @@ def augment_counted(obs: Mapping[str, Any], snippets: Sequence[Snippet], tokeniz
         frame = _count(tokenizer, block + SNIPPET_LINE.format(kind=snip.kind, label=snip.label, text=""))
         room = min(max_context_tokens - frame, _count(tokenizer, text))
         while room >= MIN_SNIPPET_TOKENS:
-            line = SNIPPET_LINE.format(kind=snip.kind, label=snip.label,
-                                       text=_cut(tokenizer, text, room, keep_tail=snip.kind == "history"))  # fmt: skip
+            line = SNIPPET_LINE.format(kind=snip.kind, label=snip.label, text=_cut(tokenizer, text, room, keep_tail=snip.kind == "history"))
             if _count(tokenizer, block + line) <= max_context_tokens:
                 block += line
                 used += 1

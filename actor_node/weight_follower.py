@@ -16,8 +16,15 @@ log = logging.getLogger(__name__)
 class WeightFollower:
     """Tells an actor when a newer snapshot exists: from PUB announcements, and from Redis as a backstop."""
 
-    def __init__(self, client: redis.Redis, prefix: str, endpoint: str = "", context: zmq.Context | None = None,
-                 poll_s: float = 5.0, curve: ClientKeys | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str,
+        endpoint: str = "",
+        context: zmq.Context | None = None,
+        poll_s: float = 5.0,
+        curve: ClientKeys | None = None,
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.poll_s = poll_s

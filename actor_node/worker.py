@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from actor_node.link import BrokerLink
 from actor_node.policies import Policy
@@ -36,9 +37,15 @@ def catch_up(policy: Policy, follower: WeightFollower | None) -> bool:
     return True
 
 
-def serve(link: BrokerLink, policy: Policy, stop: threading.Event, max_batch: int = 8,
-          follower: WeightFollower | None = None, tick: Callable[[int], None] | None = None,
-          retriever: Retriever | None = None) -> int:  # fmt: skip
+def serve(
+    link: BrokerLink,
+    policy: Policy,
+    stop: threading.Event,
+    max_batch: int = 8,
+    follower: WeightFollower | None = None,
+    tick: Callable[[int], None] | None = None,
+    retriever: Retriever | None = None,
+) -> int:
     """Answer jobs until `stop` is set; return how many were answered.
 
     Weights change only here, between two batches, so all results of a batch

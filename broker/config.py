@@ -38,9 +38,15 @@ class BrokerConfig:
     retrieval: RetrievalConfig = nested(RetrievalConfig, "rag_")  # [retrieval]: the history the broker keeps is the one the actor expects
     stream_key: str = option("segments", "name (after the prefix) of the Redis Stream closed segments go to")
     consumer_group: str = option("learners", "consumer group the broker creates on the stream for the learner")
-    curve_secret_key: str = option("", "CURVE: the broker's key pair file (NAME.key_secret from `ppoz keygen`); empty: no encryption (docs/security.md)")
-    curve_allowed_clients: str = option("", "CURVE: directory of the public key files (NAME.key) of the clients allowed on `frontend`, or '*' for any key")
-    curve_allowed_actors: str = option("", "CURVE: directory of the public key files (NAME.key) of the actors allowed on `backend`, or '*' for any key")
+    curve_secret_key: str = option(
+        "", "CURVE: the broker's key pair file (NAME.key_secret from `ppoz keygen`); empty: no encryption (docs/security.md)"
+    )
+    curve_allowed_clients: str = option(
+        "", "CURVE: directory of the public key files (NAME.key) of the clients allowed on `frontend`, or '*' for any key"
+    )
+    curve_allowed_actors: str = option(
+        "", "CURVE: directory of the public key files (NAME.key) of the actors allowed on `backend`, or '*' for any key"
+    )
 
     def __post_init__(self) -> None:
         check(self.segment_len > 0, f"`segment_len` must be positive, got {self.segment_len}")
@@ -63,8 +69,9 @@ class BrokerConfig:
             value = getattr(self, name)
             check("://" in value, f"`{name}` must be a ZeroMQ endpoint such as tcp://127.0.0.1:5555, got {value!r}")
         check(self.key_prefix != "" and " " not in self.key_prefix, f"`key_prefix` must be a non-empty word, got {self.key_prefix!r}")
-        check_server_settings(self.curve_secret_key, {"curve_allowed_clients": self.curve_allowed_clients,
-                                                      "curve_allowed_actors": self.curve_allowed_actors})  # fmt: skip
+        check_server_settings(
+            self.curve_secret_key, {"curve_allowed_clients": self.curve_allowed_clients, "curve_allowed_actors": self.curve_allowed_actors}
+        )
 
     MOVED_KEYS: ClassVar[dict[str, tuple[str, str]]] = {"rag_history_chars": ("retrieval", "query_chars")}
 

@@ -116,17 +116,29 @@ def prometheus_text(status: dict[str, Any]) -> str:
     metric("actor_credits", "gauge", "steps an actor may hold at once", [({"actor": a["name"]}, a["credits"]) for a in actors])
     metric("actor_policy_version", "gauge", "policy version an actor serves", [({"actor": a["name"]}, a["policy_version"]) for a in actors])
     metric("actor_served_total", "counter", "steps an actor answered", [({"actor": a["name"]}, a["served"]) for a in actors])
-    metric("events_total", "counter", "broker counters by name (requests, errors, segments, ...)",
-           [({"name": k}, v) for k, v in sorted(status["counters"].items())])  # fmt: skip
+    metric(
+        "events_total",
+        "counter",
+        "broker counters by name (requests, errors, segments, ...)",
+        [({"name": k}, v) for k, v in sorted(status["counters"].items())],
+    )
     latency = status.get("added_latency") or {}
-    metric("added_latency_ms", "gauge", "latency the broker added to step and feedback replies, by quantile (none while n is 0)",
-           [({"quantile": q}, latency[key]) for q, key in (("0.5", "p50_ms"), ("0.99", "p99_ms")) if latency.get("n")])  # fmt: skip
+    metric(
+        "added_latency_ms",
+        "gauge",
+        "latency the broker added to step and feedback replies, by quantile (none while n is 0)",
+        [({"quantile": q}, latency[key]) for q, key in (("0.5", "p50_ms"), ("0.99", "p99_ms")) if latency.get("n")],
+    )
     learner = status.get("learner") or {}
     if learner:
         metric("learner_policy_version", "gauge", "newest policy version the learner published", [({}, learner.get("version", 0))])
         metric("learner_updates_total", "counter", "PPO updates done", [({}, learner.get("updates", 0))])
-        metric("learner_metric", "gauge", "the last update's figures (losses, KL, return, ...)",
-               [({"name": _name(k)}, v) for k, v in sorted(learner.items()) if "/" in k])  # fmt: skip
+        metric(
+            "learner_metric",
+            "gauge",
+            "the last update's figures (losses, KL, return, ...)",
+            [({"name": _name(k)}, v) for k, v in sorted(learner.items()) if "/" in k],
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -165,7 +177,7 @@ class MetricsServer:
     def port(self) -> int:
         return self.httpd.server_address[1]
 
-    def start(self) -> "MetricsServer":
+    def start(self) -> MetricsServer:
         self.thread.start()
         log.info("Prometheus metrics on http://%s:%d/metrics", self.httpd.server_address[0], self.port)
         return self

@@ -34,7 +34,7 @@ import zmq
 from broker.store import Batch, Committer
 from common import protocol as p
 from common.stats import LatencyWindow
-from common.zmqio import send_frames
+from common.zmqio import bound, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class Outbox:
         now = time.monotonic()
         for envelope, data, since in replies:
             try:
-                send_frames(self.sock, (*envelope, data))
+                send_frames(bound(self.sock, "the client front end"), (*envelope, data))
             except zmq.ZMQError:  # EHOSTUNREACH (client gone) or EAGAIN (client not reading)
                 self.metrics["dropped/unroutable_replies"] += 1
                 continue

@@ -25,7 +25,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import redis
 import zmq
@@ -38,10 +39,10 @@ from broker.sessions import REASON_DETACH, REASON_EXPIRED, PendingStep, Session,
 from broker.store import SessionStore
 from common import protocol as p
 from common.learner_figures import read_latest
-from common.segments import RedisKeys
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
-from common.zmqio import recv_frames, send_frames
+from common.segments import RedisKeys
+from common.zmqio import bound, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,11 @@ class Broker:
         self.store.ensure_stream()
         self._adopt(self.store.load_sessions(self.cfg.segment_len, self.cfg.rag_history_len))
         if self.sessions:
-            log.info("recovered %d sessions from Redis (%d with a pending step)", len(self.sessions),
-                     sum(s.pending is not None for s in self.sessions.values()))  # fmt: skip
+            log.info(
+                "recovered %d sessions from Redis (%d with a pending step)",
+                len(self.sessions),
+                sum(s.pending is not None for s in self.sessions.values()),
+            )
         self.stream_length = self.store.stream_length()
         self.frontend = self._router(self.cfg.frontend, self.cfg.max_message_bytes, "clients", self.cfg.curve_allowed_clients)
         self.outbox.sock = self.frontend
@@ -141,9 +145,10 @@ class Broker:
         """Serve until stop() is called (or `until()` returns true)."""
         if self.frontend is None:
             self.start()
+        frontend, backend = bound(self.frontend, "the client front end"), bound(self.backend, "the actor back end")
         poller = zmq.Poller()
-        poller.register(self.frontend, zmq.POLLIN)
-        poller.register(self.backend, zmq.POLLIN)
+        poller.register(frontend, zmq.POLLIN)
+        poller.register(backend, zmq.POLLIN)
         redis_fd = None
         self.running = True
         drain_until = 0.0
@@ -164,12 +169,12 @@ class Broker:
                     if fd is not None:
                         poller.register(fd, zmq.POLLIN)
                     redis_fd = fd
-                events = dict(poller.poll(HOUSEKEEPING_S * 1000))
+                events = dict(poller.poll(int(HOUSEKEEPING_S * 1000)))
                 self.now = time.monotonic()
-                if self.frontend in events:
-                    self._drain(self.frontend, self.on_client_frames)
-                if self.backend in events:
-                    self._drain(self.backend, self.on_actor_frames)
+                if frontend in events:
+                    self._drain(frontend, self.on_client_frames)
+                if backend in events:
+                    self._drain(backend, self.on_actor_frames)
                 if self.now >= self._next_housekeeping:
                     self.housekeeping()
                 self.commit()
@@ -288,7 +293,8 @@ class Broker:
         """Split the envelope, decode, check, and hand the request to its handler."""
         self.metrics["broker/requests"] += 1  # every message, well framed or not
         if len(frames) == 3 and frames[1] == b"":
-            envelope, body = (frames[0], b""), frames[2]  # the client sent [empty, body] (DEALER) or REQ added the empty frame
+            envelope: tuple[bytes, ...] = (frames[0], b"")
+            body = frames[2]  # the client sent [empty, body] (DEALER) or REQ added the empty frame
         elif len(frames) == 2:
             envelope, body = (frames[0],), frames[1]  # the client sent [body] alone
         else:
@@ -308,7 +314,9 @@ class Broker:
             self._error(envelope, msg or p.read_header(body), e)  # unread (too large, undecodable): its rid, if it has one
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:  # a handler's read (detach's tombstone) found Redis gone
             self._storage_lost(f"Redis read failed: {e}")
-            self._error(envelope, msg, p.ProtocolError(p.E_OVERLOADED, "storage (Redis) unavailable", retry_after_ms=self.cfg.retry_after_ms))
+            self._error(
+                envelope, msg, p.ProtocolError(p.E_OVERLOADED, "storage (Redis) unavailable", retry_after_ms=self.cfg.retry_after_ms)
+            )
         except Exception:
             log.exception("internal error on a %r request", msg.get("op"))
             self._error(envelope, msg, p.ProtocolError(p.E_INTERNAL, "the broker failed on this request; see its log"))
@@ -334,7 +342,7 @@ class Broker:
     def on_attach(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
         """attach: open a session (or resume one by the client's own task_id)."""
         self._require_storage()
-        task_id = p.check_task_id(msg, required=False)
+        task_id = p.check_optional_task_id(msg)
         if task_id is None:
             task_id = self.attach_rids.get(_key(rid)) or uuid.uuid4().hex
         session = self.sessions.get(task_id)
@@ -436,8 +444,9 @@ class Broker:
             return
         obs = p.check_obs(msg, self.limits)
         if self.draining:  # shutting down: no new work; the client's retry reaches the restarted broker
-            raise p.ProtocolError(p.E_OVERLOADED, "the broker is shutting down; retry with the same rid",
-                                  retry_after_ms=self.cfg.retry_after_ms)  # fmt: skip
+            raise p.ProtocolError(
+                p.E_OVERLOADED, "the broker is shutting down; retry with the same rid", retry_after_ms=self.cfg.retry_after_ms
+            )
         if len(self.queue) >= self.cfg.max_queue:
             raise p.ProtocolError(p.E_OVERLOADED, f"{len(self.queue)} steps are queued", retry_after_ms=self.cfg.retry_after_ms)
         if running is not None:  # the client gave up on its previous step and sent a new one
@@ -446,8 +455,16 @@ class Broker:
         if deadline_ms <= 0:
             raise p.ProtocolError(p.E_BAD_REQUEST, f"`deadline_ms` must be positive, got {deadline_ms}")
         deadline_ms = min(deadline_ms, self.cfg.request_timeout_ms)
-        job = Job(self.registry.next_job_id(), session.task_id, msg["op"], rid, obs, [envelope],
-                  deadline=self.now + deadline_ms / 1000, created=self.now)  # fmt: skip
+        job = Job(
+            self.registry.next_job_id(),
+            session.task_id,
+            msg["op"],
+            rid,
+            obs,
+            [envelope],
+            deadline=self.now + deadline_ms / 1000,
+            created=self.now,
+        )
         self.jobs[job.job_id] = job
         self.task_jobs[session.task_id] = job
         self.queue.append(job)
@@ -503,9 +520,11 @@ class Broker:
 
     def status_line(self) -> str:
         """The key figures in one line (systemd's STATUS=)."""
-        return (f"{len(self.sessions)} sessions, {len(self.registry.actors)} actors, {len(self.jobs)} steps in flight, "
-                f"{len(self.queue)} queued, {self.metrics['broker/steps']} steps, stream backlog {self.stream_length}"
-                + ("" if self.storage_ok else ", REDIS DOWN"))  # fmt: skip
+        return (
+            f"{len(self.sessions)} sessions, {len(self.registry.actors)} actors, {len(self.jobs)} steps in flight, "
+            f"{len(self.queue)} queued, {self.metrics['broker/steps']} steps, stream backlog {self.stream_length}"
+            + ("" if self.storage_ok else ", REDIS DOWN")
+        )
 
     def status(self, window_s: float = 60.0) -> dict[str, Any]:
         """The `status` reply's figures (docs/protocol.md, section 3, lists each)."""
@@ -519,9 +538,9 @@ class Broker:
             "stream_length": self.stream_length,
             "storage_ok": self.storage_ok,
             "actors": [
-                {"name": a.name, "credits": a.credits, "inflight": len(a.inflight), "policy_version": a.policy_version,
-                 "served": a.served} for a in self.registry.actors.values()
-            ],  # fmt: skip
+                {"name": a.name, "credits": a.credits, "inflight": len(a.inflight), "policy_version": a.policy_version, "served": a.served}
+                for a in self.registry.actors.values()
+            ],
             "counters": dict(self.metrics),
             "steps_per_s": round(self.step_rate.rate(), 3),
             "learner": self._learner(),
@@ -605,8 +624,9 @@ class Broker:
         The result of a job already answered (timeout, superseded, detached: `abandoned`) or
         unknown is dropped (jobs/late_results): nothing of it is recorded."""
         actor = self.registry.get(identity)
-        job = actor.inflight.pop(msg.get("job"), None) if actor is not None else None
-        if job is None:
+        job_id = msg.get("job")
+        job = actor.inflight.pop(job_id, None) if actor is not None and isinstance(job_id, int) else None
+        if actor is None or job is None:
             self.metrics["jobs/late_results"] += 1
             return
         actor.served += 1
@@ -618,7 +638,7 @@ class Broker:
             return
         if "error" in msg:
             error = msg["error"] if isinstance(msg["error"], dict) else {}
-            code = error.get("code") if error.get("code") in p.ERROR_CODES else p.E_INTERNAL
+            code = error["code"] if error.get("code") in p.ERROR_CODES else p.E_INTERNAL
             extra = {"retry_after_ms": self.cfg.retry_after_ms} if code == p.E_OVERLOADED else {}  # `overloaded` always says when
             self._answer_job(job, p.error_body(job.rid, job.mode, code, f"actor {actor.name}: {error.get('message', 'failed')}", **extra))
             return
@@ -630,8 +650,9 @@ class Broker:
             self._answer_job(job, p.error_body(job.rid, job.mode, p.E_INTERNAL, f"actor {actor.name} returned an invalid result"))
             return
         if not self.storage_ok:
-            self._answer_job(job, p.error_body(job.rid, job.mode, p.E_OVERLOADED, "storage (Redis) unavailable",
-                                               retry_after_ms=self.cfg.retry_after_ms))  # fmt: skip
+            self._answer_job(
+                job, p.error_body(job.rid, job.mode, p.E_OVERLOADED, "storage (Redis) unavailable", retry_after_ms=self.cfg.retry_after_ms)
+            )
             return
         session = self.sessions.get(job.task_id)
         if session is None:
@@ -660,14 +681,16 @@ class Broker:
             raise p.ProtocolError(p.E_BAD_REQUEST, f"probs must be {n} numbers")
         version = p.require(msg, "policy_version", int, "an int")
         body = p.header(job.mode, job.rid)
-        body.update(task_id=job.task_id, status="ok", action=action, logprob=logprob, probs=[float(x) for x in probs],
-                    policy_version=version)  # fmt: skip
+        body.update(
+            task_id=job.task_id, status="ok", action=action, logprob=logprob, probs=[float(x) for x in probs], policy_version=version
+        )
         obs, context = job.obs, ""
         if job.mode == p.OP_RAG_STEP:  # the actor scored the client's prompt + `context`; that is what the learner must see
             context = p.optional(msg, "context", str, "a str (the text appended to the prompt)", "")
             if len(context) > self.cfg.rag_max_context_chars:
-                raise p.ProtocolError(p.E_TOO_LARGE, f"`context` has {len(context)} characters, the limit is "
-                                                     f"{self.cfg.rag_max_context_chars}")  # fmt: skip
+                raise p.ProtocolError(
+                    p.E_TOO_LARGE, f"`context` has {len(context)} characters, the limit is {self.cfg.rag_max_context_chars}"
+                )
             retrieved = p.optional(msg, "retrieved", list, "an array of str", [])
             if not all(isinstance(x, str) for x in retrieved):
                 raise p.ProtocolError(p.E_BAD_REQUEST, "`retrieved` must be an array of strings")
@@ -680,7 +703,7 @@ class Broker:
 
     def _send_actor(self, identity: bytes, body: dict[str, Any]) -> bool:
         try:
-            send_frames(self.backend, (identity, p.encode(body)))
+            send_frames(bound(self.backend, "the actor back end"), (identity, p.encode(body)))
         except zmq.ZMQError:
             self.metrics["dropped/unroutable_actor_messages"] += 1
             return False
@@ -702,8 +725,13 @@ class Broker:
                 continue
             job.actor, job.dispatched_at = actor.identity, self.now
             actor.inflight[job.job_id] = job
-            message = {"job": job.job_id, "task_id": job.task_id, "mode": job.mode, "obs": job.obs,
-                       "deadline_ms": max(1, int((job.deadline - self.now) * 1000))}  # fmt: skip
+            message = {
+                "job": job.job_id,
+                "task_id": job.task_id,
+                "mode": job.mode,
+                "obs": job.obs,
+                "deadline_ms": max(1, int((job.deadline - self.now) * 1000)),
+            }
             if job.mode == p.OP_RAG_STEP:  # the task's own history travels with the job: any actor can serve any task
                 session = self.sessions.get(job.task_id)
                 message["history"] = session.history if session is not None else []
@@ -722,8 +750,7 @@ class Broker:
             job.attempts += 1
             job.actor = None
             if job.attempts >= MAX_ATTEMPTS:
-                self._answer_job(job, p.error_body(job.rid, job.mode, p.E_INTERNAL,
-                                                   f"{job.attempts} actors failed on this observation"))  # fmt: skip
+                self._answer_job(job, p.error_body(job.rid, job.mode, p.E_INTERNAL, f"{job.attempts} actors failed on this observation"))
                 continue
             self.metrics["jobs/requeued"] += 1
             self.queue.appendleft(job)
@@ -749,17 +776,29 @@ class Broker:
         now = self.now
         self._next_housekeeping = now + HOUSEKEEPING_S
         for job in [j for j in self.jobs.values() if j.deadline <= now]:
-            self._answer_job(job, p.error_body(job.rid, job.mode, p.E_TIMEOUT,
-                                               "no answer within the deadline" + ("" if self.registry.actors else " (no actor connected)")))  # fmt: skip
+            self._answer_job(
+                job,
+                p.error_body(
+                    job.rid,
+                    job.mode,
+                    p.E_TIMEOUT,
+                    "no answer within the deadline" + ("" if self.registry.actors else " (no actor connected)"),
+                ),
+            )
         heartbeat = self.cfg.heartbeat_ms / 1000
         for actor in self.registry.silent(now, self.cfg.heartbeat_liveness):
-            log.warning("actor %s silent for %.1f s: taken as dead, %d jobs requeued", actor.name, now - actor.last_heard,
-                        len(actor.inflight))  # fmt: skip
+            log.warning(
+                "actor %s silent for %.1f s: taken as dead, %d jobs requeued", actor.name, now - actor.last_heard, len(actor.inflight)
+            )
             self.metrics["actors/dead"] += 1
             self._requeue(self.registry.remove(actor.identity))
         for actor in self.registry.stuck_since(now - self.cfg.actor_job_timeout_ms / 1000):
-            log.warning("actor %s held a job over %d ms: taken as hung, %d jobs requeued", actor.name,
-                        self.cfg.actor_job_timeout_ms, len(actor.inflight))  # fmt: skip
+            log.warning(
+                "actor %s held a job over %d ms: taken as hung, %d jobs requeued",
+                actor.name,
+                self.cfg.actor_job_timeout_ms,
+                len(actor.inflight),
+            )
             self.metrics["actors/hung"] += 1
             self._send_actor(actor.identity, p.header(p.OP_DISCONNECT))
             self._requeue(self.registry.remove(actor.identity))
@@ -795,8 +834,7 @@ class Broker:
                 continue  # its step is still being scored
             closed = self._end_session(session, REASON_EXPIRED, "the session expired while its step was being scored")
             self.metrics["sessions/expired"] += 1
-            log.info("session %s expired after %.0f s of silence (%d segment closed)", session.task_id,
-                     self.cfg.session_ttl_s, closed)  # fmt: skip
+            log.info("session %s expired after %.0f s of silence (%d segment closed)", session.task_id, self.cfg.session_ttl_s, closed)
 
 
 def _key(rid: Any) -> Any:

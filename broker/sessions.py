@@ -66,13 +66,20 @@ class PendingStep:
 
     def to_wire(self) -> dict[str, Any]:
         return {
-            "rid": self.rid, "mode": self.mode, "obs": self.obs, "action": self.action, "logprob": self.logprob,
-            "probs": self.probs, "policy_version": self.policy_version, "step_ms": self.step_ms, "reply": self.reply,
+            "rid": self.rid,
+            "mode": self.mode,
+            "obs": self.obs,
+            "action": self.action,
+            "logprob": self.logprob,
+            "probs": self.probs,
+            "policy_version": self.policy_version,
+            "step_ms": self.step_ms,
+            "reply": self.reply,
             "context_chars": self.context_chars,
-        }  # fmt: skip
+        }
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> "PendingStep":
+    def from_wire(cls, d: dict[str, Any]) -> PendingStep:
         fields = cls.__dataclass_fields__
         return cls(**{k: d[k] for k in fields if k in d or fields[k].default is MISSING})  # older records lack newer fields
 
@@ -100,7 +107,7 @@ class Replied:
         return [self.n, self.rid, self.reply]
 
     @classmethod
-    def from_wire(cls, d: list[Any]) -> "Replied":
+    def from_wire(cls, d: list[Any]) -> Replied:
         n, rid, reply = d
         return cls(int(n), rid, reply)
 
@@ -177,7 +184,7 @@ class Session:
         """Make `step` the pending step; return the segments this closes and whether a step was orphaned."""
         closes: list[SegmentClose] = []
         orphaned = self.pending is not None
-        if orphaned:
+        if self.pending is not None:
             closes += self._close(REASON_ORPHAN_STEP, done=False, truncated=False, next_obs=self.pending.obs)
         elif self.open_len >= self.segment_len:
             closes += self._close(REASON_LENGTH, done=False, truncated=False, next_obs=step.obs)
@@ -191,9 +198,19 @@ class Session:
         if self.pending is None:
             raise LookupError("no pending step")
         step = self.pending
-        transition = Transition(obs=step.obs, action=step.action, logprob=step.logprob, probs=step.probs,
-                                policy_version=step.policy_version, mode=step.mode, reward=reward, done=done,
-                                truncated=truncated, step_ms=step.step_ms, feedback_ms=now_ms())  # fmt: skip
+        transition = Transition(
+            obs=step.obs,
+            action=step.action,
+            logprob=step.logprob,
+            probs=step.probs,
+            policy_version=step.policy_version,
+            mode=step.mode,
+            reward=reward,
+            done=done,
+            truncated=truncated,
+            step_ms=step.step_ms,
+            feedback_ms=now_ms(),
+        )
         self.pending = None
         self.open_len += 1
         closes: list[SegmentClose] = []

@@ -18,7 +18,6 @@ import redis
 
 from broker.sessions import RECENT_FIELD_PREFIX, PendingStep, Replied, SegmentClose, Session, now_ms
 from common import segments as seg
-from common.protocol import encode
 from common.segments import RedisKeys, Transition, unpack
 
 log = logging.getLogger(__name__)
@@ -33,8 +32,7 @@ TOMBSTONE_TTL_S = 3600
 # list's already-encoded transitions with a msgpack array header, so the
 # entry's `transitions` field is one msgpack array and the transitions never
 # leave Redis. Not for Redis Cluster (the keys are not declared).
-APPLY_LUA = (
-    """
+APPLY_LUA = """
 local function close_segment(seg, stream, task, seg_id, task_id, seq, reason, done, truncated, next_obs, closed_ms, next_seq)
   local items = redis.call('LRANGE', seg, 0, -1)
   local n = #items
@@ -62,12 +60,26 @@ for i = 1, #ops do
 end
 return #ops
 """.replace(
-        # The entry's field names are the ones the learner reads (common/segments.py), each with its Lua value.
-        "ENTRY",
-        ", ".join(f"'{name}', {value}" for name, value in zip(seg.ENTRY_FIELDS, (
-            "seg_id", "task_id", "seq", "reason", "done", "truncated", "n", "next_obs", "head .. table.concat(items)", "closed_ms",
-        ))),  # fmt: skip
-    )
+    # The entry's field names are the ones the learner reads (common/segments.py), each with its Lua value.
+    "ENTRY",
+    ", ".join(
+        f"'{name}', {value}"
+        for name, value in zip(
+            seg.ENTRY_FIELDS,
+            (
+                "seg_id",
+                "task_id",
+                "seq",
+                "reason",
+                "done",
+                "truncated",
+                "n",
+                "next_obs",
+                "head .. table.concat(items)",
+                "closed_ms",
+            ),
+        )
+    ),
 )
 
 
@@ -179,30 +191,52 @@ class SessionStore:
 
     def stage_create(self, batch: Batch, s: Session) -> None:
         batch.add("SADD", self.keys.tasks, s.task_id)
-        batch.add("HSET", self.keys.task(s.task_id), "created_ms", str(s.created_ms), "seq", str(s.seq), "pending", b"",
-                  "attach_rid", encode(s.attach_rid), "epoch", s.epoch)  # fmt: skip
+        batch.add(
+            "HSET",
+            self.keys.task(s.task_id),
+            "created_ms",
+            str(s.created_ms),
+            "seq",
+            str(s.seq),
+            "pending",
+            b"",
+            "attach_rid",
+            seg.pack(s.attach_rid),
+            "epoch",
+            s.epoch,
+        )
 
     def stage_pending(self, batch: Batch, s: Session, replied: Replied) -> None:
         """A step's pending record, with its reply kept for retries (`recent:<slot>`) in the same HSET."""
-        pending = encode(s.pending.to_wire()) if s.pending is not None else b""
-        batch.add("HSET", self.keys.task(s.task_id), "pending", pending, replied.field, encode(replied.to_wire()))
+        pending = seg.pack(s.pending.to_wire()) if s.pending is not None else b""
+        batch.add("HSET", self.keys.task(s.task_id), "pending", pending, replied.field, seg.pack(replied.to_wire()))
 
     def stage_transition(self, batch: Batch, s: Session, transition: Transition, replied: Replied | None = None) -> None:
         """A feedback's transition appended to the open segment; the pending step cleared and the reply kept, in one HSET."""
-        batch.add("RPUSH", self.keys.open_segment(s.task_id), encode(transition.to_wire()))
-        kept = (replied.field, encode(replied.to_wire())) if replied is not None else ()
+        batch.add("RPUSH", self.keys.open_segment(s.task_id), seg.pack(transition.to_wire()))
+        kept = (replied.field, seg.pack(replied.to_wire())) if replied is not None else ()
         batch.add("HSET", self.keys.task(s.task_id), "pending", b"", *kept)
 
     def stage_history(self, batch: Batch, s: Session, entry: dict[str, Any], keep: int) -> None:
-        batch.add("RPUSH", self.keys.history(s.task_id), encode(entry))
+        batch.add("RPUSH", self.keys.history(s.task_id), seg.pack(entry))
         batch.add("LTRIM", self.keys.history(s.task_id), str(-keep), "-1")
 
     def stage_close(self, batch: Batch, s: Session, close: SegmentClose) -> None:
         batch.add(
-            "CLOSE", self.keys.open_segment(s.task_id), self.keys.stream, self.keys.task(s.task_id), close.seg_id, close.task_id,
-            str(close.seq), close.reason, "1" if close.done else "0", "1" if close.truncated else "0",
-            encode(close.next_obs), str(now_ms()), str(close.seq + 1),
-        )  # fmt: skip
+            "CLOSE",
+            self.keys.open_segment(s.task_id),
+            self.keys.stream,
+            self.keys.task(s.task_id),
+            close.seg_id,
+            close.task_id,
+            str(close.seq),
+            close.reason,
+            "1" if close.done else "0",
+            "1" if close.truncated else "0",
+            seg.pack(close.next_obs),
+            str(now_ms()),
+            str(close.seq + 1),
+        )
 
     def stage_delete(self, batch: Batch, s: Session) -> None:
         """Forget a session in Redis (detach, expiry): its hash, open segment (already closed or empty) and history."""
@@ -211,7 +245,7 @@ class SessionStore:
 
     def stage_tombstone(self, batch: Batch, task_id: str, rid: Any, reply: bytes) -> None:
         """The reply to a detach, kept TOMBSTONE_TTL_S for a retried detach (the session it names is gone)."""
-        batch.add("SET", self.keys.tombstone(task_id), encode({"rid": rid, "reply": reply}), "EX", str(TOMBSTONE_TTL_S))
+        batch.add("SET", self.keys.tombstone(task_id), seg.pack({"rid": rid, "reply": reply}), "EX", str(TOMBSTONE_TTL_S))
 
     # --- reads -----------------------------------------------------------------------------
     def detach_reply(self, task_id: str, rid: Any) -> bytes | None:
@@ -225,7 +259,6 @@ class SessionStore:
 
     def stream_length(self) -> int:
         return int(self.client.xlen(self.keys.stream))
-
 
 
 def _recent_replies(fields: dict[bytes, bytes]) -> list[Replied]:

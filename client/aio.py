@@ -130,8 +130,12 @@ class AsyncClient:
         futures = self._waiters.get(rid) if isinstance(rid, (str, bytes)) else None
         if not futures or not answers(reply, rid, alone=True):
             if reply.get("rid") is None:  # never from a request of this client (each rid is checked before sending)
-                log.warning("a reply with rid nil from %s matches none of %d requests in flight: %s", self.endpoint,
-                            len(self._waiters), reply.get("error"))  # fmt: skip
+                log.warning(
+                    "a reply with rid nil from %s matches none of %d requests in flight: %s",
+                    self.endpoint,
+                    len(self._waiters),
+                    reply.get("error"),
+                )
             else:
                 log.debug("ignoring a reply nobody waits for (rid %r): a late answer to an earlier attempt", rid)
             return
@@ -174,9 +178,7 @@ class AsyncClient:
             self._forget(rule.rid, future)
 
     @staticmethod
-    async def _send_and_wait(
-        sock: zmq.asyncio.Socket, data: bytes, future: asyncio.Future[dict[str, Any] | None]
-    ) -> dict[str, Any] | None:
+    async def _send_and_wait(sock: zmq.asyncio.Socket, data: bytes, future: asyncio.Future[dict[str, Any] | None]) -> dict[str, Any] | None:
         try:
             await sock.send_multipart([b"", data])
         except asyncio.CancelledError:
@@ -199,7 +201,7 @@ class AsyncClient:
         if reader is not None:
             await asyncio.wait([reader])  # let the cancelled reader finish (never raises, even if it failed)
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -208,7 +210,7 @@ class AsyncClient:
     # --- the operations (as client.sync.Client's) -------------------------------------------
     async def attach(self, task_id: str | None = None) -> str:
         """Create a session (or resume `task_id`); return its task id."""
-        fields = {"task_id": task_id} if task_id else {}
+        fields: dict[str, Any] = {"task_id": task_id} if task_id else {}
         return (await self.request(p.OP_ATTACH, **fields))["task_id"]
 
     async def detach(self, task_id: str) -> dict[str, Any]:

@@ -54,12 +54,21 @@ class InternalError(PPOZError):
 
 BY_CODE: dict[str, type[PPOZError]] = {
     cls.code: cls
-    for cls in (BadRequest, UnknownOp, UnknownTask, FeedbackWithoutStep, TooLarge, UnsupportedVersion, Overloaded,
-                RequestTimeout, InternalError)  # fmt: skip
+    for cls in (
+        BadRequest,
+        UnknownOp,
+        UnknownTask,
+        FeedbackWithoutStep,
+        TooLarge,
+        UnsupportedVersion,
+        Overloaded,
+        RequestTimeout,
+        InternalError,
+    )
 }
 
 
 def from_reply(reply: dict) -> PPOZError:
     error = reply.get("error") or {}
-    cls = BY_CODE.get(error.get("code"), PPOZError)
+    cls = BY_CODE.get(str(error.get("code")), PPOZError)
     return cls(f"{error.get('code')}: {error.get('message')}", reply)

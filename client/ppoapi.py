@@ -24,7 +24,6 @@ from typing import Any
 import zmq
 
 from client.sync import Client
-from common import protocol as p
 from common.security import KeySource
 
 log = logging.getLogger(__name__)
@@ -66,14 +65,20 @@ class PPOClient:
             raise ValueError(f"`base_url` must be a ZeroMQ endpoint such as tcp://localhost:5555, got {base_url!r}")
         self.base_url = base_url
         self.task_id: str | None = None
-        self.client = Client(base_url, deadline=deadline, attempt_timeout=attempt_timeout, context=context,
-                             curve_secret_key=curve_secret_key, curve_server_key=curve_server_key)  # fmt: skip
+        self.client = Client(
+            base_url,
+            deadline=deadline,
+            attempt_timeout=attempt_timeout,
+            context=context,
+            curve_secret_key=curve_secret_key,
+            curve_server_key=curve_server_key,
+        )
 
     def close(self) -> None:
         """Close the socket (Kea never calls it; the process exit does the same)."""
         self.client.close()
 
-    def __enter__(self) -> "PPOClient":
+    def __enter__(self) -> PPOClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -111,9 +116,7 @@ class PPOClient:
         """As step, for Kea's retrieval-augmented mode."""
         return _without_header(self.client.rag_step(self._attached(), obs))
 
-    def feedback(
-        self, reward: float, done: bool, next_obs: dict[str, Any] | None = None, *, truncated: bool = False
-    ) -> dict[str, Any]:
+    def feedback(self, reward: float, done: bool, next_obs: dict[str, Any] | None = None, *, truncated: bool = False) -> dict[str, Any]:
         """The reward of the last step: `{"status": "ok", "task_id", "segment_closed": bool}`.
 
         `next_obs` is sent only when it is a real observation (Kea sends `{}`);
@@ -121,8 +124,7 @@ class PPOClient:
         """
         task_id = self._attached()
         # Kea's rewards and flags may be numpy scalars; the protocol wants plain float and bool.
-        reply = self.client.feedback(task_id, float(reward), done=bool(done), truncated=bool(truncated),
-                                     next_obs=next_obs or None)  # fmt: skip
+        reply = self.client.feedback(task_id, float(reward), done=bool(done), truncated=bool(truncated), next_obs=next_obs or None)
         return _without_header(reply)
 
     def generate(self, prompt: str, **kwargs: Any) -> dict[str, Any]:

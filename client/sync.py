@@ -76,7 +76,7 @@ class Client:
         with self._lock:
             self._reset()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -113,7 +113,7 @@ class Client:
     def _await(self, sock: zmq.Socket, rid: Any, timeout: float) -> dict[str, Any] | None:
         end = time.monotonic() + timeout
         while (left := end - time.monotonic()) > 0:
-            if not sock.poll(left * 1000):
+            if not sock.poll(int(left * 1000) + 1):
                 return None
             frames = sock.recv_multipart()
             try:
@@ -130,7 +130,7 @@ class Client:
     # --- the operations --------------------------------------------------------------------
     def attach(self, task_id: str | None = None) -> str:
         """Create a session (or resume `task_id`); return its task id."""
-        fields = {"task_id": task_id} if task_id else {}
+        fields: dict[str, Any] = {"task_id": task_id} if task_id else {}
         return self.request(p.OP_ATTACH, **fields)["task_id"]
 
     def detach(self, task_id: str) -> dict[str, Any]:

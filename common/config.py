@@ -24,14 +24,17 @@ import dataclasses
 import sys
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")
 
 SECTIONS: dict[str, type] = {}
 """Every component's config class by its TOML table name."""
@@ -88,7 +91,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, flag_prefix: str = "",
         flag = "--" + (flag_prefix + f.name).replace("_", "-")
         dest = dest_prefix + f.name
         kind = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = _default(f)
         text = f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%")  # argparse formats help with %
         if kind is bool:
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
@@ -130,14 +133,16 @@ def _build(cls: type[T], table: dict[str, Any], given: dict[str, Any], where: st
             values[key] = _checked(hints[key], value, f"{where}: {key}")
     for key, value in table.get(name, {}).items():
         if key in moved:
-            raise ConfigError(f"{where}: [{name}] {key} has moved: write it as `{moved[key][1]} = {value!r}` in the [{moved[key][0]}] "
-                              f"table, which every component that must agree on it reads")  # fmt: skip
+            raise ConfigError(
+                f"{where}: [{name}] {key} has moved: write it as `{moved[key][1]} = {value!r}` in the [{moved[key][0]}] "
+                f"table, which every component that must agree on it reads"
+            )
         if key not in field_names:
             raise ConfigError(f"{where}: unknown key [{name}] {key!r} = {value!r}; known keys: {', '.join(sorted(field_names))}")
         values[key] = _checked(hints[key], value, f"{where}: [{name}] {key}")
     for field_name, sub in nested.items():
         prefix = f"{field_name}."
-        values[field_name] = _build(sub, table, {k[len(prefix):]: v for k, v in given.items() if k.startswith(prefix)}, where)
+        values[field_name] = _build(sub, table, {k[len(prefix) :]: v for k, v in given.items() if k.startswith(prefix)}, where)
     values.update({k: v for k, v in given.items() if k in field_names})
     try:
         return cls(**values)
@@ -164,6 +169,15 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default value (None when it has none: a required field)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
 
 
 def _base_type(hint: Any) -> type:

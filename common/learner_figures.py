@@ -8,7 +8,7 @@ its encoding live here only (the key's name: common/segments.py).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import redis
 

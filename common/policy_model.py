@@ -50,13 +50,13 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
 
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(spec.model)
-    model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=spec.resolved_dtype(),
-                                                 attn_implementation=spec.attn_implementation)  # fmt: skip
+    model: Any = AutoModelForCausalLM.from_pretrained(spec.model, dtype=spec.resolved_dtype(), attn_implementation=spec.attn_implementation)
     if spec.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules="all-linear", lora_dropout=0.0,
-                            task_type="CAUSAL_LM")  # fmt: skip
+        config = LoraConfig(
+            r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"
+        )
         # peft keeps adapter weights in float32 even over a bf16 base (autocast_adapter_dtype):
         # a 1e-6 update would round away in 16 bits.
         model = get_peft_model(model, config)

@@ -50,15 +50,17 @@ E_OVERLOADED = "overloaded"
 E_TIMEOUT = "timeout"
 E_INTERNAL = "internal"
 ERROR_CODES: dict[str, str] = {
-    E_BAD_REQUEST: "the message is not a valid request: not a msgpack map, a missing field or a field of the wrong type or range; the message names it",
+    E_BAD_REQUEST: "the message is not a valid request: not a msgpack map, a missing field or a "
+    "field of the wrong type or range; the message names it",
     E_UNKNOWN_OP: "`op` names no operation of this protocol version",
     E_UNKNOWN_TASK: "no session has this task_id (never attached, detached, or expired after its TTL); attach again",
     E_FEEDBACK_WITHOUT_STEP: "feedback for a task that has no step waiting for its reward; nothing was recorded",
     E_TOO_LARGE: "the message, the prompt or the candidate list is over a configured limit; the message says which",
-    E_UNSUPPORTED_VERSION: "`proto` is not \"ppoz\" or `v` is not a version this peer speaks; the reply carries the version it speaks",
+    E_UNSUPPORTED_VERSION: '`proto` is not "ppoz" or `v` is not a version this peer speaks; the reply carries the version it speaks',
     E_OVERLOADED: "the broker cannot take the request now; retry the same request after `retry_after_ms`",
     E_TIMEOUT: "the request could not be answered within its deadline (for example no actor was free); retry with the same rid",
-    E_INTERNAL: "the broker failed while handling the request (for example storage unavailable); nothing was applied, retry with the same rid",
+    E_INTERNAL: "the broker failed while handling the request (for example storage unavailable); "
+    "nothing was applied, retry with the same rid",
 }
 
 MAX_RID_BYTES = 64
@@ -102,7 +104,7 @@ def decode(frame: bytes) -> dict[str, Any]:
     return body
 
 
-def header(op: str, rid: Any = None) -> dict[str, Any]:
+def header(op: str | None, rid: Any = None) -> dict[str, Any]:
     """The fields every message starts with."""
     return {"proto": PROTOCOL_ID, "v": PROTOCOL_VERSION, "op": op, "rid": rid}
 
@@ -201,10 +203,13 @@ def optional(body: dict[str, Any], name: str, types: type | tuple[type, ...], wh
     return require(body, name, types, what)
 
 
-def check_task_id(body: dict[str, Any], required: bool = True) -> str | None:
+def check_optional_task_id(body: dict[str, Any]) -> str | None:
+    """The task_id of a request where it may be left out (attach): None, else as check_task_id."""
+    return None if body.get("task_id") is None else check_task_id(body)
+
+
+def check_task_id(body: dict[str, Any]) -> str:
     """The task_id of a request: 1 to 128 characters of letters, digits and . _ : @ -."""
-    if not required and body.get("task_id") is None:
-        return None
     task_id = require(body, "task_id", str, "a str")
     if not TASK_ID_PATTERN.match(task_id):
         raise ProtocolError(E_BAD_REQUEST, f"`task_id` must be 1 to 128 of [A-Za-z0-9._:@-], got {task_id[:40]!r}")
@@ -225,9 +230,7 @@ def check_obs(body: dict[str, Any], limits: Limits, name: str = "obs") -> dict[s
         if not isinstance(action, str):
             raise ProtocolError(E_BAD_REQUEST, f"`{name}.action[{i}]` must be a str, got {_wire_type(action)}")
         if len(action) > limits.max_action_chars:
-            raise ProtocolError(
-                E_TOO_LARGE, f"`{name}.action[{i}]` has {len(action)} characters, the limit is {limits.max_action_chars}"
-            )
+            raise ProtocolError(E_TOO_LARGE, f"`{name}.action[{i}]` has {len(action)} characters, the limit is {limits.max_action_chars}")
     if len(prompt) + len(question) > limits.max_prompt_chars:
         raise ProtocolError(
             E_TOO_LARGE,

@@ -65,9 +65,7 @@ def check_server(client: redis.Redis) -> None:
     except redis.RedisError:  # CONFIG may be disabled on managed servers
         policy = None
     if policy not in (None, "noeviction"):
-        log.warning(
-            "Redis maxmemory-policy is %s: a full Redis may silently evict trajectories; set it to noeviction", policy
-        )
+        log.warning("Redis maxmemory-policy is %s: a full Redis may silently evict trajectories; set it to noeviction", policy)
 
 
 def find_redis_server() -> str:
@@ -88,8 +86,9 @@ def find_redis_server() -> str:
 class EmbeddedRedis:
     """A private redis-server child process on a unix socket; use as a context manager."""
 
-    def __init__(self, appendonly: bool = False, data_dir: str | Path | None = None, executable: str | None = None,
-                 appendfsync: str = "everysec") -> None:  # fmt: skip
+    def __init__(
+        self, appendonly: bool = False, data_dir: str | Path | None = None, executable: str | None = None, appendfsync: str = "everysec"
+    ) -> None:
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, got {appendfsync!r}")
         self.appendonly = appendonly
@@ -100,7 +99,7 @@ class EmbeddedRedis:
         self.process: subprocess.Popen | None = None
         self.url = ""
 
-    def start(self, timeout: float = 15.0) -> "EmbeddedRedis":
+    def start(self, timeout: float = 15.0) -> EmbeddedRedis:
         executable = self.executable or find_redis_server()
         if self.dir is None:
             # Short path: unix socket names are limited to 107 bytes.
@@ -109,20 +108,32 @@ class EmbeddedRedis:
         sock = self.dir / "redis.sock"
         args = [
             executable,
-            "--port", "0",
-            "--unixsocket", str(sock),
-            "--unixsocketperm", "700",
-            "--dir", str(self.dir),
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", self.appendfsync,
-            "--maxmemory-policy", "noeviction",
-            "--daemonize", "no",
-            "--loglevel", "warning",
-            "--logfile", str(self.dir / "redis.log"),
-        ]  # fmt: skip
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
-                                        start_new_session=True)  # Ctrl-C in a terminal must not stop it before its users
+            "--port",
+            "0",
+            "--unixsocket",
+            str(sock),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--maxmemory-policy",
+            "noeviction",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(self.dir / "redis.log"),
+        ]
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, start_new_session=True
+        )  # Ctrl-C in a terminal must not stop it before its users
         self.url = f"unix://{sock}"
         deadline = time.monotonic() + timeout
         client = None
@@ -158,7 +169,7 @@ class EmbeddedRedis:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -171,4 +182,3 @@ def redis_url_or_embedded(url: str | None) -> tuple[str, EmbeddedRedis | None]:
         return url, None
     server = EmbeddedRedis().start()
     return server.url, server
-

@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 from common.errors import BadInput
 from common.options import NORMALISATIONS
 from common.options import SCORING_PATHS as PATHS
+
+log = logging.getLogger(__name__)
 
 
 class ScoringError(BadInput):
@@ -171,8 +172,7 @@ def _score_packed(model: Any, items: Sequence[Tokenized], past: Sequence[Any] | 
                 # A lone row's context KV is a view (it keeps only the few candidate positions after it
                 # alive); rows of a batch are copied out, or each would keep the whole batch's KV alive.
                 own = (lambda t: t) if len(members) == 1 else torch.clone
-                kvs[i] = [(own(layer.keys[row : row + 1, :, :c]), own(layer.values[row : row + 1, :, :c]))
-                          for layer in cache.layers]  # fmt: skip
+                kvs[i] = [(own(layer.keys[row : row + 1, :, :c]), own(layer.values[row : row + 1, :, :c])) for layer in cache.layers]
     return scores, kvs
 
 
@@ -216,11 +216,19 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
             allowed[b, 0, pad, m + pad] = True
     mask = _attention_mask(allowed, use_bool, dtype)
     cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv]) if kv is not None else None
-    out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                  use_cache=keep_cache or cache is not None)  # fmt: skip
+    out = decoder(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=keep_cache or cache is not None,
+    )
     hidden = out.last_hidden_state
     # Gather the scored positions of the whole batch and apply the LM head once.
-    row_idx, col_idx, targets, owners = [], [], [], []
+    row_idx: list[int] = []
+    col_idx: list[int] = []
+    targets: list[int] = []
+    owners: list[tuple[int, int]] = []
     for b, (item, (n_ctx, spans)) in enumerate(zip(items, layouts)):
         for j, ((start, size), action) in enumerate(zip(spans, item.actions)):
             cols = [n_ctx - 1] + list(range(start, start + size - 1))
@@ -230,8 +238,9 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
             owners.extend([(b, j)] * size)
     if any(n_ctx == 0 for n_ctx, _ in layouts):
         raise ScoringError("a cached prefix must leave at least one context token to compute")
-    logp = token_logprobs(head, cap, hidden[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)],
-                           torch.tensor(targets, device=device))  # fmt: skip
+    logp = token_logprobs(
+        head, cap, hidden[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)], torch.tensor(targets, device=device)
+    )
     results = _sum_per_candidate(items, logp)
     return results, (out.past_key_values if keep_cache else None)
 
@@ -274,7 +283,9 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
     rows, positions, layouts = [], [], []
     for item in items:
         c = len(item.context)
-        ids, pos, spans = [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        spans: list[tuple[int, int]] = []
         for action in item.actions:
             spans.append((len(ids), len(action) - 1))
             ids.extend(action[:-1])
@@ -301,15 +312,18 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
                 allowed[b, 0, pad, :] = False
                 allowed[b, 0, pad, past + pad] = True
         mask = _attention_mask(allowed, use_bool, dtype)
-        hidden = decoder(input_ids=cand_ids, attention_mask=mask, position_ids=cand_pos, past_key_values=cache,
-                         use_cache=True).last_hidden_state  # fmt: skip
+        hidden = decoder(
+            input_ids=cand_ids, attention_mask=mask, position_ids=cand_pos, past_key_values=cache, use_cache=True
+        ).last_hidden_state
 
     # Gather the hidden state before every scored token and apply the LM head once.
-    states, targets = [], []
+    states: list[torch.Tensor] = []
+    targets: list[int] = []
     for b, (item, spans) in enumerate(zip(items, layouts)):
         for (start, size), action in zip(spans, item.actions):
             states.append(last_ctx[b : b + 1])
             if size:
+                assert hidden is not None  # a candidate of more than one token made `length` positive
                 states.append(hidden[b, start : start + size])
             targets.extend(action)
     logp = token_logprobs(head, cap, torch.cat(states), torch.tensor(targets, device=device))
@@ -390,11 +404,18 @@ def select_path(model: Any, requested: str = "auto", tolerance: float = 1e-3) ->
         return requested
     vocab = model.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
-    probe = [Tokenized(tuple(torch.randint(3, vocab, (9,), generator=gen).tolist()),
-                       (tuple(torch.randint(3, vocab, (1,), generator=gen).tolist()),
-                        tuple(torch.randint(3, vocab, (4,), generator=gen).tolist())), (1, 1)),
-             Tokenized(tuple(torch.randint(3, vocab, (5,), generator=gen).tolist()),
-                       (tuple(torch.randint(3, vocab, (3,), generator=gen).tolist()),), (1,))]  # fmt: skip
+    probe = [
+        Tokenized(
+            tuple(torch.randint(3, vocab, (9,), generator=gen).tolist()),
+            (tuple(torch.randint(3, vocab, (1,), generator=gen).tolist()), tuple(torch.randint(3, vocab, (4,), generator=gen).tolist())),
+            (1, 1),
+        ),
+        Tokenized(
+            tuple(torch.randint(3, vocab, (5,), generator=gen).tolist()),
+            (tuple(torch.randint(3, vocab, (3,), generator=gen).tolist()),),
+            (1,),
+        ),
+    ]
     with torch.inference_mode():
         reference = score_per_candidate(model, probe)
         for path in ("packed", "kv_batch"):

@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.auth
@@ -70,7 +70,9 @@ def generate_keypair(directory: str | os.PathLike, name: str, force: bool = Fals
     public, secret = folder / f"{name}{PUBLIC_SUFFIX}", folder / f"{name}{SECRET_SUFFIX}"
     existing = [str(p) for p in (public, secret) if p.exists()]
     if existing and not force:
-        raise FileExistsError(f"{' and '.join(existing)} already exist; pass --force to replace them (peers holding the old public key will be refused)")
+        raise FileExistsError(
+            f"{' and '.join(existing)} already exist; pass --force to replace them (peers holding the old public key will be refused)"
+        )
     for path in (public, secret):
         path.unlink(missing_ok=True)
     # Create the secret file 0600 before a key is written to it: zmq.auth opens it with
@@ -141,7 +143,7 @@ def _as_key(value: KeySource) -> bytes | None:
 def _public_from(value: KeySource, what: str) -> bytes:
     key = _as_key(value)
     if key is None:
-        return load_public(value, what)
+        return load_public(cast("str | os.PathLike", value), what)  # _as_key took bytes as a key
     _check_key(key, what, "the value given")
     return key
 
@@ -149,7 +151,7 @@ def _public_from(value: KeySource, what: str) -> bytes:
 def _pair_from(value: KeySource, what: str) -> tuple[bytes, bytes]:
     key = _as_key(value)
     if key is None:
-        return load_keypair(value, what)
+        return load_keypair(cast("str | os.PathLike", value), what)
     _check_key(key, what, "the value given")
     return zmq.curve_public(key), key
 
@@ -227,8 +229,9 @@ class AllowList:
             self.refused += 1
             if client_key not in self._logged and len(self._logged) < 1000:  # a refused peer retries every 100 ms
                 self._logged.add(client_key)
-                log.warning("refused a CURVE client with key %s: not in the allow-list %s", client_key.decode(errors="replace"),
-                            self.location)  # fmt: skip
+                log.warning(
+                    "refused a CURVE client with key %s: not in the allow-list %s", client_key.decode(errors="replace"), self.location
+                )
         return ok
 
     def close(self) -> None:
@@ -289,7 +292,7 @@ def _unregister(allow_list: AllowList) -> None:
     with _lock:
         key = allow_list._context_key
         entry = _handlers.get(key) if key is not None else None
-        if entry is None:
+        if entry is None or key is None:
             return
         auth, allow_lists = entry
         auth.credentials_providers.pop(allow_list.domain, None)
@@ -314,8 +317,12 @@ def apply_server(sock: zmq.Socket, secret_key_file: str, allowed: str, name: str
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
     sock.setsockopt(zmq.ZAP_DOMAIN, allow_list.domain.encode())
-    log.info("CURVE on for the %s socket (key %s): clients %s", name, public.decode(),
-             "with any key" if allowed == ALLOW_ANY else f"whose keys are in {allowed}")  # fmt: skip
+    log.info(
+        "CURVE on for the %s socket (key %s): clients %s",
+        name,
+        public.decode(),
+        "with any key" if allowed == ALLOW_ANY else f"whose keys are in {allowed}",
+    )
     return allow_list
 
 
@@ -325,8 +332,10 @@ def check_allow_list(value: str, what: str) -> None:
     if value == ALLOW_ANY:
         return
     if not value:
-        raise KeyFileError(f"`{what}` is required with `curve_secret_key`: a directory of the allowed peers' NAME{PUBLIC_SUFFIX} "
-                           f"files, or {ALLOW_ANY!r} to accept any key (encryption without authentication)")  # fmt: skip
+        raise KeyFileError(
+            f"`{what}` is required with `curve_secret_key`: a directory of the allowed peers' NAME{PUBLIC_SUFFIX} "
+            f"files, or {ALLOW_ANY!r} to accept any key (encryption without authentication)"
+        )
     if not os.path.isdir(value):
         raise KeyFileError(f"`{what}`: allow-list directory {value} does not exist (it holds the allowed peers' NAME{PUBLIC_SUFFIX} files)")
 
@@ -336,8 +345,10 @@ def check_server_settings(secret_key: str, allow_lists: dict[str, str]) -> None:
     if not secret_key:
         for name, value in allow_lists.items():
             if value:
-                raise KeyFileError(f"`{name}` = {value!r} is set but `curve_secret_key` is empty: CURVE would be off and "
-                                   "nothing checked; set `curve_secret_key` too, or leave both empty")  # fmt: skip
+                raise KeyFileError(
+                    f"`{name}` = {value!r} is set but `curve_secret_key` is empty: CURVE would be off and "
+                    "nothing checked; set `curve_secret_key` too, or leave both empty"
+                )
         return
     _require_curve()
     load_keypair(secret_key, "curve_secret_key")
@@ -349,8 +360,9 @@ def check_client_settings(secret_key: str, server_keys: dict[str, str]) -> None:
     """A client's CURVE settings: each server key given turns CURVE on for that connection."""
     if secret_key and not any(server_keys.values()):
         names = " and ".join(f"`{n}`" for n in server_keys)
-        raise KeyFileError(f"`curve_secret_key` is set but {names} {'is' if len(server_keys) == 1 else 'are'} empty: "
-                           "CURVE needs the server's public key")  # fmt: skip
+        raise KeyFileError(
+            f"`curve_secret_key` is set but {names} {'is' if len(server_keys) == 1 else 'are'} empty: CURVE needs the server's public key"
+        )
     for name, value in server_keys.items():
         if value:
             client_keys(secret_key, value, ("curve_secret_key", name))

@@ -7,8 +7,9 @@ and the demo read the figures. Every key is built here and nowhere else
 (`RedisKeys`; P is `key_prefix`):
 
     P:tasks             SET     task ids of live sessions                                     broker
-    P:task:{task_id}    HASH    created_ms, seq, epoch, pending, last_rid, last_reply,        broker
-                                attach_rid, recent (replies of the last few writes)
+    P:task:{task_id}    HASH    created_ms, seq, epoch, pending, attach_rid,                  broker
+                                recent:0 .. recent:7 (the last 8 step/feedback replies, for
+                                retries; an older broker's last_rid/last_reply is read as one)
     P:seg:{task_id}     LIST    the open segment: one msgpack `Transition` per element         broker
     P:hist:{task_id}    LIST    rag_step: the task's last steps (prompt end, action, reward)  broker
     P:detached:{tid}    STRING  the reply to a detach, kept an hour for a retried detach     broker

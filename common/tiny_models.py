@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,24 +40,45 @@ def build_byte_tokenizer(path: str | Path):
     return fast
 
 
-def tiny_config(arch: str, vocab_size: int = 259, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                intermediate: int | None = None, max_positions: int = 8192):  # fmt: skip
+def tiny_config(
+    arch: str,
+    vocab_size: int = 259,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 8192,
+):
     """A small config of the given architecture (llama, qwen2 or gpt2)."""
     from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
     intermediate = intermediate or 4 * hidden
-    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common: dict[str, Any] = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "llama":
-        return LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                           num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                           tie_word_embeddings=False, **common)  # fmt: skip
+        return LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=False,
+            **common,
+        )
     if arch == "qwen2":
-        return Qwen2Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                           num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                           tie_word_embeddings=True, **common)  # fmt: skip
+        return Qwen2Config(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=True,
+            **common,
+        )
     if arch == "gpt2":
-        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions, n_inner=intermediate,
-                          **common)  # fmt: skip
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions, n_inner=intermediate, **common)
     raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
 
 

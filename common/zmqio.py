@@ -21,6 +21,13 @@ _raw_recv = _RawSocket.recv
 _raw_get = _RawSocket.get
 
 
+def bound(sock: zmq.Socket | None, what: str) -> zmq.Socket:
+    """`sock`, once made: a socket used before its owner's start() is a programming error."""
+    if sock is None:
+        raise RuntimeError(f"{what} is not bound yet: start() first")
+    return sock
+
+
 def send_frames(sock: zmq.Socket, frames: list[bytes] | tuple[bytes, ...]) -> None:
     """Send a multipart message without blocking."""
     last = len(frames) - 1

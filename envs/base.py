@@ -10,8 +10,9 @@ off by a time limit; the learner bootstraps from the next observation).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 Observation = dict[str, Any]
 

@@ -22,10 +22,11 @@ Candidate i is gym action i. Rewards and `terminated` are the env's own;
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, cast
+from collections.abc import Callable
+from typing import Any, ClassVar, cast
 
 import gymnasium
-from gymnasium.envs.toy_text import CliffWalkingEnv, FrozenLakeEnv, TaxiEnv
+from gymnasium.envs.toy_text import CliffWalkingEnv, TaxiEnv
 
 from envs.base import Observation, StepResult, TextEnv, check_action
 
@@ -36,8 +37,9 @@ QUESTION = "\nWhich action should I choose next? I shall "
 
 def latest_env_id(base: str) -> str:
     """The newest registered version of un-namespaced gymnasium env `base`, e.g. "Taxi" -> "Taxi-v4"."""
-    versions = [spec.version for spec in gymnasium.registry.values()
-                if spec.namespace is None and spec.name == base and spec.version is not None]  # fmt: skip
+    versions = [
+        spec.version for spec in gymnasium.registry.values() if spec.namespace is None and spec.name == base and spec.version is not None
+    ]
     if not versions:
         raise ValueError(f"no versioned gymnasium env named {base!r} is registered")
     return f"{base}-v{max(versions)}"
@@ -88,10 +90,13 @@ class GymTextEnv(ABC):
 
     def _observation(self) -> Observation:
         assert self.state is not None  # internal: only called after reset
-        prompt = "\n".join([
-            self._task(), *self._grid(self.state),
-            f"{self._summary(self.state)} Steps taken: {self.steps} of {self.max_steps}.",
-        ])  # fmt: skip
+        prompt = "\n".join(
+            [
+                self._task(),
+                *self._grid(self.state),
+                f"{self._summary(self.state)} Steps taken: {self.steps} of {self.max_steps}.",
+            ]
+        )
         return {"prompt": prompt, "question": self.question, "action": list(self.actions)}
 
     @abstractmethod
@@ -121,7 +126,7 @@ class _WalkerText(GymTextEnv):
     def _grid(self, state: int) -> list[str]:
         row, col = divmod(state, self.ncol)
         rows = list(self.rows)
-        rows[row] = rows[row][:col] + self.AGENT + rows[row][col + 1:]
+        rows[row] = rows[row][:col] + self.AGENT + rows[row][col + 1 :]
         return rows
 
     def _summary(self, state: int) -> str:
@@ -142,14 +147,16 @@ class FrozenLakeText(_WalkerText):
         # Not slippery by default: every move does what it says, so a policy can learn the path quickly.
         super().__init__(max_steps, question, is_slippery=is_slippery, map_name=map_name)
         self.is_slippery = is_slippery
-        lake = cast(FrozenLakeEnv, self.env.unwrapped)
+        lake = cast(Any, self.env.unwrapped)  # FrozenLakeEnv: desc is an array of single-byte cells
         self.rows = [b"".join(row).decode() for row in lake.desc]
         self.ncol = len(self.rows[0])
 
     def _task(self) -> str:
         slip = " The ice is slippery: a move may go sideways." if self.is_slippery else ""
-        return ("Frozen lake: walk from S to the goal G. F is ice, H is a hole, A is you. "
-                f"Reaching G gives reward 1; G or a hole ends the episode.{slip}")  # fmt: skip
+        return (
+            "Frozen lake: walk from S to the goal G. F is ice, H is a hole, A is you. "
+            f"Reaching G gives reward 1; G or a hole ends the episode.{slip}"
+        )
 
 
 class CliffWalkingText(_WalkerText):
@@ -167,8 +174,10 @@ class CliffWalkingText(_WalkerText):
         self.rows = ["." * self.ncol] * (self.nrow - 1) + [bottom]
 
     def _task(self) -> str:
-        return ("Cliff walking: walk from S to the goal G. C is the cliff, . is ground, A is you. "
-                "Each step gives -1; stepping into the cliff gives -100 and sends you back to S.")  # fmt: skip
+        return (
+            "Cliff walking: walk from S to the goal G. C is the cliff, . is ground, A is you. "
+            "Each step gives -1; stepping into the cliff gives -100 and sends you back to S."
+        )
 
 
 class TaxiText(GymTextEnv):
@@ -186,15 +195,17 @@ class TaxiText(GymTextEnv):
         self.rows = [b"".join(row).decode() for row in self.taxi.desc]
 
     def _task(self) -> str:
-        return ("Taxi: drive to the passenger, pick them up, drive to the destination, drop them off. "
-                "R, G, Y, B are stops, T is the taxi, | is a wall. "
-                "Each step gives -1, a delivery +20, a wrong pick-up or drop-off -10.")  # fmt: skip
+        return (
+            "Taxi: drive to the passenger, pick them up, drive to the destination, drop them off. "
+            "R, G, Y, B are stops, T is the taxi, | is a wall. "
+            "Each step gives -1, a delivery +20, a wrong pick-up or drop-off -10."
+        )
 
     def _grid(self, state: int) -> list[str]:
         row, col, _, _ = self.taxi.decode(state)
         rows = list(self.rows)
         x = 2 * col + 1  # the map's cells sit at odd columns, between walls or ':'
-        rows[1 + row] = rows[1 + row][:x] + self.TAXI + rows[1 + row][x + 1:]
+        rows[1 + row] = rows[1 + row][:x] + self.TAXI + rows[1 + row][x + 1 :]
         return rows
 
     def _summary(self, state: int) -> str:

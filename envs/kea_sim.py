@@ -32,10 +32,23 @@ from typing import Any
 from envs.base import DEFAULT_QUESTION, Observation, StepResult, check_action
 
 SCREEN_NAMES = [
-    "MainActivity", "SearchActivity", "CartActivity", "ProductActivity", "SettingsActivity", "ProfileActivity",
-    "OrdersActivity", "WishlistActivity", "CheckoutActivity", "HelpActivity", "CategoryActivity", "ReviewsActivity",
-    "NotificationsActivity", "AddressActivity", "PaymentActivity", "CouponsActivity",
-]  # fmt: skip
+    "MainActivity",
+    "SearchActivity",
+    "CartActivity",
+    "ProductActivity",
+    "SettingsActivity",
+    "ProfileActivity",
+    "OrdersActivity",
+    "WishlistActivity",
+    "CheckoutActivity",
+    "HelpActivity",
+    "CategoryActivity",
+    "ReviewsActivity",
+    "NotificationsActivity",
+    "AddressActivity",
+    "PaymentActivity",
+    "CouponsActivity",
+]
 WIDGET_WORDS = ["Shopping list", "Deals", "Details", "More", "Open", "Next", "Browse", "Account", "History", "Info"]
 LICENSES = "LicensesActivity"
 ADVERT = "AdWebViewActivity"

@@ -14,13 +14,13 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
 from client import Client, PPOZError
-from common import protocol as p
 from envs.base import EnvFactory, InvalidAction, TextEnv
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,9 @@ class RunStats:
             }
 
 
-def play(client: Client, env: TextEnv, stats: RunStats, stop: threading.Event, index: int = 0,
-         max_episodes: int | None = None, seed: int = 0) -> None:  # fmt: skip
+def play(
+    client: Client, env: TextEnv, stats: RunStats, stop: threading.Event, index: int = 0, max_episodes: int | None = None, seed: int = 0
+) -> None:
     """One client's loop until `stop` is set or it has played `max_episodes`."""
     played = 0
     task = None
@@ -156,8 +157,16 @@ def _episode(client: Client, task: str, env: TextEnv, stats: RunStats, stop: thr
 class Runner:
     """N client threads playing `make_env` environments against the broker at `endpoint`."""
 
-    def __init__(self, endpoint: str, make_env: EnvFactory, clients: int, deadline: float = 60.0,
-                 max_episodes: int | None = None, seed: int = 0, context: zmq.Context | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str,
+        make_env: EnvFactory,
+        clients: int,
+        deadline: float = 60.0,
+        max_episodes: int | None = None,
+        seed: int = 0,
+        context: zmq.Context | None = None,
+    ) -> None:
         if clients < 1:
             raise ValueError(f"clients={clients}: need at least one")
         self.endpoint = endpoint
@@ -171,7 +180,7 @@ class Runner:
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
 
-    def start(self) -> "Runner":
+    def start(self) -> Runner:
         self.stats.started_at = time.monotonic()
         for i in range(self.clients):
             env = self.make_env(i)

@@ -18,8 +18,13 @@ class GatewayConfig:
     attempt_timeout_s: float = option(10.0, "longest wait for one attempt's reply before the request is sent again")
     max_inflight: int = option(256, "most requests forwarded at once; more wait for a free slot until their deadline")
     max_body_bytes: int = option(8 * 1024 * 1024, "largest HTTP request body accepted")
-    curve_secret_key: str = option("", "CURVE: the gateway's key pair file (NAME.key_secret from `ppoz keygen`); its NAME.key goes in the broker's curve_allowed_clients")
-    curve_server_key: str = option("", "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)")
+    curve_secret_key: str = option(
+        "",
+        "CURVE: the gateway's key pair file (NAME.key_secret from `ppoz keygen`); its NAME.key goes in the broker's curve_allowed_clients",
+    )
+    curve_server_key: str = option(
+        "", "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)"
+    )
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, f"`port` must be 0-65535, got {self.port}")

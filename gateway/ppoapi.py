@@ -101,10 +101,16 @@ def translate(method: str, path: str, query: str, body: bytes) -> Forward:
         raise HTTPError(400, p.E_BAD_REQUEST, f"{path} needs a JSON body with a string `task_id`, got {task_id!r}")
     if name in ("step", "rag_step"):
         if not isinstance(data.get("obs"), dict):
-            raise HTTPError(400, p.E_BAD_REQUEST, f"{path} needs `obs`, an object with prompt, question and action; got {data.get('obs')!r}")
+            raise HTTPError(
+                400, p.E_BAD_REQUEST, f"{path} needs `obs`, an object with prompt, question and action; got {data.get('obs')!r}"
+            )
         return Forward(p.OP_STEP if name == "step" else p.OP_RAG_STEP, {"task_id": task_id, "obs": data["obs"]})
-    fields: dict[str, Any] = {"task_id": task_id, "reward": data.get("reward"), "done": data.get("done", False),
-                              "truncated": data.get("truncated", False)}  # fmt: skip
+    fields: dict[str, Any] = {
+        "task_id": task_id,
+        "reward": data.get("reward"),
+        "done": data.get("done", False),
+        "truncated": data.get("truncated", False),
+    }
     if isinstance(data.get("next_obs"), dict) and data["next_obs"]:  # older Kea clients send {}
         fields["next_obs"] = data["next_obs"]
     return Forward(p.OP_FEEDBACK, fields)
@@ -138,5 +144,6 @@ def failure(reply: dict[str, Any]) -> HTTPError:
     """The HTTPError for a PPOZ error reply."""
     error = reply.get("error") or {}
     code = str(error.get("code", p.E_INTERNAL))
-    return HTTPError(HTTP_STATUS.get(code, 502), code, str(error.get("message", "the broker answered an error")),
-                     reply.get("retry_after_ms"))  # fmt: skip
+    return HTTPError(
+        HTTP_STATUS.get(code, 502), code, str(error.get("message", "the broker answered an error")), reply.get("retry_after_ms")
+    )

@@ -49,9 +49,14 @@ class ClientPool:
             try:
                 client = self.free.get_nowait()
             except queue.Empty:
-                client = Client(self.cfg.broker, deadline=self.cfg.request_deadline_s, attempt_timeout=self.cfg.attempt_timeout_s,
-                                context=self.context, curve_secret_key=self.cfg.curve_secret_key or None,
-                                curve_server_key=self.cfg.curve_server_key or None)  # fmt: skip
+                client = Client(
+                    self.cfg.broker,
+                    deadline=self.cfg.request_deadline_s,
+                    attempt_timeout=self.cfg.attempt_timeout_s,
+                    context=self.context,
+                    curve_secret_key=self.cfg.curve_secret_key or None,
+                    curve_server_key=self.cfg.curve_server_key or None,
+                )
                 with self.lock:
                     self.all.append(client)
             try:
@@ -80,7 +85,7 @@ class Gateway:
         self.counter_lock = threading.Lock()
         self.notifier = Notifier()
 
-    def start(self) -> "Gateway":
+    def start(self) -> Gateway:
         gateway = self
 
         class Handler(PPOAPIHandler):
@@ -158,11 +163,14 @@ class PPOAPIHandler(BaseHTTPRequestHandler):
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
-            return self._send(400, {"error": f"Content-Length {self.headers.get('Content-Length')!r} is not a number", "code": p.E_BAD_REQUEST})
+            return self._send(
+                400, {"error": f"Content-Length {self.headers.get('Content-Length')!r} is not a number", "code": p.E_BAD_REQUEST}
+            )
         if length < 0 or length > self.owner.cfg.max_body_bytes:
             self.close_connection = True  # the body is not read; the connection cannot be reused
-            return self._send(413, {"error": f"the body is {length} bytes; at most {self.owner.cfg.max_body_bytes} are accepted",
-                                    "code": p.E_TOO_LARGE})  # fmt: skip
+            return self._send(
+                413, {"error": f"the body is {length} bytes; at most {self.owner.cfg.max_body_bytes} are accepted", "code": p.E_TOO_LARGE}
+            )
         body = self.rfile.read(length) if length else b""
         status, payload = self.owner.handle(method, self.path, body)
         self._send(status, payload)

@@ -24,8 +24,16 @@ from safetensors.torch import load_file, save_file
 log = logging.getLogger(__name__)
 
 
-def save(directory: str | Path, update: int, tensors: dict[str, torch.Tensor], value_head: dict[str, torch.Tensor],
-         optimizers: dict[str, Any], state: dict[str, Any], keep: int, model: Any = None) -> Path:  # fmt: skip
+def save(
+    directory: str | Path,
+    update: int,
+    tensors: dict[str, torch.Tensor],
+    value_head: dict[str, torch.Tensor],
+    optimizers: dict[str, Any],
+    state: dict[str, Any],
+    keep: int,
+    model: Any = None,
+) -> Path:
     """Write checkpoint `update`; with a peft `model`, also its adapter as `adapter/` (loadable with PeftModel.from_pretrained)."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
@@ -35,8 +43,7 @@ def save(directory: str | Path, update: int, tensors: dict[str, torch.Tensor], v
     tmp.mkdir()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "policy.safetensors"))
     save_file({k: v.contiguous() for k, v in value_head.items()}, str(tmp / "value_head.safetensors"))
-    torch.save({"optimizers": optimizers, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}},
-               tmp / "optim.pt")  # fmt: skip
+    torch.save({"optimizers": optimizers, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, tmp / "optim.pt")
     (tmp / "state.json").write_text(json.dumps(state))
     if model is not None and hasattr(model, "peft_config"):
         model.save_pretrained(str(tmp / "adapter"))

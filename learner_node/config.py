@@ -23,7 +23,11 @@ class LearnerConfig:
     consumer: str = option("learner-0", "this learner's consumer name; keep it across restarts so its pending segments come back to it")
     claim_idle_ms: int = option(60_000, "segments left pending this long by another (dead) consumer are taken over")
     rollout_batch: int = option(64, "transitions per update")
-    rollout_timeout_s: float = option(0.0, "train on the transitions in hand once a rollout has waited this long (0: always wait for rollout_batch); keep the broker's max_stream_backlog above rollout_batch either way")
+    rollout_timeout_s: float = option(
+        0.0,
+        "train on the transitions in hand once a rollout has waited this long (0: always wait for "
+        "rollout_batch); keep the broker's max_stream_backlog above rollout_batch either way",
+    )
     max_policy_lag: int = option(4, "transitions from a behaviour policy more than this many versions old are dropped and counted")
     # --- algorithm ---
     gamma: float = option(0.99, "discount factor")
@@ -49,8 +53,14 @@ class LearnerConfig:
     keep_checkpoints: int = option(3, "checkpoints kept")
     resume: bool = option(False, "restore the newest checkpoint and go on from it")
     weights_bind: str = option("tcp://127.0.0.1:5557", "endpoint the learner binds to announce new weights (PUB)")
-    curve_secret_key: str = option("", "CURVE: the learner's key pair file (NAME.key_secret from `ppoz keygen`) for the weight PUB; empty: no encryption (docs/security.md)")
-    curve_allowed_actors: str = option("", "CURVE: directory of the public key files (NAME.key) of the actors allowed to subscribe, or '*' for any key")
+    curve_secret_key: str = option(
+        "",
+        "CURVE: the learner's key pair file (NAME.key_secret from `ppoz keygen`) for the weight PUB; "
+        "empty: no encryption (docs/security.md)",
+    )
+    curve_allowed_actors: str = option(
+        "", "CURVE: directory of the public key files (NAME.key) of the actors allowed to subscribe, or '*' for any key"
+    )
     tensorboard_dir: str = option("runs/learner/tb", "TensorBoard log directory (empty: off)")
     max_updates: int = option(0, "stop after this many updates (0: run until stopped)")
     read_block_ms: int = option(1000, "longest a read of the stream blocks")
@@ -70,6 +80,8 @@ class LearnerConfig:
             check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
         for name in ("value_clip", "ent_coef", "vf_coef", "kl_coef", "kl_target", "target_kl", "warmup_updates", "max_updates"):
             check(getattr(self, name) >= 0, f"`{name}` must be 0 or more, got {getattr(self, name)}")
-        check(all(isinstance(h, int) and h > 0 for h in self.value_hidden), f"`value_hidden` must be positive ints, got {self.value_hidden}")
+        check(
+            all(isinstance(h, int) and h > 0 for h in self.value_hidden), f"`value_hidden` must be positive ints, got {self.value_hidden}"
+        )
         check("://" in self.weights_bind, f"`weights_bind` must be a ZeroMQ endpoint, got {self.weights_bind!r}")
         check_server_settings(self.curve_secret_key, {"curve_allowed_actors": self.curve_allowed_actors})

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,8 +38,9 @@ class ValueHead(nn.Module):
 
 
 class LearnerPolicy:
-    def __init__(self, model: Any, tokenizer: Any, normalisation: str, temperature: float, value_hidden: Sequence[int],
-                 path: str = "packed") -> None:  # fmt: skip
+    def __init__(
+        self, model: Any, tokenizer: Any, normalisation: str, temperature: float, value_hidden: Sequence[int], path: str = "packed"
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.normalisation = normalisation
@@ -68,8 +70,10 @@ class LearnerPolicy:
     def logp_all(self, items: Sequence[scoring.Tokenized], model: Any | None = None) -> list[torch.Tensor]:
         """log pi(a | s) over every candidate of every item (gradients flow if enabled)."""
         sums = scoring.score(model or self.model, items, self.path)
-        return [scoring.policy_logprobs(scoring.normalise(s.float(), item, self.normalisation), self.temperature)
-                for s, item in zip(sums, items)]  # fmt: skip
+        return [
+            scoring.policy_logprobs(scoring.normalise(s.float(), item, self.normalisation), self.temperature)
+            for s, item in zip(sums, items)
+        ]
 
     @torch.no_grad()
     def reference_logp_all(self, items: Sequence[scoring.Tokenized]) -> list[torch.Tensor]:

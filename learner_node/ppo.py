@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: float | torch.Tensor,
-        gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: float | torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimates and returns of one segment (Schulman et al. 2016).
 
     delta_t = r_t + gamma * V(s_{t+1}) * (1 - done_t) - V(s_t)

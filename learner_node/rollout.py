@@ -13,8 +13,9 @@ dropped after GAE (they still shape their neighbours' targets) and counted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -43,8 +44,14 @@ class Rollout:
         return len(self.actions)
 
 
-def build_rollout(segments: list[Segment], value_of: Callable[[list[dict[str, Any]]], list[float]],
-                  gamma: float, lam: float, current_version: int, max_policy_lag: int) -> Rollout:  # fmt: skip
+def build_rollout(
+    segments: list[Segment],
+    value_of: Callable[[list[dict[str, Any]]], list[float]],
+    gamma: float,
+    lam: float,
+    current_version: int,
+    max_policy_lag: int,
+) -> Rollout:
     """Turn decoded segments into a Rollout; `value_of(observations)` is the critic (no gradients)."""
     out = Rollout()
     # One critic call for every observation and bootstrap observation of the batch.

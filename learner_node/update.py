@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,9 +67,16 @@ def _mean_over_ranks(value: float) -> float:
     return float(t) / world
 
 
-def ppo_update(lp: LearnerPolicy, policy_opt: torch.optim.Optimizer, value_opt: torch.optim.Optimizer, rollout: Rollout,
-               cfg: UpdateConfig, train_policy: bool = True, kl_coef: float | None = None,
-               features: torch.Tensor | None = None) -> dict[str, float]:  # fmt: skip
+def ppo_update(
+    lp: LearnerPolicy,
+    policy_opt: torch.optim.Optimizer,
+    value_opt: torch.optim.Optimizer,
+    rollout: Rollout,
+    cfg: UpdateConfig,
+    train_policy: bool = True,
+    kl_coef: float | None = None,
+    features: torch.Tensor | None = None,
+) -> dict[str, float]:
     """Train critic and policy on one rollout; returns the metrics under their usual slash keys.
 
     `features`: the critic features of the rollout's observations, if the caller has them already
@@ -134,9 +140,9 @@ def ppo_update(lp: LearnerPolicy, policy_opt: torch.optim.Optimizer, value_opt: 
             for micro_start in range(0, len(mine), cfg.micro_batch):
                 micro = mine[micro_start : micro_start + cfg.micro_batch].tolist()
                 logp_all = lp.logp_all([items[i] for i in micro])
-                newlogprob = torch.stack([l[b_actions[i]] for l, i in zip(logp_all, micro)]).cpu()
-                entropy = torch.stack([ppo.entropy(l) for l in logp_all]).cpu()
-                kl_ref = torch.stack([ppo.kl_to_reference(l, ref_logp[i]) for l, i in zip(logp_all, micro)]).cpu()
+                newlogprob = torch.stack([logp[b_actions[i]] for logp, i in zip(logp_all, micro, strict=True)]).cpu()
+                entropy = torch.stack([ppo.entropy(logp) for logp in logp_all]).cpu()
+                kl_ref = torch.stack([ppo.kl_to_reference(logp, ref_logp[i]) for logp, i in zip(logp_all, micro, strict=True)]).cpu()
                 terms = ppo.policy_loss(newlogprob, b_logprobs[micro], b_advantages[micro], cfg.clip_coef)
                 loss = terms.pg_loss - cfg.ent_coef * entropy.mean() + kl_coef * kl_ref.mean()
                 # Each micro-batch's mean, weighted to a mean over the whole minibatch (all ranks).
@@ -160,17 +166,19 @@ def ppo_update(lp: LearnerPolicy, policy_opt: torch.optim.Optimizer, value_opt: 
                 break
         if stopped_early:
             break
-    metrics.update({
-        "losses/policy_loss": _mean(pg_losses),
-        "losses/entropy": _mean(entropies),
-        "losses/kl_ref": _mean(kls),
-        "losses/approx_kl": _mean(approx_kls),
-        "losses/clipfrac": _mean(clipfracs),
-        "losses/first_minibatch_ratio_dev": first_ratio_dev if first_ratio_dev is not None else math.nan,
-        "losses/optimizer_steps": optimizer_steps,
-        "losses/early_stop": float(stopped_early),
-        "losses/kl_coef": kl_coef,
-    })  # fmt: skip
+    metrics.update(
+        {
+            "losses/policy_loss": _mean(pg_losses),
+            "losses/entropy": _mean(entropies),
+            "losses/kl_ref": _mean(kls),
+            "losses/approx_kl": _mean(approx_kls),
+            "losses/clipfrac": _mean(clipfracs),
+            "losses/first_minibatch_ratio_dev": first_ratio_dev if first_ratio_dev is not None else math.nan,
+            "losses/optimizer_steps": optimizer_steps,
+            "losses/early_stop": float(stopped_early),
+            "losses/kl_coef": kl_coef,
+        }
+    )
     return metrics
 
 

@@ -37,11 +37,11 @@ import zmq
 
 from common import weights
 from common.learner_figures import COUNTER_PREFIX, write_latest
+from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
 from common.segments import RedisKeys, Segment, ensure_group
 from common.zmqio import bound
-from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.policy import LearnerPolicy
@@ -78,10 +78,20 @@ class Learner:
         self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=cfg.policy_lr, eps=1e-5)
         self.value_opt = torch.optim.Adam(self.lp.value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
         self.kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target or None)
-        self.update_cfg = UpdateConfig(update_epochs=cfg.update_epochs, policy_minibatch=cfg.policy_minibatch, micro_batch=cfg.micro_batch,
-                                       value_minibatch=cfg.value_minibatch, clip_coef=cfg.clip_coef, value_clip=cfg.value_clip or None,
-                                       ent_coef=cfg.ent_coef, vf_coef=cfg.vf_coef, kl_coef=cfg.kl_coef, target_kl=cfg.target_kl or None,
-                                       max_grad_norm=cfg.max_grad_norm, seed=cfg.seed)
+        self.update_cfg = UpdateConfig(
+            update_epochs=cfg.update_epochs,
+            policy_minibatch=cfg.policy_minibatch,
+            micro_batch=cfg.micro_batch,
+            value_minibatch=cfg.value_minibatch,
+            clip_coef=cfg.clip_coef,
+            value_clip=cfg.value_clip or None,
+            ent_coef=cfg.ent_coef,
+            vf_coef=cfg.vf_coef,
+            kl_coef=cfg.kl_coef,
+            target_kl=cfg.target_kl or None,
+            max_grad_norm=cfg.max_grad_norm,
+            seed=cfg.seed,
+        )
         self.version = 0
         self.updates = 0
         self.seen: collections.deque[str] = collections.deque(maxlen=RECENT_SEGMENTS)
@@ -160,8 +170,14 @@ class Learner:
         self.start()
         # Ready: the stream and consumer group exist, the checkpoint (if resuming) is restored
         # and the current weights are published.
-        log.info("learner ready: policy version %d after %d updates, reading %s as %s/%s", self.version, self.updates,
-                 self.keys.stream, self.cfg.consumer_group, self.cfg.consumer)  # fmt: skip
+        log.info(
+            "learner ready: policy version %d after %d updates, reading %s as %s/%s",
+            self.version,
+            self.updates,
+            self.keys.stream,
+            self.cfg.consumer_group,
+            self.cfg.consumer,
+        )
         self.notifier.ready(f"policy version {self.version} after {self.updates} updates")
         while not self.stop_event.is_set():
             if self.cfg.max_updates and self.updates >= self.cfg.max_updates:
@@ -195,8 +211,11 @@ class Learner:
                 return
             except REDIS_DOWN as e:
                 if self.stop_event.is_set():
-                    log.error("Redis unreachable while stopping (%s): the last update's acknowledgement, weights or figures "
-                              "are left to a learner resumed from the checkpoint (--resume)", e)  # fmt: skip
+                    log.error(
+                        "Redis unreachable while stopping (%s): the last update's acknowledgement, weights or figures "
+                        "are left to a learner resumed from the checkpoint (--resume)",
+                        e,
+                    )
                     return
                 self._wait_for_redis(e)
 
@@ -227,8 +246,7 @@ class Learner:
         if len(rollout):
             self.lp.model.train()
             features = torch.stack([self._features[id(o)] for o in rollout.obs])  # the frozen base: no second forward
-            metrics = ppo_update(self.lp, self.policy_opt, self.value_opt, rollout, self.update_cfg, train_policy, self.kl.value,
-                                 features)  # fmt: skip
+            metrics = ppo_update(self.lp, self.policy_opt, self.value_opt, rollout, self.update_cfg, train_policy, self.kl.value, features)
             self.lp.model.eval()
             if train_policy:
                 self.version += 1
@@ -244,14 +262,18 @@ class Learner:
             self._remember(seg.seg_id)
         elapsed = time.perf_counter() - started
         lag = [trained_from - v for v in rollout.versions] if rollout.versions else [0]
-        metrics.update({
-            "charts/episodic_return": sum(rollout.episodic_returns) / len(rollout.episodic_returns) if rollout.episodic_returns else math.nan,
-            "charts/policy_lag": sum(lag) / len(lag),
-            "charts/SPS": len(rollout) / elapsed if elapsed > 0 else 0.0,
-            "charts/policy_version": self.version,
-            "charts/dropped_stale": rollout.dropped_stale,
-            "charts/dropped_truncated": rollout.dropped_truncated,
-        })  # fmt: skip
+        metrics.update(
+            {
+                "charts/episodic_return": sum(rollout.episodic_returns) / len(rollout.episodic_returns)
+                if rollout.episodic_returns
+                else math.nan,
+                "charts/policy_lag": sum(lag) / len(lag),
+                "charts/SPS": len(rollout) / elapsed if elapsed > 0 else 0.0,
+                "charts/policy_version": self.version,
+                "charts/dropped_stale": rollout.dropped_stale,
+                "charts/dropped_truncated": rollout.dropped_truncated,
+            }
+        )
         if self.is_main:
             # The update is done once all of this is in Redis; `_settle` retries what a Redis outage interrupted
             # before the next rollout is read, so acknowledgement, weights and counters never fall behind silently.
@@ -313,8 +335,9 @@ class Learner:
                 return self._present(own)
             self._own_cursor = None
         if self._claim_cursor is not None:
-            cursor, claimed = self.redis.xautoclaim(self.stream, group, me, min_idle_time=self.cfg.claim_idle_ms,
-                                                    start_id=self._claim_cursor, count=count)[:2]  # fmt: skip
+            cursor, claimed = self.redis.xautoclaim(
+                self.stream, group, me, min_idle_time=self.cfg.claim_idle_ms, start_id=self._claim_cursor, count=count
+            )[:2]
             self._claim_cursor = None if _text(cursor) == "0-0" else _text(cursor)
             claimed = [(i, f) for i, f in claimed if i is not None]  # Redis 6.2 lists entries deleted meanwhile as nil
             if claimed:
@@ -400,11 +423,25 @@ class Learner:
 
     # --- persistence and publication -----------------------------------------------------------
     def save_checkpoint(self, entry_ids: list[str]) -> None:
-        state = {"version": self.version, "updates": self.updates, "kl_coef": self.kl.value, "counters": dict(self.counters),
-                 "last_entries": entry_ids, "recent_segments": list(self.seen), "config": asdict(self.cfg)}  # fmt: skip
-        checkpoint.save(self.cfg.checkpoint_dir, self.updates, policy_state_dict(self.lp.model), self.lp.value_head.state_dict(),
-                        {"policy": self.policy_opt.state_dict(), "value": self.value_opt.state_dict()}, state,
-                        self.cfg.keep_checkpoints, self.lp.model)  # fmt: skip
+        state = {
+            "version": self.version,
+            "updates": self.updates,
+            "kl_coef": self.kl.value,
+            "counters": dict(self.counters),
+            "last_entries": entry_ids,
+            "recent_segments": list(self.seen),
+            "config": asdict(self.cfg),
+        }
+        checkpoint.save(
+            self.cfg.checkpoint_dir,
+            self.updates,
+            policy_state_dict(self.lp.model),
+            self.lp.value_head.state_dict(),
+            {"policy": self.policy_opt.state_dict(), "value": self.value_opt.state_dict()},
+            state,
+            self.cfg.keep_checkpoints,
+            self.lp.model,
+        )
 
     def publish(self) -> None:
         """Store the current weights in Redis, then announce them (PUB never holds the only copy)."""
@@ -423,21 +460,32 @@ class Learner:
         return latest
 
     def _log(self, metrics: dict[str, float], n: int) -> None:
-        self.notifier.status(f"policy version {self.version}, {self.updates} updates, last: {n} transitions, return "
-                             f"{metrics.get('charts/episodic_return', math.nan):.3f}, policy loss {metrics.get('losses/policy_loss', math.nan):.4f}",
-                             min_interval_s=0)  # fmt: skip
+        self.notifier.status(
+            f"policy version {self.version}, {self.updates} updates, last: {n} transitions, return "
+            f"{metrics.get('charts/episodic_return', math.nan):.3f}, policy loss {metrics.get('losses/policy_loss', math.nan):.4f}",
+            min_interval_s=0,
+        )
         if self.writer is not None:
             for key, value in metrics.items():
                 if not (isinstance(value, float) and math.isnan(value)):
                     self.writer.add_scalar(key, value, self.updates)
             self.writer.flush()
-        log.info("update %d: version %d, %d transitions, return %.3f, policy_loss %.4f, value_loss %.4f, entropy %.3f, "
-                 "approx_kl %.4f, kl_ref %.4f, clipfrac %.3f, lag %.2f, %.1f transitions/s", self.updates, self.version, n,
-                 metrics.get("charts/episodic_return", math.nan), metrics.get("losses/policy_loss", math.nan),
-                 metrics.get("losses/value_loss", math.nan), metrics.get("losses/entropy", math.nan),
-                 metrics.get("losses/approx_kl", math.nan), metrics.get("losses/kl_ref", math.nan),
-                 metrics.get("losses/clipfrac", math.nan), metrics.get("charts/policy_lag", math.nan),
-                 metrics.get("charts/SPS", 0.0))  # fmt: skip
+        log.info(
+            "update %d: version %d, %d transitions, return %.3f, policy_loss %.4f, value_loss %.4f, entropy %.3f, "
+            "approx_kl %.4f, kl_ref %.4f, clipfrac %.3f, lag %.2f, %.1f transitions/s",
+            self.updates,
+            self.version,
+            n,
+            metrics.get("charts/episodic_return", math.nan),
+            metrics.get("losses/policy_loss", math.nan),
+            metrics.get("losses/value_loss", math.nan),
+            metrics.get("losses/entropy", math.nan),
+            metrics.get("losses/approx_kl", math.nan),
+            metrics.get("losses/kl_ref", math.nan),
+            metrics.get("losses/clipfrac", math.nan),
+            metrics.get("charts/policy_lag", math.nan),
+            metrics.get("charts/SPS", 0.0),
+        )
 
     def close(self) -> None:
         if self.writer is not None:

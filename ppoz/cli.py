@@ -13,11 +13,13 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from common.config import ConfigError, add_flags, load
 
 log = logging.getLogger("ppoz")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
@@ -47,122 +49,175 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("broker", help="run the broker: client sessions, routing to actors, segments to Redis",
-                       description="Run the broker. Clients connect to --frontend, actors to --backend.")  # fmt: skip
+    p = sub.add_parser(
+        "broker",
+        help="run the broker: client sessions, routing to actors, segments to Redis",
+        description="Run the broker. Clients connect to --frontend, actors to --backend.",
+    )
     _config_option(p)
     add_flags(p, BrokerConfig)
     p.set_defaults(func=cmd_broker)
 
-    p = sub.add_parser("actor", help="run an actor: score candidate actions and answer the broker",
-                       description="Run an actor process that connects to the broker's back end.")  # fmt: skip
+    p = sub.add_parser(
+        "actor",
+        help="run an actor: score candidate actions and answer the broker",
+        description="Run an actor process that connects to the broker's back end.",
+    )
     _config_option(p)
     add_flags(p, ActorConfig)
     p.set_defaults(func=cmd_actor)
 
     from learner_node.config import LearnerConfig
 
-    p = sub.add_parser("learner", help="run the PPO learner on the Redis segment stream",
-                       description="Train the policy with PPO on the segments the broker writes to Redis; publish each new version.")  # fmt: skip
+    p = sub.add_parser(
+        "learner",
+        help="run the PPO learner on the Redis segment stream",
+        description="Train the policy with PPO on the segments the broker writes to Redis; publish each new version.",
+    )
     _config_option(p)
     add_flags(p, LearnerConfig)
     p.set_defaults(func=cmd_learner)
 
     from gateway.config import GatewayConfig
 
-    p = sub.add_parser("gateway", help="serve the PPOAPI HTTP API and forward it to the broker (unmodified Kea builds)",
-                       description="Serve PPOAPI's HTTP API (POST /attach, /ask, /step, /rag_step, /feedback, /detach) and "
-                                   "forward each request to the broker over the PPOZ protocol, so an unmodified Kea build works "
-                                   "by pointing its base URL here. See docs/client.md.")  # fmt: skip
+    p = sub.add_parser(
+        "gateway",
+        help="serve the PPOAPI HTTP API and forward it to the broker (unmodified Kea builds)",
+        description="Serve PPOAPI's HTTP API (POST /attach, /ask, /step, /rag_step, /feedback, /detach) and "
+        "forward each request to the broker over the PPOZ protocol, so an unmodified Kea build works "
+        "by pointing its base URL here. See docs/client.md.",
+    )
     _config_option(p)
     add_flags(p, GatewayConfig)
     p.set_defaults(func=cmd_gateway)
 
     from ppoz import demo
 
-    p = sub.add_parser("demo", help="watch an LLM policy learn on this machine (no GPU needed)",
-                       description="Run broker, actor, learner and simulated clients on a tiny local model and watch it learn.")  # fmt: skip
+    p = sub.add_parser(
+        "demo",
+        help="watch an LLM policy learn on this machine (no GPU needed)",
+        description="Run broker, actor, learner and simulated clients on a tiny local model and watch it learn.",
+    )
     demo.add_arguments(p)
     p.set_defaults(func=demo.main)
 
     from ppoz import up
     from ppoz.up import UpConfig
 
-    p = sub.add_parser("up", help="start and supervise a whole stack on this machine",
-                       description="Start and supervise Redis (embedded unless a URL is given), the broker, N actors, the learner "
-                                   "and optionally environment clients, each as its own process with its log lines prefixed by "
-                                   "its name. The config file's [broker], [actor] and [learner] tables configure the components; "
-                                   "[up] says what runs here. Ctrl-C or SIGTERM stops everything. See docs/farm.md.")  # fmt: skip
+    p = sub.add_parser(
+        "up",
+        help="start and supervise a whole stack on this machine",
+        description="Start and supervise Redis (embedded unless a URL is given), the broker, N actors, the learner "
+        "and optionally environment clients, each as its own process with its log lines prefixed by "
+        "its name. The config file's [broker], [actor] and [learner] tables configure the components; "
+        "[up] says what runs here. Ctrl-C or SIGTERM stops everything. See docs/farm.md.",
+    )
     _config_option(p)
     add_flags(p, UpConfig)
     p.set_defaults(func=up.main)
 
     from ppoz import play
 
-    p = sub.add_parser("play", help="run environment clients (Kea-like simulator, gymnasium games) against a broker",
-                       description="Play N environment clients in parallel against a broker and report episodes, returns and "
-                                   "steps per second.")  # fmt: skip
+    p = sub.add_parser(
+        "play",
+        help="run environment clients (Kea-like simulator, gymnasium games) against a broker",
+        description="Play N environment clients in parallel against a broker and report episodes, returns and steps per second.",
+    )
     play.add_arguments(p)
     p.set_defaults(func=play.main)
 
-    p = sub.add_parser("bench", help="run a benchmark (see docs/benchmarks.md)", description="Benchmarks; each prints a table, or one JSON object with --json.")
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark (see docs/benchmarks.md)",
+        description="Benchmarks; each prints a table, or one JSON object with --json.",
+    )
     benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
-    b = benches.add_parser("broker", help="step+feedback pairs/s and latency through the broker",
-                           description="Step+feedback pairs per second through a real broker with Redis durability on, and client-seen latency at a fixed rate.")  # fmt: skip
+    b = benches.add_parser(
+        "broker",
+        help="step+feedback pairs/s and latency through the broker",
+        description="Step+feedback pairs per second through a real broker with Redis durability on, "
+        "and client-seen latency at a fixed rate.",
+    )
     from ppoz.bench import broker as broker_bench
 
     broker_bench.add_arguments(b)
     b.set_defaults(func=broker_bench.main)
-    b = benches.add_parser("scoring", help="candidate scoring: padded sequences vs prompt KV per action vs packed",
-                           description="Score Kea-shaped observations three ways on one model, side by side (docs/benchmarks.md).")  # fmt: skip
+    b = benches.add_parser(
+        "scoring",
+        help="candidate scoring: padded sequences vs prompt KV per action vs packed",
+        description="Score Kea-shaped observations three ways on one model, side by side (docs/benchmarks.md).",
+    )
     from ppoz.bench import scoring as scoring_bench
 
     scoring_bench.add_arguments(b)
     b.set_defaults(func=scoring_bench.main)
-    b = benches.add_parser("learner", help="peak memory and speed of a PPO step: packed vs one sequence per candidate",
-                           description="Peak memory and transitions/s of one PPO policy step, packed layout against one sequence per candidate.")  # fmt: skip
+    b = benches.add_parser(
+        "learner",
+        help="peak memory and speed of a PPO step: packed vs one sequence per candidate",
+        description="Peak memory and transitions/s of one PPO policy step, packed layout against one sequence per candidate.",
+    )
     from ppoz.bench import learner as learner_bench
 
     learner_bench.add_arguments(b)
     b.set_defaults(func=learner_bench.main)
-    b = benches.add_parser("rag", help="what rag_step's retrieval adds to a step, side by side with the plain step",
-                           description="Time step, retrieval and rag_step on simulated Kea tasks with a corpus (docs/benchmarks.md).")  # fmt: skip
+    b = benches.add_parser(
+        "rag",
+        help="what rag_step's retrieval adds to a step, side by side with the plain step",
+        description="Time step, retrieval and rag_step on simulated Kea tasks with a corpus (docs/benchmarks.md).",
+    )
     from ppoz.bench import rag as rag_bench
 
     rag_bench.add_arguments(b)
     b.set_defaults(func=rag_bench.main)
 
-    p = sub.add_parser("status", help="show a running broker's sessions, actors and counters",
-                       description="Ask a running broker for its figures.")  # fmt: skip
+    p = sub.add_parser(
+        "status", help="show a running broker's sessions, actors and counters", description="Ask a running broker for its figures."
+    )
     p.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's client endpoint (default: tcp://127.0.0.1:5555)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default: 5)")
     p.add_argument("--json", action="store_true", help="print the raw figures as JSON")
-    p.add_argument("--curve-server-key", default="", metavar="FILE", help="CURVE: the broker's public key file (NAME.key), for a broker with CURVE on")
-    p.add_argument("--curve-secret-key", default="", metavar="FILE", help="CURVE: this client's key pair file (NAME.key_secret), allowed by the broker")
+    p.add_argument(
+        "--curve-server-key", default="", metavar="FILE", help="CURVE: the broker's public key file (NAME.key), for a broker with CURVE on"
+    )
+    p.add_argument(
+        "--curve-secret-key", default="", metavar="FILE", help="CURVE: this client's key pair file (NAME.key_secret), allowed by the broker"
+    )
     p.set_defaults(func=cmd_status)
 
     from reliability import fuzz, soak
 
-    p = sub.add_parser("fuzz", help="send adversarial messages to a running broker (and gateway) and check every answer",
-                       description="Fuzz a running broker's front end (and a gateway): random bytes, truncated msgpack, wrong "
-                                   "types, huge strings and arrays, deep nesting, invalid UTF-8, floods; every well-framed "
-                                   "request must get an error reply, memory must stay bounded, a well-behaved client "
-                                   "alongside must see no error (docs/reliability.md).")  # fmt: skip
+    p = sub.add_parser(
+        "fuzz",
+        help="send adversarial messages to a running broker (and gateway) and check every answer",
+        description="Fuzz a running broker's front end (and a gateway): random bytes, truncated msgpack, wrong "
+        "types, huge strings and arrays, deep nesting, invalid UTF-8, floods; every well-framed "
+        "request must get an error reply, memory must stay bounded, a well-behaved client "
+        "alongside must see no error (docs/reliability.md).",
+    )
     fuzz.add_arguments(p)
     p.set_defaults(func=fuzz.main)
 
-    p = sub.add_parser("soak", help="many simulated emulators against a full stack of processes, for minutes",
-                       description="Start Redis, a broker, an LLM actor and the learner as processes, drive N emulators for "
-                                   "a while, and report errors, step latency and memory per window and the ledger "
-                                   "(docs/reliability.md).")  # fmt: skip
+    p = sub.add_parser(
+        "soak",
+        help="many simulated emulators against a full stack of processes, for minutes",
+        description="Start Redis, a broker, an LLM actor and the learner as processes, drive N emulators for "
+        "a while, and report errors, step latency and memory per window and the ledger "
+        "(docs/reliability.md).",
+    )
     soak.add_arguments(p)
     p.set_defaults(func=soak.main)
 
-    p = sub.add_parser("keygen", help="make a CURVE key pair: NAME.key (public) and NAME.key_secret (secret, mode 0600)",
-                       description="Write DIR/NAME.key (the public key: give it to the peers that must accept NAME) and "
-                                   "DIR/NAME.key_secret (the key pair: it stays on this machine). See docs/security.md.")  # fmt: skip
+    p = sub.add_parser(
+        "keygen",
+        help="make a CURVE key pair: NAME.key (public) and NAME.key_secret (secret, mode 0600)",
+        description="Write DIR/NAME.key (the public key: give it to the peers that must accept NAME) and "
+        "DIR/NAME.key_secret (the key pair: it stays on this machine). See docs/security.md.",
+    )
     p.add_argument("name", metavar="NAME", help="the key's name, such as broker, learner, actor-gpu0 or client-42")
     p.add_argument("--dir", default=".", help="directory for the two files (created if missing; default: .)")
-    p.add_argument("--force", action="store_true", help="replace existing files of that name (peers holding the old public key are then refused)")
+    p.add_argument(
+        "--force", action="store_true", help="replace existing files of that name (peers holding the old public key are then refused)"
+    )
     p.set_defaults(func=cmd_keygen)
     return parser
 
@@ -207,7 +262,6 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 def cmd_actor(args: argparse.Namespace) -> int:
     from actor_node.config import ActorConfig
-
     from actor_node.main import run_actor
 
     cfg = load(ActorConfig, args.config, args)
@@ -228,8 +282,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
     learner = Learner(cfg, client)
     _on_stop(learner.stop)
     learner.run()
-    log.info("learner stopped after %d updates at policy version %d: %s", learner.updates, learner.version,
-             dict(learner.counters))  # fmt: skip
+    log.info("learner stopped after %d updates at policy version %d: %s", learner.updates, learner.version, dict(learner.counters))
     return 0
 
 
@@ -254,8 +307,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     from client import Client, PPOZError
 
     try:
-        with Client(args.broker, deadline=args.timeout, attempt_timeout=args.timeout, curve_secret_key=args.curve_secret_key or None,
-                    curve_server_key=args.curve_server_key or None) as c:  # fmt: skip
+        with Client(
+            args.broker,
+            deadline=args.timeout,
+            attempt_timeout=args.timeout,
+            curve_secret_key=args.curve_secret_key or None,
+            curve_server_key=args.curve_server_key or None,
+        ) as c:
             status = c.status()
     except PPOZError as e:
         print(f"ppoz status: no answer from {args.broker}: {e}", file=sys.stderr)
@@ -271,21 +329,35 @@ def cmd_status(args: argparse.Namespace) -> int:
     learner = status.get("learner") or {}
     newest = int(learner.get("version", 0)) if learner else None
     print(f"broker {args.broker}  up {status['uptime_s']:.0f} s" + ("" if status.get("storage_ok", True) else "  REDIS DOWN"))
-    print(f"  sessions {status['sessions']}  pending steps {status['pending_steps']}  queued {status['queued_jobs']}"
-          f"  steps/s {status.get('steps_per_s', 0.0):.1f}  stream backlog {status['stream_length']}")  # fmt: skip
+    print(
+        f"  sessions {status['sessions']}  pending steps {status['pending_steps']}  queued {status['queued_jobs']}"
+        f"  steps/s {status.get('steps_per_s', 0.0):.1f}  stream backlog {status['stream_length']}"
+    )
     print(f"  actors ({len(status['actors'])}):")
     for a in status["actors"]:
         lag = f"  lag {newest - a['policy_version']}" if newest is not None else ""
         print(f"    {a['name']:<24} load {a['inflight']}/{a['credits']}  policy v{a['policy_version']}{lag}  served {a['served']}")
     if learner:
-        figures = "  ".join(f"{k.split('/')[-1]} {v:.4g}" for k, v in sorted(learner.items())
-                            if k.startswith("losses/") and k.split("/")[-1] in ("policy_loss", "value_loss", "entropy", "approx_kl"))  # fmt: skip
+        figures = "  ".join(
+            f"{k.split('/')[-1]} {v:.4g}"
+            for k, v in sorted(learner.items())
+            if k.startswith("losses/") and k.split("/")[-1] in ("policy_loss", "value_loss", "entropy", "approx_kl")
+        )
         print(f"  learner: policy v{newest} after {int(learner.get('updates', 0))} updates; last update: {figures}")
     else:
         print("  learner: no update yet")
-    print("  counters:")
-    for key, value in sorted(status["counters"].items()):
+    latency = status.get("added_latency") or {}
+    if latency.get("n"):
+        print(
+            f"  added latency over {latency['n']} replies: p50 {latency['p50_ms']:.1f} ms  p99 {latency['p99_ms']:.1f} ms"
+            f"  max {latency['max_ms']:.1f} ms"
+        )
+    nonzero = {key: value for key, value in status["counters"].items() if value}
+    print(f"  counters ({len(status['counters']) - len(nonzero)} at zero not shown; --json shows all):")
+    for key, value in sorted(nonzero.items()):
         print(f"    {key:<36} {value}")
+    if status.get("limits"):
+        print("  limits: " + "  ".join(f"{key} {value}" for key, value in sorted(status["limits"].items())))
     return 0
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 CURVE_COLOUR = "#1f77b4"  # the moving average; tests look for it in the image
 BASELINE_COLOUR = "#d62728"
@@ -19,8 +20,9 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def write_learning_curve(path: str | Path, episodes: Sequence[Any], random_baseline: float, started: float,
-                         title: str = "learning curve", window: int = 20) -> Path:  # fmt: skip
+def write_learning_curve(
+    path: str | Path, episodes: Sequence[Any], random_baseline: float, started: float, title: str = "learning curve", window: int = 20
+) -> Path:
     """Plot each episode's return (dots), their moving average (line) and the random policy's mean (dashed)."""
     import matplotlib
 

@@ -55,19 +55,19 @@ def main(args: argparse.Namespace) -> int:
     import redis
 
     from actor_node.config import ActorConfig
+    from actor_node.main import run_actor
     from broker.config import BrokerConfig
     from broker.server import Broker
     from common.learner_figures import read_latest
     from common.redis_server import EmbeddedRedis, connect
     from common.shared_settings import PolicySpec
+    from common.tiny_models import build_tiny_model
     from envs.base import random_returns
     from envs.kea_sim import KeaSim, demo_app
     from envs.runner import Runner
     from learner_node.config import LearnerConfig
     from learner_node.worker import Learner
-    from actor_node.main import run_actor
     from ppoz.curve import write_learning_curve
-    from common.tiny_models import build_tiny_model
 
     if args.minutes <= 0 or args.clients < 1:
         print("ppoz demo: --minutes must be positive and --clients at least 1", file=sys.stderr)
@@ -80,24 +80,56 @@ def main(args: argparse.Namespace) -> int:
     app = demo_app(seed=args.seed)
     random_baseline = statistics.mean(random_returns(lambda i: KeaSim(app), 500, seed=args.seed))
     policy = PolicySpec(model=model, lora_rank=0 if tiny else 8, normalisation="token")
-    print(f"ppoz demo: {args.clients} simulated Kea clients explore an app of {app.screens} screens with tarpits "
-          f"({app.horizon} steps per episode)\n  model {model}; training for {args.minutes:g} minutes\n"
-          f"  random policy: mean return {random_baseline:.2f} (played locally, 500 episodes)", flush=True)  # fmt: skip
+    print(
+        f"ppoz demo: {args.clients} simulated Kea clients explore an app of {app.screens} screens with tarpits "
+        f"({app.horizon} steps per episode)\n  model {model}; training for {args.minutes:g} minutes\n"
+        f"  random policy: mean return {random_baseline:.2f} (played locally, 500 episodes)",
+        flush=True,
+    )
     with EmbeddedRedis() as redis_server:
-        broker = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_server.url,
-                                     max_stream_backlog=16, segment_len=app.horizon), connect(redis_server.url))  # fmt: skip
+        broker = Broker(
+            BrokerConfig(
+                frontend="tcp://127.0.0.1:*",
+                backend="tcp://127.0.0.1:*",
+                redis_url=redis_server.url,
+                max_stream_backlog=16,
+                segment_len=app.horizon,
+            ),
+            connect(redis_server.url),
+        )
         broker.start()
         threading.Thread(target=broker.run, name="broker", daemon=True).start()
-        learner_cfg = LearnerConfig(policy=policy, device=args.device, redis_url=redis_server.url, rollout_batch=40, policy_minibatch=20, micro_batch=10,
-                                    update_epochs=4, policy_lr=3e-4 if tiny else 1e-5, value_lr=1e-3, target_kl=0.03, ent_coef=0.01,
-                                    gamma=0.9, max_policy_lag=3, value_hidden=[256, 256], checkpoint_dir=str(out / "checkpoints"),
-                                    tensorboard_dir=str(out / "tensorboard"), weights_bind="tcp://127.0.0.1:*")  # fmt: skip
+        learner_cfg = LearnerConfig(
+            policy=policy,
+            device=args.device,
+            redis_url=redis_server.url,
+            rollout_batch=40,
+            policy_minibatch=20,
+            micro_batch=10,
+            update_epochs=4,
+            policy_lr=3e-4 if tiny else 1e-5,
+            value_lr=1e-3,
+            target_kl=0.03,
+            ent_coef=0.01,
+            gamma=0.9,
+            max_policy_lag=3,
+            value_hidden=[256, 256],
+            checkpoint_dir=str(out / "checkpoints"),
+            tensorboard_dir=str(out / "tensorboard"),
+            weights_bind="tcp://127.0.0.1:*",
+        )
         learner = Learner(learner_cfg, connect(redis_server.url, socket_timeout=30))
         learner_thread = threading.Thread(target=learner.run, name="learner", daemon=True)
         learner_thread.start()
         stop_actor = threading.Event()
-        actor = ActorConfig(broker=broker.backend_endpoint, policy=policy, device=args.device, redis_url=redis_server.url, weights=learner.weights_endpoint,
-                            weights_poll_s=1.0)  # fmt: skip
+        actor = ActorConfig(
+            broker=broker.backend_endpoint,
+            policy=policy,
+            device=args.device,
+            redis_url=redis_server.url,
+            weights=learner.weights_endpoint,
+            weights_poll_s=1.0,
+        )
         actor_thread = threading.Thread(target=run_actor, args=(actor, stop_actor), name="actor", daemon=True)
         actor_thread.start()
         metrics_redis = connect(redis_server.url)
@@ -121,8 +153,13 @@ def main(args: argparse.Namespace) -> int:
         broker.stop()
         metrics_redis.close()
     episodes = runner.stats.episodes
-    curve = write_learning_curve(out / "learning_curve.png", episodes, random_baseline, started,
-                                 title=f"ppoz demo: {args.clients} Kea-like clients, {Path(model).name}")  # fmt: skip
+    curve = write_learning_curve(
+        out / "learning_curve.png",
+        episodes,
+        random_baseline,
+        started,
+        title=f"ppoz demo: {args.clients} Kea-like clients, {Path(model).name}",
+    )
     return print_summary(episodes, random_baseline, learner, curve, out)
 
 
@@ -130,10 +167,12 @@ def progress_line(s: dict[str, Any], learner: dict[str, float]) -> str:
     def fmt(key: str, spec: str = ".3f") -> str:
         return format(learner[key], spec) if key in learner else "-"
 
-    return (f"  {s['elapsed_s']:5.0f} s  steps {s['steps']:6d} ({s['steps_per_s']:4.1f}/s)  episodes {s['episodes']:4d}  "
-            f"mean return (last {s['recent_episodes']}) {s['recent_mean_return']:5.2f}  policy v{s['policy_version']:<3d}  "
-            f"policy loss {fmt('losses/policy_loss')}  value loss {fmt('losses/value_loss')}  "
-            f"entropy {fmt('losses/entropy')}")  # fmt: skip
+    return (
+        f"  {s['elapsed_s']:5.0f} s  steps {s['steps']:6d} ({s['steps_per_s']:4.1f}/s)  episodes {s['episodes']:4d}  "
+        f"mean return (last {s['recent_episodes']}) {s['recent_mean_return']:5.2f}  policy v{s['policy_version']:<3d}  "
+        f"policy loss {fmt('losses/policy_loss')}  value loss {fmt('losses/value_loss')}  "
+        f"entropy {fmt('losses/entropy')}"
+    )
 
 
 def trained_window(episodes: list[Any], fraction: float = 0.2, least: int = 20) -> list[float]:
@@ -148,11 +187,15 @@ def print_summary(episodes: list[Any], random_baseline: float, learner: Any, cur
     mean = statistics.mean(trained) if trained else math.nan
     sem = statistics.stdev(trained) / math.sqrt(len(trained)) if len(trained) > 1 else math.nan
     print("\nsummary")
-    print(f"  episodes {len(episodes)}, steps {sum(e.steps for e in episodes)}, learner updates {learner.updates}, "
-          f"policy version {learner.version}")  # fmt: skip
-    print(f"  mean return  random policy {random_baseline:.2f}   untrained model "
-          f"{statistics.mean(untrained) if untrained else math.nan:.2f} ({len(untrained)} episodes)   "
-          f"trained model {mean:.2f} +- {sem:.2f} (last {len(trained)} episodes)")  # fmt: skip
+    print(
+        f"  episodes {len(episodes)}, steps {sum(e.steps for e in episodes)}, learner updates {learner.updates}, "
+        f"policy version {learner.version}"
+    )
+    print(
+        f"  mean return  random policy {random_baseline:.2f}   untrained model "
+        f"{statistics.mean(untrained) if untrained else math.nan:.2f} ({len(untrained)} episodes)   "
+        f"trained model {mean:.2f} +- {sem:.2f} (last {len(trained)} episodes)"
+    )
     better = mean > random_baseline + max(0.5, 2 * (sem if not math.isnan(sem) else 0))
     print(f"  {'the trained policy beats the random one' if better else 'the trained policy did NOT clearly beat the random one'}")
     print(f"  learning curve: {curve}")

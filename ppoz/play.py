@@ -24,8 +24,13 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", default="kea", help="kea (the app simulator), frozenlake, cliffwalking or taxi (default: kea)")
-    parser.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="an environment option, e.g. horizon=16 or is_slippery=true; repeatable")  # fmt: skip
+    parser.add_argument(
+        "--env-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment option, e.g. horizon=16 or is_slippery=true; repeatable",
+    )
     parser.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's client endpoint (default: tcp://127.0.0.1:5555)")
     parser.add_argument("--clients", type=int, default=4, help="clients played in parallel (default: 4)")
     parser.add_argument("--seconds", type=float, default=0.0, help="stop after this long (default: 0, until Ctrl-C or SIGTERM)")
@@ -33,8 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the simulator's app layout and the episodes' seeds (default: 0)")
     parser.add_argument("--deadline", type=float, default=60.0, help="seconds one request may take, retries included (default: 60)")
     parser.add_argument("--report-every", type=float, default=5.0, help="seconds between progress lines (default: 5)")
-    parser.add_argument("--random-baseline", type=int, default=0, metavar="N",
-                        help="first play N episodes locally with the uniformly random policy and report their mean return")  # fmt: skip
+    parser.add_argument(
+        "--random-baseline",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first play N episodes locally with the uniformly random policy and report their mean return",
+    )
     parser.add_argument("--json", action="store_true", help="print the final report as one JSON object")
 
 
@@ -71,16 +81,18 @@ def main(args: argparse.Namespace) -> int:
         if not args.json:  # with --json, stdout is the one JSON object, which carries the baseline too
             print(f"random policy: mean return {baseline:.3f} over {args.random_baseline} episodes (played locally)", file=say, flush=True)
     print(f"playing {args.env} with {args.clients} clients against {args.broker}", file=say, flush=True)
-    runner = Runner(args.broker, make_env, args.clients, deadline=args.deadline,
-                    max_episodes=args.episodes or None, seed=args.seed)  # fmt: skip
+    runner = Runner(args.broker, make_env, args.clients, deadline=args.deadline, max_episodes=args.episodes or None, seed=args.seed)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: runner.stop_event.set())
 
     def report(s: dict[str, Any]) -> None:
-        print(f"{s['elapsed_s']:6.0f} s  steps {s['steps']:7d}  {s['steps_per_s']:6.1f} steps/s  episodes {s['episodes']:5d}  "
-              f"mean return (last {s['recent_episodes']}) {s['recent_mean_return']:8.3f}  policy v{s['policy_version']}"
-              f"  failures {s['failures']}", flush=True)  # fmt: skip
+        print(
+            f"{s['elapsed_s']:6.0f} s  steps {s['steps']:7d}  {s['steps_per_s']:6.1f} steps/s  episodes {s['episodes']:5d}  "
+            f"mean return (last {s['recent_episodes']}) {s['recent_mean_return']:8.3f}  policy v{s['policy_version']}"
+            f"  failures {s['failures']}",
+            flush=True,
+        )
 
     seconds = args.seconds or float("inf")
     final = runner.run_for(seconds, None if args.json else report, every=args.report_every)
@@ -89,8 +101,7 @@ def main(args: argparse.Namespace) -> int:
         final["random_mean_return"] = baseline
     if args.json:
         # No episode yet means a mean of NaN, which JSON has no word for (jq and JSON.parse refuse it): null.
-        print(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in final.items()},
-                         sort_keys=True))  # fmt: skip
+        print(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in final.items()}, sort_keys=True))
     else:
         report(final)
     return 0

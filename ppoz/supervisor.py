@@ -21,8 +21,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Callable
+from typing import IO
 
 from common.processes import die_with_parent
 
@@ -56,8 +57,14 @@ class Component:
 
 
 class Supervisor:
-    def __init__(self, on_failure: str = RESTART, max_restarts: int = 5, stop_timeout_s: float = 30.0,
-                 log_lines: int = 20, output: IO[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        on_failure: str = RESTART,
+        max_restarts: int = 5,
+        stop_timeout_s: float = 30.0,
+        log_lines: int = 20,
+        output: IO[str] | None = None,
+    ) -> None:
         if on_failure not in (RESTART, STOP):
             raise ValueError(f"on_failure={on_failure!r}: must be {RESTART!r} or {STOP!r}")
         self.on_failure = on_failure
@@ -83,14 +90,22 @@ class Supervisor:
     def start(self, component: Component) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **component.env}
         component.process = subprocess.Popen(
-            component.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=env, text=True, bufsize=1, errors="replace", preexec_fn=die_with_parent,
+            component.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+            bufsize=1,
+            errors="replace",
+            preexec_fn=die_with_parent,
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only, which stops them in order
-        )  # fmt: skip
+        )
         component.finished = False
         component.last_lines.clear()  # a death is reported with its own process's lines, not an earlier run's
-        component.reader = threading.Thread(target=self._pump, args=(component, component.process.stdout),
-                                            name=f"log-{component.name}", daemon=True)  # fmt: skip
+        component.reader = threading.Thread(
+            target=self._pump, args=(component, component.process.stdout), name=f"log-{component.name}", daemon=True
+        )
         component.reader.start()
         log.info("started %s (pid %d)", component.name, component.process.pid)
 
@@ -150,14 +165,17 @@ class Supervisor:
         tail = "\n".join(f"    {line}" for line in c.last_lines) or "    (no output)"
         log.error("%s died (%s); its last lines:\n%s", c.name, how, tail)
         if not c.restartable or self.on_failure == STOP or c.restarts >= self.max_restarts:
-            reason = "it is not restartable" if not c.restartable else (
-                "on_failure is stop" if self.on_failure == STOP else f"it was restarted {c.restarts} times already")
+            reason = (
+                "it is not restartable"
+                if not c.restartable
+                else ("on_failure is stop" if self.on_failure == STOP else f"it was restarted {c.restarts} times already")
+            )
             log.error("stopping everything: %s died and %s", c.name, reason)
             self.failed = c.name
             self.stop_event.set()
             c.finished = True
             return
-        c.next_start = now + min(2.0 ** c.restarts, 30.0)  # a crash loop must not spin
+        c.next_start = now + min(2.0**c.restarts, 30.0)  # a crash loop must not spin
 
     # --- stopping -------------------------------------------------------------------------
     def stop(self) -> None:

@@ -77,8 +77,11 @@ def main(args: argparse.Namespace) -> int:
     # The embedded Redis's URL is known only once it runs; validate with a stand-in.
     stand_in = {"redis_url": up.redis_url or "redis://embedded"}
     learner = load(LearnerConfig, args.config, stand_in) if up.learner else None
-    for name, endpoint in (("broker.frontend", broker.frontend), ("broker.backend", broker.backend),
-                           ("learner.weights_bind", learner.weights_bind if learner else "")):  # fmt: skip
+    for name, endpoint in (
+        ("broker.frontend", broker.frontend),
+        ("broker.backend", broker.backend),
+        ("learner.weights_bind", learner.weights_bind if learner else ""),
+    ):
         check(not endpoint.endswith(":*"), f"{name} = {endpoint!r}: `ppoz up` needs fixed ports to wire components together")
     if up.actors and not actor.policy.model:
         log.warning("[policy] model is empty: the actors serve the uniform random policy")
@@ -104,12 +107,27 @@ def main(args: argparse.Namespace) -> int:
         sup.add("learner", [*common, "learner", *config, "--redis-url", redis_url, "--resume"])
     for i in range(up.actors):
         device = up.actor_devices[i % len(up.actor_devices)] if up.actor_devices else ""
-        argv = [*common, "actor", *config, "--redis-url", redis_url, "--name", f"actor-{i}", "--seed", str(actor.seed + i),
-                "--broker", actor_broker, "--weights", actor_weights]  # fmt: skip
+        argv = [
+            *common,
+            "actor",
+            *config,
+            "--redis-url",
+            redis_url,
+            "--name",
+            f"actor-{i}",
+            "--seed",
+            str(actor.seed + i),
+            "--broker",
+            actor_broker,
+            "--weights",
+            actor_weights,
+        ]
         sup.add(f"actor-{i}", argv + (["--device", device] if device else []))
     if up.env:
-        sup.add("clients", [*common, "play", "--env", up.env, "--clients", str(up.env_clients),
-                            "--broker", client_broker, "--report-every", "30"])  # fmt: skip
+        sup.add(
+            "clients",
+            [*common, "play", "--env", up.env, "--clients", str(up.env_clients), "--broker", client_broker, "--report-every", "30"],
+        )
 
     def on_signal(signum: int, frame: Any) -> None:
         log.info("%s received: stopping every component", signal.Signals(signum).name)

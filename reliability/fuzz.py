@@ -9,9 +9,10 @@ The invariants checked are the ones broker/server.py guarantees (on_client_frame
   frames whose first is empty, and the body is at most the socket's MAXMSGSIZE
   (4 * max_message_bytes + 64 KiB; bigger ones make libzmq drop the peer). The
   broker answers every well-framed request with exactly one reply: bodies it
-  cannot decode, or over max_message_bytes, get an error with `rid: nil`. So per
-  socket, replies received == well-framed requests sent, and every request
-  whose valid rid the broker could read gets a reply carrying that rid.
+  cannot decode, or over max_message_bytes, get an error carrying the rid when
+  the body's top-level map has a readable one, else `rid: nil`. So per socket,
+  replies received == well-framed requests sent, and every decodable request
+  with a valid rid gets a reply carrying that rid.
 - Anything else (3+ frames, or a non-empty first frame) gets no reply at all.
 - A well-behaved client (attach, step, feedback in a loop) running during the
   fuzz sees no error and makes progress.
@@ -39,13 +40,13 @@ import msgpack
 import zmq
 
 from common import protocol as p
-from reliability.fuzz_cases import FUZZ_TASK, OBS, Case, HTTPCase, cases, http_case, request_body
-
 from common.redis_server import connect
+from reliability.fuzz_cases import FUZZ_TASK, OBS, Case, HTTPCase, cases, http_case, request_body
 from reliability.ledger import settle_ledger
 from reliability.output import print_report, run_as_script
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class Report:
@@ -210,9 +211,20 @@ def _check_reply(frames: list[bytes], report: Report, echoed: Counter) -> None:
         echoed[body["rid"]] += 1
 
 
-def run(frontend: str, n_messages: int, seed: int = 0, gateway_url: str | None = None, http_share: float = 0.1,
-        pid: int | None = None, sockets: int = 4, batch: int = 200, flood_every: int = 20, flood_size: int = 2000,
-        reply_timeout: float = 30.0, context: zmq.Context | None = None) -> Report:  # fmt: skip
+def run(
+    frontend: str,
+    n_messages: int,
+    seed: int = 0,
+    gateway_url: str | None = None,
+    http_share: float = 0.1,
+    pid: int | None = None,
+    sockets: int = 4,
+    batch: int = 200,
+    flood_every: int = 20,
+    flood_size: int = 2000,
+    reply_timeout: float = 30.0,
+    context: zmq.Context | None = None,
+) -> Report:
     """Send n_messages hostile messages (http_share of them over HTTP when gateway_url is given) and check the invariants."""
     ctx = context or zmq.Context()
     report = Report(messages=n_messages)
@@ -376,15 +388,19 @@ def _ping(ctx: zmq.Context, frontend: str, timeout: float = 10.0) -> bool:
 def format_report(report: Report) -> str:
     lines = [f"{report.messages} messages in {report.seconds} s ({report.http_sent} over HTTP)"]
     lines.append("sent: " + ", ".join(f"{k}={v}" for k, v in report.sent_by_kind.items()))
-    lines.append(f"well framed: {report.well_framed}, replies: {report.replies}, unanswered: {report.unanswered}, "
-                 f"unmatched rids: {report.unmatched_rids}, extra replies: {report.extra_replies}")  # fmt: skip
+    lines.append(
+        f"well framed: {report.well_framed}, replies: {report.replies}, unanswered: {report.unanswered}, "
+        f"unmatched rids: {report.unmatched_rids}, extra replies: {report.extra_replies}"
+    )
     lines.append("replies by code: " + ", ".join(f"{k}={v}" for k, v in sorted(report.replies_by_code.items())))
     if report.http_sent:
         lines.append("HTTP by status: " + ", ".join(f"{k}={v}" for k, v in report.http_by_status.items()))
     if report.rss_before_kb is not None:
         lines.append(f"broker RSS: {report.rss_before_kb} kB before, {report.rss_after_kb} kB after, peak {report.rss_peak_kb} kB")
-    lines.append(f"well-behaved client: {report.client_steps} steps, {len(report.client_errors)} errors; "
-                 f"feedbacks acknowledged: {report.acknowledged_feedbacks}")  # fmt: skip
+    lines.append(
+        f"well-behaved client: {report.client_steps} steps, {len(report.client_errors)} errors; "
+        f"feedbacks acknowledged: {report.acknowledged_feedbacks}"
+    )
     if report.ledger_balanced is not None:
         lines.append(f"ledger: {report.ledger} ({'balanced' if report.ledger_balanced else 'NOT balanced'})")
     failures = report.failures()
@@ -400,10 +416,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-share", type=float, default=0.1, help="share of the messages sent over HTTP (default: 0.1)")
     parser.add_argument("--pid", type=int, default=0, help="the broker's process id, to report its resident memory")
     parser.add_argument("--rss-limit-mb", type=int, default=200, help="largest accepted growth of the broker's RSS (default: 200)")
-    parser.add_argument("--redis-url", default="", help="the broker's Redis: after the run, wait for the learner and check the ledger "
-                        "(docs/reliability.md); empty: no ledger")  # fmt: skip
+    parser.add_argument(
+        "--redis-url",
+        default="",
+        help="the broker's Redis: after the run, wait for the learner and check the ledger (docs/reliability.md); empty: no ledger",
+    )
     parser.add_argument("--key-prefix", default="ppoz", help="the broker's and learner's key prefix (default: ppoz)")
-    parser.add_argument("--settle-s", type=float, default=300.0, help="give up on the ledger once it has not moved (the learner counting, the stream shrinking) for this long (default: 300)")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=300.0,
+        help="give up on the ledger once it has not moved (the learner counting, the stream shrinking) for this long (default: 300)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

@@ -9,18 +9,22 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 
 from common import protocol as p
 
 LIMITS = p.Limits()
-OBS = {"prompt": "Screen: MainActivity. History: none.", "question": "Which action should I choose next? I shall choose No. ",
-       "action": ["0: TouchEvent(view=Shop)", "1: TouchEvent(view=Cart)", "2: KeyEvent(BACK)"]}  # fmt: skip
+OBS = {
+    "prompt": "Screen: MainActivity. History: none.",
+    "question": "Which action should I choose next? I shall choose No. ",
+    "action": ["0: TouchEvent(view=Shop)", "1: TouchEvent(view=Cart)", "2: KeyEvent(BACK)"],
+}
 FUZZ_TASK = "fuzz-t"  # the one task id the fuzz's messages name
-FIELDS_BY_OP = {
+FIELDS_BY_OP: dict[str, dict[str, Any]] = {
     p.OP_ATTACH: {"task_id": FUZZ_TASK},
     p.OP_DETACH: {"task_id": FUZZ_TASK},
     p.OP_ASK: {"task_id": FUZZ_TASK},
@@ -31,9 +35,32 @@ FIELDS_BY_OP = {
     p.OP_PING: {},
 }
 # Values of every wire type, and some awkward ones of the right type.
-WRONG_VALUES: list[Any] = [None, True, False, 0, -1, 2**63 - 1, -(2**63), 2**64 - 1, 1.5, math.nan, math.inf, -math.inf,
-                           "", "x" * 300, "émoji🙂", "\x00", b"", b"\xff\xfe", [], [1, "a", None], {}, {"a": {"b": []}},
-                           {1: 2}, ["x"] * 300]  # fmt: skip
+WRONG_VALUES: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    2**63 - 1,
+    -(2**63),
+    2**64 - 1,
+    1.5,
+    math.nan,
+    math.inf,
+    -math.inf,
+    "",
+    "x" * 300,
+    "émoji🙂",
+    "\x00",
+    b"",
+    b"\xff\xfe",
+    [],
+    [1, "a", None],
+    {},
+    {"a": {"b": []}},
+    {1: 2},
+    ["x"] * 300,
+]
 BAD_UTF8 = [b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\xe2\x82", b"\xc0\xaf"]
 
 
@@ -135,8 +162,11 @@ def gen_oversize(rng: random.Random, i: int) -> Case:
 
 def gen_many_candidates(rng: random.Random, i: int) -> Case:
     n = rng.choice([LIMITS.max_actions, LIMITS.max_actions + 1, 100_000])
-    body = _pack(request_body(rng.choice([p.OP_STEP, p.OP_RAG_STEP]), f"r{i}", task_id=FUZZ_TASK,
-                          obs={"prompt": "p", "action": [f"{k}" for k in range(n)]}))  # fmt: skip
+    body = _pack(
+        request_body(
+            rng.choice([p.OP_STEP, p.OP_RAG_STEP]), f"r{i}", task_id=FUZZ_TASK, obs={"prompt": "p", "action": [f"{k}" for k in range(n)]}
+        )
+    )
     return _framed(rng, "many_candidates", body, f"r{i}")
 
 
@@ -206,17 +236,37 @@ def gen_valid(rng: random.Random, i: int) -> Case:
 def gen_bad_frames(rng: random.Random, i: int) -> Case:
     """Wrong frame counts and empty frames. Some are still well framed ([b""], [b"", b""]): those must get a reply."""
     body = _pack(request_body(p.OP_PING, f"r{i}"))
-    frames = rng.choice([[b""], [b"", b""], [b"", body, body], [body, body], [b"x", body],
-                         [b"", b"", body], [b"", body, b"", body, b""], [body, b"", b"", b"", b""], [b""] * 5])  # fmt: skip
+    frames = rng.choice(
+        [
+            [b""],
+            [b"", b""],
+            [b"", body, body],
+            [body, body],
+            [b"x", body],
+            [b"", b"", body],
+            [b"", body, b"", body, b""],
+            [body, b"", b"", b"", b""],
+            [b""] * 5,
+        ]
+    )
     case = Case("bad_frames", list(frames))
     return case
 
 
 GENERATORS: list[tuple[Callable[[random.Random, int], Case], float]] = [
-    (gen_random_bytes, 12), (gen_truncated, 12), (gen_wrong_type, 25), (gen_not_a_map, 4), (gen_huge_string, 0.3),
-    (gen_many_candidates, 0.3), (gen_deep_nesting, 3), (gen_bad_utf8, 10), (gen_bad_version, 8), (gen_unknown_op, 6),
-    (gen_valid, 12), (gen_bad_frames, 8),
-]  # fmt: skip
+    (gen_random_bytes, 12),
+    (gen_truncated, 12),
+    (gen_wrong_type, 25),
+    (gen_not_a_map, 4),
+    (gen_huge_string, 0.3),
+    (gen_many_candidates, 0.3),
+    (gen_deep_nesting, 3),
+    (gen_bad_utf8, 10),
+    (gen_bad_version, 8),
+    (gen_unknown_op, 6),
+    (gen_valid, 12),
+    (gen_bad_frames, 8),
+]
 
 
 def _readable_rid(msg: Any) -> bool:
@@ -245,7 +295,9 @@ def cases(seed: int) -> Callable[[int], Case]:
         gen = rng.choices(gens, weights)[0]
         c = gen(rng, i)
         if c.rid is not None and not _broker_reads_rid(c.frames[-1]):
-            c.rid = None  # too large, or not decodable (an int map key...): answered with `rid: nil`
+            # Too large, or not decodable (an int map key...): the broker still echoes an rid it can read
+            # at the top level (protocol.read_header); the fuzz checks the rid only where it decodes.
+            c.rid = None
         return c
 
     return case
@@ -265,13 +317,15 @@ def http_case(rng: random.Random, i: int) -> HTTPCase:
     path = rng.choice(["/step", "/rag_step", "/feedback", "/attach", "/ask", "/detach"])
     choice = rng.randrange(10)
     if choice == 0:
-        body = rng.choice([b"{", b"{'a': 1}", b"\xff\xfe", b"[1,2]", b"null", b"\"s\"", b"{\"task_id\": }", rng.randbytes(50)])
+        body = rng.choice([b"{", b"{'a': 1}", b"\xff\xfe", b"[1,2]", b"null", b'"s"', b'{"task_id": }', rng.randbytes(50)])
         return HTTPCase("http_bad_json", http_request("POST", path, body))
     if choice == 1:
         body = json.dumps({"task_id": FUZZ_TASK, "obs": OBS}).encode()
         return HTTPCase("http_bad_length", http_request("POST", path, body, length=rng.choice([-1, 0, 3, len(body) + 20, 10**12])))
     if choice == 2:
-        return HTTPCase("http_bad_length", http_request("POST", path, b"{}", headers={"Content-Length": rng.choice(["abc", "1e3", " ", "0x10"])}))
+        return HTTPCase(
+            "http_bad_length", http_request("POST", path, b"{}", headers={"Content-Length": rng.choice(["abc", "1e3", " ", "0x10"])})
+        )
     if choice == 3:
         kind = rng.randrange(3)
         if kind == 0:
@@ -283,8 +337,10 @@ def http_case(rng: random.Random, i: int) -> HTTPCase:
         return HTTPCase("http_huge_body", http_request("POST", "/step", body))
     if choice == 4:
         method = rng.choice(["GET", "PUT", "DELETE", "POST", "PATCH"])
-        return HTTPCase("http_unknown_route" if method in ("GET", "POST") else "http_unknown_method", http_request(method,
-                                                    rng.choice(["/", "/steps", "/health/x", "/%ff", "/step?x=%zz", "/" + "a" * 2000, "/attach"])))  # fmt: skip
+        return HTTPCase(
+            "http_unknown_route" if method in ("GET", "POST") else "http_unknown_method",
+            http_request(method, rng.choice(["/", "/steps", "/health/x", "/%ff", "/step?x=%zz", "/" + "a" * 2000, "/attach"])),
+        )
     if choice == 5:
         depth = rng.choice([100, 1000, 100_000])
         body = b'{"task_id": "' + FUZZ_TASK.encode() + b'", "obs": ' + b"[" * depth + b"]" * depth + b"}"

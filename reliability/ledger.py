@@ -15,8 +15,8 @@ detached (which closes every open segment) the open part is zero.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import redis
 
@@ -38,8 +38,12 @@ class Ledger:
 
     @property
     def balanced(self) -> bool:
-        return (self.learner_reported and self.in_stream == 0 and self.acknowledged == self.stored + self.still_open
-                and self.stored == self.trained + self.dropped_stale + self.dropped_truncated)  # fmt: skip
+        return (
+            self.learner_reported
+            and self.in_stream == 0
+            and self.acknowledged == self.stored + self.still_open
+            and self.stored == self.trained + self.dropped_stale + self.dropped_truncated
+        )
 
     @property
     def progress(self) -> tuple[int, ...]:
@@ -49,11 +53,15 @@ class Ledger:
     def __str__(self) -> str:
         opened = f" + {self.still_open} in open segments" if self.still_open else ""
         if not self.learner_reported:
-            return (f"acknowledged {self.acknowledged}; the learner's side is missing: it has published no counters "
-                    f"({self.figures_key} is absent: no learner has started on this key prefix, or it cannot reach Redis); "
-                    f"{self.in_stream} segments unread{opened}")  # fmt: skip
-        return (f"acknowledged {self.acknowledged}, stored {self.stored}{opened}; {self.stored} = trained {self.trained} + stale "
-                f"{self.dropped_stale} + truncated {self.dropped_truncated}; {self.in_stream} segments unread")  # fmt: skip
+            return (
+                f"acknowledged {self.acknowledged}; the learner's side is missing: it has published no counters "
+                f"({self.figures_key} is absent: no learner has started on this key prefix, or it cannot reach Redis); "
+                f"{self.in_stream} segments unread{opened}"
+            )
+        return (
+            f"acknowledged {self.acknowledged}, stored {self.stored}{opened}; {self.stored} = trained {self.trained} + stale "
+            f"{self.dropped_stale} + truncated {self.dropped_truncated}; {self.in_stream} segments unread"
+        )
 
 
 def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_key: str = "segments") -> Ledger:
@@ -62,9 +70,17 @@ def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_
     counters = learner_figures.counters(figures)
     # The learner deletes what it acknowledged (XACK + XDEL after its checkpoint): what is left is unread.
     unread = int(client.xlen(RedisKeys(key_prefix, stream_key).stream))
-    return Ledger(acknowledged, counters.get("transitions_stored", 0), counters.get("transitions_trained", 0),
-                  counters.get("dropped_stale", 0), counters.get("dropped_truncated", 0), unread,
-                  open_transitions(client, key_prefix), bool(figures), learner_figures.latest_key(key_prefix))  # fmt: skip
+    return Ledger(
+        acknowledged,
+        counters.get("transitions_stored", 0),
+        counters.get("transitions_trained", 0),
+        counters.get("dropped_stale", 0),
+        counters.get("dropped_truncated", 0),
+        unread,
+        open_transitions(client, key_prefix),
+        bool(figures),
+        learner_figures.latest_key(key_prefix),
+    )
 
 
 def open_transitions(client: redis.Redis, key_prefix: str) -> int:
@@ -77,8 +93,14 @@ def open_transitions(client: redis.Redis, key_prefix: str) -> int:
     return sum(pipe.execute()) if tasks else 0
 
 
-def settle_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stall_s: float,
-                  still_running: Callable[[], None] | None = None, poll_s: float = 1.0) -> Ledger:  # fmt: skip
+def settle_ledger(
+    client: redis.Redis,
+    key_prefix: str,
+    acknowledged: int,
+    stall_s: float,
+    still_running: Callable[[], None] | None = None,
+    poll_s: float = 1.0,
+) -> Ledger:
     """Wait until the learner has trained (or dropped by rule) every stored transition; the last ledger read.
 
     Waits as long as the ledger moves (the learner counting an update, the stream shrinking,

@@ -6,8 +6,9 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 
 def print_report(report: Any, as_json: bool, as_text: Callable[[Any], str]) -> int:
@@ -17,8 +18,9 @@ def print_report(report: Any, as_json: bool, as_text: Callable[[Any], str]) -> i
     return 1 if failures else 0
 
 
-def run_as_script(prog: str, doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
-                  main: Callable[[argparse.Namespace], int], level: int) -> None:  # fmt: skip
+def run_as_script(
+    prog: str, doc: str, add_arguments: Callable[[argparse.ArgumentParser], None], main: Callable[[argparse.Namespace], int], level: int
+) -> None:
     """`python -m reliability.NAME`: the same options as the ppoz subcommand."""
     parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     add_arguments(parser)

@@ -43,15 +43,23 @@ import zmq.asyncio
 from client import AsyncClient
 from common.redis_server import EmbeddedRedis, connect
 from reliability.fuzz import rss_kb
-from reliability.output import print_report, run_as_script
 from reliability.ledger import settle_ledger
+from reliability.output import print_report, run_as_script
 
 log = logging.getLogger(__name__)
 
 PPOZ = [sys.executable, "-m", "ppoz.cli", "--log-level", "warning"]
 KEY_PREFIX = "soak"
-SCREENS = ["MainActivity", "CartActivity", "SettingsActivity", "LoginActivity", "SearchActivity", "ProductActivity",
-           "AboutActivity", "LicenceActivity"]  # fmt: skip
+SCREENS = [
+    "MainActivity",
+    "CartActivity",
+    "SettingsActivity",
+    "LoginActivity",
+    "SearchActivity",
+    "ProductActivity",
+    "AboutActivity",
+    "LicenceActivity",
+]
 WIDGETS = ["Cart", "Search", "Settings", "Login", "Back", "Buy", "About", "Share", "Menu", "Profile", "Help", "Filter"]
 
 
@@ -60,11 +68,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=10.0, help="how long the clients play (default: 10)")
     parser.add_argument("--window-s", type=float, default=60.0, help="length of one reporting window (default: 60)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rss-growth-mb", type=float, default=150.0,
-                        help="largest accepted growth of any process's resident memory after the first window (default: 150)")
-    parser.add_argument("--latency-drift", type=float, default=2.0,
-                        help="largest accepted ratio of the second half's step latency (p50, p99) to the first half's (default: 2)")
-    parser.add_argument("--settle-s", type=float, default=600.0, help="give up on the ledger once it has not moved (the learner counting, the stream shrinking) for this long (default: 600)")
+    parser.add_argument(
+        "--rss-growth-mb",
+        type=float,
+        default=150.0,
+        help="largest accepted growth of any process's resident memory after the first window (default: 150)",
+    )
+    parser.add_argument(
+        "--latency-drift",
+        type=float,
+        default=2.0,
+        help="largest accepted ratio of the second half's step latency (p50, p99) to the first half's (default: 2)",
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=600.0,
+        help="give up on the ledger once it has not moved (the learner counting, the stream shrinking) for this long (default: 600)",
+    )
     parser.add_argument("--keep", default="", help="keep the logs and checkpoints in this folder (default: a temporary one, removed)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -110,7 +131,9 @@ class Report:
                 out.append(f"{name} resident memory grew by {growth:.0f} MB (limit {self.limits['rss_growth_mb']:.0f})")
         for name, ratio in self.latency_ratio.items():
             if ratio > self.limits["latency_drift"]:
-                out.append(f"step latency {name} of the second half is {ratio:.2f}x the first half's (limit {self.limits['latency_drift']})")
+                out.append(
+                    f"step latency {name} of the second half is {ratio:.2f}x the first half's (limit {self.limits['latency_drift']})"
+                )
         return out
 
 
@@ -136,15 +159,19 @@ def summarise(report: Report, latencies: list[tuple[float, float]]) -> None:
 
 
 def format_report(report: Report) -> str:
-    lines = [f"soak: {report.clients} clients for {report.seconds:.0f} s",
-             f"{'until':>7} {'steps':>7} {'steps/s':>8} {'errors':>6} {'waits':>6} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}  RSS MB"]  # fmt: skip
+    lines = [
+        f"soak: {report.clients} clients for {report.seconds:.0f} s",
+        f"{'until':>7} {'steps':>7} {'steps/s':>8} {'errors':>6} {'waits':>6} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}  RSS MB",
+    ]
     previous = 0.0
     for w in report.windows:
         rate = w.steps / max(w.end_s - previous, 1e-9)
         previous = w.end_s
         rss = " ".join(f"{k} {v:.0f}" for k, v in w.rss_mb.items())
-        lines.append(f"{w.end_s:>6.0f}s {w.steps:>7} {rate:>8.1f} {w.errors:>6} {w.ask_waits:>6} {w.p50_ms:>8.1f} {w.p95_ms:>8.1f} "
-                     f"{w.p99_ms:>8.1f}  {rss}")  # fmt: skip
+        lines.append(
+            f"{w.end_s:>6.0f}s {w.steps:>7} {rate:>8.1f} {w.errors:>6} {w.ask_waits:>6} {w.p50_ms:>8.1f} {w.p95_ms:>8.1f} "
+            f"{w.p99_ms:>8.1f}  {rss}"
+        )
     lines.append(f"steps {report.steps}, feedbacks acknowledged {report.acknowledged}, client errors {report.error_count}")
     lines.append(f"resident memory growth after the first window (MB): {report.rss_growth_mb}")
     lines.append(f"step latency, second half / first half: {report.latency_ratio}")
@@ -170,6 +197,7 @@ class Stack:
         self.redis: EmbeddedRedis | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self.frontend = ""
+        self.redis_url = ""
 
     def start(self) -> None:
         from common.tiny_models import build_tiny_model
@@ -179,17 +207,65 @@ class Stack:
         self.redis = EmbeddedRedis(appendonly=True, data_dir=tempfile.mkdtemp(prefix="ppoz-soak-")).start()
         front, back, weights = free_port(), free_port(), free_port()
         self.frontend = f"tcp://127.0.0.1:{front}"
-        url = self.redis.url
+        self.redis_url = url = self.redis.url
         common = ["--redis-url", url, "--key-prefix", KEY_PREFIX]
-        self._spawn("broker", ["broker", "--frontend", self.frontend, "--backend", f"tcp://127.0.0.1:{back}", *common,
-                               "--max-stream-backlog", "64"])  # fmt: skip
-        self._spawn("actor", ["actor", "--broker", f"tcp://127.0.0.1:{back}", "--model", model, "--device", "cpu", "--lora-rank", "0",
-                              "--weights", f"tcp://127.0.0.1:{weights}", "--credits", "128", "--max-batch", "64", *common])  # fmt: skip
-        self._spawn("learner", ["learner", "--model", model, "--device", "cpu", "--lora-rank", "0", "--normalisation", "token",
-                                "--weights-bind", f"tcp://127.0.0.1:{weights}", "--rollout-batch", "256", "--rollout-timeout-s", "5",
-                                "--policy-minibatch", "64", "--micro-batch", "64", "--update-epochs", "1",
-                                "--checkpoint-dir", str(self.workdir / "ckpt"), "--keep-checkpoints", "2",
-                                "--tensorboard-dir", "", *common])  # fmt: skip
+        self._spawn(
+            "broker", ["broker", "--frontend", self.frontend, "--backend", f"tcp://127.0.0.1:{back}", *common, "--max-stream-backlog", "64"]
+        )
+        self._spawn(
+            "actor",
+            [
+                "actor",
+                "--broker",
+                f"tcp://127.0.0.1:{back}",
+                "--model",
+                model,
+                "--device",
+                "cpu",
+                "--lora-rank",
+                "0",
+                "--weights",
+                f"tcp://127.0.0.1:{weights}",
+                "--credits",
+                "128",
+                "--max-batch",
+                "64",
+                *common,
+            ],
+        )
+        self._spawn(
+            "learner",
+            [
+                "learner",
+                "--model",
+                model,
+                "--device",
+                "cpu",
+                "--lora-rank",
+                "0",
+                "--normalisation",
+                "token",
+                "--weights-bind",
+                f"tcp://127.0.0.1:{weights}",
+                "--rollout-batch",
+                "256",
+                "--rollout-timeout-s",
+                "5",
+                "--policy-minibatch",
+                "64",
+                "--micro-batch",
+                "64",
+                "--update-epochs",
+                "1",
+                "--checkpoint-dir",
+                str(self.workdir / "ckpt"),
+                "--keep-checkpoints",
+                "2",
+                "--tensorboard-dir",
+                "",
+                *common,
+            ],
+        )
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log_file = (self.workdir / f"{name}.log").open("w")
@@ -314,8 +390,7 @@ class Clients:
 
 
 # --- the run -------------------------------------------------------------------------------------
-def run(clients: int, seconds: float, window_s: float, seed: int, workdir: Path, settle_s: float,
-        limits: dict[str, float]) -> Report:  # fmt: skip
+def run(clients: int, seconds: float, window_s: float, seed: int, workdir: Path, settle_s: float, limits: dict[str, float]) -> Report:
     stack = Stack(workdir, seed)
     report = Report(clients, seconds, limits=limits)
     try:
@@ -326,10 +401,19 @@ def run(clients: int, seconds: float, window_s: float, seed: int, workdir: Path,
 
         def on_window(end_s: float) -> None:
             stack.check_alive()
-            recent = [ms for t, ms in driver.latencies[counted["steps"]:]]
-            report.windows.append(Window(end_s, len(recent), driver.error_count - counted["errors"], driver.ask_waits - counted["waits"],
-                                         round(percentile(recent, 0.5), 1), round(percentile(recent, 0.95), 1),
-                                         round(percentile(recent, 0.99), 1), stack.rss_mb()))  # fmt: skip
+            recent = [ms for t, ms in driver.latencies[counted["steps"] :]]
+            report.windows.append(
+                Window(
+                    end_s,
+                    len(recent),
+                    driver.error_count - counted["errors"],
+                    driver.ask_waits - counted["waits"],
+                    round(percentile(recent, 0.5), 1),
+                    round(percentile(recent, 0.95), 1),
+                    round(percentile(recent, 0.99), 1),
+                    stack.rss_mb(),
+                )
+            )
             counted.update(steps=len(driver.latencies), errors=driver.error_count, waits=driver.ask_waits)
             log.info("window ending %.0f s: %d steps, p99 %.1f ms", end_s, len(recent), report.windows[-1].p99_ms)
 
@@ -337,7 +421,7 @@ def run(clients: int, seconds: float, window_s: float, seed: int, workdir: Path,
         report.steps, report.acknowledged = len(driver.latencies), driver.acknowledged
         report.errors, report.error_count = driver.errors, driver.error_count
         summarise(report, driver.latencies)
-        client = connect(stack.redis.url)
+        client = connect(stack.redis_url)
         try:
             ledger = settle_ledger(client, KEY_PREFIX, driver.acknowledged, settle_s, stack.check_alive)
         finally:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import redis as redis_py
@@ -28,8 +28,11 @@ from common.redis_server import EmbeddedRedis, connect
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--redis-url", default=os.environ.get("REDIS_URL", ""),
-                     help="Redis server for the tests (default: REDIS_URL, else an embedded redis-server)")  # fmt: skip
+    parser.addoption(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL", ""),
+        help="Redis server for the tests (default: REDIS_URL, else an embedded redis-server)",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -91,8 +94,14 @@ def start_broker(redis_url: str, key_prefix: str, zmq_context: zmq.Context) -> I
     started: list[RunningBroker] = []
 
     def start(**overrides: Any) -> RunningBroker:
-        settings = dict(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_url,
-                        key_prefix=key_prefix, heartbeat_ms=100, drain_timeout_s=2.0)  # fmt: skip
+        settings = dict(
+            frontend="tcp://127.0.0.1:*",
+            backend="tcp://127.0.0.1:*",
+            redis_url=redis_url,
+            key_prefix=key_prefix,
+            heartbeat_ms=100,
+            drain_timeout_s=2.0,
+        )
         settings.update(overrides)
         cfg = BrokerConfig(**settings)
         broker = Broker(cfg, connect(redis_url), zmq_context)
@@ -135,8 +144,7 @@ def start_actor(zmq_context: zmq.Context) -> Iterator[Callable[..., RunningActor
         link = BrokerLink(endpoint, name=name, credits=credits, heartbeat_ms=100, context=zmq_context).start()
         stop = threading.Event()
         actor = RunningActor(link, stop, threading.Thread())
-        actor.thread = threading.Thread(target=lambda: actor.served.append(serve(link, policy or UniformPolicy(0), stop)),
-                                        daemon=True)  # fmt: skip
+        actor.thread = threading.Thread(target=lambda: actor.served.append(serve(link, policy or UniformPolicy(0), stop)), daemon=True)
         actor.thread.start()
         started.append(actor)
         return actor

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -26,5 +27,8 @@ def actors_ready(client: Client, n: int) -> bool:
     return len(client.status()["actors"]) >= n
 
 
-OBS = {"prompt": "Screen: MainActivity. History: none.", "question": "Which action should I choose next? I shall choose No. ",
-       "action": ["0: TouchEvent(view=Shop)", "1: TouchEvent(view=Cart)", "2: KeyEvent(BACK)"]}  # fmt: skip
+OBS = {
+    "prompt": "Screen: MainActivity. History: none.",
+    "question": "Which action should I choose next? I shall choose No. ",
+    "action": ["0: TouchEvent(view=Shop)", "1: TouchEvent(view=Cart)", "2: KeyEvent(BACK)"],
+}

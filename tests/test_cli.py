@@ -13,7 +13,24 @@ from tests.broker.test_restart import free_port
 from tests.helpers import wait_for
 
 PPOZ = [sys.executable, "-m", "ppoz.cli"]
-SUBCOMMANDS = [["broker"], ["actor"], ["learner"], ["up"], ["play"], ["gateway"], ["keygen"], ["demo"], ["bench"], ["bench", "broker"], ["bench", "scoring"], ["bench", "learner"], ["bench", "rag"], ["fuzz"], ["soak"], ["status"]]
+SUBCOMMANDS = [
+    ["broker"],
+    ["actor"],
+    ["learner"],
+    ["up"],
+    ["play"],
+    ["gateway"],
+    ["keygen"],
+    ["demo"],
+    ["bench"],
+    ["bench", "broker"],
+    ["bench", "scoring"],
+    ["bench", "learner"],
+    ["bench", "rag"],
+    ["fuzz"],
+    ["soak"],
+    ["status"],
+]
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -62,15 +79,32 @@ def test_missing_required_settings_fail_naming_them():
 
 def test_broker_serves_status_and_stops_cleanly_on_sigterm(redis_url, key_prefix):
     front, back = free_port(), free_port()
-    proc = subprocess.Popen([*PPOZ, "broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}",
-                             "--redis-url", redis_url, "--key-prefix", key_prefix], stderr=subprocess.PIPE, text=True)  # fmt: skip
-    actor = subprocess.Popen([*PPOZ, "actor", "--broker", f"tcp://127.0.0.1:{back}", "--name", "cli-actor"],
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            *PPOZ,
+            "broker",
+            "--frontend",
+            f"tcp://127.0.0.1:{front}",
+            "--backend",
+            f"tcp://127.0.0.1:{back}",
+            "--redis-url",
+            redis_url,
+            "--key-prefix",
+            key_prefix,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    actor = subprocess.Popen(
+        [*PPOZ, "actor", "--broker", f"tcp://127.0.0.1:{back}", "--name", "cli-actor"], stderr=subprocess.PIPE, text=True
+    )
     try:
         status = wait_for(lambda: _status(front), timeout=30, what="ppoz status to show the actor")
         assert status["actors"][0]["name"] == "cli-actor" and status["sessions"] == 0
         table = run("status", "--broker", f"tcp://127.0.0.1:{front}")
         assert table.returncode == 0 and "cli-actor" in table.stdout and "sessions 0" in table.stdout
+        assert "limits: " in table.stdout and "max_message_bytes" in table.stdout, table.stdout  # the client's limits, shown
+        assert "at zero not shown" in table.stdout and "replayed" not in table.stdout, table.stdout  # an idle broker's zeros hidden
         for p in (actor, proc):
             p.send_signal(signal.SIGTERM)
             assert p.wait(20) == 0
@@ -124,8 +158,9 @@ def test_bench_rag_runs_and_reports_retrieval_cost_side_by_side(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "guide.md").write_text("On the Cart screen, Checkout opens payment. Back returns to the list. " * 20)
-    result = run("bench", "rag", "--corpus", str(corpus), "--tasks", "1", "--steps", "3", "--max-context-tokens", "128", "--json",
-                 timeout=300)  # fmt: skip
+    result = run(
+        "bench", "rag", "--corpus", str(corpus), "--tasks", "1", "--steps", "3", "--max-context-tokens", "128", "--json", timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout)
     assert figures["steps"] == 3 and figures["corpus_chunks"] >= 2

@@ -15,14 +15,14 @@ import time
 import pytest
 
 from actor_node.config import ActorConfig
+from actor_node.main import run_actor
 from common.redis_server import connect
+from common.shared_settings import PolicySpec
 from envs.base import random_returns
 from envs.kea_sim import KeaSim, SimConfig
 from envs.runner import Runner
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
-from actor_node.main import run_actor
-from common.shared_settings import PolicySpec
 from tests.helpers import actors_ready, wait_for
 
 APP = SimConfig(screens=5, links_per_screen=2, external_links=1, horizon=6, history_limit=1, event_hashes=False)
@@ -36,16 +36,42 @@ def test_trained_policy_beats_random_within_bounded_steps(start_broker, make_cli
     baseline = statistics.mean(random_returns(lambda i: KeaSim(APP), 1000))
     broker = start_broker(max_stream_backlog=48, segment_len=APP.horizon)
     policy = PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token")
-    learner = Learner(LearnerConfig(policy=policy, device="cpu", redis_url=redis_url, key_prefix=key_prefix, rollout_batch=24, policy_minibatch=12,
-                                    micro_batch=12, update_epochs=4, policy_lr=1e-3, value_lr=1e-3, target_kl=0.05, ent_coef=0.0,
-                                    gamma=0.9, max_policy_lag=2, value_hidden=[128], weights_bind="tcp://127.0.0.1:*",
-                                    checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=""),
-                      connect(redis_url, socket_timeout=30))  # fmt: skip
+    learner = Learner(
+        LearnerConfig(
+            policy=policy,
+            device="cpu",
+            redis_url=redis_url,
+            key_prefix=key_prefix,
+            rollout_batch=24,
+            policy_minibatch=12,
+            micro_batch=12,
+            update_epochs=4,
+            policy_lr=1e-3,
+            value_lr=1e-3,
+            target_kl=0.05,
+            ent_coef=0.0,
+            gamma=0.9,
+            max_policy_lag=2,
+            value_hidden=[128],
+            weights_bind="tcp://127.0.0.1:*",
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            tensorboard_dir="",
+        ),
+        connect(redis_url, socket_timeout=30),
+    )
     learner_thread = threading.Thread(target=learner.run, daemon=True)
     learner_thread.start()
     stop_actor = threading.Event()
-    actor_cfg = ActorConfig(broker=broker.backend, policy=policy, device="cpu", redis_url=redis_url, key_prefix=key_prefix,
-                            weights=learner.weights_endpoint, weights_poll_s=1.0, heartbeat_ms=100)  # fmt: skip
+    actor_cfg = ActorConfig(
+        broker=broker.backend,
+        policy=policy,
+        device="cpu",
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+        weights=learner.weights_endpoint,
+        weights_poll_s=1.0,
+        heartbeat_ms=100,
+    )
     threading.Thread(target=run_actor, args=(actor_cfg, stop_actor), daemon=True).start()
     wait_for(lambda: actors_ready(make_client(broker.frontend), 1), timeout=60, what="the actor")
 
@@ -71,5 +97,6 @@ def test_trained_policy_beats_random_within_bounded_steps(start_broker, make_cli
     assert first and statistics.mean(first) < baseline + MARGIN, "the untrained policy already scores like a trained one"
     assert trained_mean() >= baseline + MARGIN, (
         f"after {stats.steps} steps and {learner.updates} updates the policy's mean return is {trained_mean():.2f}, "
-        f"random is {baseline:.2f}")  # fmt: skip
+        f"random is {baseline:.2f}"
+    )
     assert stats.steps <= MAX_STEPS + 4 * APP.horizon and stats.failures == 0

@@ -10,10 +10,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "common": 0,
-    "broker": 1, "actor_node": 1, "learner_node": 1, "client": 1,
-    "envs": 2, "gateway": 2, "reliability": 2,
+    "broker": 1,
+    "actor_node": 1,
+    "learner_node": 1,
+    "client": 1,
+    "envs": 2,
+    "gateway": 2,
+    "reliability": 2,
     "ppoz": 3,
-}  # fmt: skip
+}
 
 
 def imports() -> dict[str, set[str]]:
@@ -55,7 +60,7 @@ def test_no_import_cycle():
         state[module] = 1
         for target in sorted(edges[module]):
             if state.get(target) == 1:
-                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+                cycles.append(" -> ".join(path[path.index(target) :] + [target]))
             elif target not in state:
                 visit(target, path + [target])
         state[module] = 2

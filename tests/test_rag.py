@@ -19,12 +19,11 @@ from actor_node.link import BrokerLink
 from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from actor_node.rag import Retriever
 from actor_node.retrieval import CONTEXT_HEADER
-from common.shared_settings import RetrievalConfig
 from actor_node.worker import serve
 from broker.store import SessionStore
-from common.segments import RedisKeys
 from common.policy_model import ModelSpec, load_policy
-from common.segments import Segment
+from common.segments import RedisKeys, Segment
+from common.shared_settings import RetrievalConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import build_rollout
 from learner_node.update import UpdateConfig, ppo_update
@@ -40,8 +39,11 @@ FILLER = "Unrelated notes about the weather, gardening and the history of tea. "
 
 
 def obs(marker: str, i: int) -> dict[str, Any]:
-    return {"prompt": f"Task {marker}. Screen {i}: checkout with Pay and Coupon. Events so far: {marker}-{i}.",
-            "question": " Next event:", "action": [" click Pay", " type Coupon", " press Back"]}  # fmt: skip
+    return {
+        "prompt": f"Task {marker}. Screen {i}: checkout with Pay and Coupon. Events so far: {marker}-{i}.",
+        "question": " Next event:",
+        "action": [" click Pay", " type Coupon", " press Back"],
+    }
 
 
 @pytest.fixture
@@ -57,8 +59,9 @@ def start_rag_actor(backend: str, tiny_model: str, corpus, budget: int, zmq_cont
     torch.manual_seed(0)
     model, tokenizer = load_policy(ModelSpec(model=tiny_model, device="cpu", lora_rank=4))
     policy = LLMPolicy(model, tokenizer, SamplingConfig(normalisation="token", seed=0), "packed")
-    retriever = Retriever(RetrievalConfig(corpus_dir=str(corpus), chunk_tokens=48, chunk_overlap=8, top_k=4, max_context_tokens=budget),
-                          model, tokenizer)  # fmt: skip
+    retriever = Retriever(
+        RetrievalConfig(corpus_dir=str(corpus), chunk_tokens=48, chunk_overlap=8, top_k=4, max_context_tokens=budget), model, tokenizer
+    )
     link = BrokerLink(backend, name="rag", credits=8, heartbeat_ms=100, context=zmq_context).start()
     stop = threading.Event()
     thread = threading.Thread(target=serve, args=(link, policy, stop, 8, None, None, retriever), daemon=True)
@@ -81,7 +84,8 @@ def stream_segments(redis_client, key_prefix: str) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_sees_ratio_one(
-        start_broker, make_client, tiny_models, corpus, redis_client, key_prefix, zmq_context):  # fmt: skip
+    start_broker, make_client, tiny_models, corpus, redis_client, key_prefix, zmq_context
+):
     budget = 160
     broker = start_broker(retrieval=RetrievalConfig(history_len=4))
     retriever, link, stop, thread = start_rag_actor(broker.backend, tiny_models["llama"], corpus, budget, zmq_context)
@@ -90,12 +94,14 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
         wait_for(lambda: actors_ready(alpha, 1), timeout=60, what="the rag actor")
         # The two tasks play at once, so their jobs share the actor's batches.
         played: dict[str, tuple[str, list[dict[str, Any]]]] = {}
-        threads = [threading.Thread(target=lambda c=c, m=m: played.__setitem__(m, play(c, m, 6))) for c, m in ((alpha, "ALPHA"), (bravo, "BRAVO"))]
+        threads = [
+            threading.Thread(target=lambda c=c, m=m: played.__setitem__(m, play(c, m, 6))) for c, m in ((alpha, "ALPHA"), (bravo, "BRAVO"))
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
-        (task_a, replies_a), (task_b, replies_b) = played["ALPHA"], played["BRAVO"]
+        (task_a, replies_a), (task_b, _) = played["ALPHA"], played["BRAVO"]
         # Both tasks' history is in Redis while they are attached (and would come back after a broker restart).
         store = SessionStore(redis_client, RedisKeys(key_prefix), "learners")
         sessions = store.load_sessions(32)
@@ -121,7 +127,7 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
             assert t.mode == "rag_step"
             assert t.obs["prompt"].startswith(raw["prompt"]) and t.obs["action"] == raw["action"]
             assert other not in t.obs["prompt"], f"{other}'s history reached {marker}'s prompt"
-            block = t.obs["prompt"][len(raw["prompt"]):]
+            block = t.obs["prompt"][len(raw["prompt"]) :]
             assert CONTEXT_HEADER in block  # the corpus alone always has something to offer
             assert len(tokenizer.encode(block, add_special_tokens=False)) <= budget
     # Corpus chunks reach the prompt (which ones rank first is tested with a meaningful embedder in test_retrieval.py;
@@ -143,6 +149,11 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
 
     rollout = build_rollout(segments, value_of, 0.99, 0.95, current_version=0, max_policy_lag=0)
     assert len(rollout) == 12
-    metrics = ppo_update(lp, torch.optim.Adam(lp.trainable_parameters(), lr=1e-3), torch.optim.Adam(lp.value_head.parameters()),
-                         rollout, UpdateConfig(update_epochs=1, policy_minibatch=12, micro_batch=12, target_kl=None))  # fmt: skip
+    metrics = ppo_update(
+        lp,
+        torch.optim.Adam(lp.trainable_parameters(), lr=1e-3),
+        torch.optim.Adam(lp.value_head.parameters()),
+        rollout,
+        UpdateConfig(update_epochs=1, policy_minibatch=12, micro_batch=12, target_kl=None),
+    )
     assert metrics["losses/first_minibatch_ratio_dev"] < 1e-4

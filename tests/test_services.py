@@ -42,7 +42,7 @@ class NotifySocket:
         while time.monotonic() < until:
             try:
                 self.messages.append(self.sock.recv(65536).decode())
-            except socket.timeout:
+            except TimeoutError:
                 continue
 
     def wait_for(self, prefix: str, timeout: float) -> str:
@@ -86,8 +86,20 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> tuple[int, str]:
 def test_broker_notifies_ready_when_bound_pings_the_watchdog_reports_status_and_stops(tmp_path, redis_url, key_prefix):
     notify = NotifySocket(tmp_path / "notify.sock")
     front, back = free_port(), free_port()
-    proc = start(["broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}",
-                  "--redis-url", redis_url, "--key-prefix", key_prefix], notify)  # fmt: skip
+    proc = start(
+        [
+            "broker",
+            "--frontend",
+            f"tcp://127.0.0.1:{front}",
+            "--backend",
+            f"tcp://127.0.0.1:{back}",
+            "--redis-url",
+            redis_url,
+            "--key-prefix",
+            key_prefix,
+        ],
+        notify,
+    )
     try:
         ready = notify.wait_for("READY=1", 30)
         assert f"127.0.0.1:{front}" in ready
@@ -108,8 +120,21 @@ def test_broker_notifies_ready_when_bound_pings_the_watchdog_reports_status_and_
 def test_broker_sigterm_drains_steps_in_flight_refuses_new_ones_and_loses_nothing(tmp_path, redis_url, key_prefix, zmq_context):
     notify = NotifySocket(tmp_path / "notify.sock")
     front, back = free_port(), free_port()
-    args = ["broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}", "--redis-url", redis_url,
-            "--key-prefix", key_prefix, "--heartbeat-ms", "100", "--drain-timeout-s", "20"]  # fmt: skip
+    args = [
+        "broker",
+        "--frontend",
+        f"tcp://127.0.0.1:{front}",
+        "--backend",
+        f"tcp://127.0.0.1:{back}",
+        "--redis-url",
+        redis_url,
+        "--key-prefix",
+        key_prefix,
+        "--heartbeat-ms",
+        "100",
+        "--drain-timeout-s",
+        "20",
+    ]
     proc = start(args, notify)
 
     class SlowPolicy(UniformPolicy):
@@ -162,8 +187,24 @@ def test_broker_sigterm_drains_steps_in_flight_refuses_new_ones_and_loses_nothin
 def test_actor_is_ready_only_with_its_model_loaded_and_stops_cleanly(tmp_path, start_broker, tiny_models, redis_url, key_prefix):
     broker = start_broker()
     notify = NotifySocket(tmp_path / "notify.sock")
-    proc = start(["actor", "--broker", broker.backend, "--model", tiny_models["llama"], "--lora-rank", "0", "--device", "cpu",
-                  "--name", "svc-actor", "--heartbeat-ms", "100"], notify)  # fmt: skip
+    proc = start(
+        [
+            "actor",
+            "--broker",
+            broker.backend,
+            "--model",
+            tiny_models["llama"],
+            "--lora-rank",
+            "0",
+            "--device",
+            "cpu",
+            "--name",
+            "svc-actor",
+            "--heartbeat-ms",
+            "100",
+        ],
+        notify,
+    )
     try:
         ready = notify.wait_for("READY=1", 120)
         assert tiny_models["llama"] in ready and "policy version 0" in ready
@@ -188,9 +229,28 @@ def test_learner_and_gateway_notify_and_stop_cleanly(tmp_path, start_broker, tin
     broker = start_broker()
     learner_notify = NotifySocket(tmp_path / "learner.sock")
     gateway_notify = NotifySocket(tmp_path / "gateway.sock")
-    learner = start(["learner", "--model", tiny_models["llama"], "--lora-rank", "0", "--device", "cpu", "--redis-url", redis_url,
-                     "--key-prefix", key_prefix, "--weights-bind", f"tcp://127.0.0.1:{free_port()}",
-                     "--checkpoint-dir", str(tmp_path / "ckpt"), "--tensorboard-dir", ""], learner_notify)  # fmt: skip
+    learner = start(
+        [
+            "learner",
+            "--model",
+            tiny_models["llama"],
+            "--lora-rank",
+            "0",
+            "--device",
+            "cpu",
+            "--redis-url",
+            redis_url,
+            "--key-prefix",
+            key_prefix,
+            "--weights-bind",
+            f"tcp://127.0.0.1:{free_port()}",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--tensorboard-dir",
+            "",
+        ],
+        learner_notify,
+    )
     gateway = start(["gateway", "--port", str(free_port()), "--broker", broker.frontend], gateway_notify)
     try:
         assert "policy version 0" in learner_notify.wait_for("READY=1", 120)
@@ -212,8 +272,28 @@ def test_learner_and_gateway_notify_and_stop_cleanly(tmp_path, start_broker, tin
 def test_actor_sigterm_finishes_its_batch_and_hands_queued_jobs_back(tmp_path, start_broker, start_actor, make_client, tiny_models):
     broker = start_broker()
     notify = NotifySocket(tmp_path / "notify.sock")
-    proc = start(["actor", "--broker", broker.backend, "--model", tiny_models["llama"], "--lora-rank", "0", "--device", "cpu",
-                  "--name", "leaving", "--heartbeat-ms", "100", "--credits", "64", "--max-batch", "1"], notify)  # fmt: skip
+    proc = start(
+        [
+            "actor",
+            "--broker",
+            broker.backend,
+            "--model",
+            tiny_models["llama"],
+            "--lora-rank",
+            "0",
+            "--device",
+            "cpu",
+            "--name",
+            "leaving",
+            "--heartbeat-ms",
+            "100",
+            "--credits",
+            "64",
+            "--max-batch",
+            "1",
+        ],
+        notify,
+    )
     obs = dict(OBS, prompt=OBS["prompt"] + " History: " + "TouchEvent(view=Cart) -> CartActivity. " * 100)
     replies: list[dict] = []
     errors: list[BaseException] = []

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,12 @@ class Up:
     """A running `ppoz up` whose merged output is collected line by line."""
 
     def __init__(self, config: Path, *flags: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "ppoz.cli", "up", "--config", str(config), *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ppoz.cli", "up", "--config", str(config), *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -66,8 +69,11 @@ def status(front: int) -> dict | None:
 
 
 def write_config(path: Path, front: int, back: int, weights: int, **extra: str) -> Path:
-    lines = [f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nmax_stream_backlog = 16\n'
-             "segment_len = 4\nheartbeat_ms = 200\n", f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\n']  # fmt: skip
+    lines = [
+        f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nmax_stream_backlog = 16\n'
+        "segment_len = 4\nheartbeat_ms = 200\n",
+        f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\n',
+    ]
     lines += [f"{key} = {value}\n" for key, value in extra.items()]
     path.write_text("".join(lines[2:]) + "".join(lines[:2]))
     return path
@@ -76,22 +82,29 @@ def write_config(path: Path, front: int, back: int, weights: int, **extra: str) 
 @pytest.mark.slow
 def test_up_runs_the_whole_stack_restarts_a_killed_actor_and_stops_cleanly(tmp_path, tiny_models):
     front, back, weights = free_port(), free_port(), free_port()
-    config = write_config(tmp_path / "up.toml", front, back, weights, model=f'"{tiny_models["llama"]}"', lora_rank="0",
-                          normalisation='"token"')  # fmt: skip
-    config.write_text(config.read_text() + f'rollout_batch = 8\npolicy_minibatch = 8\nmicro_batch = 8\nupdate_epochs = 1\n'
-                      f'checkpoint_dir = "{tmp_path / "ckpt"}"\ntensorboard_dir = ""\n'
-                      '[actor]\nweights_poll_s = 1.0\nheartbeat_ms = 200\n'
-                      '[up]\nactors = 1\nenv = "kea"\nenv_clients = 2\nstop_timeout_s = 60\n')  # fmt: skip
+    config = write_config(
+        tmp_path / "up.toml", front, back, weights, model=f'"{tiny_models["llama"]}"', lora_rank="0", normalisation='"token"'
+    )
+    config.write_text(
+        config.read_text() + f"rollout_batch = 8\npolicy_minibatch = 8\nmicro_batch = 8\nupdate_epochs = 1\n"
+        f'checkpoint_dir = "{tmp_path / "ckpt"}"\ntensorboard_dir = ""\n'
+        "[actor]\nweights_poll_s = 1.0\nheartbeat_ms = 200\n"
+        '[up]\nactors = 1\nenv = "kea"\nenv_clients = 2\nstop_timeout_s = 60\n'
+    )
     up = Up(config)
     try:
         # Wired together: the actor serves a version the learner trained and published.
-        wait_for(lambda: (s := status(front)) and s["actors"] and s["actors"][0]["policy_version"] >= 1, timeout=240,
-                 what=f"the actor to serve a trained version\n{up.text()[-3000:]}")  # fmt: skip
+        wait_for(
+            lambda: (s := status(front)) and s["actors"] and s["actors"][0]["policy_version"] >= 1,
+            timeout=240,
+            what=f"the actor to serve a trained version\n{up.text()[-3000:]}",
+        )
         for name in ("broker", "learner", "actor-0", "clients"):
             assert re.search(rf"^ *{name} \| ", up.text(), re.M), f"no log line prefixed with {name}"
         # `ppoz status` against the running stack: actors and load, sessions, speed, backlog, version and lag, losses.
-        table = subprocess.run([sys.executable, "-m", "ppoz.cli", "status", "--broker", f"tcp://127.0.0.1:{front}"],
-                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        table = subprocess.run(
+            [sys.executable, "-m", "ppoz.cli", "status", "--broker", f"tcp://127.0.0.1:{front}"], capture_output=True, text=True, timeout=60
+        )
         assert table.returncode == 0, table.stderr
         assert "sessions 2" in table.stdout and "steps/s" in table.stdout and "stream backlog" in table.stdout
         assert re.search(r"actor-0 +load \d+/\d+  policy v\d+  lag \d+", table.stdout), table.stdout
@@ -101,8 +114,11 @@ def test_up_runs_the_whole_stack_restarts_a_killed_actor_and_stops_cleanly(tmp_p
         os.kill(actor, signal.SIGKILL)
         wait_for(lambda: up.pid("actor-0", 2), timeout=60, what="actor-0 to be restarted")
         assert "actor-0 died (killed by SIGKILL); its last lines:" in up.text()
-        wait_for(lambda: (s := status(front)) and len(s["actors"]) == 1 and s["actors"][0]["served"] > 0
-                 and "actor-0" in s["actors"][0]["name"], timeout=120, what="the restarted actor to serve")  # fmt: skip
+        wait_for(
+            lambda: (s := status(front)) and len(s["actors"]) == 1 and s["actors"][0]["served"] > 0 and "actor-0" in s["actors"][0]["name"],
+            timeout=120,
+            what="the restarted actor to serve",
+        )
         children = [up.pid(name) for name in ("broker", "learner", "clients")] + [up.pid("actor-0", 2)]
     finally:
         code = up.stop()

@@ -16,6 +16,7 @@ Two phases in one run:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import multiprocessing as mp
@@ -48,13 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
+def _past(due: float) -> bool:
+    return time.perf_counter() >= due
+
+
 def _broker_process(redis_url: str, segment_len: int, endpoints: Any, stop: Any) -> None:
     from broker.config import BrokerConfig
     from broker.server import Broker
     from common.redis_server import connect
 
-    cfg = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_url,
-                       segment_len=segment_len, key_prefix="bench")  # fmt: skip
+    cfg = BrokerConfig(
+        frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_url, segment_len=segment_len, key_prefix="bench"
+    )
     broker = Broker(cfg, connect(redis_url))
     broker.start()
     endpoints.put((broker.frontend_endpoint, broker.backend_endpoint))
@@ -68,7 +74,12 @@ def _actor_process(endpoint: str, stop: Any) -> None:
 
     link = BrokerLink(endpoint, credits=64).start()
     done = threading.Event()
-    threading.Thread(target=lambda: (stop.wait(), done.set()), daemon=True).start()
+
+    def relay_stop() -> None:  # a multiprocessing Event to the threading Event serve() polls
+        stop.wait()
+        done.set()
+
+    threading.Thread(target=relay_stop, daemon=True).start()
     serve(link, UniformPolicy(0), done, max_batch=64)
     link.close()
 
@@ -132,7 +143,7 @@ class LoadGenerator:
                         log.warning("error reply: %s", reply["error"])
                     on_reply(task, op, time.perf_counter() - sent)
 
-    def throughput(self, seconds: float) -> dict[str, float]:
+    def throughput(self, seconds: float) -> dict[str, Any]:
         p = self.p
         pairs = 0
 
@@ -180,7 +191,7 @@ class LoadGenerator:
                 self.send(idle.pop(0), p.OP_STEP)
                 started += 1
             next_due = start + (started + 1) / rate
-            self.collect(on_reply, until=lambda: time.perf_counter() >= next_due, timeout=max(0.0, next_due - time.perf_counter()))
+            self.collect(on_reply, until=functools.partial(_past, next_due), timeout=max(0.0, next_due - time.perf_counter()))
         self.collect(on_reply, until=lambda: not self.inflight, timeout=30)
         both = latencies[p.OP_STEP] + latencies[p.OP_FEEDBACK]
         return {
@@ -219,8 +230,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gen = LoadGenerator(frontend, args.clients, args.sockets)
         _wait_for_actors(frontend, args.actors)
         gen.throughput(1.0)  # warm-up
-        pids = {"broker": procs[0].pid, "redis": embedded.process.pid if embedded else None,
-                "actors": [proc.pid for proc in procs[1:]], "load": os.getpid()}  # fmt: skip
+        pids = {
+            "broker": procs[0].pid,
+            "redis": embedded.process.pid if embedded and embedded.process else None,
+            "actors": [proc.pid for proc in procs[1:]],
+            "load": os.getpid(),
+        }
         cpu_before = _cpu_seconds(pids)
         tp = gen.throughput(args.seconds)
         cpu_after = _cpu_seconds(pids)
@@ -266,29 +281,32 @@ def commit_costs(url: str, pairs: int = 100, rounds: int = 30) -> dict[str, floa
     """
     import msgpack
 
+    from broker.sessions import Replied
     from broker.store import Batch, SessionStore
-    from common.segments import RedisKeys
     from common.redis_server import connect
+    from common.segments import RedisKeys
 
     client = connect(url)
     store = SessionStore(client, RedisKeys("bench-commit"), "learners")
+    keys = store.keys
     transition = msgpack.packb({"obs": OBS, "action": 1, "logprob": -1.6, "probs": [0.2] * 5, "reward": 0.5})
-    reply = b"r" * 120
+    replied = Replied(1, b"rid", b"r" * 120)  # the kept reply, as the broker writes it with each feedback
+    kept = (replied.field, msgpack.packb(replied.to_wire()))
 
     def pipeline_round() -> None:
         pipe = client.pipeline(transaction=True)
         for i in range(pairs):
-            pipe.hset(store.task_key(f"t{i}"), "pending", transition)
-            pipe.rpush(store.keys.open_segment(f"t{i}"), transition)
-            pipe.hset(store.task_key(f"t{i}"), mapping={"pending": b"", "last_rid": b"rid", "last_reply": reply})
+            pipe.hset(keys.task(f"t{i}"), "pending", transition)
+            pipe.rpush(keys.open_segment(f"t{i}"), transition)
+            pipe.hset(keys.task(f"t{i}"), mapping={"pending": b"", kept[0]: kept[1]})
         pipe.execute()
 
     def lua_round() -> None:
         batch = Batch()
         for i in range(pairs):
-            batch.add("HSET", store.task_key(f"t{i}"), "pending", transition)
-            batch.add("RPUSH", store.keys.open_segment(f"t{i}"), transition)
-            batch.add("HSET", store.task_key(f"t{i}"), "pending", b"", "last_rid", b"rid", "last_reply", reply)
+            batch.add("HSET", keys.task(f"t{i}"), "pending", transition)
+            batch.add("RPUSH", keys.open_segment(f"t{i}"), transition)
+            batch.add("HSET", keys.task(f"t{i}"), "pending", b"", *kept)
         store.apply(batch)
 
     costs = {}
@@ -356,7 +374,9 @@ def main(args: argparse.Namespace) -> int:
         cpu = result["throughput"]["cpu_us_per_pair"]
         print("  CPU per pair (us):    " + "  ".join(f"{k} {v}" for k, v in cpu.items()))
         commit = result["commit_cpu_us_per_pair"]
-        print(f"  writing a turn, broker CPU per pair (us): redis-py MULTI/EXEC pipeline {commit['pipeline']}, "
-              f"one Lua call {commit['lua_batch']} ({commit['pipeline'] / commit['lua_batch']:.1f}x less)")
+        print(
+            f"  writing a turn, broker CPU per pair (us): redis-py MULTI/EXEC pipeline {commit['pipeline']}, "
+            f"one Lua call {commit['lua_batch']} ({commit['pipeline'] / commit['lua_batch']:.1f}x less)"
+        )
         print(f"  errors {result['errors']}, segments in stream {result['segments_in_stream']}")
     return 0 if result["errors"] == 0 else 1

@@ -85,8 +85,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for prompt, n in shapes:
         case: dict[str, Any] = {"prompt_tokens": prompt, "n_actions": n}
         for method in ("full_sequences", "ppoz"):
-            cmd = [sys.executable, "-m", "ppoz.bench.learner", "--hidden", str(args.hidden), "--layers", str(args.layers),
-                   "--vocab", str(args.vocab), "--device", args.device, "--child", method, str(prompt), str(n)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "ppoz.bench.learner",
+                "--hidden",
+                str(args.hidden),
+                "--layers",
+                str(args.layers),
+                "--vocab",
+                str(args.vocab),
+                "--device",
+                args.device,
+                "--child",
+                method,
+                str(prompt),
+                str(n),
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 case[method] = {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
@@ -98,10 +113,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             case["speedup"] = round(case["ppoz"]["transitions_per_s"] / case["full_sequences"]["transitions_per_s"], 2)
         cases.append(case)
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    return {"bench": "learner", "model": {"arch": "llama", "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
-                                          "lora_rank": 8, "device": device}, "cases": cases,
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads", "date": time.strftime("%Y-%m-%d"),
-            "torch": torch.__version__}  # fmt: skip
+    return {
+        "bench": "learner",
+        "model": {"arch": "llama", "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "lora_rank": 8, "device": device},
+        "cases": cases,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+    }
 
 
 def main(args: argparse.Namespace) -> int:

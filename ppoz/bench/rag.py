@@ -55,7 +55,9 @@ def synthetic_corpus(folder: Path, pages: int, seed: int = 0) -> None:
         lines = [f"# {topic.title()} guide, part {i // len(TOPICS) + 1}"]
         for j in range(12):
             other = rng.choice(TOPICS)
-            lines.append(f"On the {topic} screen, the {other} button opens the {other} screen; step {j}: check that Back returns to {topic}.")
+            lines.append(
+                f"On the {topic} screen, the {other} button opens the {other} screen; step {j}: check that Back returns to {topic}."
+            )
         (folder / f"{topic}-{i:03d}.md").write_text("\n".join(lines) + "\n")
 
 
@@ -66,8 +68,8 @@ def _median_ms(values: list[float]) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from actor_node.llm_policy import LLMPolicy, SamplingConfig
     from actor_node.rag import Retriever
-    from common.shared_settings import RetrievalConfig
     from common.policy_model import ModelSpec, load_policy
+    from common.shared_settings import RetrievalConfig
     from envs.kea_sim import KeaSim, demo_app
 
     model_path = args.model
@@ -76,15 +78,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         model_path = str(build_tiny_model(Path.home() / ".cache" / "ppoz" / "tiny-llama", "llama", hidden=64, layers=2))  # the demo's
     torch.manual_seed(0)
-    model, tokenizer = load_policy(ModelSpec(model=model_path, device=args.device, lora_rank=args.lora_rank, lora_alpha=2 * max(args.lora_rank, 1)))
+    model, tokenizer = load_policy(
+        ModelSpec(model=model_path, device=args.device, lora_rank=args.lora_rank, lora_alpha=2 * max(args.lora_rank, 1))
+    )
     policy = LLMPolicy(model, tokenizer, SamplingConfig(normalisation="token"), "auto", prefix_cache_mb=0.0)
     with tempfile.TemporaryDirectory(prefix="ppoz-rag-bench-") as tmp:
         corpus = args.corpus
         if not corpus:
             corpus = tmp
             synthetic_corpus(Path(tmp), args.docs)
-        cfg = RetrievalConfig(corpus_dir=corpus, top_k=args.top_k, max_context_tokens=args.max_context_tokens,
-                              history_len=args.history_len)  # fmt: skip
+        cfg = RetrievalConfig(corpus_dir=corpus, top_k=args.top_k, max_context_tokens=args.max_context_tokens, history_len=args.history_len)
         started = time.perf_counter()
         retriever = Retriever(cfg, model, tokenizer, device=args.device)
         index_s = time.perf_counter() - started
@@ -97,6 +100,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             job = {"job": 0, "task_id": f"t{task}", "mode": "rag_step", "obs": obs, "history": history[-args.history_len :]}
             t0 = time.perf_counter()
             plain = policy.choose_batch([job])[0]
+            if isinstance(plain, Exception):
+                raise plain
             t1 = time.perf_counter()
             augmented, _ = retriever.augment_job(job)
             t2 = time.perf_counter()
@@ -106,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             retrieve_s.append(t2 - t1)
             rag_s.append(t3 - t1)
             prompt_tokens.append(len(tokenizer.encode(obs["prompt"], add_special_tokens=False)))
-            added_tokens.append(len(tokenizer.encode(augmented["prompt"][len(obs["prompt"]):], add_special_tokens=False)))
+            added_tokens.append(len(tokenizer.encode(augmented["prompt"][len(obs["prompt"]) :], add_special_tokens=False)))
             result = env.step(plain.action)
             # As the broker keeps it (rag_history_chars, equal to query_chars by default).
             history.append({"prompt": obs["prompt"][-cfg.query_chars :], "action": obs["action"][plain.action], "reward": result.reward})
@@ -114,14 +119,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stats = retriever.stats()
     return {
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {platform.python_version()}, torch {torch.__version__}",
-        "model": model_path, "device": args.device, "lora_rank": args.lora_rank,
-        "corpus_chunks": len(retriever.index) if retriever.index is not None else 0, "index_build_s": round(index_s, 2),
-        "steps": len(step_s), "prompt_tokens_median": statistics.median(prompt_tokens),
-        "added_tokens_median": statistics.median(added_tokens), "added_tokens_max": max(added_tokens),
-        "step_ms": _median_ms(step_s), "retrieve_ms": _median_ms(retrieve_s), "rag_step_ms": _median_ms(rag_s),
+        "model": model_path,
+        "device": args.device,
+        "lora_rank": args.lora_rank,
+        "corpus_chunks": len(retriever.index) if retriever.index is not None else 0,
+        "index_build_s": round(index_s, 2),
+        "steps": len(step_s),
+        "prompt_tokens_median": statistics.median(prompt_tokens),
+        "added_tokens_median": statistics.median(added_tokens),
+        "added_tokens_max": max(added_tokens),
+        "step_ms": _median_ms(step_s),
+        "retrieve_ms": _median_ms(retrieve_s),
+        "rag_step_ms": _median_ms(rag_s),
         "rag_over_step": round(statistics.median(rag_s) / statistics.median(step_s), 2),
         "embedding_cache_hit_rate": round(stats["cache_hits"] / max(stats["cache_hits"] + stats["cache_misses"], 1), 3),
-    }  # fmt: skip
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -133,10 +145,16 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(f"rag_step cost on {result['device']} ({result['machine']}), model {result['model']}, LoRA rank {result['lora_rank']}")
     print(f"corpus: {result['corpus_chunks']} chunks indexed in {result['index_build_s']} s (once, at actor start)")
-    print(f"{result['steps']} steps; prompt {result['prompt_tokens_median']} tokens (median), retrieval adds "
-          f"{result['added_tokens_median']} (median, max {result['added_tokens_max']})")  # fmt: skip
+    print(
+        f"{result['steps']} steps; prompt {result['prompt_tokens_median']} tokens (median), retrieval adds "
+        f"{result['added_tokens_median']} (median, max {result['added_tokens_max']})"
+    )
     print(f"{'median per step':<28}{'ms':>10}")
-    for key, name in (("step_ms", "step (score plain obs)"), ("retrieve_ms", "retrieval alone"), ("rag_step_ms", "rag_step (retrieve + score)")):
+    for key, name in (
+        ("step_ms", "step (score plain obs)"),
+        ("retrieve_ms", "retrieval alone"),
+        ("rag_step_ms", "rag_step (retrieve + score)"),
+    ):
         print(f"{name:<28}{result[key]:>10.2f}")
     print(f"rag_step / step: {result['rag_over_step']}x; embedding cache hit rate {result['embedding_cache_hit_rate']}")
     return 0

@@ -20,12 +20,14 @@ machine's fp32 matmul rate, measured in the same run) / (the time taken).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -50,19 +52,28 @@ def build_model(hidden: int, layers: int, vocab: int, device: torch.device, dtyp
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_hidden_layers=layers,
-                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
-                         max_position_embeddings=16384, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75),
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 64),
+        max_position_embeddings=16384,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    model: Any = LlamaForCausalLM(config)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def observation(prompt: int, n_actions: int, vocab: int, gen: torch.Generator):
     from common.scoring import Tokenized
 
     ctx = tuple(torch.randint(3, vocab, (prompt,), generator=gen).tolist())
-    acts = tuple(tuple(torch.randint(3, vocab, (int(torch.randint(45, 56, (1,), generator=gen)),), generator=gen).tolist())
-                 for _ in range(n_actions))  # fmt: skip
+    acts = tuple(
+        tuple(torch.randint(3, vocab, (int(torch.randint(45, 56, (1,), generator=gen)),), generator=gen).tolist()) for _ in range(n_actions)
+    )
     return Tokenized(ctx, acts, tuple(1 for _ in acts))
 
 
@@ -85,8 +96,7 @@ def full_sequences(model: Any, item: Any, logits_budget_mb: int = 2048) -> torch
             ids[j, : c + len(a)] = torch.tensor(list(item.context) + list(a), device=device)
             attn[j, : c + len(a)] = 1
         logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), dim=-1)
-        sums += [logp[j, c - 1 : c - 1 + len(a)].gather(-1, torch.tensor(a, device=device)[:, None]).sum()
-                 for j, a in enumerate(actions)]  # fmt: skip
+        sums += [logp[j, c - 1 : c - 1 + len(a)].gather(-1, torch.tensor(a, device=device)[:, None]).sum() for j, a in enumerate(actions)]
         del logp
     return torch.stack(sums)
 
@@ -105,8 +115,12 @@ def full_sequences_scores(model: Any, item: Any) -> torch.Tensor:
         ids[j, : c + len(a)] = torch.tensor(list(item.context) + list(a), device=device)
         attn[j, : c + len(a)] = 1
     hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
-    return torch.stack([token_logprobs(head, cap, hidden[j, c - 1 : c - 1 + len(a)], torch.tensor(a, device=device)).sum()
-                        for j, a in enumerate(item.actions)])  # fmt: skip
+    return torch.stack(
+        [
+            token_logprobs(head, cap, hidden[j, c - 1 : c - 1 + len(a)], torch.tensor(a, device=device)).sum()
+            for j, a in enumerate(item.actions)
+        ]
+    )
 
 
 def kv_per_action(model: Any, item: Any) -> torch.Tensor:
@@ -123,8 +137,12 @@ def kv_per_action(model: Any, item: Any) -> torch.Tensor:
         lp = first[a[0]]
         if len(a) > 1:
             pos = torch.arange(c, c + len(a) - 1, device=device)[None]
-            logits = model(input_ids=torch.tensor([a[:-1]], device=device), position_ids=pos,
-                           past_key_values=copy.deepcopy(out.past_key_values), use_cache=True).logits[0]  # fmt: skip
+            logits = model(
+                input_ids=torch.tensor([a[:-1]], device=device),
+                position_ids=pos,
+                past_key_values=copy.deepcopy(out.past_key_values),
+                use_cache=True,
+            ).logits[0]
             lp = lp + torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(a[1:], device=device)[:, None]).sum()
         sums.append(lp)
     return torch.stack(sums)
@@ -145,8 +163,9 @@ def kv_per_action_lean(model: Any, item: Any) -> torch.Tensor:
         lp = token_logprobs(head, cap, last, torch.tensor(a[:1], device=device)).sum()
         if len(a) > 1:
             pos = torch.arange(c, c + len(a) - 1, device=device)[None]
-            h = decoder(input_ids=torch.tensor([a[:-1]], device=device), position_ids=pos, past_key_values=cache,
-                        use_cache=True).last_hidden_state[0]  # fmt: skip
+            h = decoder(
+                input_ids=torch.tensor([a[:-1]], device=device), position_ids=pos, past_key_values=cache, use_cache=True
+            ).last_hidden_state[0]
             cache.crop(-(len(a) - 1))  # back to the prompt alone for the next candidate
             lp = lp + token_logprobs(head, cap, h, torch.tensor(a[1:], device=device)).sum()
         sums.append(lp)
@@ -159,8 +178,7 @@ def ppoz_packed(model: Any, item: Any) -> torch.Tensor:
     return score_packed(model, [item])[0]
 
 
-METHODS = {"full_sequences": full_sequences, "kv_per_action": kv_per_action, "kv_per_action_lean": kv_per_action_lean,
-           "ppoz": ppoz_packed}
+METHODS = {"full_sequences": full_sequences, "kv_per_action": kv_per_action, "kv_per_action_lean": kv_per_action_lean, "ppoz": ppoz_packed}
 
 
 def floor_flops(model: Any, items: list[Any]) -> float:
@@ -202,7 +220,7 @@ def _sync(device: torch.device) -> None:
 def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, Any]:
     """Median wall time (ms) over up to `repeats` runs, and the last result."""
     times, result = [], None
-    for i in range(repeats):
+    for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
@@ -241,9 +259,24 @@ def growing_history(model: Any, args: argparse.Namespace, device: torch.device, 
     ms_plain, plain = timed(without_cache, device, args.repeats)
     ms_cached, cached = timed(with_cache, device, args.repeats)
     diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(plain, cached))
-    return {"case": f"growing history, {args.history_steps} steps", "prompt_tokens": [len(steps[0].context), len(steps[-1].context)],
-            "n_actions": 3, "ppoz_no_cache": round(ms_plain, 1), "ppoz": round(ms_cached, 1),
-            "speedup": round(ms_plain / ms_cached, 2), "max_abs_logprob_diff": diff}  # fmt: skip
+    return {
+        "case": f"growing history, {args.history_steps} steps",
+        "prompt_tokens": [len(steps[0].context), len(steps[-1].context)],
+        "n_actions": 3,
+        "ppoz_no_cache": round(ms_plain, 1),
+        "ppoz": round(ms_cached, 1),
+        "speedup": round(ms_plain / ms_cached, 2),
+        "max_abs_logprob_diff": diff,
+    }
+
+
+def _shape(text: str) -> tuple[int, int]:
+    """`PROMPTxACTIONS` (for example 4096x11), as --shapes gives it."""
+    try:
+        prompt, n_actions = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--shapes: {text!r} is not PROMPTxACTIONS (for example 4096x11)") from None
+    return prompt, n_actions
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -257,19 +290,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     shapes = SHAPES
     if args.shapes:
-        shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
+        shapes = [_shape(s) for s in args.shapes.split(",")]
     cases = []
     for prompt, n in shapes:
         item = observation(prompt, n, args.vocab, gen)
-        timed(lambda: ppoz_packed(model, item), device, 1)  # warm-up
+        timed(functools.partial(ppoz_packed, model, item), device, 1)  # warm-up
         case: dict[str, Any] = {"prompt_tokens": prompt, "n_actions": n, "candidate_tokens": sum(len(a) for a in item.actions)}
         results = {}
         for name, fn in METHODS.items():
-            ms, results[name] = timed(lambda fn=fn: fn(model, item), device, args.repeats)
+            ms, results[name] = timed(functools.partial(fn, model, item), device, args.repeats)
             case[name] = round(ms, 1)
         flops = floor_flops(model, [item])
-        case["max_abs_logprob_diff"] = {k: float((results[k].float() - results["full_sequences"].float()).abs().max())
-                                        for k in METHODS if k != "full_sequences"}  # fmt: skip
+        case["max_abs_logprob_diff"] = {
+            k: float((results[k].float() - results["full_sequences"].float()).abs().max()) for k in METHODS if k != "full_sequences"
+        }
         case["peak_fraction"] = {k: round(flops / rate / (case[k] / 1000), 4) for k in METHODS}
         case["speedup_vs"] = {k: round(case[k] / case["ppoz"], 2) for k in METHODS if k != "ppoz"}
         log.info("%s", case)
@@ -277,8 +311,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cases.append(growing_history(model, args, device, gen))
     return {
         "bench": "scoring",
-        "model": {"arch": "llama", "parameters": params, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
-                  "device": str(device), "dtype": str(dtype).replace("torch.", "")},  # fmt: skip
+        "model": {
+            "arch": "llama",
+            "parameters": params,
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "vocab": args.vocab,
+            "device": str(device),
+            "dtype": str(dtype).replace("torch.", ""),
+        },
         "matmul_gflops": round(rate / 1e9, 1),
         "cases": cases,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
@@ -294,19 +335,27 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0
     m = result["model"]
-    print(f"scoring bench: llama-style, {m['parameters'] / 1e6:.0f}M parameters, {m['device']} {m['dtype']}, "
-          f"matmul {result['matmul_gflops']} GFLOP/s")  # fmt: skip
-    print(f"{'prompt x cands':>15} {'full_seq ms':>12} {'kv_per_act ms':>14} {'kv_lean ms':>11} {'ppoz ms':>9} "
-          f"{'vs full':>8} {'vs kv':>6} {'vs lean':>8} {'ppoz peak':>9} {'max diff':>9}")  # fmt: skip
+    print(
+        f"scoring bench: llama-style, {m['parameters'] / 1e6:.0f}M parameters, {m['device']} {m['dtype']}, "
+        f"matmul {result['matmul_gflops']} GFLOP/s"
+    )
+    print(
+        f"{'prompt x cands':>15} {'full_seq ms':>12} {'kv_per_act ms':>14} {'kv_lean ms':>11} {'ppoz ms':>9} "
+        f"{'vs full':>8} {'vs kv':>6} {'vs lean':>8} {'ppoz peak':>9} {'max diff':>9}"
+    )
     for c in result["cases"]:
         if "full_sequences" not in c:
             continue
         v = c["speedup_vs"]
-        print(f"{c['prompt_tokens']:>8} x {c['n_actions']:<4} {c['full_sequences']:>12.1f} {c['kv_per_action']:>14.1f} "
-              f"{c['kv_per_action_lean']:>11.1f} {c['ppoz']:>9.1f} {v['full_sequences']:>7.1f}x {v['kv_per_action']:>5.1f}x "
-              f"{v['kv_per_action_lean']:>7.1f}x {c['peak_fraction']['ppoz']:>9.3f} {max(c['max_abs_logprob_diff'].values()):>9.1e}")  # fmt: skip
+        print(
+            f"{c['prompt_tokens']:>8} x {c['n_actions']:<4} {c['full_sequences']:>12.1f} {c['kv_per_action']:>14.1f} "
+            f"{c['kv_per_action_lean']:>11.1f} {c['ppoz']:>9.1f} {v['full_sequences']:>7.1f}x {v['kv_per_action']:>5.1f}x "
+            f"{v['kv_per_action_lean']:>7.1f}x {c['peak_fraction']['ppoz']:>9.3f} {max(c['max_abs_logprob_diff'].values()):>9.1e}"
+        )
     g = result["cases"][-1]
-    print(f"{g['case']} (prompt {g['prompt_tokens'][0]} -> {g['prompt_tokens'][1]} tokens, 3 candidates): "
-          f"{g['ppoz_no_cache']:.0f} ms without the prefix cache, {g['ppoz']:.0f} ms with it ({g['speedup']}x), "
-          f"max diff {g['max_abs_logprob_diff']:.1e}")  # fmt: skip
+    print(
+        f"{g['case']} (prompt {g['prompt_tokens'][0]} -> {g['prompt_tokens'][1]} tokens, 3 candidates): "
+        f"{g['ppoz_no_cache']:.0f} ms without the prefix cache, {g['ppoz']:.0f} ms with it ({g['speedup']}x), "
+        f"max diff {g['max_abs_logprob_diff']:.1e}"
+    )
     return 0

@@ -10,11 +10,11 @@ import zmq
 
 from actor_node.config import ActorConfig
 from actor_node.llm_policy import LLMPolicy, SamplingConfig
+from actor_node.main import run_actor
 from common import weights
 from common.policy_model import ModelSpec, load_policy, policy_state_dict
-from actor_node.main import run_actor
-from tests.helpers import OBS, actors_ready, wait_for
 from common.shared_settings import PolicySpec
+from tests.helpers import OBS, actors_ready, wait_for
 
 
 @pytest.fixture
@@ -22,9 +22,17 @@ def start_llm_actor(tiny_models, redis_url, key_prefix):
     started = []
 
     def start(backend: str, weights_endpoint: str = "", poll_s: float = 30.0) -> threading.Event:
-        cfg = ActorConfig(broker=backend, policy=PolicySpec(model=tiny_models["llama"], lora_rank=4, normalisation="token"), device="cpu",
-                          heartbeat_ms=100, redis_url=redis_url, key_prefix=key_prefix, weights=weights_endpoint, weights_poll_s=poll_s,
-                          prefix_cache_mb=16)  # fmt: skip
+        cfg = ActorConfig(
+            broker=backend,
+            policy=PolicySpec(model=tiny_models["llama"], lora_rank=4, normalisation="token"),
+            device="cpu",
+            heartbeat_ms=100,
+            redis_url=redis_url,
+            key_prefix=key_prefix,
+            weights=weights_endpoint,
+            weights_poll_s=poll_s,
+            prefix_cache_mb=16,
+        )
         stop = threading.Event()
         thread = threading.Thread(target=run_actor, args=(cfg, stop), daemon=True)
         thread.start()
@@ -117,8 +125,11 @@ def test_corrupt_snapshot_is_refused_and_serving_goes_on(broker, start_llm_actor
     assert client.step(client.attach(), OBS)["policy_version"] == 0
     redis_client.hset(f"{key_prefix}:weights:latest", "checksum", ann.checksum)  # repaired: now it is taken
     task = client.attach()
-    wait_for(lambda: client.step(task, OBS)["policy_version"] == 1 and client.feedback(task, 0.0), timeout=30,
-             what="the actor to take the repaired snapshot")  # fmt: skip
+    wait_for(
+        lambda: client.step(task, OBS)["policy_version"] == 1 and client.feedback(task, 0.0),
+        timeout=30,
+        what="the actor to take the repaired snapshot",
+    )
 
 
 def test_ppoz_actor_command_serves_a_model(broker, make_client, tiny_models):
@@ -126,8 +137,26 @@ def test_ppoz_actor_command_serves_a_model(broker, make_client, tiny_models):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "ppoz.cli", "actor", "--model", tiny_models["gpt2"], "--broker", broker.backend,
-                             "--heartbeat-ms", "100", "--lora-rank", "0", "--name", "cli-llm"], stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ppoz.cli",
+            "actor",
+            "--model",
+            tiny_models["gpt2"],
+            "--broker",
+            broker.backend,
+            "--heartbeat-ms",
+            "100",
+            "--lora-rank",
+            "0",
+            "--name",
+            "cli-llm",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         client = make_client(broker.frontend, deadline=60)
         wait_for(lambda: actors_ready(client, 1), timeout=60, what="the actor process")

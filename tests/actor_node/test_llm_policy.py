@@ -11,8 +11,11 @@ from actor_node.llm_policy import Choice, LLMPolicy, SamplingConfig
 from common import scoring
 from common.policy_model import ModelSpec, load_policy, policy_state_dict
 
-OBS = {"prompt": "Task: test the app. History: step 1 tapped Cart.", "question": " Which action? No. ",
-       "action": ["0: TouchEvent(Cart)", "1: TouchEvent(Search)", "2: KeyEvent(BACK)"]}  # fmt: skip
+OBS = {
+    "prompt": "Task: test the app. History: step 1 tapped Cart.",
+    "question": " Which action? No. ",
+    "action": ["0: TouchEvent(Cart)", "1: TouchEvent(Search)", "2: KeyEvent(BACK)"],
+}
 
 
 def job(obs=OBS, task="t1", n=1):
@@ -23,7 +26,9 @@ def job(obs=OBS, task="t1", n=1):
 def policy_factory(tiny_models):
     def make(cache_mb=0.0, greedy=False, lora_rank=4, normalisation="token", seed=0):
         model, tok = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=lora_rank))
-        return LLMPolicy(model, tok, SamplingConfig(normalisation=normalisation, greedy=greedy, max_batch_tokens=4096, seed=seed), "auto", cache_mb)
+        return LLMPolicy(
+            model, tok, SamplingConfig(normalisation=normalisation, greedy=greedy, max_batch_tokens=4096, seed=seed), "auto", cache_mb
+        )
 
     return make
 
@@ -102,6 +107,7 @@ def test_a_batch_is_one_forward_within_the_token_budget(policy_factory):
     tight = policy_factory()
     tight.sampling = SamplingConfig(normalisation="token", max_batch_tokens=300, seed=0)
     tight.choose_batch(jobs)
-    sizes = [scoring.tokenize_observation(tight.tokenizer, j["obs"]["prompt"], j["obs"]["question"], j["obs"]["action"]).n_tokens
-             for j in jobs]  # fmt: skip
+    sizes = [
+        scoring.tokenize_observation(tight.tokenizer, j["obs"]["prompt"], j["obs"]["question"], j["obs"]["action"]).n_tokens for j in jobs
+    ]
     assert 1 < tight.forwards <= len(jobs) and max(sizes) > 300  # split, and an over-long item still runs alone

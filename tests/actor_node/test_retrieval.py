@@ -11,17 +11,28 @@ import pytest
 import torch
 
 from actor_node.embedders import EncoderEmbedder, PolicyEmbedder
-from actor_node.retrieval import (CONTEXT_HEADER, MIN_SNIPPET_TOKENS, Chunk, CorpusIndex, EmbeddingCache, HistoryEntry, Snippet, augment,
-                                  chunk_text, load_corpus, retrieve)  # fmt: skip
+from actor_node.retrieval import (
+    CONTEXT_HEADER,
+    MIN_SNIPPET_TOKENS,
+    Chunk,
+    CorpusIndex,
+    EmbeddingCache,
+    HistoryEntry,
+    Snippet,
+    augment,
+    chunk_text,
+    load_corpus,
+    retrieve,
+)
 from common.shared_settings import RetrievalConfig
 
 DOCS = {
     "cart.md": "# Shopping cart\nTap the cart icon to open the shopping cart. The checkout button in the cart "
-               "starts checkout and payment of the items in the cart.\n",
+    "starts checkout and payment of the items in the cart.\n",
     "settings.md": "# Settings\nThe settings screen holds the dark mode switch, notification options and language.\n",
     "search/help.txt": "Search: type a product name in the search box and press enter to list matching products.\n",
     "about.txt": "About: version number, licences and the privacy policy of the application.\n",
-}  # fmt: skip
+}
 
 
 class BagOfWords:
@@ -56,8 +67,9 @@ def bpe_tok():
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(list(DOCS.values()) * 5 + [CONTEXT_HEADER] * 5, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
 
@@ -72,8 +84,12 @@ def corpus_dir(tmp_path):
 
 
 def obs_for(prompt: str) -> dict:
-    return {"prompt": prompt, "question": " Which action? ", "action": ["0: TouchEvent(Cart)", "1: KeyEvent(BACK)"],
-            "extra": {"nested": [1, 2]}}  # fmt: skip
+    return {
+        "prompt": prompt,
+        "question": " Which action? ",
+        "action": ["0: TouchEvent(Cart)", "1: KeyEvent(BACK)"],
+        "extra": {"nested": [1, 2]},
+    }
 
 
 def block_of(obs: dict, augmented: dict) -> str:
@@ -84,9 +100,18 @@ def block_of(obs: dict, augmented: dict) -> str:
 # --- config ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field, value", [("chunk_tokens", 0), ("chunk_overlap", -1), ("chunk_overlap", 128),
-                                          ("top_k", 0), ("max_context_tokens", 0), ("history_len", -1),
-                                          ("embed_batch", 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("chunk_tokens", 0),
+        ("chunk_overlap", -1),
+        ("chunk_overlap", 128),
+        ("top_k", 0),
+        ("max_context_tokens", 0),
+        ("history_len", -1),
+        ("embed_batch", 0),
+    ],
+)
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"`{field}`"):
         RetrievalConfig(**{field: value})
@@ -100,8 +125,7 @@ def test_config_defaults_are_valid():
 # --- chunking and the corpus --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n_bytes, size, overlap", [(300, 64, 16), (64, 64, 16), (65, 64, 16), (10, 64, 16),
-                                                    (200, 50, 0), (101, 10, 9)])  # fmt: skip
+@pytest.mark.parametrize("n_bytes, size, overlap", [(300, 64, 16), (64, 64, 16), (65, 64, 16), (10, 64, 16), (200, 50, 0), (101, 10, 9)])
 def test_chunks_overlap_and_cover_every_token(byte_tok, n_bytes, size, overlap):
     text = "".join(chr(ord("a") + (i * 7) % 26) + (" " if i % 5 == 4 else "") for i in range(n_bytes))[:n_bytes]
     ids = byte_tok.encode(text, add_special_tokens=False)
@@ -154,8 +178,9 @@ def index(corpus_dir, byte_tok):
 
 def test_the_relevant_chunk_ranks_first(index):
     cfg = RetrievalConfig(top_k=4, history_len=0)
-    snippets = retrieve(obs_for("Current page: Shop. Views: <button>cart</button> checkout the shopping cart"), [],
-                        index, BagOfWords(), cfg)  # fmt: skip
+    snippets = retrieve(
+        obs_for("Current page: Shop. Views: <button>cart</button> checkout the shopping cart"), [], index, BagOfWords(), cfg
+    )
     assert [s.kind for s in snippets] == ["doc"] * 4
     assert snippets[0].label == "cart.md#0" and "checkout button" in snippets[0].text
     assert [s.score for s in snippets] == sorted((s.score for s in snippets), reverse=True)
@@ -163,11 +188,14 @@ def test_the_relevant_chunk_ranks_first(index):
 
 
 def test_history_competes_with_the_documents(index):
-    history = [HistoryEntry("Page: Settings. Views: dark mode switch", "TouchEvent(view=dark mode)", 1.0),
-               HistoryEntry("Page: Search. Views: search box enter product name", "TouchEvent(view=search box)", 0.5),
-               HistoryEntry("Page: Launcher", "IntentEvent(MainActivity)", 0.0)]  # fmt: skip
-    snippets = retrieve(obs_for("Page: Search. Views: search box, type product name, press enter"), history, index,
-                        BagOfWords(), RetrievalConfig(top_k=3))  # fmt: skip
+    history = [
+        HistoryEntry("Page: Settings. Views: dark mode switch", "TouchEvent(view=dark mode)", 1.0),
+        HistoryEntry("Page: Search. Views: search box enter product name", "TouchEvent(view=search box)", 0.5),
+        HistoryEntry("Page: Launcher", "IntentEvent(MainActivity)", 0.0),
+    ]
+    snippets = retrieve(
+        obs_for("Page: Search. Views: search box, type product name, press enter"), history, index, BagOfWords(), RetrievalConfig(top_k=3)
+    )
     kinds = {(s.kind, s.label) for s in snippets}
     assert ("history", "step -2") in kinds and ("doc", "search/help.txt#0") in kinds
     step = next(s for s in snippets if s.label == "step -2")
@@ -188,8 +216,12 @@ def test_top_k_and_empty_sources(index):
 
 
 def test_ties_are_broken_by_source_and_index():
-    chunks = [Chunk("b.md", 1, "same words"), Chunk("a.md", 0, "same words"), Chunk("b.md", 0, "same words"),
-              Chunk("a.md", 1, "other thing")]  # fmt: skip
+    chunks = [
+        Chunk("b.md", 1, "same words"),
+        Chunk("a.md", 0, "same words"),
+        Chunk("b.md", 0, "same words"),
+        Chunk("a.md", 1, "other thing"),
+    ]
     embedder = BagOfWords()
     for order in (chunks, chunks[::-1]):
         idx = CorpusIndex.build(order, embedder)
@@ -206,8 +238,10 @@ def test_ties_are_broken_by_source_and_index():
 
 
 def long_snippets(n: int = 12) -> list[Snippet]:
-    return [Snippet("doc" if i % 2 else "history", f"item{i}", f"snippet {i}: " + "the cart checkout words " * (5 + 7 * i),
-                    1.0 - i / 100) for i in range(n)]  # fmt: skip
+    return [
+        Snippet("doc" if i % 2 else "history", f"item{i}", f"snippet {i}: " + "the cart checkout words " * (5 + 7 * i), 1.0 - i / 100)
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("budget", [40, 64, 80, 100, 150, 256, 1000])
@@ -242,8 +276,7 @@ def test_augment_copies_and_keeps_the_other_keys(byte_tok):
     before = {k: (list(v) if isinstance(v, list) else v) for k, v in obs.items()}
     out = augment(obs, [Snippet("doc", "cart.md#0", "  Tap the cart icon.\n", 0.8)], byte_tok, 256)
     assert obs == before
-    assert out["prompt"] == ("Current page: Cart\n\nRetrieved context (most relevant first):\n"
-                             "[doc cart.md#0] Tap the cart icon.\n")  # fmt: skip
+    assert out["prompt"] == ("Current page: Cart\n\nRetrieved context (most relevant first):\n[doc cart.md#0] Tap the cart icon.\n")
     assert {k: v for k, v in out.items() if k != "prompt"} == {k: v for k, v in obs.items() if k != "prompt"}
     out["action"].append("mutated")
     assert obs["action"] == before["action"]
@@ -273,14 +306,19 @@ def test_history_entry_round_trips_through_msgpack():
     assert HistoryEntry.from_dict({"prompt": "p", "action": "a", "reward": 2, "later_field": 1}).reward == 2.0
 
 
-@pytest.mark.parametrize("wire, field", [({"action": "a", "reward": 1.0}, "prompt"),
-                                         ({"prompt": "p", "action": 3, "reward": 1.0}, "action"),
-                                         ({"prompt": b"p", "action": "a", "reward": 1.0}, "prompt"),
-                                         ({"prompt": "p", "action": "a", "reward": "1"}, "reward"),
-                                         ({"prompt": "p", "action": "a", "reward": True}, "reward"),
-                                         ({"prompt": "p", "action": "a", "reward": math.nan}, "reward"),
-                                         ({"prompt": "p", "action": "a"}, "reward"),
-                                         (["p", "a", 1.0], "map")])  # fmt: skip
+@pytest.mark.parametrize(
+    "wire, field",
+    [
+        ({"action": "a", "reward": 1.0}, "prompt"),
+        ({"prompt": "p", "action": 3, "reward": 1.0}, "action"),
+        ({"prompt": b"p", "action": "a", "reward": 1.0}, "prompt"),
+        ({"prompt": "p", "action": "a", "reward": "1"}, "reward"),
+        ({"prompt": "p", "action": "a", "reward": True}, "reward"),
+        ({"prompt": "p", "action": "a", "reward": math.nan}, "reward"),
+        ({"prompt": "p", "action": "a"}, "reward"),
+        (["p", "a", 1.0], "map"),
+    ],
+)
 def test_history_entry_rejects_wrong_types(wire, field):
     with pytest.raises(ValueError, match=field):
         HistoryEntry.from_dict(wire)
@@ -316,8 +354,14 @@ def policy_parts(tiny_models):
     return load
 
 
-TEXTS = ["Current page: Cart", "a much longer text about the settings screen and its dark mode switch " * 3, "x",
-         "Current page: Cart", "", "Search: type a product name"]  # fmt: skip
+TEXTS = [
+    "Current page: Cart",
+    "a much longer text about the settings screen and its dark mode switch " * 3,
+    "x",
+    "Current page: Cart",
+    "",
+    "Search: type a product name",
+]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
@@ -380,8 +424,9 @@ def test_encoder_embedder(tmp_path):
     from common.tiny_models import build_byte_tokenizer
 
     torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=259, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=64, pad_token_id=0)).save_pretrained(str(tmp_path))  # fmt: skip
+    BertModel(
+        BertConfig(vocab_size=259, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, pad_token_id=0)
+    ).save_pretrained(str(tmp_path))
     build_byte_tokenizer(tmp_path)
     embed = EncoderEmbedder(str(tmp_path), max_tokens=32, batch=4)
     vecs = embed(TEXTS)

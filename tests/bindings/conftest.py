@@ -29,7 +29,7 @@ def live_stack(start_broker, make_client, tiny_models) -> Iterator[LiveStack]:
     broker = start_broker()
     stop = threading.Event()
     cfg = ActorConfig(broker=broker.backend, policy=PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token"),
-                      device="cpu", heartbeat_ms=100)  # fmt: skip
+                      device="cpu", heartbeat_ms=100)
     thread = threading.Thread(target=run_actor, args=(cfg, stop), daemon=True)
     thread.start()
     wait_for(lambda: actors_ready(make_client(broker.frontend), 1), timeout=60, what="the LLM actor")

@@ -241,6 +241,6 @@ def test_no_leaks_under_valgrind(c_build, broker, start_actor):
     start_actor(broker.backend)
     check = [valgrind, "-q", "--leak-check=full", "--errors-for-leak-kinds=definite,indirect,possible", "--error-exitcode=99"]
     for args in (["test_client", "offline"], ["test_client", "live", broker.frontend],
-                 ["ppoz_example", broker.frontend, "2", "2"]):  # fmt: skip
+                 ["ppoz_example", broker.frontend, "2", "2"]):
         result = subprocess.run([*check, str(c_build / args[0]), *args[1:]], capture_output=True, text=True, timeout=240)
         assert result.returncode == 0, f"{' '.join(args)}:\n{result.stdout}\n{result.stderr}"

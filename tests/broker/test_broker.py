@@ -10,9 +10,9 @@ import pytest
 import zmq
 
 from actor_node.policies import UniformPolicy
-from common.segments import Segment
 from client import BadRequest, FeedbackWithoutStep, InternalError, RequestTimeout, UnknownTask
 from common import protocol as p
+from common.segments import Segment
 from tests.helpers import OBS, actors_ready, wait_for
 
 
@@ -327,9 +327,7 @@ def test_silent_sessions_expire_into_truncated_segments(start_broker, start_acto
     client.feedback(task, 1.0)
     client.step(task, obs(1))  # the emulator dies here, without detach
     segs = wait_for(lambda: segments(redis_client, key_prefix), timeout=10, what="the expired session's segment")
-    assert [(s.reason, s.truncated, len(s.transitions), s.next_obs["prompt"]) for s in segs] == [
-        ("expired", True, 1, obs(1)["prompt"])
-    ]
+    assert [(s.reason, s.truncated, len(s.transitions), s.next_obs["prompt"]) for s in segs] == [("expired", True, 1, obs(1)["prompt"])]
     with pytest.raises(UnknownTask):
         client.ask(task)
     assert client.status()["counters"]["sessions/expired"] == 1

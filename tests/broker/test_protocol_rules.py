@@ -130,8 +130,9 @@ class GatedPolicy(UniformPolicy):
         return super().choose_batch(jobs)
 
 
-def test_a_step_answered_timeout_is_abandoned_its_late_result_dropped_and_a_retry_scored_afresh(start_broker, start_actor, make_client,
-                                                                                                  zmq_context):  # fmt: skip
+def test_a_step_answered_timeout_is_abandoned_its_late_result_dropped_and_a_retry_scored_afresh(
+    start_broker, start_actor, make_client, zmq_context
+):
     broker = start_broker()
     policy = GatedPolicy()
     start_actor(broker.backend, policy=policy)
@@ -170,8 +171,22 @@ def test_status_has_every_counter_from_zero_and_the_actors_fields(stack):
     status = client.status()
     assert set(status["counters"]) == set(COUNTERS)
     assert set(status["actors"][0]) == {"name", "credits", "inflight", "policy_version", "served"}
-    assert set(status) >= {"status", "sessions", "pending_steps", "queued_jobs", "jobs", "stream_length", "storage_ok", "actors",
-                           "added_latency", "counters", "steps_per_s", "uptime_s", "learner", "limits"}  # fmt: skip
+    assert set(status) >= {
+        "status",
+        "sessions",
+        "pending_steps",
+        "queued_jobs",
+        "jobs",
+        "stream_length",
+        "storage_ok",
+        "actors",
+        "added_latency",
+        "counters",
+        "steps_per_s",
+        "uptime_s",
+        "learner",
+        "limits",
+    }
 
 
 def test_every_counter_the_broker_counts_is_declared_and_documented():

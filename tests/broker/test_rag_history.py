@@ -16,9 +16,9 @@ from actor_node.link import BrokerLink
 from actor_node.policies import UniformPolicy
 from actor_node.worker import serve
 from broker.store import SessionStore
-from common.segments import RedisKeys
 from client import InternalError
 from common import protocol as p
+from common.segments import RedisKeys
 from common.shared_settings import RetrievalConfig
 from tests.helpers import OBS, actors_ready, wait_for
 
@@ -63,8 +63,9 @@ def screen(i: int) -> dict[str, Any]:
     return dict(OBS, prompt=f"{OBS['prompt']} screen {i}")
 
 
-def test_rag_step_records_prompt_plus_context_and_keeps_the_plain_prompt_as_history(start_broker, rag_actor, make_client,
-                                                                                   redis_client, key_prefix):  # fmt: skip
+def test_rag_step_records_prompt_plus_context_and_keeps_the_plain_prompt_as_history(
+    start_broker, rag_actor, make_client, redis_client, key_prefix
+):
     broker = start_broker(retrieval=RetrievalConfig(history_len=2))
     retriever = FixedContext()
     rag_actor(broker.backend, retriever)

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
-from common.segments import Segment
 from client import Client
+from common.segments import Segment
 from tests.helpers import OBS, wait_for
 
 
@@ -25,10 +23,27 @@ def free_port() -> int:
 
 def start_broker_process(redis_url: str, prefix: str, front: int, back: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "ppoz.cli", "--log-level", "warning", "broker",
-         "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}",
-         "--redis-url", redis_url, "--key-prefix", prefix, "--heartbeat-ms", "100", "--segment-len", "4"],
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ppoz.cli",
+            "--log-level",
+            "warning",
+            "broker",
+            "--frontend",
+            f"tcp://127.0.0.1:{front}",
+            "--backend",
+            f"tcp://127.0.0.1:{back}",
+            "--redis-url",
+            redis_url,
+            "--key-prefix",
+            prefix,
+            "--heartbeat-ms",
+            "100",
+            "--segment-len",
+            "4",
+        ],
+    )
 
 
 @pytest.mark.slow

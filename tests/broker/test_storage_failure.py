@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -46,8 +47,9 @@ def own_redis(tmp_path, start_actor, make_client, zmq_context) -> Iterator[Calla
 
     def start(client_deadline: float = 10.0) -> OwnRedis:
         server = EmbeddedRedis(appendonly=True, data_dir=tmp_path).start()
-        cfg = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=server.url, heartbeat_ms=100,
-                           storage_timeout_ms=1000)  # fmt: skip
+        cfg = BrokerConfig(
+            frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=server.url, heartbeat_ms=100, storage_timeout_ms=1000
+        )
         broker = Broker(cfg, connect(server.url, socket_timeout=1.0), zmq_context)
         broker.start()
         thread = threading.Thread(target=broker.run, daemon=True)

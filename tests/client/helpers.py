@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from actor_node.llm_policy import Choice
 from actor_node.policies import UniformPolicy
@@ -35,8 +36,11 @@ class EchoPolicy(UniformPolicy):
 
 def pick(i: int, n: int = 32) -> dict[str, Any]:
     """An observation of `n` candidates whose prompt tells EchoPolicy to choose candidate i."""
-    return {"prompt": f"Screen {i}. History: none. pick {i}", "question": "Which action should I choose next? I shall choose No. ",
-            "action": [f"{k}: TouchEvent(view={k})" for k in range(n)]}  # fmt: skip
+    return {
+        "prompt": f"Screen {i}. History: none. pick {i}",
+        "question": "Which action should I choose next? I shall choose No. ",
+        "action": [f"{k}: TouchEvent(view={k})" for k in range(n)],
+    }
 
 
 def free_port() -> int:

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -66,8 +67,16 @@ def unreadable(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # --- without sockets -------------------------------------------------------------------------
-@pytest.mark.parametrize("rid, words", [("x" * 65, r"longer than 64 bytes \(65\)"), ("é" * 33, r"longer than 64 bytes \(66\)"),
-                                        (b"", "got an empty bin"), (7, "got int"), ("\ud800", "not valid UTF-8")])  # fmt: skip
+@pytest.mark.parametrize(
+    "rid, words",
+    [
+        ("x" * 65, r"longer than 64 bytes \(65\)"),
+        ("é" * 33, r"longer than 64 bytes \(66\)"),
+        (b"", "got an empty bin"),
+        (7, "got int"),
+        ("\ud800", "not valid UTF-8"),
+    ],
+)
 def test_a_rid_the_broker_could_not_read_is_refused_before_sending_naming_it(rid, words):
     with pytest.raises(ValueError, match=words):
         build_request("ping", rid)

@@ -13,9 +13,12 @@ from tests.client.helpers import pick
 KEA_OBS = {
     "prompt": "You are testing the app Shop. Visited pages: MainActivity. Views: [0] Cart [1] Search [2] BACK",
     "question": "Which action should I choose next? I shall choose No. ",
-    "action": ["0: TouchEvent(state=4f1c, view=a2b3(MainActivity/TextView-Cart))", "1: TouchEvent(state=4f1c, view=9e8d(Search))",
-               "2: KeyEvent(state=4f1c, name=BACK)"],
-}  # fmt: skip
+    "action": [
+        "0: TouchEvent(state=4f1c, view=a2b3(MainActivity/TextView-Cart))",
+        "1: TouchEvent(state=4f1c, view=9e8d(Search))",
+        "2: KeyEvent(state=4f1c, name=BACK)",
+    ],
+}
 
 
 @pytest.fixture
@@ -104,8 +107,7 @@ def test_calls_before_attach_raise_the_original_value_errors(ppo_client):
     client = ppo_client("tcp://127.0.0.1:1")  # never contacted
     with pytest.raises(ValueError, match=r"^No task_id to detach\.$"):
         client.detach()
-    for call in (lambda: client.step(KEA_OBS), lambda: client.rag_step(KEA_OBS), lambda: client.feedback(0.5, False),
-                 client.ask):  # fmt: skip
+    for call in (lambda: client.step(KEA_OBS), lambda: client.rag_step(KEA_OBS), lambda: client.feedback(0.5, False), client.ask):
         with pytest.raises(ValueError, match=r"^Task not attached\.$"):
             call()
     assert client.client.attempts == 0, "nothing may be sent for a call that cannot succeed"

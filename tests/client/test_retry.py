@@ -32,7 +32,12 @@ def test_feedback_sends_next_obs_only_when_it_is_an_observation():
     assert "next_obs" not in feedback_fields("t", 0.5, next_obs=None)
     obs = {"prompt": "p", "action": ["a"]}
     assert feedback_fields("t", 0.5, truncated=True, next_obs=obs) == {
-        "task_id": "t", "reward": 0.5, "done": False, "truncated": True, "next_obs": obs}  # fmt: skip
+        "task_id": "t",
+        "reward": 0.5,
+        "done": False,
+        "truncated": True,
+        "next_obs": obs,
+    }
 
 
 def test_a_reply_without_error_is_the_answer():
@@ -79,8 +84,16 @@ def test_attempts_are_bounded_by_the_attempt_timeout_and_the_deadline():
         rule.next_attempt()
 
 
-@pytest.mark.parametrize("deadline, attempt, bad", [(0, 1, "`deadline`"), (-1, 1, "`deadline`"), (5, 0, "`attempt_timeout`"),
-                                                    (float("inf"), 1, "`deadline`"), (5, None, "`attempt_timeout`")])  # fmt: skip
+@pytest.mark.parametrize(
+    "deadline, attempt, bad",
+    [
+        (0, 1, "`deadline`"),
+        (-1, 1, "`deadline`"),
+        (5, 0, "`attempt_timeout`"),
+        (float("inf"), 1, "`deadline`"),
+        (5, None, "`attempt_timeout`"),
+    ],
+)
 def test_timeouts_must_be_positive_and_named_when_not(deadline, attempt, bad):
     with pytest.raises(ValueError, match=bad):
         check_timeouts(deadline, attempt)

@@ -34,10 +34,10 @@ def test_flags_alone_and_bool_flags():
     [
         ("[broker]\nsegment_len = 0\n", "`segment_len` must be positive, got 0"),
         ("[broker]\nsegmnt_len = 4\n", "unknown key [broker] 'segmnt_len' = 4"),
-        ("[broker]\nsegment_len = \"four\"\n", "[broker] segment_len = 'four': expected a int, got a str"),
+        ('[broker]\nsegment_len = "four"\n', "[broker] segment_len = 'four': expected a int, got a str"),
         ("[brokr]\nsegment_len = 4\n", "unknown table [brokr]"),
         ("segmnt_len = 4\n", "unknown top-level key 'segmnt_len' = 4"),
-        ("[broker]\nfrontend = \"localhost\"\n", "`frontend` must be a ZeroMQ endpoint"),
+        ('[broker]\nfrontend = "localhost"\n', "`frontend` must be a ZeroMQ endpoint"),
         ("[broker\n", "is not valid TOML"),
     ],
 )
@@ -67,8 +67,10 @@ def test_one_policy_table_configures_actor_and_learner_alike(tmp_path):
     from learner_node.config import LearnerConfig
 
     path = tmp_path / "farm.toml"
-    path.write_text('redis_url = "redis://r:6379/0"\n[policy]\nmodel = "m"\nlora_rank = 4\nnormalisation = "token"\n'
-                    '[actor]\ndevice = "cuda:1"\n[learner]\ndevice = "cuda:0"\n')  # fmt: skip
+    path.write_text(
+        'redis_url = "redis://r:6379/0"\n[policy]\nmodel = "m"\nlora_rank = 4\nnormalisation = "token"\n'
+        '[actor]\ndevice = "cuda:1"\n[learner]\ndevice = "cuda:0"\n'
+    )
     actor, learner = load(ActorConfig, path), load(LearnerConfig, path)
     assert actor.policy == learner.policy and (actor.policy.model, actor.policy.lora_rank) == ("m", 4)
     assert (actor.device, learner.device) == ("cuda:1", "cuda:0")  # the device is each process's own
@@ -94,15 +96,26 @@ def test_the_broker_keeps_the_history_the_actor_expects(tmp_path):
     assert (broker.rag_history_len, broker.rag_history_chars) == (actor.retrieval.history_len, actor.retrieval.query_chars) == (3, 500)
 
 
-@pytest.mark.parametrize("component, text, words", [
-    ("actor", '[actor]\nmodel = "m"\n', "[actor] model has moved: write it as `model = 'm'` in the [policy] table"),
-    ("learner", "[learner]\nlora_rank = 4\n", "[learner] lora_rank has moved: write it as `lora_rank = 4` in the [policy] table"),
-    ("actor", "[actor]\nrag_top_k = 2\n", "[actor] rag_top_k has moved: write it as `top_k = 2` in the [retrieval] table"),
-    ("broker", "[broker]\nrag_history_len = 4\n", "[broker] rag_history_len has moved: write it as `history_len = 4` in the [retrieval] table"),
-    ("broker", "[broker]\nrag_history_chars = 9\n", "[broker] rag_history_chars has moved: write it as `query_chars = 9` in the [retrieval] table"),
-    ("actor", "[policy]\nlora_rnk = 4\n", "unknown key [policy] 'lora_rnk'"),
-    ("actor", '[policy]\nnormalisation = "tokens"\n', "`normalisation` must be one of token, word, sum"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "component, text, words",
+    [
+        ("actor", '[actor]\nmodel = "m"\n', "[actor] model has moved: write it as `model = 'm'` in the [policy] table"),
+        ("learner", "[learner]\nlora_rank = 4\n", "[learner] lora_rank has moved: write it as `lora_rank = 4` in the [policy] table"),
+        ("actor", "[actor]\nrag_top_k = 2\n", "[actor] rag_top_k has moved: write it as `top_k = 2` in the [retrieval] table"),
+        (
+            "broker",
+            "[broker]\nrag_history_len = 4\n",
+            "[broker] rag_history_len has moved: write it as `history_len = 4` in the [retrieval] table",
+        ),
+        (
+            "broker",
+            "[broker]\nrag_history_chars = 9\n",
+            "[broker] rag_history_chars has moved: write it as `query_chars = 9` in the [retrieval] table",
+        ),
+        ("actor", "[policy]\nlora_rnk = 4\n", "unknown key [policy] 'lora_rnk'"),
+        ("actor", '[policy]\nnormalisation = "tokens"\n', "`normalisation` must be one of token, word, sum"),
+    ],
+)
 def test_old_keys_say_where_they_moved(tmp_path, component, text, words):
     from actor_node.config import ActorConfig
     from learner_node.config import LearnerConfig

@@ -92,8 +92,6 @@ def test_task_id_pattern():
             p.check_task_id({"task_id": bad})
 
 
-
-
 def test_an_integral_reward_is_read_as_a_float():
     reward = p.check_reward({"reward": 1})
     assert reward == 1.0 and isinstance(reward, float)
@@ -101,10 +99,20 @@ def test_an_integral_reward_is_read_as_a_float():
 
 @pytest.mark.parametrize(
     "rid, readable, words",
-    [("r", True, ""), (b"\x00" * 64, True, ""), ("é" * 32, True, ""), ("x" * 65, False, "longer than 64 bytes (65)"),
-     ("é" * 33, False, "longer than 64 bytes (66)"), ("", False, "got an empty str"), (b"", False, "got an empty bin"),
-     (None, False, "got nil"), (7, False, "got int"), (True, False, "got bool"), ("\ud800", False, "not valid UTF-8")],
-)  # fmt: skip
+    [
+        ("r", True, ""),
+        (b"\x00" * 64, True, ""),
+        ("é" * 32, True, ""),
+        ("x" * 65, False, "longer than 64 bytes (65)"),
+        ("é" * 33, False, "longer than 64 bytes (66)"),
+        ("", False, "got an empty str"),
+        (b"", False, "got an empty bin"),
+        (None, False, "got nil"),
+        (7, False, "got int"),
+        (True, False, "got bool"),
+        ("\ud800", False, "not valid UTF-8"),
+    ],
+)
 def test_a_rid_is_a_str_or_bin_of_1_to_64_bytes_counted_in_utf8(rid, readable, words):
     assert p.readable_rid(rid) is readable
     if readable:
@@ -116,7 +124,9 @@ def test_a_rid_is_a_str_or_bin_of_1_to_64_bytes_counted_in_utf8(rid, readable, w
 
 
 def test_read_header_finds_rid_and_op_in_a_body_decode_refuses():
-    bad_utf8 = p.encode({"proto": "ppoz", "v": 1, "op": "step", "obs": {"prompt": "XXXX"}, "rid": "r1"}).replace(b"XXXX", b"\xff\xfe\xfd\xfc")
+    bad_utf8 = p.encode({"proto": "ppoz", "v": 1, "op": "step", "obs": {"prompt": "XXXX"}, "rid": "r1"}).replace(
+        b"XXXX", b"\xff\xfe\xfd\xfc"
+    )
     with pytest.raises(p.ProtocolError):
         p.decode(bad_utf8)
     assert p.read_header(bad_utf8) == {"op": "step", "rid": "r1"}

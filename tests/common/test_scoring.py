@@ -10,11 +10,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from common import scoring as s
 
 OBSERVATIONS = [
-    ("Task: explore. Screen: MainActivity with [0] Cart [1] Search.", "Which action should I choose next? I shall choose No. ",
-     ["0: TouchEvent(view=Cart)", "1: TouchEvent(view=Search) with a much longer description of the view", "x", "KillAppEvent()"]),
+    (
+        "Task: explore. Screen: MainActivity with [0] Cart [1] Search.",
+        "Which action should I choose next? I shall choose No. ",
+        ["0: TouchEvent(view=Cart)", "1: TouchEvent(view=Search) with a much longer description of the view", "x", "KillAppEvent()"],
+    ),
     ("Écran: Réglages — ünïcödé 画面", "", [" leading space", "ü", "BACK"]),
     ("short", " q ", ["a", "b"]),
-]  # fmt: skip
+]
 
 
 def load(path: str, attn: str = "sdpa"):
@@ -92,8 +95,9 @@ def test_cached_prefix_gives_the_uncached_result(tiny_models, arch):
         while longer.context[common] == batch[0].context[common]:
             common += 1
         prefix = [(k[:, :, :common], v[:, :, :common]) for k, v in kvs[0]]
-        assert torch.allclose(s.score_packed(model, [longer], past=[(prefix, common)])[0],
-                              s.score_per_candidate(model, [longer])[0], atol=1e-4)  # fmt: skip
+        assert torch.allclose(
+            s.score_packed(model, [longer], past=[(prefix, common)])[0], s.score_per_candidate(model, [longer])[0], atol=1e-4
+        )
 
 
 def causal_only_attention(module, query, key, value, attention_mask, **kwargs):

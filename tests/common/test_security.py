@@ -16,9 +16,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -32,11 +33,11 @@ from broker.config import BrokerConfig
 from client import AsyncClient, Client, PPOClient, RequestTimeout
 from common.config import ConfigError, load
 from common.security import ALLOW_ANY, ClientKeys, KeyFileError, client_keys, generate_keypair, load_keypair, load_public
+from common.shared_settings import PolicySpec
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from tests.broker.test_restart import free_port
 from tests.helpers import OBS, actors_ready, wait_for
-from common.shared_settings import PolicySpec
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
 
@@ -86,8 +87,11 @@ def curve_broker(start_broker: Callable[..., Any], keys: Keys) -> Callable[..., 
     """Start a broker with CURVE on both sockets (config overrides as for start_broker)."""
 
     def start(**overrides: Any) -> Any:
-        settings = dict(curve_secret_key=keys.secret("broker"), curve_allowed_clients=str(keys.allowed_clients),
-                        curve_allowed_actors=str(keys.allowed_actors))  # fmt: skip
+        settings = dict(
+            curve_secret_key=keys.secret("broker"),
+            curve_allowed_clients=str(keys.allowed_clients),
+            curve_allowed_actors=str(keys.allowed_actors),
+        )
         settings.update(overrides)
         return start_broker(**settings)
 
@@ -161,15 +165,25 @@ def test_async_and_ppoapi_clients_speak_curve(curve_broker, start_curve_actor, m
     wait_for(lambda: actors_ready(make_curve_client(broker.frontend), 1), what="the CURVE actor to register")
 
     async def play() -> dict[str, Any]:
-        async with AsyncClient(broker.frontend, deadline=10, context=zmq_context, curve_secret_key=keys.secret("client"),
-                               curve_server_key=keys.public("broker")) as c:  # fmt: skip
+        async with AsyncClient(
+            broker.frontend,
+            deadline=10,
+            context=zmq_context,
+            curve_secret_key=keys.secret("client"),
+            curve_server_key=keys.public("broker"),
+        ) as c:
             return await c.step(await c.attach(), OBS)
 
     assert asyncio.run(play())["status"] == "ok"
     # Keys given as Z85 strings rather than files.
     _, secret = load_keypair(keys.secret("client"))
-    with PPOClient(broker.frontend, deadline=10, context=zmq_context, curve_secret_key=secret.decode(),
-                   curve_server_key=load_public(keys.public("broker")).decode()) as kea:  # fmt: skip
+    with PPOClient(
+        broker.frontend,
+        deadline=10,
+        context=zmq_context,
+        curve_secret_key=secret.decode(),
+        curve_server_key=load_public(keys.public("broker")).decode(),
+    ) as kea:
         kea.attach()
         assert kea.step(OBS)["status"] == "ok"
 
@@ -205,8 +219,12 @@ def test_client_keeps_curve_on_the_sockets_it_opens_after_a_timeout(start_broker
     pinger = threading.Thread(target=ping, daemon=True)
     pinger.start()
     time.sleep(1.0)
-    start_broker(frontend=f"tcp://127.0.0.1:{port}", curve_secret_key=keys.secret("broker"),
-                 curve_allowed_clients=str(keys.allowed_clients), curve_allowed_actors=str(keys.allowed_actors))  # fmt: skip
+    start_broker(
+        frontend=f"tcp://127.0.0.1:{port}",
+        curve_secret_key=keys.secret("broker"),
+        curve_allowed_clients=str(keys.allowed_clients),
+        curve_allowed_actors=str(keys.allowed_actors),
+    )
     pinger.join(20)
     assert result and isinstance(result[0], dict) and result[0]["status"] == "ok", result
     assert client.attempts >= 3
@@ -231,8 +249,7 @@ def test_plain_client_gets_no_answer(curve_broker, make_curve_client):
 
 def test_client_with_an_ephemeral_key_is_refused_by_an_allow_list(curve_broker, make_curve_client, keys):
     broker = curve_broker()
-    anonymous = make_curve_client(broker.frontend, deadline=REFUSED_DEADLINE_S, attempt_timeout=0.5,
-                                  curve_server_key=keys.public("broker"))  # fmt: skip
+    anonymous = make_curve_client(broker.frontend, deadline=REFUSED_DEADLINE_S, attempt_timeout=0.5, curve_server_key=keys.public("broker"))
     assert_refused(anonymous, broker)
 
 
@@ -254,8 +271,10 @@ def test_a_key_added_to_the_allow_list_is_accepted_without_a_restart(curve_broke
 
 def test_actors_with_an_unknown_key_or_without_curve_are_not_registered(curve_broker, start_curve_actor, make_curve_client, keys):
     broker = curve_broker()
-    refused = [start_curve_actor(broker.backend, keys.client("stranger"), name="stranger-actor"),
-               start_curve_actor(broker.backend, None, name="plain-actor")]  # fmt: skip
+    refused = [
+        start_curve_actor(broker.backend, keys.client("stranger"), name="stranger-actor"),
+        start_curve_actor(broker.backend, None, name="plain-actor"),
+    ]
     probe = make_curve_client(broker.frontend)
     time.sleep(1.0)  # ten heartbeat intervals: plenty for a ready message to arrive, were it let in
     assert probe.status()["actors"] == []
@@ -290,7 +309,7 @@ class Relay:
         while not self.stopped.is_set():
             try:
                 downstream, _ = self.listener.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             self.sockets += [downstream, upstream]
@@ -322,8 +341,15 @@ class Relay:
 
 @pytest.mark.parametrize("curve", [True, False], ids=["curve", "plain"])
 def test_traffic_is_not_readable_on_the_wire_with_curve(curve, start_broker, start_curve_actor, make_curve_client, keys):
-    settings = dict(curve_secret_key=keys.secret("broker"), curve_allowed_clients=str(keys.allowed_clients),
-                    curve_allowed_actors=str(keys.allowed_actors)) if curve else {}  # fmt: skip
+    settings = (
+        dict(
+            curve_secret_key=keys.secret("broker"),
+            curve_allowed_clients=str(keys.allowed_clients),
+            curve_allowed_actors=str(keys.allowed_actors),
+        )
+        if curve
+        else {}
+    )
     broker = start_broker(**settings)
     start_curve_actor(broker.backend, keys.client("actor") if curve else None)
     relay = Relay(int(broker.frontend.rsplit(":", 1)[1]))
@@ -351,22 +377,40 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "llama", "llama"))
 
 
-def test_weight_announcements_reach_only_allowed_curve_subscribers(tiny_llama, redis_url, redis_client, key_prefix, keys,
-                                                                     zmq_context, tmp_path):  # fmt: skip
+def test_weight_announcements_reach_only_allowed_curve_subscribers(
+    tiny_llama, redis_url, redis_client, key_prefix, keys, zmq_context, tmp_path
+):
     from learner_node.config import LearnerConfig
     from learner_node.worker import Learner
 
     learner_keys = {"curve_secret_key": keys.secret("learner"), "curve_allowed_actors": str(keys.allowed_actors)}
-    learner = Learner(LearnerConfig(policy=PolicySpec(model=tiny_llama, lora_rank=4), device="cpu", redis_url=redis_url, key_prefix=key_prefix,
-                                    weights_bind="tcp://127.0.0.1:*", tensorboard_dir="", checkpoint_dir=str(tmp_path / "ck"),
-                                    **learner_keys), redis_client, zmq_context)  # fmt: skip
+    learner = Learner(
+        LearnerConfig(
+            policy=PolicySpec(model=tiny_llama, lora_rank=4),
+            device="cpu",
+            redis_url=redis_url,
+            key_prefix=key_prefix,
+            weights_bind="tcp://127.0.0.1:*",
+            tensorboard_dir="",
+            checkpoint_dir=str(tmp_path / "ck"),
+            **learner_keys,
+        ),
+        redis_client,
+        zmq_context,
+    )
     # The followers read another prefix, so Redis (the backstop) never hands them the snapshot: only PUB can.
     elsewhere = f"{key_prefix}-nothing-here"
     followers = {
-        "allowed": WeightFollower(redis_client, elsewhere, learner.weights_endpoint, zmq_context,
-                                  curve=client_keys(keys.secret("actor"), keys.public("learner"))),  # fmt: skip
-        "stranger": WeightFollower(redis_client, elsewhere, learner.weights_endpoint, zmq_context,
-                                   curve=client_keys(keys.secret("stranger"), keys.public("learner"))),  # fmt: skip
+        "allowed": WeightFollower(
+            redis_client, elsewhere, learner.weights_endpoint, zmq_context, curve=client_keys(keys.secret("actor"), keys.public("learner"))
+        ),
+        "stranger": WeightFollower(
+            redis_client,
+            elsewhere,
+            learner.weights_endpoint,
+            zmq_context,
+            curve=client_keys(keys.secret("stranger"), keys.public("learner")),
+        ),
         "plain": WeightFollower(redis_client, elsewhere, learner.weights_endpoint, zmq_context),
     }
     got: dict[str, Any] = {}
@@ -414,8 +458,12 @@ def test_keygen_writes_a_pair_and_refuses_to_overwrite(tmp_path):
 
 def test_broker_with_a_missing_key_file_fails_at_start_naming_it(tmp_path):
     missing = tmp_path / "nowhere" / "broker.key_secret"
-    result = subprocess.run([*PPOZ, "broker", "--curve-secret-key", str(missing), "--curve-allowed-clients", "*",
-                             "--curve-allowed-actors", "*"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [*PPOZ, "broker", "--curve-secret-key", str(missing), "--curve-allowed-clients", "*", "--curve-allowed-actors", "*"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "curve_secret_key" in result.stderr and str(missing) in result.stderr and "does not exist" in result.stderr
     assert "Traceback" not in result.stderr
@@ -429,8 +477,10 @@ def test_config_errors_name_the_setting_and_the_file(keys, tmp_path):
     with pytest.raises(ConfigError, match="holds no secret key"):
         load(BrokerConfig, flags={"curve_secret_key": keys.public("broker"), "curve_allowed_clients": "*", "curve_allowed_actors": "*"})
     with pytest.raises(ConfigError, match="`curve_allowed_clients`: allow-list directory .*nope does not exist"):
-        load(BrokerConfig, flags={"curve_secret_key": keys.secret("broker"), "curve_allowed_clients": str(tmp_path / "nope"),
-                                  "curve_allowed_actors": "*"})  # fmt: skip
+        load(
+            BrokerConfig,
+            flags={"curve_secret_key": keys.secret("broker"), "curve_allowed_clients": str(tmp_path / "nope"), "curve_allowed_actors": "*"},
+        )
     with pytest.raises(ConfigError, match="`curve_allowed_clients` = .* is set but `curve_secret_key` is empty"):
         load(BrokerConfig, flags={"curve_allowed_clients": "*"})
     with pytest.raises(ConfigError, match="`curve_broker_key`: key file .*missing.key does not exist"):

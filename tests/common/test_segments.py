@@ -11,14 +11,31 @@ OBS = {"prompt": "Screen: Main", "question": "Next? ", "action": ["a", "b"]}
 
 
 def transition(reward: float, done: bool = False) -> Transition:
-    return Transition(obs=OBS, action=1, logprob=-0.69, probs=[0.5, 0.5], policy_version=3, mode="step", reward=reward, done=done,
-                      truncated=False, step_ms=1, feedback_ms=2)  # fmt: skip
+    return Transition(
+        obs=OBS,
+        action=1,
+        logprob=-0.69,
+        probs=[0.5, 0.5],
+        policy_version=3,
+        mode="step",
+        reward=reward,
+        done=done,
+        truncated=False,
+        step_ms=1,
+        feedback_ms=2,
+    )
 
 
 def test_keys_have_one_layout():
     keys = RedisKeys("P", "segs")
     assert (keys.stream, keys.tasks, keys.task("t"), keys.open_segment("t"), keys.history("t"), keys.tombstone("t")) == (
-        "P:segs", "P:tasks", "P:task:t", "P:seg:t", "P:hist:t", "P:detached:t")  # fmt: skip
+        "P:segs",
+        "P:tasks",
+        "P:task:t",
+        "P:seg:t",
+        "P:hist:t",
+        "P:detached:t",
+    )
     assert (keys.weights_latest, keys.weights_snapshot(7), keys.learner_latest) == ("P:weights:latest", "P:weights:v7", "P:learner:latest")
 
 
@@ -35,8 +52,15 @@ def test_a_segment_closed_by_the_broker_script_reads_back_field_for_field(redis_
     [(_, fields)] = redis_client.xrange(keys.stream)
     assert tuple(k.decode() for k in fields) == ENTRY_FIELDS  # exactly the names the learner reads, in order
     seg = Segment.from_entry(fields)
-    assert (seg.seg_id, seg.task_id, seg.seq, seg.reason, seg.done, seg.truncated, seg.next_obs) == ("emu-1:e1:0", "emu-1", 0, "done",
-                                                                                                    True, False, None)  # fmt: skip
+    assert (seg.seg_id, seg.task_id, seg.seq, seg.reason, seg.done, seg.truncated, seg.next_obs) == (
+        "emu-1:e1:0",
+        "emu-1",
+        0,
+        "done",
+        True,
+        False,
+        None,
+    )
     assert seg.transitions == [transition(0.5), transition(1.0, done=True)]
     assert not redis_client.exists(keys.open_segment("emu-1"))
 

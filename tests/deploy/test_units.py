@@ -162,8 +162,11 @@ def install_root(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (Debian: apt-get install systemd); "
-                                                    "test_units_parse_as_unit_files and the checks below still run")  # fmt: skip
+@pytest.mark.skipif(
+    SYSTEMD_ANALYZE is None,
+    reason="systemd-analyze is not installed (Debian: apt-get install systemd); "
+    "test_units_parse_as_unit_files and the checks below still run",
+)
 def test_systemd_analyze_verify_finds_nothing_to_say(tmp_path):
     root = install_root(tmp_path)
     # A canary with a key systemd does not know proves that this setup reports problems at all.
@@ -171,11 +174,16 @@ def test_systemd_analyze_verify_finds_nothing_to_say(tmp_path):
         f"[Service]\nType=notify\nExecStart={PPOZ_PROGRAM} broker\nNoSuchSetting=yes\n"
     )
     names = [*(n for n in SERVICES if "@" not in n), "ppoz-actor@0.service", "ppoz-actor@.service", TARGET]
-    result = subprocess.run([SYSTEMD_ANALYZE, "verify", f"--root={root}", "--man=no", *names, "ppoz-canary.service"],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", f"--root={root}", "--man=no", *names, "ppoz-canary.service"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     output = (result.stdout + result.stderr).splitlines()
-    assert any("ppoz-canary.service" in line and "NoSuchSetting" in line for line in output), \
-        "systemd-analyze verify did not report the canary's unknown key: the check is not working\n" + "\n".join(output)  # fmt: skip
+    assert any("ppoz-canary.service" in line and "NoSuchSetting" in line for line in output), (
+        "systemd-analyze verify did not report the canary's unknown key: the check is not working\n" + "\n".join(output)
+    )
     ours = [line for line in output if OUR_UNIT.search(line)]
     assert not ours, "systemd-analyze verify about our units:\n" + "\n".join(ours)
     assert result.returncode == 0, "systemd-analyze verify failed:\n" + "\n".join(output)
@@ -186,8 +194,12 @@ def test_systemd_analyze_security_rates_every_service_ok(tmp_path):
     """Exposure 4.0 or less of 10 ("OK"): a guard against dropping hardening by accident."""
     root = install_root(tmp_path)
     names = [*(n for n in SERVICES if "@" not in n), "ppoz-actor@0.service"]
-    result = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", "--threshold=40", f"--root={root}", *names],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [SYSTEMD_ANALYZE, "security", "--offline=yes", "--threshold=40", f"--root={root}", *names],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     overall = [line for line in result.stdout.splitlines() if "Overall exposure level" in line]
     assert len(overall) == len(names), result.stdout + result.stderr
     assert result.returncode == 0, "\n".join(overall) + "\n" + result.stderr
@@ -197,8 +209,14 @@ def test_systemd_analyze_security_rates_every_service_ok(tmp_path):
 def test_enabling_as_the_readme_says_puts_the_services_under_the_target(tmp_path):
     """`systemctl enable` works offline on a --root: the README's commands, one actor per GPU."""
     root = install_root(tmp_path)
-    enable = ["ppoz.target", "ppoz-broker.service", "ppoz-learner.service", "ppoz-gateway.service",
-              "ppoz-actor@0.service", "ppoz-actor@1.service"]  # fmt: skip
+    enable = [
+        "ppoz.target",
+        "ppoz-broker.service",
+        "ppoz-learner.service",
+        "ppoz-gateway.service",
+        "ppoz-actor@0.service",
+        "ppoz-actor@1.service",
+    ]
     result = subprocess.run([SYSTEMCTL, f"--root={root}", "enable", *enable], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     wants = root / "etc/systemd/system/ppoz.target.wants"
@@ -285,8 +303,9 @@ def test_service_is_ordered_after_network_and_a_local_redis(name):
     assert "network-online.target" in after
     if name != "ppoz-gateway.service":  # the gateway talks to the broker only
         assert "redis-server.service" in after
-    assert "redis-server.service" not in words(name, "Unit", "Requires") + words(name, "Unit", "Wants"), \
-        "Redis may run on another machine: order after it, never pull it in"  # fmt: skip
+    assert "redis-server.service" not in words(name, "Unit", "Requires") + words(name, "Unit", "Wants"), (
+        "Redis may run on another machine: order after it, never pull it in"
+    )
 
 
 @pytest.mark.parametrize("name", SERVICES)
@@ -311,11 +330,18 @@ def test_learner_resumes_from_its_checkpoint():
 
 
 HARDENING = {
-    "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes",
-    "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes", "ProtectControlGroups": "yes",
-    "RestrictNamespaces": "yes", "LockPersonality": "yes", "RestrictRealtime": "yes",
+    "NoNewPrivileges": "yes",
+    "ProtectSystem": "strict",
+    "ProtectHome": "yes",
+    "PrivateTmp": "yes",
+    "ProtectKernelTunables": "yes",
+    "ProtectKernelModules": "yes",
+    "ProtectControlGroups": "yes",
+    "RestrictNamespaces": "yes",
+    "LockPersonality": "yes",
+    "RestrictRealtime": "yes",
     "SystemCallArchitectures": "native",
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", SERVICES)

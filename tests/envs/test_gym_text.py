@@ -109,10 +109,12 @@ def test_bad_map_name_is_rejected() -> None:
 
 
 def test_no_pygame_and_no_warnings_in_a_fresh_interpreter() -> None:
-    code = ("import sys; from envs.gym_text import GYM_ENVS, make_gym_env\n"
-            "for name in GYM_ENVS:\n"
-            "    env = make_gym_env(name); env.reset(seed=0); env.step(0); env.close()\n"
-            "assert 'pygame' not in sys.modules, 'pygame was imported'\n")  # fmt: skip
+    code = (
+        "import sys; from envs.gym_text import GYM_ENVS, make_gym_env\n"
+        "for name in GYM_ENVS:\n"
+        "    env = make_gym_env(name); env.reset(seed=0); env.step(0); env.close()\n"
+        "assert 'pygame' not in sys.modules, 'pygame was imported'\n"
+    )
     done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
 
@@ -179,7 +181,9 @@ def find_seed(env: TaxiText, wanted: Any) -> int:
     raise AssertionError("no such start state in 2000 seeds")
 
 
-@pytest.mark.parametrize(("name", "delta"), [("move south", (1, 0)), ("move north", (-1, 0)), ("move east", (0, 1)), ("move west", (0, -1))])
+@pytest.mark.parametrize(
+    ("name", "delta"), [("move south", (1, 0)), ("move north", (-1, 0)), ("move east", (0, 1)), ("move west", (0, -1))]
+)
 def test_taxi_candidate_names_move_as_named(name: str, delta: tuple[int, int]) -> None:
     env = TaxiText()
     seed = find_seed(env, lambda row, col, p, d: (row, col) == (2, 2))  # the centre: no walls around it
@@ -204,8 +208,18 @@ def test_taxi_delivery_pays_20_and_terminates() -> None:
     env = TaxiText()
     seed = find_seed(env, lambda row, col, p, d: (row, col, p, d) == (0, 0, 0, 1))
     obs = env.reset(seed=seed)
-    names = ["pick up passenger", "move south", "move south", "move east", "move east", "move east", "move east",
-             "move north", "move north", "drop off passenger"]  # fmt: skip
+    names = [
+        "pick up passenger",
+        "move south",
+        "move south",
+        "move east",
+        "move east",
+        "move east",
+        "move east",
+        "move north",
+        "move north",
+        "drop off passenger",
+    ]
     rewards = []
     for name in names:
         result = env.step(index(obs, name))

@@ -102,13 +102,15 @@ def test_same_config_same_app_prompts_and_rewards() -> None:
 
 def test_same_config_same_app_in_every_process() -> None:
     """A farm builds the app once per client process: string hashing must not leak into it."""
-    code = ("import hashlib, json, random\n"
-            "from envs.kea_sim import KeaSim, SimConfig\n"
-            "env, rng, out = KeaSim(SimConfig(seed=5)), random.Random(1), []\n"
-            "obs = env.reset()\n"
-            "for _ in range(12):\n"
-            "    r = env.step(rng.randrange(len(obs['action']))); obs = r.obs; out.append([obs, r.reward])\n"
-            "print(hashlib.sha256(json.dumps(out).encode()).hexdigest())\n")  # fmt: skip
+    code = (
+        "import hashlib, json, random\n"
+        "from envs.kea_sim import KeaSim, SimConfig\n"
+        "env, rng, out = KeaSim(SimConfig(seed=5)), random.Random(1), []\n"
+        "obs = env.reset()\n"
+        "for _ in range(12):\n"
+        "    r = env.step(rng.randrange(len(obs['action']))); obs = r.obs; out.append([obs, r.reward])\n"
+        "print(hashlib.sha256(json.dumps(out).encode()).hexdigest())\n"
+    )
     digests = set()
     for hash_seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
@@ -133,9 +135,16 @@ def test_different_seed_different_app() -> None:
     assert trace(SimConfig(seed=0), 3) != trace(SimConfig(seed=1), 3)
 
 
-@pytest.mark.parametrize("cfg", [SimConfig(), SimConfig(seed=3, screens=2, links_per_screen=1, external_links=0),
-                                 SimConfig(seed=7, screens=16, links_per_screen=1), SimConfig(seed=9, screens=12, tarpits=False)],
-                         ids=["default", "two-screens", "sixteen-one-link", "no-tarpits"])  # fmt: skip
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SimConfig(),
+        SimConfig(seed=3, screens=2, links_per_screen=1, external_links=0),
+        SimConfig(seed=7, screens=16, links_per_screen=1),
+        SimConfig(seed=9, screens=12, tarpits=False),
+    ],
+    ids=["default", "two-screens", "sixteen-one-link", "no-tarpits"],
+)
 def test_every_ordinary_screen_is_reachable_from_main(cfg: SimConfig) -> None:
     app = build_app(cfg)
     screens = ordinary(app)
@@ -282,7 +291,7 @@ def test_invalid_actions_raise_and_change_nothing(bad: Any) -> None:
 
 def history(obs: Observation) -> list[str]:
     lines = obs["prompt"].splitlines()
-    start, end = lines.index("History of actions:"), next(i for i, l in enumerate(lines) if l.startswith("Current page: "))
+    start, end = lines.index("History of actions:"), next(i for i, line in enumerate(lines) if line.startswith("Current page: "))
     return lines[start + 1 : end]
 
 
@@ -295,7 +304,7 @@ def check_prompt(env: KeaSim, obs: Observation, seen: list[str]) -> None:
     assert lines[2] == "History of actions:"
     here = page(obs)
     assert here == env.stack[-1]
-    views = next(l for l in lines if l.startswith("Views: "))
+    views = next(line for line in lines if line.startswith("Views: "))
     for w in env.app[here].widgets:
         assert f"<{w.kind.lower()}>{w.text}</{w.kind.lower()}>" in views
     if not env.app[here].widgets:
@@ -332,7 +341,7 @@ def test_action_strings_have_keas_shapes() -> None:
     cfg = SimConfig(seed=0)
     env = KeaSim(cfg)
     state_of: dict[str, str] = {}
-    for name, labels in paths_from_main(cfg).items():
+    for labels in paths_from_main(cfg).values():
         obs = go(env, labels)
         here = page(obs)
         actions = obs["action"]
@@ -370,12 +379,28 @@ def test_action_strings_without_hashes() -> None:
 # -- configuration ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("screens", 1), ("screens", 17), ("screens", "8"), ("links_per_screen", 0), ("links_per_screen", 9),
-    ("external_links", -1), ("external_links", 9), ("horizon", 0), ("horizon", 2.5), ("horizon", True),
-    ("history_limit", -1), ("seed", None), ("tarpits", "no"), ("event_hashes", 1), ("reward_new_state", "1"),
-    ("penalty_outside", float("nan")), ("penalty_kill", True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("screens", 1),
+        ("screens", 17),
+        ("screens", "8"),
+        ("links_per_screen", 0),
+        ("links_per_screen", 9),
+        ("external_links", -1),
+        ("external_links", 9),
+        ("horizon", 0),
+        ("horizon", 2.5),
+        ("horizon", True),
+        ("history_limit", -1),
+        ("seed", None),
+        ("tarpits", "no"),
+        ("event_hashes", 1),
+        ("reward_new_state", "1"),
+        ("penalty_outside", float("nan")),
+        ("penalty_kill", True),
+    ],
+)
 def test_bad_config_names_the_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=rf"^{field}={re.escape(repr(value))}: "):
         SimConfig(**{field: value})

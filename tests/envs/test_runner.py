@@ -10,8 +10,9 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import redis as redis_py
@@ -27,8 +28,9 @@ APP = dict(screens=5, links_per_screen=2, external_links=1, horizon=4)
 
 
 @pytest.fixture
-def served(start_broker: Callable[..., RunningBroker], start_actor: Callable[..., RunningActor],
-           make_client: Callable[..., Client]) -> tuple[RunningBroker, Client]:  # fmt: skip
+def served(
+    start_broker: Callable[..., RunningBroker], start_actor: Callable[..., RunningActor], make_client: Callable[..., Client]
+) -> tuple[RunningBroker, Client]:
     """A broker with one uniform-policy actor attached, and a client to ask it for its status."""
     broker = start_broker()
     start_actor(broker.backend)
@@ -48,8 +50,9 @@ def free_endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_runner_plays_every_client_to_max_episodes(served: tuple[RunningBroker, Client], redis_client: redis_py.Redis,
-                                                   key_prefix: str) -> None:  # fmt: skip
+def test_runner_plays_every_client_to_max_episodes(
+    served: tuple[RunningBroker, Client], redis_client: redis_py.Redis, key_prefix: str
+) -> None:
     broker, client = served
     horizon = APP["horizon"]
     runner = Runner(broker.frontend, make_env_factory("kea", seed=3, **APP), clients=3, deadline=20, max_episodes=2)
@@ -155,8 +158,22 @@ def ppoz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 def test_play_prints_one_json_object(served: tuple[RunningBroker, Client]) -> None:
     broker, client = served
-    done = ppoz("play", "--env", "frozenlake", "--clients", "2", "--episodes", "2", "--json", "--random-baseline", "20", "--seconds", "60",
-                "--broker", broker.frontend)  # fmt: skip
+    done = ppoz(
+        "play",
+        "--env",
+        "frozenlake",
+        "--clients",
+        "2",
+        "--episodes",
+        "2",
+        "--json",
+        "--random-baseline",
+        "20",
+        "--seconds",
+        "60",
+        "--broker",
+        broker.frontend,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)  # the whole of stdout: one object and nothing else
     assert (report["episodes"], report["failures"], report["env"]) == (4, 0, "frozenlake")
@@ -184,10 +201,16 @@ def play_here(*args: str) -> int:
     return codes[0]
 
 
-@pytest.mark.parametrize(("args", "named"), [(["--env-option", "nonsense"], "'nonsense'"), (["--env", "pong"], "'pong'"),
-                                             (["--env-option", "tarpits=no"], "tarpits='no'"),
-                                             (["--env", "taxi", "--env-option", "max_steps=0"], "max_steps"),
-                                             (["--clients", "0"], "--clients")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--env-option", "nonsense"], "'nonsense'"),
+        (["--env", "pong"], "'pong'"),
+        (["--env-option", "tarpits=no"], "tarpits='no'"),
+        (["--env", "taxi", "--env-option", "max_steps=0"], "max_steps"),
+        (["--clients", "0"], "--clients"),
+    ],
+)
 def test_play_names_the_bad_input(args: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The same checks in this process (each one a subprocess would cost seconds of imports)."""
     assert play_here(*args) == 2

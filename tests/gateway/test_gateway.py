@@ -7,7 +7,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -230,9 +231,11 @@ def test_ppoz_gateway_command_serves_and_stops_on_sigterm(start_broker, start_ac
     start_actor(broker.backend)
     wait_for(lambda: actors_ready(make_client(broker.frontend), 1), what="the actor")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ppoz.cli", "gateway", "--port", str(port), "--broker", broker.frontend],
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ppoz.cli", "gateway", "--port", str(port), "--broker", broker.frontend], stderr=subprocess.PIPE, text=True
+    )
     try:
+
         def healthy() -> bool:
             try:
                 return requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200

@@ -18,8 +18,18 @@ def on_policy_segments(model, tokenizer, n: int, version: int = 0, seed: int = 0
     with torch.no_grad():
         choices = actor.choose_batch([{"job": i, "task_id": f"t{i}", "obs": BANDIT} for i in range(n)])
     for i, choice in enumerate(choices):
-        t = Transition(obs=BANDIT, action=choice.action, logprob=choice.logprob, probs=choice.probs, policy_version=version,
-                       reward=1.0 if choice.action == 1 else 0.0, done=True, truncated=False, mode="step")  # fmt: skip
-        segments.append(Segment(seg_id=f"t{i}:0", task_id=f"t{i}", seq=0, reason="done", done=True, truncated=False, next_obs=None,
-                                transitions=[t]))  # fmt: skip
+        t = Transition(
+            obs=BANDIT,
+            action=choice.action,
+            logprob=choice.logprob,
+            probs=choice.probs,
+            policy_version=version,
+            reward=1.0 if choice.action == 1 else 0.0,
+            done=True,
+            truncated=False,
+            mode="step",
+        )
+        segments.append(
+            Segment(seg_id=f"t{i}:0", task_id=f"t{i}", seq=0, reason="done", done=True, truncated=False, next_obs=None, transitions=[t])
+        )
     return segments

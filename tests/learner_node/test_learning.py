@@ -8,11 +8,11 @@ import time
 import pytest
 
 from actor_node.config import ActorConfig
+from actor_node.main import run_actor
 from common.redis_server import connect
+from common.shared_settings import PolicySpec
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
-from actor_node.main import run_actor
-from common.shared_settings import PolicySpec
 from tests.helpers import actors_ready, wait_for
 from tests.learner_node.helpers import BANDIT
 
@@ -24,16 +24,38 @@ def test_bandit_through_broker_and_actor_learns(start_broker, make_client, tiny_
     broker = start_broker(max_stream_backlog=24)
     # All weights trained (--lora-rank 0), as for a tiny model; LoRA updates are covered in test_update.py.
     policy = PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token")
-    learner_cfg = LearnerConfig(policy=policy, device="cpu", redis_url=redis_url, key_prefix=key_prefix, rollout_batch=16, policy_minibatch=8,
-                                micro_batch=8, update_epochs=4, policy_lr=1e-3, value_lr=1e-3, target_kl=0.0, ent_coef=0.0,
-                                weights_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
-                                tensorboard_dir=str(tmp_path / "tb"), max_updates=40)  # fmt: skip
+    learner_cfg = LearnerConfig(
+        policy=policy,
+        device="cpu",
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+        rollout_batch=16,
+        policy_minibatch=8,
+        micro_batch=8,
+        update_epochs=4,
+        policy_lr=1e-3,
+        value_lr=1e-3,
+        target_kl=0.0,
+        ent_coef=0.0,
+        weights_bind="tcp://127.0.0.1:*",
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        tensorboard_dir=str(tmp_path / "tb"),
+        max_updates=40,
+    )
     learner = Learner(learner_cfg, connect(redis_url, socket_timeout=30))
     learner_thread = threading.Thread(target=learner.run, daemon=True)
     learner_thread.start()
     stop = threading.Event()
-    actor_cfg = ActorConfig(broker=broker.backend, policy=policy, device="cpu", redis_url=redis_url, key_prefix=key_prefix,
-                            weights=learner.weights_endpoint, weights_poll_s=1.0, heartbeat_ms=100)  # fmt: skip
+    actor_cfg = ActorConfig(
+        broker=broker.backend,
+        policy=policy,
+        device="cpu",
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+        weights=learner.weights_endpoint,
+        weights_poll_s=1.0,
+        heartbeat_ms=100,
+    )
     threading.Thread(target=run_actor, args=(actor_cfg, stop), daemon=True).start()
     client = make_client(broker.frontend, deadline=60)
     wait_for(lambda: actors_ready(client, 1), timeout=60, what="the actor")

@@ -9,19 +9,32 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from common.redis_server import connect
+from common.shared_settings import PolicySpec
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
 from tests.learner_node.test_resume import write_segments
 from tests.learner_node.test_update import _free_port
-from common.shared_settings import PolicySpec
 
 
 def settings(model: str, redis_url: str, prefix: str, ckpt: str) -> LearnerConfig:
-    return LearnerConfig(policy=PolicySpec(model=model, lora_rank=4, normalisation="token"), device="cpu", redis_url=redis_url, key_prefix=prefix,
-                         rollout_batch=8, policy_minibatch=4, micro_batch=2, max_policy_lag=1000, target_kl=0.0,
-                         checkpoint_dir=ckpt, tensorboard_dir="", weights_bind="tcp://127.0.0.1:*", max_updates=2,
-                         read_block_ms=200, policy_lr=1e-2)  # fmt: skip
+    return LearnerConfig(
+        policy=PolicySpec(model=model, lora_rank=4, normalisation="token"),
+        device="cpu",
+        redis_url=redis_url,
+        key_prefix=prefix,
+        rollout_batch=8,
+        policy_minibatch=4,
+        micro_batch=2,
+        max_policy_lag=1000,
+        target_kl=0.0,
+        checkpoint_dir=ckpt,
+        tensorboard_dir="",
+        weights_bind="tcp://127.0.0.1:*",
+        max_updates=2,
+        read_block_ms=200,
+        policy_lr=1e-2,
+    )
 
 
 def _rank(rank: int, world: int, port: int, cfg: LearnerConfig) -> None:

@@ -26,10 +26,21 @@ GROUP, CONSUMER = "learners", "learner-0"
 
 
 def make_learner(tiny_models, redis_url, redis_client, key_prefix, tmp_path, **overrides) -> Learner:
-    settings = dict(policy=PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token"), device="cpu", redis_url=redis_url,
-                    key_prefix=key_prefix, rollout_batch=4, policy_minibatch=4, micro_batch=4, update_epochs=1,
-                    max_policy_lag=1000, weights_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"),
-                    tensorboard_dir="", read_block_ms=100)  # fmt: skip
+    settings = dict(
+        policy=PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token"),
+        device="cpu",
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+        rollout_batch=4,
+        policy_minibatch=4,
+        micro_batch=4,
+        update_epochs=1,
+        max_policy_lag=1000,
+        weights_bind="tcp://127.0.0.1:*",
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        tensorboard_dir="",
+        read_block_ms=100,
+    )
     settings.update(overrides)
     learner = Learner(LearnerConfig(**settings), redis_client)
     learner.start()
@@ -64,8 +75,7 @@ def test_pending_entries_fewer_than_a_rollout_are_read_once(tiny_models, redis_u
 
 
 @pytest.mark.slow
-def test_entries_delivered_by_a_lost_read_are_trained_by_the_next_rollout(tiny_models, redis_url, redis_client, key_prefix,
-                                                                        tmp_path):  # fmt: skip
+def test_entries_delivered_by_a_lost_read_are_trained_by_the_next_rollout(tiny_models, redis_url, redis_client, key_prefix, tmp_path):
     write_segments(redis_client, key_prefix, 8)
     learner = make_learner(tiny_models, redis_url, redis_client, key_prefix, tmp_path, rollout_timeout_s=0.5)
     try:
@@ -81,8 +91,7 @@ def test_entries_delivered_by_a_lost_read_are_trained_by_the_next_rollout(tiny_m
 
 
 @pytest.mark.slow
-def test_pending_entries_deleted_from_the_stream_do_not_stall_the_reader(tiny_models, redis_url, redis_client, key_prefix,
-                                                                        tmp_path):  # fmt: skip
+def test_pending_entries_deleted_from_the_stream_do_not_stall_the_reader(tiny_models, redis_url, redis_client, key_prefix, tmp_path):
     write_segments(redis_client, key_prefix, 6)
     learner = make_learner(tiny_models, redis_url, redis_client, key_prefix, tmp_path)
     stream = f"{key_prefix}:segments"

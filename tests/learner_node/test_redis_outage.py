@@ -34,10 +34,22 @@ def test_an_outage_after_the_checkpoint_delays_the_updates_redis_work_but_loses_
     prefix = "outage"
     try:
         write_segments(client, prefix, 4)
-        cfg = LearnerConfig(policy=PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token"), device="cpu", redis_url=server.url,
-                            key_prefix=prefix, rollout_batch=4, policy_minibatch=4, micro_batch=4, update_epochs=1, max_policy_lag=1000,
-                            weights_bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir="",
-                            read_block_ms=100, max_updates=1)  # fmt: skip
+        cfg = LearnerConfig(
+            policy=PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token"),
+            device="cpu",
+            redis_url=server.url,
+            key_prefix=prefix,
+            rollout_batch=4,
+            policy_minibatch=4,
+            micro_batch=4,
+            update_epochs=1,
+            max_policy_lag=1000,
+            weights_bind="tcp://127.0.0.1:*",
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            tensorboard_dir="",
+            read_block_ms=100,
+            max_updates=1,
+        )
         learner = Learner(cfg, connect(server.url, socket_timeout=30))
         lost = threading.Event()
         save_checkpoint = learner.save_checkpoint

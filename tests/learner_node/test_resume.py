@@ -13,9 +13,9 @@ import pytest
 
 from broker.sessions import SegmentClose, Session
 from broker.store import Batch, SessionStore
-from common.segments import RedisKeys
 from common import weights
 from common.protocol import encode
+from common.segments import RedisKeys
 
 
 def write_segments(redis_client, prefix: str, n: int) -> set[str]:
@@ -26,9 +26,19 @@ def write_segments(redis_client, prefix: str, n: int) -> set[str]:
     batch = Batch()
     for i in range(n):
         session = Session(f"emu-{i % 4}", segment_len=8, seq=i // 4)
-        t = {"obs": {"prompt": "Pick the best colour.", "question": " Answer: ", "action": ["red", "green", "blue"]},
-             "action": i % 3, "logprob": -1.0986, "probs": [1 / 3] * 3, "policy_version": 0, "reward": float(i % 3 == 1),
-             "done": True, "truncated": False, "mode": "step", "step_ms": 0, "feedback_ms": 0}  # fmt: skip
+        t = {
+            "obs": {"prompt": "Pick the best colour.", "question": " Answer: ", "action": ["red", "green", "blue"]},
+            "action": i % 3,
+            "logprob": -1.0986,
+            "probs": [1 / 3] * 3,
+            "policy_version": 0,
+            "reward": float(i % 3 == 1),
+            "done": True,
+            "truncated": False,
+            "mode": "step",
+            "step_ms": 0,
+            "feedback_ms": 0,
+        }
         batch.add("RPUSH", store.keys.open_segment(session.task_id), encode(t))
         close = SegmentClose(session.task_id, session.seq, "done", True, False, None, 1)
         store.stage_close(batch, session, close)
@@ -38,11 +48,46 @@ def write_segments(redis_client, prefix: str, n: int) -> set[str]:
 
 
 def learner(model: str, redis_url: str, prefix: str, ckpt: Path, resume: bool, max_updates: int) -> subprocess.Popen:
-    args = [sys.executable, "-m", "ppoz.cli", "--log-level", "warning", "learner", "--model", model, "--lora-rank", "4",
-            "--normalisation", "token", "--device", "cpu", "--redis-url", redis_url, "--key-prefix", prefix,
-            "--rollout-batch", "8", "--policy-minibatch", "4", "--micro-batch", "4", "--max-policy-lag", "1000",
-            "--checkpoint-dir", str(ckpt), "--tensorboard-dir", "", "--weights-bind", "tcp://127.0.0.1:0",
-            "--max-updates", str(max_updates), "--read-block-ms", "200", "--keep-checkpoints", "100"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "ppoz.cli",
+        "--log-level",
+        "warning",
+        "learner",
+        "--model",
+        model,
+        "--lora-rank",
+        "4",
+        "--normalisation",
+        "token",
+        "--device",
+        "cpu",
+        "--redis-url",
+        redis_url,
+        "--key-prefix",
+        prefix,
+        "--rollout-batch",
+        "8",
+        "--policy-minibatch",
+        "4",
+        "--micro-batch",
+        "4",
+        "--max-policy-lag",
+        "1000",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--tensorboard-dir",
+        "",
+        "--weights-bind",
+        "tcp://127.0.0.1:0",
+        "--max-updates",
+        str(max_updates),
+        "--read-block-ms",
+        "200",
+        "--keep-checkpoints",
+        "100",
+    ]
     return subprocess.Popen(args + (["--resume"] if resume else []))
 
 

@@ -11,13 +11,23 @@ def obs(name):
 
 
 def transition(name, reward, done=False, version=5):
-    return Transition(obs=obs(name), action=1, logprob=-0.7, probs=[0.5, 0.5], policy_version=version, reward=reward, done=done,
-                      truncated=False, mode="step")  # fmt: skip
+    return Transition(
+        obs=obs(name),
+        action=1,
+        logprob=-0.7,
+        probs=[0.5, 0.5],
+        policy_version=version,
+        reward=reward,
+        done=done,
+        truncated=False,
+        mode="step",
+    )
 
 
 def segment(seg_id, transitions, next_obs=None, done=False, truncated=False):
-    return Segment(seg_id=seg_id, task_id="t", seq=0, reason="x", done=done, truncated=truncated, next_obs=next_obs,
-                   transitions=transitions)  # fmt: skip
+    return Segment(
+        seg_id=seg_id, task_id="t", seq=0, reason="x", done=done, truncated=truncated, next_obs=next_obs, transitions=transitions
+    )
 
 
 VALUES = {"s0": 0.5, "s1": 0.4, "s2": 0.3, "after": 2.0}
@@ -28,23 +38,41 @@ def value_of(observations):
 
 
 def test_done_segment_keeps_its_terminal_transition_and_bootstraps_nothing():
-    r = build_rollout([segment("t:0", [transition("s0", 1.0), transition("s1", 3.0, done=True)], done=True)],
-                      value_of, gamma=1.0, lam=1.0, current_version=5, max_policy_lag=0)  # fmt: skip
+    r = build_rollout(
+        [segment("t:0", [transition("s0", 1.0), transition("s1", 3.0, done=True)], done=True)],
+        value_of,
+        gamma=1.0,
+        lam=1.0,
+        current_version=5,
+        max_policy_lag=0,
+    )
     assert r.returns == pytest.approx([4.0, 3.0])
     assert r.advantages == pytest.approx([4.0 - 0.5, 3.0 - 0.4])
     assert r.episodic_returns == [4.0] and len(r) == 2 and r.stored == 2
 
 
 def test_segment_closed_by_length_bootstraps_from_next_obs():
-    r = build_rollout([segment("t:0", [transition("s0", 1.0), transition("s1", 0.0)], next_obs=obs("after"))],
-                      value_of, gamma=0.5, lam=1.0, current_version=5, max_policy_lag=0)  # fmt: skip
+    r = build_rollout(
+        [segment("t:0", [transition("s0", 1.0), transition("s1", 0.0)], next_obs=obs("after"))],
+        value_of,
+        gamma=0.5,
+        lam=1.0,
+        current_version=5,
+        max_policy_lag=0,
+    )
     assert r.returns == pytest.approx([1.0 + 0.5 * 0.0 + 0.25 * 2.0, 0.0 + 0.5 * 2.0])
     assert r.episodic_returns == []
 
 
 def test_truncated_without_successor_drops_its_last_transition_and_bootstraps_from_it():
-    r = build_rollout([segment("t:0", [transition("s0", 1.0), transition("s1", 9.0)], truncated=True)],
-                      value_of, gamma=0.5, lam=1.0, current_version=5, max_policy_lag=0)  # fmt: skip
+    r = build_rollout(
+        [segment("t:0", [transition("s0", 1.0), transition("s1", 9.0)], truncated=True)],
+        value_of,
+        gamma=0.5,
+        lam=1.0,
+        current_version=5,
+        max_policy_lag=0,
+    )
     assert len(r) == 1 and r.dropped_truncated == 1 and r.stored == 2
     assert r.returns == pytest.approx([1.0 + 0.5 * 0.4])
     lonely = build_rollout([segment("t:1", [transition("s2", 1.0)], truncated=True)], value_of, 0.5, 1.0, 5, 0)
@@ -52,8 +80,14 @@ def test_truncated_without_successor_drops_its_last_transition_and_bootstraps_fr
 
 
 def test_stale_transitions_are_dropped_and_counted_after_gae():
-    r = build_rollout([segment("t:0", [transition("s0", 1.0, version=1), transition("s1", 1.0, done=True, version=5)], done=True)],
-                      value_of, gamma=1.0, lam=1.0, current_version=5, max_policy_lag=2)  # fmt: skip
+    r = build_rollout(
+        [segment("t:0", [transition("s0", 1.0, version=1), transition("s1", 1.0, done=True, version=5)], done=True)],
+        value_of,
+        gamma=1.0,
+        lam=1.0,
+        current_version=5,
+        max_policy_lag=2,
+    )
     assert r.dropped_stale == 1 and len(r) == 1 and r.versions == [5]
     assert r.returns == pytest.approx([1.0])
     assert r.episodic_returns == [2.0]  # the episode still counts whole

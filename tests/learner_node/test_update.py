@@ -47,8 +47,15 @@ def test_ratio_is_one_on_the_first_minibatch_and_the_update_moves_towards_reward
     assert metrics["losses/first_minibatch_ratio_dev"] < 1e-4  # the learner recomputes exactly what the actor sampled from
     assert metrics["losses/optimizer_steps"] == 4
     assert green_prob(lp) > before
-    for key in ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/clipfrac",
-                "losses/explained_variance", "losses/kl_ref"):  # fmt: skip
+    for key in (
+        "losses/policy_loss",
+        "losses/value_loss",
+        "losses/entropy",
+        "losses/approx_kl",
+        "losses/clipfrac",
+        "losses/explained_variance",
+        "losses/kl_ref",
+    ):
         assert key in metrics
 
 

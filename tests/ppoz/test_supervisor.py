@@ -7,8 +7,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -102,15 +102,19 @@ def watch(sup: Supervisor, until: Callable[[], bool] | None = None, limit_s: flo
 
 
 def died_records(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.ERROR
-            and r.getMessage().startswith(f"{name} died (")]  # fmt: skip
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == LOGGER and r.levelno == logging.ERROR and r.getMessage().startswith(f"{name} died (")
+    ]
 
 
 # -- output ----------------------------------------------------------------------------------------------------------
 
 
-def test_every_output_line_carries_its_component_name(make_supervisor: Callable[..., tuple[Supervisor, Lines]],
-                                                      caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_every_output_line_carries_its_component_name(
+    make_supervisor: Callable[..., tuple[Supervisor, Lines]], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
     sup, out = make_supervisor()
     web = sup.add("web", python("import sys\nprint('hello')\nprint('on stderr', file=sys.stderr)\nprint('bye')"))
@@ -118,9 +122,12 @@ def test_every_output_line_carries_its_component_name(make_supervisor: Callable[
     sup.start_all()
     assert watch(sup, until=lambda: web.finished and long.finished) == 0
     lines = out.lines()
-    assert [l for l in lines if l.startswith("               web | ")] == [
-        "               web | hello", "               web | on stderr", "               web | bye"]  # fmt: skip
-    assert [l for l in lines if l.startswith("a-much-longer-name | ")] == [f"a-much-longer-name | line {i}" for i in range(3)]
+    assert [line for line in lines if line.startswith("               web | ")] == [
+        "               web | hello",
+        "               web | on stderr",
+        "               web | bye",
+    ]
+    assert [line for line in lines if line.startswith("a-much-longer-name | ")] == [f"a-much-longer-name | line {i}" for i in range(3)]
     assert len(lines) == 6  # nothing unprefixed
     assert sup.failed is None and (web.restarts, long.restarts) == (0, 0)
     assert {"web finished (exit code 0)", "a-much-longer-name finished (exit code 0)"} <= {r.getMessage() for r in caplog.records}
@@ -137,8 +144,9 @@ def test_a_short_name_is_padded_to_eight(make_supervisor: Callable[..., tuple[Su
 # -- exits -----------------------------------------------------------------------------------------------------------
 
 
-def test_exit_0_is_finished_and_not_restarted(make_supervisor: Callable[..., tuple[Supervisor, Lines]],
-                                              caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_exit_0_is_finished_and_not_restarted(
+    make_supervisor: Callable[..., tuple[Supervisor, Lines]], caplog: pytest.LogCaptureFixture
+) -> None:
     sup, out = make_supervisor(max_restarts=3)
     done = sup.add("done", python("print('all done')"))
     sleeper = sup.add("sleeper", python(SLEEPER))
@@ -146,13 +154,14 @@ def test_exit_0_is_finished_and_not_restarted(make_supervisor: Callable[..., tup
     started = time.monotonic()
     assert watch(sup, until=lambda: time.monotonic() > started + 1.5) == 0  # past the 1 s a restart would wait
     assert done.finished and done.restarts == 0 and sup.failed is None
-    assert [l for l in out.lines() if "all done" in l] == ["    done | all done"]
+    assert [line for line in out.lines() if "all done" in line] == ["    done | all done"]
     assert not died_records(caplog, "done")
     assert sleeper.process is not None and sleeper.process.returncode == -signal.SIGTERM  # watch() stopped it at the end
 
 
-def test_crash_is_reported_and_restarted_until_out_of_restarts(make_supervisor: Callable[..., tuple[Supervisor, Lines]],
-                                                               caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:  # fmt: skip
+def test_crash_is_reported_and_restarted_until_out_of_restarts(
+    make_supervisor: Callable[..., tuple[Supervisor, Lines]], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
     runs = tmp_path / "runs"
     sup, out = make_supervisor(max_restarts=1)
@@ -169,19 +178,32 @@ def test_crash_is_reported_and_restarted_until_out_of_restarts(make_supervisor: 
     assert reports == [f"crasher died (exit code 3); its last lines:\n    run {run}\n    boom on stderr" for run in (0, 1)]
     assert "stopping everything: crasher died and it was restarted 1 times already" in [r.getMessage() for r in caplog.records]
     assert [r.getMessage() for r in caplog.records if "restarting" in r.getMessage()] == ["restarting crasher (restart 1 of 1)"]
-    assert [l for l in out.lines() if l.startswith(" crasher | ")] == [" crasher | run 0", " crasher | boom on stderr",
-                                                                      " crasher | run 1", " crasher | boom on stderr"]  # fmt: skip
+    assert [line for line in out.lines() if line.startswith(" crasher | ")] == [
+        " crasher | run 0",
+        " crasher | boom on stderr",
+        " crasher | run 1",
+        " crasher | boom on stderr",
+    ]
 
 
-@pytest.mark.parametrize(("on_failure", "restartable", "how", "said", "reason"), [
-    ("stop", True, "1", "exit code 1", "on_failure is stop"),
-    ("restart", False, f"signal {int(signal.SIGKILL)}", "killed by SIGKILL", "it is not restartable"),
-    ("stop", True, f"signal {int(signal.SIGRTMIN) + 1}", f"killed by signal {int(signal.SIGRTMIN) + 1}", "on_failure is stop"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("on_failure", "restartable", "how", "said", "reason"),
+    [
+        ("stop", True, "1", "exit code 1", "on_failure is stop"),
+        ("restart", False, f"signal {int(signal.SIGKILL)}", "killed by SIGKILL", "it is not restartable"),
+        ("stop", True, f"signal {int(signal.SIGRTMIN) + 1}", f"killed by signal {int(signal.SIGRTMIN) + 1}", "on_failure is stop"),
+    ],
+)
 def test_first_death_stops_everything_when_configured_so(
-    make_supervisor: Callable[..., tuple[Supervisor, Lines]], caplog: pytest.LogCaptureFixture, tmp_path: Path,
-    on_failure: str, restartable: bool, how: str, said: str, reason: str,
-) -> None:  # fmt: skip
+    make_supervisor: Callable[..., tuple[Supervisor, Lines]],
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    on_failure: str,
+    restartable: bool,
+    how: str,
+    said: str,
+    reason: str,
+) -> None:
     sup, _ = make_supervisor(on_failure=on_failure, max_restarts=5)
     first = sup.add("first", python(SLEEPER))
     victim = sup.add("victim", python(CRASHER, str(tmp_path / "runs"), how), restartable=restartable)
@@ -207,7 +229,7 @@ def test_stop_all_goes_in_reverse_order_and_kills_what_ignores_sigterm(
         sup.add(name, python(TERMINABLE, name, str(order), "stubborn" if name == "a" else "polite")) for name in "abc"
     ]
     sup.start_all()
-    wait_for(lambda: sum(l.endswith(" | ready") for l in out.lines()) == 3, what="three children ready")
+    wait_for(lambda: sum(line.endswith(" | ready") for line in out.lines()) == 3, what="three children ready")
     started = time.monotonic()
     sup.stop_all()
     elapsed = time.monotonic() - started

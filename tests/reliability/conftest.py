@@ -8,9 +8,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -21,8 +22,16 @@ from learner_node.worker import Learner
 
 PPOZ = [sys.executable, "-m", "ppoz.cli"]
 POLICY = dict(lora_rank=0, normalisation="token")
-LEARNER_SETTINGS = dict(device="cpu", rollout_batch=16, rollout_timeout_s=1.0, policy_minibatch=16,
-                        micro_batch=16, update_epochs=1, max_policy_lag=1000, tensorboard_dir="")  # fmt: skip
+LEARNER_SETTINGS = dict(
+    device="cpu",
+    rollout_batch=16,
+    rollout_timeout_s=1.0,
+    policy_minibatch=16,
+    micro_batch=16,
+    update_epochs=1,
+    max_policy_lag=1000,
+    tensorboard_dir="",
+)
 READY_TIMEOUT_S = 300  # importing torch and loading the model in a fresh process, on a loaded 2-core machine
 SETTLE_STALL_S = 300  # longer than any single update here on a loaded 2-core machine; the ledger moves after each one
 
@@ -68,15 +77,31 @@ def wait_until_ready(learner: RunningLearner) -> None:
         time.sleep(0.2)
 
 
-def launch_learner(tiny_model: str, redis_url: str, key_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                   as_process: bool) -> RunningLearner:  # fmt: skip
+def launch_learner(
+    tiny_model: str, redis_url: str, key_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, as_process: bool
+) -> RunningLearner:
     ckpt = tmp_path / "ckpt"
     if as_process:
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**POLICY, **LEARNER_SETTINGS}.items()]
         log_path = tmp_path / "learner.log"
-        proc = subprocess.Popen([*PPOZ, "learner", "--model", tiny_model, "--redis-url", redis_url, "--key-prefix", key_prefix,
-                                 "--weights-bind", "tcp://127.0.0.1:0", "--checkpoint-dir", str(ckpt), *flags],
-                                stderr=log_path.open("w"))  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                *PPOZ,
+                "learner",
+                "--model",
+                tiny_model,
+                "--redis-url",
+                redis_url,
+                "--key-prefix",
+                key_prefix,
+                "--weights-bind",
+                "tcp://127.0.0.1:0",
+                "--checkpoint-dir",
+                str(ckpt),
+                *flags,
+            ],
+            stderr=log_path.open("w"),
+        )
 
         def stop_process() -> None:
             if proc.poll() is None:
@@ -85,8 +110,14 @@ def launch_learner(tiny_model: str, redis_url: str, key_prefix: str, tmp_path: P
 
         return RunningLearner(ckpt, log_path.read_text, lambda: proc.poll() is None, stop_process)
     caplog.set_level(logging.INFO, logger="learner_node.worker")
-    cfg = LearnerConfig(policy=PolicySpec(model=tiny_model, **POLICY), redis_url=redis_url, key_prefix=key_prefix, weights_bind="tcp://127.0.0.1:*",
-                        checkpoint_dir=str(ckpt), **LEARNER_SETTINGS)  # fmt: skip
+    cfg = LearnerConfig(
+        policy=PolicySpec(model=tiny_model, **POLICY),
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+        weights_bind="tcp://127.0.0.1:*",
+        checkpoint_dir=str(ckpt),
+        **LEARNER_SETTINGS,
+    )
     learner = Learner(cfg, connect(redis_url, socket_timeout=30))
     thread = threading.Thread(target=learner.run, daemon=True)
     thread.start()

@@ -15,28 +15,49 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
 from client import Client
 from common.redis_server import EmbeddedRedis, connect
 from reliability.ledger import Ledger, settle_ledger
-from tests.reliability.conftest import SETTLE_STALL_S, RunningLearner
 from tests.helpers import OBS, wait_for
+from tests.reliability.conftest import SETTLE_STALL_S, RunningLearner
 
 PPOZ = [sys.executable, "-m", "ppoz.cli"]
 LONG_OBS = dict(OBS, prompt=OBS["prompt"] + " History: " + "TouchEvent(view=Cart) -> CartActivity. " * 100)
 
 
 def start_actor_process(backend: str, tiny_model: str, name: str) -> subprocess.Popen:
-    return subprocess.Popen([*PPOZ, "actor", "--broker", backend, "--model", tiny_model, "--lora-rank", "0", "--device", "cpu",
-                             "--name", name, "--heartbeat-ms", "100", "--credits", "64", "--max-batch", "1"],
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.Popen(
+        [
+            *PPOZ,
+            "actor",
+            "--broker",
+            backend,
+            "--model",
+            tiny_model,
+            "--lora-rank",
+            "0",
+            "--device",
+            "cpu",
+            "--name",
+            name,
+            "--heartbeat-ms",
+            "100",
+            "--credits",
+            "64",
+            "--max-batch",
+            "1",
+        ],
+        stderr=subprocess.DEVNULL,
+    )
 
 
-def play_emulators(frontend: str, n: int, steps: int, acknowledged: list[int], errors: list[BaseException],
-                   make_client: Callable[..., Client]) -> list[threading.Thread]:  # fmt: skip
+def play_emulators(
+    frontend: str, n: int, steps: int, acknowledged: list[int], errors: list[BaseException], make_client: Callable[..., Client]
+) -> list[threading.Thread]:
     """n emulators, each: attach, `steps` x (step, feedback), detach; acknowledged feedbacks are counted."""
     lock = threading.Lock()
 
@@ -86,8 +107,9 @@ def assert_trained_once(learner: RunningLearner, stored: int) -> None:
 
 
 @pytest.mark.slow
-def test_actor_killed_mid_batch_its_requests_go_to_another_and_nothing_is_lost(start_broker, start_actor, start_learner, make_client,
-                                                                                tiny_models, redis_url, key_prefix):  # fmt: skip
+def test_actor_killed_mid_batch_its_requests_go_to_another_and_nothing_is_lost(
+    start_broker, start_actor, start_learner, make_client, tiny_models, redis_url, key_prefix
+):
     broker = start_broker(max_stream_backlog=0)
     learner = start_learner(redis_url, key_prefix)
     doomed = start_actor_process(broker.backend, tiny_models["llama"], "doomed")
@@ -117,8 +139,9 @@ def test_actor_killed_mid_batch_its_requests_go_to_another_and_nothing_is_lost(s
 
 
 @pytest.mark.slow
-def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(start_broker, start_actor, start_learner, make_client, tiny_models,
-                                                               redis_url, key_prefix):  # fmt: skip
+def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(
+    start_broker, start_actor, start_learner, make_client, tiny_models, redis_url, key_prefix
+):
     broker = start_broker(max_stream_backlog=0, heartbeat_liveness=5, actor_job_timeout_ms=3000)
     learner = start_learner(redis_url, key_prefix)
     frozen = start_actor_process(broker.backend, tiny_models["llama"], "frozen")
@@ -136,8 +159,7 @@ def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(start_broker, st
         counters = status.status()["counters"]
         assert counters.get("actors/dead", 0) + counters.get("actors/hung", 0) >= 1, counters
         os.kill(frozen.pid, signal.SIGCONT)
-        wait_for(lambda: any(a["name"] == "frozen" for a in status.status()["actors"]), timeout=60,
-                 what="the resumed actor to rejoin")  # fmt: skip
+        wait_for(lambda: any(a["name"] == "frozen" for a in status.status()["actors"]), timeout=60, what="the resumed actor to rejoin")
         task = status.attach()  # and it serves again (the broker may pick either actor; both answer)
         for _ in range(4):
             status.step(task, OBS)
@@ -157,13 +179,28 @@ def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(start_broker, st
 
 
 @pytest.mark.slow
-def test_broker_killed_and_restarted_clients_go_on_and_nothing_is_applied_twice(start_actor, start_learner, make_client, redis_url,
-                                                                                key_prefix):  # fmt: skip
+def test_broker_killed_and_restarted_clients_go_on_and_nothing_is_applied_twice(
+    start_actor, start_learner, make_client, redis_url, key_prefix
+):
     from tests.broker.test_restart import free_port
 
     front, back = free_port(), free_port()
-    args = [*PPOZ, "broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}", "--redis-url", redis_url,
-            "--key-prefix", key_prefix, "--heartbeat-ms", "100", "--segment-len", "4"]  # fmt: skip
+    args = [
+        *PPOZ,
+        "broker",
+        "--frontend",
+        f"tcp://127.0.0.1:{front}",
+        "--backend",
+        f"tcp://127.0.0.1:{back}",
+        "--redis-url",
+        redis_url,
+        "--key-prefix",
+        key_prefix,
+        "--heartbeat-ms",
+        "100",
+        "--segment-len",
+        "4",
+    ]
     broker = subprocess.Popen(args, stderr=subprocess.DEVNULL)
     learner = start_learner(redis_url, key_prefix)
     start_actor(f"tcp://127.0.0.1:{back}", name="steady")
@@ -192,8 +229,9 @@ def test_broker_killed_and_restarted_clients_go_on_and_nothing_is_applied_twice(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("learner_kind", ["thread", "process"])
-def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_lost(start_actor, start_learner, make_client, learner_kind,
-                                                                                   tmp_path):  # fmt: skip
+def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_lost(
+    start_actor, start_learner, make_client, learner_kind, tmp_path
+):
     """Redis SIGKILLed (append-only, fsync always) and restarted on the same files under 8 emulators and a learner.
 
     The learner runs in a thread of this process or as its own process, as in a farm. Afterwards
@@ -205,8 +243,22 @@ def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_los
     redis_server = EmbeddedRedis(appendonly=True, appendfsync="always", data_dir=data_dir).start()
     front, back = free_port(), free_port()
     broker_log = tmp_path / "broker.log"
-    args = [*PPOZ, "broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}", "--redis-url",
-            redis_server.url, "--key-prefix", "aof", "--heartbeat-ms", "100", "--segment-len", "4"]  # fmt: skip
+    args = [
+        *PPOZ,
+        "broker",
+        "--frontend",
+        f"tcp://127.0.0.1:{front}",
+        "--backend",
+        f"tcp://127.0.0.1:{back}",
+        "--redis-url",
+        redis_server.url,
+        "--key-prefix",
+        "aof",
+        "--heartbeat-ms",
+        "100",
+        "--segment-len",
+        "4",
+    ]
     broker = subprocess.Popen(args, stderr=broker_log.open("w"))
     learner = start_learner(redis_server.url, "aof", as_process=learner_kind == "process")
     start_actor(f"tcp://127.0.0.1:{back}", name="steady")
@@ -248,16 +300,49 @@ def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_los
 
 
 @pytest.mark.slow
-def test_learner_killed_mid_update_resumes_and_the_ledger_balances(start_broker, start_actor, make_client, tiny_models, redis_url,
-                                                                   redis_client, key_prefix, tmp_path):  # fmt: skip
+def test_learner_killed_mid_update_resumes_and_the_ledger_balances(
+    start_broker, start_actor, make_client, tiny_models, redis_url, redis_client, key_prefix, tmp_path
+):
     """The learner process SIGKILLed with a rollout read but not acknowledged, under 8 emulators; `--resume` finishes the job."""
     broker = start_broker(max_stream_backlog=0)
     start_actor(broker.backend, name="steady")
     ckpt = tmp_path / "ckpt"
-    args = [*PPOZ, "--log-level", "warning", "learner", "--model", tiny_models["llama"], "--lora-rank", "4", "--normalisation", "token",
-            "--device", "cpu", "--redis-url", redis_url, "--key-prefix", key_prefix, "--rollout-batch", "16", "--rollout-timeout-s", "1",
-            "--policy-minibatch", "16", "--micro-batch", "16", "--max-policy-lag", "1000", "--checkpoint-dir", str(ckpt),
-            "--tensorboard-dir", "", "--weights-bind", "tcp://127.0.0.1:0", "--read-block-ms", "200"]  # fmt: skip
+    args = [
+        *PPOZ,
+        "--log-level",
+        "warning",
+        "learner",
+        "--model",
+        tiny_models["llama"],
+        "--lora-rank",
+        "4",
+        "--normalisation",
+        "token",
+        "--device",
+        "cpu",
+        "--redis-url",
+        redis_url,
+        "--key-prefix",
+        key_prefix,
+        "--rollout-batch",
+        "16",
+        "--rollout-timeout-s",
+        "1",
+        "--policy-minibatch",
+        "16",
+        "--micro-batch",
+        "16",
+        "--max-policy-lag",
+        "1000",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--tensorboard-dir",
+        "",
+        "--weights-bind",
+        "tcp://127.0.0.1:0",
+        "--read-block-ms",
+        "200",
+    ]
     learner_log = tmp_path / "learner.log"
     learner = subprocess.Popen(args, stderr=learner_log.open("w"))
     stream = f"{key_prefix}:segments"
@@ -275,8 +360,11 @@ def test_learner_killed_mid_update_resumes_and_the_ledger_balances(start_broker,
         assert first.balanced and list(ckpt.glob("ckpt-*")), f"the first updates: {first}\n{learner_log.read_text()[-3000:]}"
         # Phase 2: 48 more; the learner is killed while it holds a rollout it read but has not acknowledged.
         threads = play_emulators(broker.frontend, 8, 6, acknowledged, errors, make_client)
-        wait_for(lambda: redis_client.xpending(stream, "learners")["pending"] >= 1, timeout=180,
-                 what=f"a rollout in the learner's hands ({learner_log.read_text()[-3000:]})")  # fmt: skip
+        wait_for(
+            lambda: redis_client.xpending(stream, "learners")["pending"] >= 1,
+            timeout=180,
+            what=f"a rollout in the learner's hands ({learner_log.read_text()[-3000:]})",
+        )
         learner.send_signal(signal.SIGKILL)
         learner.wait(10)
         killed_at = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "state.json").read_text())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,10 +19,25 @@ from tests.helpers import wait_for
 def broker_process(redis_url: str, key_prefix: str) -> Iterator[tuple[subprocess.Popen, str, str]]:
     front, back = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ppoz.cli", "--log-level", "error", "broker",
-         "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}",
-         "--redis-url", redis_url, "--key-prefix", key_prefix, "--heartbeat-ms", "100"],
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ppoz.cli",
+            "--log-level",
+            "error",
+            "broker",
+            "--frontend",
+            f"tcp://127.0.0.1:{front}",
+            "--backend",
+            f"tcp://127.0.0.1:{back}",
+            "--redis-url",
+            redis_url,
+            "--key-prefix",
+            key_prefix,
+            "--heartbeat-ms",
+            "100",
+        ],
+    )
     yield proc, f"tcp://127.0.0.1:{front}", f"tcp://127.0.0.1:{back}"
     proc.terminate()
     try:
@@ -40,8 +55,9 @@ def test_generators_are_deterministic():
 
 
 @pytest.mark.slow
-def test_fuzz_broker_and_gateway(broker_process, start_actor, start_learner, make_client, start_gateway, redis_url, redis_client,
-                                 key_prefix):  # noqa: F811
+def test_fuzz_broker_and_gateway(
+    broker_process, start_actor, start_learner, make_client, start_gateway, redis_url, redis_client, key_prefix
+):  # noqa: F811
     proc, frontend, backend = broker_process
     learner = start_learner(redis_url, key_prefix)
     start_actor(backend)
@@ -49,8 +65,16 @@ def test_fuzz_broker_and_gateway(broker_process, start_actor, start_learner, mak
     wait_for(lambda: probe.status()["actors"], timeout=20, what="the actor to register")
     gateway = start_gateway(frontend)
 
-    report = fuzz.run(frontend, 5_000, seed=0, gateway_url=f"http://127.0.0.1:{gateway.port}", http_share=0.1,
-                      pid=proc.pid, flood_size=1000, reply_timeout=20.0)  # fmt: skip
+    report = fuzz.run(
+        frontend,
+        5_000,
+        seed=0,
+        gateway_url=f"http://127.0.0.1:{gateway.port}",
+        http_share=0.1,
+        pid=proc.pid,
+        flood_size=1000,
+        reply_timeout=20.0,
+    )
     print(fuzz.format_report(report))
 
     assert proc.poll() is None, "the broker process died"

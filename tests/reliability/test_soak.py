@@ -15,8 +15,12 @@ PPOZ = [sys.executable, "-m", "ppoz.cli"]
 
 @pytest.mark.slow
 def test_soak_200_clients_one_minute_no_errors_bounded_memory_stable_latency_ledger_balanced(tmp_path):
-    run = subprocess.run([*PPOZ, "soak", "--clients", "200", "--minutes", "1", "--window-s", "15", "--json", "--keep", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    run = subprocess.run(
+        [*PPOZ, "soak", "--clients", "200", "--minutes", "1", "--window-s", "15", "--json", "--keep", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert report["failures"] == []
@@ -31,9 +35,17 @@ def test_soak_200_clients_one_minute_no_errors_bounded_memory_stable_latency_led
 
 
 def report_with(**changes) -> Report:
-    report = Report(clients=2, seconds=60, steps=10, acknowledged=10, ledger="balanced", ledger_balanced=True,
-                    rss_growth_mb={"broker": 5.0}, latency_ratio={"p50": 1.0, "p99": 1.2},
-                    limits={"rss_growth_mb": 100.0, "latency_drift": 2.0})  # fmt: skip
+    report = Report(
+        clients=2,
+        seconds=60,
+        steps=10,
+        acknowledged=10,
+        ledger="balanced",
+        ledger_balanced=True,
+        rss_growth_mb={"broker": 5.0},
+        latency_ratio={"p50": 1.0, "p99": 1.2},
+        limits={"rss_growth_mb": 100.0, "latency_drift": 2.0},
+    )
     for key, value in changes.items():
         setattr(report, key, value)
     return report
@@ -51,8 +63,12 @@ def test_the_pass_rule_names_each_failure():
 
 def test_memory_growth_and_latency_drift_leave_out_the_first_window():
     report = Report(clients=1, seconds=40, limits={"rss_growth_mb": 100.0, "latency_drift": 2.0})
-    report.windows = [Window(10, 5, 0, 0, 1, 1, 1, {"broker": 100.0}), Window(20, 5, 0, 0, 1, 1, 1, {"broker": 150.0}),
-                      Window(30, 5, 0, 0, 1, 1, 1, {"broker": 160.0}), Window(40, 5, 0, 0, 1, 1, 1, {"broker": 170.0})]  # fmt: skip
+    report.windows = [
+        Window(10, 5, 0, 0, 1, 1, 1, {"broker": 100.0}),
+        Window(20, 5, 0, 0, 1, 1, 1, {"broker": 150.0}),
+        Window(30, 5, 0, 0, 1, 1, 1, {"broker": 160.0}),
+        Window(40, 5, 0, 0, 1, 1, 1, {"broker": 170.0}),
+    ]
     # Warm-up latencies (first 10 s) are slow and ignored; after it, 25-40 s is twice 10-25 s.
     latencies = [(t, 500.0) for t in range(10)] + [(t, 10.0) for t in range(10, 25)] + [(t, 20.0) for t in range(25, 40)]
     summarise(report, latencies)
