@@ -53,9 +53,16 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
     model: Any = AutoModelForCausalLM.from_pretrained(spec.model, dtype=spec.resolved_dtype(), attn_implementation=spec.attn_implementation)
     if spec.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
+        from transformers.pytorch_utils import Conv1D
 
         config = LoraConfig(
-            r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"
+            # GPT-2 style models keep their linear weights transposed (Conv1D); peft must know, or it warns and guesses
+            fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
+            r=spec.lora_rank,
+            lora_alpha=spec.lora_alpha,
+            target_modules="all-linear",
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
         )
         # peft keeps adapter weights in float32 even over a bf16 base (autocast_adapter_dtype):
         # a 1e-6 update would round away in 16 bits.

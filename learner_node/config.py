@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import check, nested, option, section
+from common.options import OBJECTIVES
 from common.security import check_server_settings
 from common.shared_settings import PolicySpec
 
@@ -28,7 +29,11 @@ class LearnerConfig:
         "train on the transitions in hand once a rollout has waited this long (0: always wait for "
         "rollout_batch); keep the broker's max_stream_backlog above rollout_batch either way",
     )
-    max_policy_lag: int = option(4, "transitions from a behaviour policy more than this many versions old are dropped and counted")
+    max_policy_lag: int = option(
+        8,
+        "transitions from a behaviour policy more than this many versions old are dropped and counted; "
+        "younger stale ones are trained on, corrected by the decoupled objective",
+    )
     # --- algorithm ---
     gamma: float = option(0.99, "discount factor")
     gae_lambda: float = option(0.95, "GAE lambda")
@@ -37,15 +42,24 @@ class LearnerConfig:
     micro_batch: int = option(4, "transitions per forward/backward (gradient accumulation up to policy_minibatch)")
     value_minibatch: int = option(32, "transitions per critic optimizer step")
     clip_coef: float = option(0.2, "PPO ratio clipping")
-    value_clip: float = option(0.2, "value clipping around the old values (0: off)")
+    objective: str = option(
+        "decoupled",
+        "decoupled: clip against the learner's weights at the update's start, weight stale samples by "
+        "min(prox/behaviour, behaviour_weight_cap) (docs/design.md); ppo: clip against the behaviour policy",
+    )
+    behaviour_weight_cap: float = option(5.0, "decoupled: cap of the importance weight prox/behaviour (truncated IS)")
+    value_epochs: int = option(8, "critic passes over each rollout (on cached features: no model forward)")
+    value_clip: float = option(0.0, "value clipping around the old values, in return units (0: off)")
     ent_coef: float = option(0.01, "entropy bonus coefficient")
-    vf_coef: float = option(0.5, "value loss coefficient")
+    vf_coef: float = option(1.0, "value loss scale (the critic has its own optimizer: this only scales its step)")
     kl_coef: float = option(0.0, "coefficient of the KL penalty to the reference policy (the base, adapter off)")
     kl_target: float = option(0.0, "if > 0, adapt kl_coef towards this KL to the reference (Ziegler et al.)")
     target_kl: float = option(0.02, "stop an update's policy epochs once approx KL exceeds this (0: never)")
     max_grad_norm: float = option(0.5, "gradient clipping norm")
-    policy_lr: float = option(1e-6, "policy (adapter) learning rate")
-    value_lr: float = option(5e-5, "critic learning rate")
+    policy_lr: float = option(
+        1e-5, "policy learning rate (LoRA on all linear layers: about 10x a full fine-tune's; use ~1e-6 with --lora-rank 0)"
+    )
+    value_lr: float = option(1e-3, "critic (value head MLP) learning rate")
     warmup_updates: int = option(0, "first updates train only the critic")
     value_hidden: list = option([1024, 512], "hidden layer sizes of the value head MLP")
     # --- checkpoints, publication, logs ---
@@ -74,7 +88,17 @@ class LearnerConfig:
         check(self.max_policy_lag >= 0, f"`max_policy_lag` must be 0 or more, got {self.max_policy_lag}")
         check(0 < self.gamma <= 1, f"`gamma` must be in (0, 1], got {self.gamma}")
         check(0 <= self.gae_lambda <= 1, f"`gae_lambda` must be in [0, 1], got {self.gae_lambda}")
-        for name in ("update_epochs", "policy_minibatch", "micro_batch", "value_minibatch", "keep_checkpoints", "read_block_ms"):
+        check(self.objective in OBJECTIVES, f"`objective` must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        check(self.behaviour_weight_cap >= 1, f"`behaviour_weight_cap` must be at least 1, got {self.behaviour_weight_cap}")
+        for name in (
+            "update_epochs",
+            "value_epochs",
+            "policy_minibatch",
+            "micro_batch",
+            "value_minibatch",
+            "keep_checkpoints",
+            "read_block_ms",
+        ):
             check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
         for name in ("clip_coef", "policy_lr", "value_lr", "max_grad_norm"):
             check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")

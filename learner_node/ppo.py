@@ -9,6 +9,7 @@ the segment ended with `done`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,24 +47,68 @@ def normalise_advantages(b_advantages: torch.Tensor, eps: float = 1e-8) -> torch
 @dataclass
 class PolicyTerms:
     pg_loss: torch.Tensor
-    logratio: torch.Tensor
+    logratio: torch.Tensor  # log pi_theta - log pi_prox
     ratio: torch.Tensor
-    approx_kl: torch.Tensor
+    approx_kl: torch.Tensor  # KL(pi_prox || pi_theta), k3 estimator, on the minibatch's actions
     clipfrac: torch.Tensor
+    is_weight: torch.Tensor  # the behaviour correction w of each transition (1 when prox is behaviour)
+    is_capped: torch.Tensor  # fraction of transitions whose w was cut at the cap
 
 
-def policy_loss(mb_newlogprob: torch.Tensor, mb_logprobs: torch.Tensor, mb_advantages: torch.Tensor, clip_coef: float) -> PolicyTerms:
-    """The clipped surrogate, mean over the minibatch, plus the usual diagnostics."""
-    logratio = mb_newlogprob - mb_logprobs
+def policy_loss(
+    mb_newlogprob: torch.Tensor,
+    mb_proxlogprob: torch.Tensor,
+    mb_advantages: torch.Tensor,
+    clip_coef: float,
+    mb_behavlogprob: torch.Tensor | None = None,
+    is_cap: float = math.inf,
+) -> PolicyTerms:
+    """The clipped surrogate, decoupled from the behaviour policy (docs/design.md, "Asynchronous PPO").
+
+    Plain PPO (Schulman et al. 2017) when the proximal policy is the behaviour policy
+    (`mb_behavlogprob` None). Otherwise the decoupled objective of Hilton et al. (2021),
+    as AReaL (Fu et al. 2025) uses it for stale rollouts:
+
+        r_t = pi_theta(a_t) / pi_prox(a_t)               the ratio the trust region clips
+        w_t = min(pi_prox(a_t) / mu(a_t), is_cap)        behaviour correction, no gradient
+        L   = -mean_t  w_t * min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t)
+
+    mu is the behaviour policy (the actor's weights, possibly several versions old) and
+    pi_prox the learner's weights at the start of the update. Clipping against pi_prox
+    keeps every stale sample inside the trust region (a sample whose mu-ratio already
+    sat outside it would give no gradient), and w makes the expectation over mu an
+    expectation over pi_prox; the cap (truncated importance sampling, as in IMPALA's
+    V-trace) bounds its variance.
+    """
+    logratio = mb_newlogprob - mb_proxlogprob
     ratio = logratio.exp()
     pg_loss1 = -mb_advantages * ratio
     pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
-    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+    if mb_behavlogprob is None:
+        weight = torch.ones_like(mb_proxlogprob)
+        capped = torch.zeros(())
+    else:
+        with torch.no_grad():
+            raw = (mb_proxlogprob.detach() - mb_behavlogprob).exp()
+            weight = raw.clamp(max=is_cap)
+            capped = (raw > is_cap).float().mean()
+    pg_loss = (weight * torch.max(pg_loss1, pg_loss2)).mean()
     with torch.no_grad():
         # http://joschu.net/blog/kl-approx.html
         approx_kl = ((ratio - 1) - logratio).mean()
         clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
-    return PolicyTerms(pg_loss, logratio, ratio, approx_kl, clipfrac)
+    return PolicyTerms(pg_loss, logratio, ratio, approx_kl, clipfrac, weight, capped)
+
+
+def kl_behaviour(behaviour_probs: torch.Tensor, logp_all: torch.Tensor) -> torch.Tensor:
+    """KL(mu || pi), exact over the finite candidate set, from the behaviour probabilities the actor logged.
+
+    Terms with mu(a) = 0 contribute 0 (the limit of p log p); how far the learner's policy
+    has moved from the one that acted, which the ratio on the one chosen action only samples.
+    """
+    mu = behaviour_probs.to(logp_all.dtype)
+    log_mu = torch.where(mu > 0, mu.clamp_min(torch.finfo(mu.dtype).tiny).log(), torch.zeros_like(mu))
+    return (mu * (log_mu - logp_all)).sum(-1)
 
 
 def value_loss(newvalue: torch.Tensor, b_values: torch.Tensor, b_returns: torch.Tensor, clip_coef: float | None) -> torch.Tensor:

@@ -8,7 +8,11 @@ Bootstrap rules for a segment (docs/design.md, "Learner"):
   last transition has no observed successor, so it is not trained on (counted as
   `dropped_truncated`); its observation's value bootstraps the transition before it.
 Transitions whose behaviour policy is more than `max_policy_lag` versions old are
-dropped after GAE (they still shape their neighbours' targets) and counted.
+dropped after GAE (they still shape their neighbours' targets) and counted
+(`dropped_stale`); so are transitions from a version ahead of the learner's, which
+only another run of the learner can have produced (`dropped_mismatched`). Stale
+transitions within the lag are trained on: the decoupled objective corrects for
+their behaviour policy (learner_node/ppo.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ class Rollout:
     obs: list[dict[str, Any]] = field(default_factory=list)
     actions: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    probs: list[list[float]] = field(default_factory=list)  # the behaviour policy over every candidate
     versions: list[int] = field(default_factory=list)
+    lags: list[int] = field(default_factory=list)  # versions between the behaviour policy and the learner's, 0: on-policy
     advantages: list[float] = field(default_factory=list)
     returns: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
@@ -38,6 +44,7 @@ class Rollout:
     episodic_returns: list[float] = field(default_factory=list)
     dropped_stale: int = 0
     dropped_truncated: int = 0
+    dropped_mismatched: int = 0
     stored: int = 0  # transitions in the segments taken
 
     def __len__(self) -> int:
@@ -89,13 +96,19 @@ def build_rollout(
             if t.done:
                 out.episodic_returns.append(episode)
                 episode = 0.0
-            if current_version - t.policy_version > max_policy_lag:
+            lag = current_version - t.policy_version
+            if lag < 0:
+                out.dropped_mismatched += 1
+                continue
+            if lag > max_policy_lag:
                 out.dropped_stale += 1
                 continue
             out.obs.append(t.obs)
             out.actions.append(t.action)
             out.logprobs.append(float(t.logprob))
+            out.probs.append([float(p) for p in t.probs])
             out.versions.append(t.policy_version)
+            out.lags.append(lag)
             out.advantages.append(adv)
             out.returns.append(ret)
             out.values.append(float(v))

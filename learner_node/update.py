@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import option
+from common.options import OBJECTIVES
 from learner_node import ppo
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import Rollout
@@ -32,13 +33,26 @@ class UpdateConfig:
     micro_batch: int = option(4, "transitions per forward/backward (gradient accumulation up to policy_minibatch)")
     value_minibatch: int = option(32, "transitions per critic optimizer step")
     clip_coef: float = option(0.2, "PPO ratio clipping")
-    value_clip: float | None = option(0.2, "value clipping around the old values (None: off)")
+    objective: str = option(
+        "decoupled",
+        "decoupled: clip against the learner's weights at the update's start and weight each stale sample by "
+        "min(prox/behaviour, behaviour_weight_cap) (Hilton et al. 2021, AReaL); ppo: clip against the behaviour policy",
+    )
+    behaviour_weight_cap: float = option(5.0, "decoupled: the cap of the importance weight prox/behaviour (truncated IS)")
+    value_epochs: int = option(4, "passes of the critic over the rollout (its features are cached: cheap)")
+    value_clip: float | None = option(None, "value clipping around the old values (None: off)")
     ent_coef: float = option(0.01, "entropy bonus coefficient")
-    vf_coef: float = option(0.5, "value loss coefficient")
+    vf_coef: float = option(1.0, "value loss scale (the critic has its own optimizer: only its effective learning rate)")
     kl_coef: float = option(0.0, "coefficient of the KL penalty to the reference policy")
     target_kl: float | None = option(0.02, "stop the policy epochs once approx KL exceeds this (None: never)")
     max_grad_norm: float = option(0.5, "gradient clipping norm")
-    seed: int = option(0, "seed of the minibatch permutation")
+    seed: int = option(0, "seed of the minibatch permutations (a fresh permutation every update and epoch)")
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"`objective` must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if not self.behaviour_weight_cap >= 1.0:
+            raise ValueError(f"`behaviour_weight_cap` must be at least 1, got {self.behaviour_weight_cap}")
 
 
 def _world() -> tuple[int, int]:
@@ -76,13 +90,16 @@ def ppo_update(
     train_policy: bool = True,
     kl_coef: float | None = None,
     features: torch.Tensor | None = None,
+    update_index: int = 0,
 ) -> dict[str, float]:
     """Train critic and policy on one rollout; returns the metrics under their usual slash keys.
 
     `features`: the critic features of the rollout's observations, if the caller has them already
-    (the worker computed them for GAE); otherwise they are computed here."""
+    (the worker computed them for GAE); otherwise they are computed here. `update_index` seeds
+    this update's minibatch permutations (the same on every rank, different every update).
+    The model stays in eval mode throughout: no dropout in the proximal, reference or new log-probs."""
     rank, world = _world()
-    gen = torch.Generator().manual_seed(cfg.seed)  # the same minibatch order on every rank
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + update_index)
     kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
     items = [lp.tokenize(o) for o in rollout.obs]
     n = len(items)
@@ -93,13 +110,15 @@ def ppo_update(
     b_values = torch.tensor(rollout.values)
     device = next(lp.value_head.parameters()).device
     metrics: dict[str, float] = {}
+    # Explained variance of the values the targets were built with (before this update fits the critic).
+    metrics["losses/explained_variance"] = ppo.explained_variance(b_values, b_returns)
 
     # --- critic: features of the frozen base, computed once ----------------------------------
     if features is None:
         features = lp.features(items)
     value_params = list(lp.value_head.parameters())
     v_losses = []
-    for _ in range(cfg.update_epochs):
+    for _ in range(cfg.value_epochs):
         perm = torch.randperm(n, generator=gen)
         for start in range(0, n, cfg.value_minibatch):
             mb_inds = perm[start : start + cfg.value_minibatch]
@@ -115,18 +134,31 @@ def ppo_update(
             torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
             value_opt.step()
             v_losses.append(_mean_over_ranks(float(v_loss.detach()) * len(mine) * world / len(mb_inds)))
-    with torch.no_grad():
-        predicted = lp.value_head(features).cpu()
     metrics["losses/value_loss"] = sum(v_losses) / max(len(v_losses), 1)
-    metrics["losses/explained_variance"] = ppo.explained_variance(predicted, b_returns)
 
     if not train_policy:
         return metrics
 
+    # --- the proximal policy: the learner's weights as the update starts ---------------------
+    # (every rank scores the whole rollout: each takes a different share of every minibatch)
+    with torch.no_grad():
+        prox_all = [logp.cpu() for start in range(0, n, cfg.micro_batch) for logp in lp.logp_all(items[start : start + cfg.micro_batch])]
+    b_proxlogprobs = torch.stack([logp[a] for logp, a in zip(prox_all, b_actions.tolist(), strict=True)])
+    kl_behaviour = [float(ppo.kl_behaviour(torch.tensor(mu), logp)) for mu, logp in zip(rollout.probs, prox_all, strict=True)]
+    metrics["losses/kl_behaviour"] = _mean(kl_behaviour)
+    # Actor and learner must score the same function: on transitions the current weights chose,
+    # the learner's log-prob equals the actor's (to float rounding). A gap here is a defect, not staleness.
+    on_policy = [i for i, lag in enumerate(rollout.lags) if lag == 0]
+    metrics["losses/on_policy_logprob_dev"] = (
+        float((b_proxlogprobs[on_policy] - b_logprobs[on_policy]).abs().max()) if on_policy else math.nan
+    )
+    decoupled = cfg.objective == "decoupled"
+    b_old = b_proxlogprobs if decoupled else b_logprobs  # what the ratio, the clipping and target-KL measure against
+
     # --- policy: recomputed candidate distributions, gradients through the adapter ------------
     ref_logp = lp.reference_logp_all(items)
     policy_params = lp.trainable_parameters()
-    pg_losses, entropies, kls, approx_kls, clipfracs = [], [], [], [], []
+    pg_losses, entropies, kls, approx_kls, clipfracs, weights, capped = [], [], [], [], [], [], []
     first_ratio_dev = None
     optimizer_steps = 0
     stopped_early = False
@@ -143,7 +175,14 @@ def ppo_update(
                 newlogprob = torch.stack([logp[b_actions[i]] for logp, i in zip(logp_all, micro, strict=True)]).cpu()
                 entropy = torch.stack([ppo.entropy(logp) for logp in logp_all]).cpu()
                 kl_ref = torch.stack([ppo.kl_to_reference(logp, ref_logp[i]) for logp, i in zip(logp_all, micro, strict=True)]).cpu()
-                terms = ppo.policy_loss(newlogprob, b_logprobs[micro], b_advantages[micro], cfg.clip_coef)
+                terms = ppo.policy_loss(
+                    newlogprob,
+                    b_old[micro],
+                    b_advantages[micro],
+                    cfg.clip_coef,
+                    b_logprobs[micro] if decoupled else None,
+                    cfg.behaviour_weight_cap,
+                )
                 loss = terms.pg_loss - cfg.ent_coef * entropy.mean() + kl_coef * kl_ref.mean()
                 # Each micro-batch's mean, weighted to a mean over the whole minibatch (all ranks).
                 (loss * len(micro) * world / len(mb_inds)).backward()
@@ -154,6 +193,8 @@ def ppo_update(
                 entropies.append(float(entropy.detach().mean()))
                 kls.append(float(kl_ref.detach().mean()))
                 clipfracs.append(float(terms.clipfrac))
+                weights.append(float(terms.is_weight.mean()))
+                capped.append(float(terms.is_capped))
             _average_gradients(policy_params)
             torch.nn.utils.clip_grad_norm_(policy_params, cfg.max_grad_norm)
             policy_opt.step()
@@ -173,6 +214,8 @@ def ppo_update(
             "losses/kl_ref": _mean(kls),
             "losses/approx_kl": _mean(approx_kls),
             "losses/clipfrac": _mean(clipfracs),
+            "losses/behaviour_weight": _mean(weights),
+            "losses/behaviour_weight_capped": _mean(capped),
             "losses/first_minibatch_ratio_dev": first_ratio_dev if first_ratio_dev is not None else math.nan,
             "losses/optimizer_steps": optimizer_steps,
             "losses/early_stop": float(stopped_early),

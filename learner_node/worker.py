@@ -72,8 +72,7 @@ class Learner:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
-        model, tokenizer = load_policy(ModelSpec.of(cfg.policy, device))
-        model.train()
+        model, tokenizer = load_policy(ModelSpec.of(cfg.policy, device))  # in eval mode, and it stays so: no dropout
         self.lp = LearnerPolicy(model, tokenizer, cfg.policy.normalisation, cfg.policy.temperature, cfg.value_hidden)
         self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=cfg.policy_lr, eps=1e-5)
         self.value_opt = torch.optim.Adam(self.lp.value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
@@ -84,6 +83,9 @@ class Learner:
             micro_batch=cfg.micro_batch,
             value_minibatch=cfg.value_minibatch,
             clip_coef=cfg.clip_coef,
+            objective=cfg.objective,
+            behaviour_weight_cap=cfg.behaviour_weight_cap,
+            value_epochs=cfg.value_epochs,
             value_clip=cfg.value_clip or None,
             ent_coef=cfg.ent_coef,
             vf_coef=cfg.vf_coef,
@@ -239,15 +241,14 @@ class Learner:
             return None
         started = time.perf_counter()
         trained_from = self.version
-        self.lp.model.eval()
         rollout = build_rollout(segments, self._values, self.cfg.gamma, self.cfg.gae_lambda, self.version, self.cfg.max_policy_lag)
         train_policy = self.updates >= self.cfg.warmup_updates
         metrics: dict[str, float] = {}
         if len(rollout):
-            self.lp.model.train()
             features = torch.stack([self._features[id(o)] for o in rollout.obs])  # the frozen base: no second forward
-            metrics = ppo_update(self.lp, self.policy_opt, self.value_opt, rollout, self.update_cfg, train_policy, self.kl.value, features)
-            self.lp.model.eval()
+            metrics = ppo_update(
+                self.lp, self.policy_opt, self.value_opt, rollout, self.update_cfg, train_policy, self.kl.value, features, self.updates
+            )
             if train_policy:
                 self.version += 1
                 if "losses/kl_ref" in metrics and not math.isnan(metrics["losses/kl_ref"]):
@@ -257,6 +258,7 @@ class Learner:
         self.counters["transitions_trained"] += len(rollout)
         self.counters["dropped_stale"] += rollout.dropped_stale
         self.counters["dropped_truncated"] += rollout.dropped_truncated
+        self.counters["dropped_mismatched"] += rollout.dropped_mismatched
         self.counters["segments_trained"] += len(segments)
         for seg in segments:
             self._remember(seg.seg_id)
@@ -272,6 +274,7 @@ class Learner:
                 "charts/policy_version": self.version,
                 "charts/dropped_stale": rollout.dropped_stale,
                 "charts/dropped_truncated": rollout.dropped_truncated,
+                "charts/dropped_mismatched": rollout.dropped_mismatched,
             }
         )
         if self.is_main:

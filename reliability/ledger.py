@@ -32,6 +32,7 @@ class Ledger:
     dropped_stale: int
     dropped_truncated: int
     in_stream: int  # segments written but not yet read by the learner
+    dropped_mismatched: int = 0  # scored by another run, other policy settings, or a version ahead of the learner's
     still_open: int = 0  # transitions in Redis in the open segments of sessions still attached
     learner_reported: bool = True  # the learner's figures hash exists (False: its counters are unknown, not zero)
     figures_key: str = ""
@@ -42,13 +43,21 @@ class Ledger:
             self.learner_reported
             and self.in_stream == 0
             and self.acknowledged == self.stored + self.still_open
-            and self.stored == self.trained + self.dropped_stale + self.dropped_truncated
+            and self.stored == self.trained + self.dropped_stale + self.dropped_truncated + self.dropped_mismatched
         )
 
     @property
     def progress(self) -> tuple[int, ...]:
         """What moves while the system works through the stream; settle_ledger waits while it changes."""
-        return (self.stored, self.trained, self.dropped_stale, self.dropped_truncated, self.in_stream, self.still_open)
+        return (
+            self.stored,
+            self.trained,
+            self.dropped_stale,
+            self.dropped_truncated,
+            self.dropped_mismatched,
+            self.in_stream,
+            self.still_open,
+        )
 
     def __str__(self) -> str:
         opened = f" + {self.still_open} in open segments" if self.still_open else ""
@@ -60,7 +69,8 @@ class Ledger:
             )
         return (
             f"acknowledged {self.acknowledged}, stored {self.stored}{opened}; {self.stored} = trained {self.trained} + stale "
-            f"{self.dropped_stale} + truncated {self.dropped_truncated}; {self.in_stream} segments unread"
+            f"{self.dropped_stale} + truncated {self.dropped_truncated} + mismatched {self.dropped_mismatched}; "
+            f"{self.in_stream} segments unread"
         )
 
 
@@ -77,6 +87,7 @@ def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_
         counters.get("dropped_stale", 0),
         counters.get("dropped_truncated", 0),
         unread,
+        counters.get("dropped_mismatched", 0),
         open_transitions(client, key_prefix),
         bool(figures),
         learner_figures.latest_key(key_prefix),

@@ -67,6 +67,52 @@ def test_ratio_one_gives_plain_policy_gradient():
     assert float(terms.approx_kl) == 0.0 and float(terms.clipfrac) == 0.0
 
 
+def test_decoupled_loss_clips_against_the_proximal_policy_and_weights_by_behaviour_by_hand():
+    """Three stale transitions: mu the actor's (old) policy, prox the learner's at the update's start."""
+    behaviour = torch.log(torch.tensor([0.2, 0.5, 0.1]))
+    prox = torch.log(torch.tensor([0.4, 0.5, 0.6]))
+    new = torch.log(torch.tensor([0.44, 0.4, 0.9])).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    terms = ppo.policy_loss(new, prox, adv, clip_coef=0.2, mb_behavlogprob=behaviour, is_cap=5.0)
+    # r = new / prox = 1.1, 0.8, 1.5;  w = prox / mu = 2, 1, 6 -> capped at 5
+    assert terms.ratio.detach().tolist() == pytest.approx([1.1, 0.8, 1.5])
+    assert terms.is_weight.tolist() == pytest.approx([2.0, 1.0, 5.0])
+    assert float(terms.is_capped) == pytest.approx(1 / 3)
+    # per transition max(-A r, -A clip(r)): -1.1; max(0.8, 0.8) = 0.8; max(-3.0, -2.4) = -2.4
+    expected = (2.0 * -1.1 + 1.0 * 0.8 + 5.0 * -2.4) / 3
+    assert float(terms.pg_loss.detach()) == pytest.approx(expected)
+    # approx KL and clip fraction are against prox, not behaviour: only the third is outside [0.8, 1.2]
+    assert float(terms.clipfrac) == pytest.approx(1 / 3)
+    k3 = [(r - 1) - math.log(r) for r in (1.1, 0.8, 1.5)]
+    assert float(terms.approx_kl) == pytest.approx(sum(k3) / 3)
+    # Gradients: d/dlogp of -w A r is -w A r where unclipped; zero where clipped (the third).
+    terms.pg_loss.backward()
+    assert new.grad.tolist() == pytest.approx([-2.0 * 1.0 * 1.1 / 3, -1.0 * -1.0 * 0.8 / 3, 0.0])
+
+
+def test_decoupled_loss_is_plain_ppo_when_prox_is_behaviour():
+    """On-policy data (mu == prox) gives w = 1: the same loss and gradient as the plain surrogate."""
+    old = torch.log(torch.tensor([0.4, 0.3, 0.2]))
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    a = torch.log(torch.tensor([0.6, 0.3, 0.25])).requires_grad_()
+    b = a.detach().clone().requires_grad_()
+    plain = ppo.policy_loss(a, old, adv, 0.2)
+    decoupled = ppo.policy_loss(b, old, adv, 0.2, mb_behavlogprob=old.clone(), is_cap=2.0)
+    plain.pg_loss.backward()
+    decoupled.pg_loss.backward()
+    assert float(decoupled.pg_loss.detach()) == pytest.approx(float(plain.pg_loss.detach()))
+    assert b.grad.tolist() == pytest.approx(a.grad.tolist())
+    assert decoupled.is_weight.tolist() == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_exact_kl_from_the_logged_behaviour_probabilities_by_hand():
+    mu = torch.tensor([[0.5, 0.5, 0.0], [0.25, 0.25, 0.5]])
+    pi = torch.tensor([[0.25, 0.5, 0.25], [0.25, 0.25, 0.5]])
+    kl = ppo.kl_behaviour(mu, pi.log())
+    # first: 0.5 log(0.5/0.25) + 0.5 log(1) + 0 (mu = 0 contributes nothing); second: identical -> 0
+    assert kl.tolist() == pytest.approx([0.5 * math.log(2.0), 0.0], abs=1e-7)
+
+
 def test_value_loss_with_and_without_clipping_by_hand():
     new, old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5]), torch.tensor([2.0, 0.0])
     assert float(ppo.value_loss(new, old, ret, None)) == pytest.approx(0.5 * (1.0 + 0.0) / 2)

@@ -44,7 +44,7 @@ def test_ratio_is_one_on_the_first_minibatch_and_the_update_moves_towards_reward
     assert 0 < sum(a == 1 for a in rollout.actions) < len(rollout)  # both rewarded and unrewarded samples
     before = green_prob(lp)
     metrics = ppo_update(lp, popt, vopt, rollout, UpdateConfig(update_epochs=2, policy_minibatch=8, micro_batch=4, target_kl=None))
-    assert metrics["losses/first_minibatch_ratio_dev"] < 1e-4  # the learner recomputes exactly what the actor sampled from
+    assert metrics["losses/on_policy_logprob_dev"] < 1e-4  # the learner recomputes exactly what the actor sampled from
     assert metrics["losses/optimizer_steps"] == 4
     assert green_prob(lp) > before
     for key in (
