@@ -17,6 +17,7 @@ their behaviour policy (learner_node/ppo.py).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,39 @@ class Rollout:
         return len(self.actions)
 
 
+class EpisodeReturns:
+    """Undiscounted episode returns, across segment boundaries and rollouts.
+
+    A task's episode spans as many segments as it has steps / segment_len, and Kea's never
+    end with `done`: they end when the emulator detaches (the segment is closed truncated).
+    So the running sum is kept per task until the episode ends with a `done` or `truncated`
+    transition or a truncated segment; a truncated episode counts with the return it had.
+    At most `max_tasks` running sums are kept (the least recently seen task is forgotten).
+    """
+
+    def __init__(self, max_tasks: int = 100_000) -> None:
+        self.running: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.max_tasks = max_tasks
+
+    def add(self, seg: Segment) -> list[float]:
+        """The returns of the episodes this segment ends (segments of one task in order)."""
+        total = self.running.pop(seg.task_id, 0.0)
+        ended, open_steps = [], 0
+        for t in seg.transitions:
+            total += float(t.reward)
+            open_steps += 1
+            if t.done or t.truncated:
+                ended.append(total)
+                total, open_steps = 0.0, 0
+        if seg.truncated and open_steps:  # detached or expired mid-episode
+            ended.append(total)
+        elif open_steps:
+            self.running[seg.task_id] = total
+            if len(self.running) > self.max_tasks:
+                self.running.popitem(last=False)
+        return ended
+
+
 def build_rollout(
     segments: list[Segment],
     value_of: Callable[[list[dict[str, Any]]], list[float]],
@@ -58,9 +92,14 @@ def build_rollout(
     lam: float,
     current_version: int,
     max_policy_lag: int,
+    episodes: EpisodeReturns | None = None,
 ) -> Rollout:
-    """Turn decoded segments into a Rollout; `value_of(observations)` is the critic (no gradients)."""
+    """Turn decoded segments into a Rollout; `value_of(observations)` is the critic (no gradients).
+
+    `episodes` carries episode returns across calls (the learner keeps one); by default a fresh
+    one, so an episode's return counts only if it starts and ends within these segments."""
     out = Rollout()
+    episodes = episodes if episodes is not None else EpisodeReturns()
     # One critic call for every observation and bootstrap observation of the batch.
     wanted: list[dict[str, Any]] = []
     for seg in segments:
@@ -70,6 +109,7 @@ def build_rollout(
     values = value_of(wanted) if wanted else []
     cursor = 0
     for seg in segments:
+        out.episodic_returns += episodes.add(seg)
         transitions = seg.transitions
         n = len(transitions)
         out.stored += n
@@ -90,12 +130,7 @@ def build_rollout(
         dones = torch.tensor([bool(t.done) for t in transitions])
         b_values = torch.tensor(seg_values, dtype=torch.float32)
         advantages, returns = ppo.gae(rewards, b_values, dones, next_value, gamma, lam)
-        episode = 0.0
         for t, adv, ret, v in zip(transitions, advantages.tolist(), returns.tolist(), seg_values):
-            episode += float(t.reward)
-            if t.done:
-                out.episodic_returns.append(episode)
-                episode = 0.0
             lag = current_version - t.policy_version
             if lag < 0:
                 out.dropped_mismatched += 1

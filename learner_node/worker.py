@@ -46,7 +46,7 @@ from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.ppo import AdaptiveKLController
-from learner_node.rollout import build_rollout
+from learner_node.rollout import EpisodeReturns, build_rollout
 from learner_node.update import UpdateConfig, ppo_update
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,8 @@ class Learner:
         self.seen: collections.deque[str] = collections.deque(maxlen=RECENT_SEGMENTS)
         self.seen_set: set[str] = set()
         self.counters: collections.Counter[str] = collections.Counter()
+        self.episodes = EpisodeReturns()  # returns of episodes that span segments and rollouts (not checkpointed)
+        self._largest_segment: int | None = None  # transitions in the largest segment read so far (see _entries_for)
         self.stop_event = threading.Event()
         self.ctx = context or zmq.Context.instance()
         self.pub: zmq.Socket | None = None
@@ -241,7 +243,9 @@ class Learner:
             return None
         started = time.perf_counter()
         trained_from = self.version
-        rollout = build_rollout(segments, self._values, self.cfg.gamma, self.cfg.gae_lambda, self.version, self.cfg.max_policy_lag)
+        rollout = build_rollout(
+            segments, self._values, self.cfg.gamma, self.cfg.gae_lambda, self.version, self.cfg.max_policy_lag, self.episodes
+        )
         train_policy = self.updates >= self.cfg.warmup_updates
         metrics: dict[str, float] = {}
         if len(rollout):
@@ -269,6 +273,7 @@ class Learner:
                 "charts/episodic_return": sum(rollout.episodic_returns) / len(rollout.episodic_returns)
                 if rollout.episodic_returns
                 else math.nan,
+                "charts/episodes": len(rollout.episodic_returns),
                 "charts/policy_lag": sum(lag) / len(lag),
                 "charts/SPS": len(rollout) / elapsed if elapsed > 0 else 0.0,
                 "charts/policy_version": self.version,
@@ -309,7 +314,7 @@ class Learner:
             if rollout and time.monotonic() > give_up:
                 log.info("rollout timeout: training on %d transitions", transitions)
                 break
-            for entry_id, fields in self._read(self.cfg.rollout_batch - transitions):
+            for entry_id, fields in self._read(self._entries_for(self.cfg.rollout_batch - transitions)):
                 if entry_id in taken:
                     continue
                 taken.add(entry_id)
@@ -325,7 +330,20 @@ class Learner:
                     continue
                 rollout.append(seg)
                 transitions += len(seg.transitions)
+                self._largest_segment = max(self._largest_segment or 0, len(seg.transitions))
         return entries, rollout
+
+    def _entries_for(self, transitions: int) -> int:
+        """How many stream entries to ask for when `transitions` more are wanted.
+
+        `rollout_batch` counts transitions but XREADGROUP's COUNT counts entries (segments of up to
+        the broker's segment_len). Asking for as many entries as transitions made an update of 40
+        hold 596 transitions; asking for transitions // (largest segment seen) keeps an update
+        within one segment of rollout_batch (one entry at a time until a segment has been seen).
+        """
+        if self._largest_segment is None:
+            return 1
+        return max(1, transitions // self._largest_segment)
 
     def _read(self, want: int) -> list[tuple[str, dict]]:
         """The next entries of this rollout: own pending, then claimed, then new (see `collect`)."""

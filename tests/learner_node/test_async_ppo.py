@@ -61,20 +61,26 @@ def actor_transitions(model_dir: str, dtype: str, path: str, n: int, version: in
     ]
 
 
-def write_to_stream(redis_client, prefix: str, transitions: list[Transition]) -> None:
-    """One single-step segment per transition, closed by the broker's own store code into the stream."""
+def write_to_stream(redis_client, prefix: str, transitions: list[Transition], per_segment: int = 1) -> None:
+    """Segments of `per_segment` transitions (one task each), closed by the broker's own store code into the stream."""
     store = SessionStore(redis_client, RedisKeys(prefix), "learners")
     store.ensure_stream()
     batch = Batch()
-    for i, t in enumerate(transitions):
-        session = Session(f"emu-{i}", segment_len=8)
-        batch.add("RPUSH", store.keys.open_segment(session.task_id), seg.pack(t.to_wire()))
-        store.stage_close(batch, session, SegmentClose(session.task_id, session.seq, "done", True, False, None, 1))
+    for start in range(0, len(transitions), per_segment):
+        session = Session(f"emu-{start}", segment_len=per_segment)
+        chunk = transitions[start : start + per_segment]
+        for t in chunk:
+            batch.add("RPUSH", store.keys.open_segment(session.task_id), seg.pack(t.to_wire()))
+        last = chunk[-1]
+        close = SegmentClose(
+            session.task_id, session.seq, "done" if last.done else "length", last.done, False, None if last.done else last.obs, len(chunk)
+        )
+        store.stage_close(batch, session, close)
     store.apply(batch)
 
 
 def learner_on(model_dir: str, dtype: str, redis_url: str, redis_client, prefix: str, tmp_path, n: int, **overrides) -> Learner:
-    cfg = LearnerConfig(
+    settings = dict(
         policy=PolicySpec(model=model_dir, lora_rank=4, normalisation="token", dtype=dtype),
         device="cpu",
         redis_url=redis_url,
@@ -87,8 +93,8 @@ def learner_on(model_dir: str, dtype: str, redis_url: str, redis_client, prefix:
         checkpoint_dir=str(tmp_path / "ckpt"),
         tensorboard_dir="",
         read_block_ms=100,
-        **overrides,
     )
+    cfg = LearnerConfig(**{**settings, **overrides})
     learner = Learner(cfg, redis_client)
     learner.start()
     return learner
@@ -185,3 +191,19 @@ def test_a_transition_from_a_version_ahead_of_the_learner_is_dropped_and_counted
     rollout = stale_rollout(lp, segments, lag=3)  # the learner is at version 3: version 5 is another run's
     assert rollout.dropped_mismatched == 3 and len(rollout) == 2 and rollout.dropped_stale == 0
     assert rollout.stored == len(rollout) + rollout.dropped_mismatched
+
+
+@pytest.mark.slow
+def test_an_update_holds_about_rollout_batch_transitions_not_segments(tiny_models, redis_url, redis_client, key_prefix, tmp_path):
+    """rollout_batch counts transitions; the stream's COUNT counts segments (here of 4 transitions each)."""
+    transitions = actor_transitions(tiny_models["llama"], "float32", "packed", 48)
+    write_to_stream(redis_client, key_prefix, transitions, per_segment=4)  # 12 segments
+    learner = learner_on(tiny_models["llama"], "float32", redis_url, redis_client, key_prefix, tmp_path, 10, micro_batch=8)
+    try:
+        sizes = []
+        for _ in range(3):
+            assert learner.step() is not None
+            sizes.append(learner.counters["transitions_stored"] - sum(sizes))
+    finally:
+        learner.close()
+    assert all(10 <= size <= 10 + 4 - 1 for size in sizes), sizes  # within one segment of rollout_batch (was 40: 10 segments)

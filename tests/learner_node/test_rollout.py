@@ -91,3 +91,82 @@ def test_stale_transitions_are_dropped_and_counted_after_gae():
     assert r.dropped_stale == 1 and len(r) == 1 and r.versions == [5]
     assert r.returns == pytest.approx([1.0])
     assert r.episodic_returns == [2.0]  # the episode still counts whole
+
+
+def test_an_episode_spanning_segments_and_rollouts_counts_once_with_its_whole_return():
+    from learner_node.rollout import EpisodeReturns
+
+    episodes = EpisodeReturns()
+    first = build_rollout(
+        [segment("t:0", [transition("s0", 1.0), transition("s1", 2.0)], next_obs=obs("after"))], value_of, 1.0, 1.0, 5, 0, episodes
+    )
+    assert first.episodic_returns == []  # the episode goes on in the next segment
+    second = build_rollout(
+        [segment("t:1", [transition("s2", 3.0), transition("s0", 4.0, done=True)], done=True)], value_of, 1.0, 1.0, 5, 0, episodes
+    )
+    assert second.episodic_returns == [10.0]
+    assert episodes.running == {}
+
+
+def test_a_truncated_episode_counts_with_the_return_it_had_and_tasks_are_apart():
+    from learner_node.rollout import EpisodeReturns
+
+    episodes = EpisodeReturns()
+    a0 = Segment(
+        seg_id="a:0",
+        task_id="a",
+        seq=0,
+        reason="length",
+        done=False,
+        truncated=False,
+        next_obs=obs("after"),
+        transitions=[transition("s0", 1.0), transition("s1", 1.0)],
+    )
+    b0 = Segment(
+        seg_id="b:0",
+        task_id="b",
+        seq=0,
+        reason="length",
+        done=False,
+        truncated=False,
+        next_obs=obs("after"),
+        transitions=[transition("s0", 5.0)],
+    )
+    a1 = Segment(
+        seg_id="a:1", task_id="a", seq=1, reason="detach", done=False, truncated=True, next_obs=None, transitions=[transition("s2", 0.5)]
+    )
+    assert episodes.add(a0) == [] and episodes.add(b0) == []
+    assert episodes.add(a1) == [2.5]  # Kea's episodes never end with done: they end when the emulator detaches
+    assert episodes.running == {"b": 5.0}
+    # A done in the middle of a segment ends one episode and starts the next.
+    c0 = Segment(
+        seg_id="c:0",
+        task_id="c",
+        seq=0,
+        reason="length",
+        done=False,
+        truncated=False,
+        next_obs=obs("after"),
+        transitions=[transition("s0", 1.0, done=True), transition("s1", 7.0)],
+    )
+    assert episodes.add(c0) == [1.0] and episodes.running["c"] == 7.0
+
+
+def test_the_running_returns_are_bounded():
+    from learner_node.rollout import EpisodeReturns
+
+    episodes = EpisodeReturns(max_tasks=2)
+    for task in "xyz":
+        episodes.add(
+            Segment(
+                seg_id=f"{task}:0",
+                task_id=task,
+                seq=0,
+                reason="length",
+                done=False,
+                truncated=False,
+                next_obs=obs("after"),
+                transitions=[transition("s0", 1.0)],
+            )
+        )
+    assert list(episodes.running) == ["y", "z"]
