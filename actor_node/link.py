@@ -20,6 +20,7 @@ import zmq
 
 from common import protocol as p
 from common.security import ClientKeys
+from common.shared_settings import PolicyStamp
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,13 @@ class BrokerLink:
             self._results_out.send(p.encode(body))
 
     @staticmethod
-    def result(job: int, action: int, logprob: float, probs: list[float], policy_version: int) -> dict[str, Any]:
-        return {"job": job, "action": action, "logprob": logprob, "probs": probs, "policy_version": policy_version}
+    def result(
+        job: int, action: int, logprob: float, probs: list[float], policy_version: int, stamp: PolicyStamp | None = None
+    ) -> dict[str, Any]:
+        result = {"job": job, "action": action, "logprob": logprob, "probs": probs, "policy_version": policy_version}
+        if stamp is not None:
+            result["policy"] = stamp.to_wire()
+        return result
 
     @staticmethod
     def error(job: int, code: str, message: str) -> dict[str, Any]:

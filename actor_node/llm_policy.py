@@ -20,6 +20,7 @@ from actor_node.prefix_cache import PrefixCache
 from common import scoring
 from common.config import option
 from common.policy_model import load_policy_state_dict
+from common.shared_settings import PolicyStamp
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +54,34 @@ class LLMPolicy:
         if prefix_cache_mb and self.path != "packed":
             log.warning("prefix cache off: it needs the packed scoring path, this model runs %s", self.path)
         self.policy_version = policy_version
+        self.policy_run = ""
         self.generator = torch.Generator().manual_seed(sampling.seed)
         self.forwards = 0
         self.scored = 0
         self.busy_s = 0.0
 
     # --- weights ------------------------------------------------------------------------
-    def set_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+    def set_weights(self, state: dict[str, torch.Tensor], version: int, run: str) -> None:
         """Swap to new weights (call between batches). Cached KV is stale after this, so it is dropped."""
         device = next(self.model.parameters()).device
         load_policy_state_dict(self.model, {k: v.to(device) for k, v in state.items()})
         self.cache.clear()
+        if run != self.policy_run:
+            log.info("following learner run %s (was %s)", run or "-", self.policy_run or "the base weights")
         self.policy_version = version
+        self.policy_run = run
         log.info("now serving policy version %d", version)
+
+    def stamp(self) -> PolicyStamp:
+        peft_config = getattr(self.model, "peft_config", None)
+        return PolicyStamp(
+            run=self.policy_run,
+            normalisation=self.sampling.normalisation,
+            temperature=self.sampling.temperature,
+            lora_rank=int(peft_config["default"].r) if peft_config else 0,
+            greedy=self.sampling.greedy,
+            path=self.path,
+        )
 
     def stats(self) -> str:
         return f"{self.scored} scored in {self.forwards} forwards; prefix cache {self.cache.stats()}"

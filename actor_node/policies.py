@@ -17,6 +17,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from common.shared_settings import PolicyStamp
+
 
 @dataclass
 class Choice:
@@ -31,13 +33,18 @@ class Policy(Protocol):
     """What the actor loop and its wiring (actor_node/main.py) need of a policy."""
 
     policy_version: int
+    policy_run: str  # the learner run whose weights it serves ("" before any snapshot)
 
     def choose_batch(self, jobs: list[dict[str, Any]]) -> list[Choice | Exception]:
         """One answer per job, in order: a Choice, or the exception that job alone raised."""
         ...
 
-    def set_weights(self, state: dict[str, Any], version: int) -> None:
-        """Serve these weights from now on (called between batches)."""
+    def set_weights(self, state: dict[str, Any], version: int, run: str) -> None:
+        """Serve these weights (version `version` of learner run `run`) from now on (called between batches)."""
+        ...
+
+    def stamp(self) -> PolicyStamp | None:
+        """What its choices are scored with, sent with every result (None: a policy without weights)."""
         ...
 
     def stats(self) -> str:
@@ -49,6 +56,7 @@ class UniformPolicy:
     """Samples a candidate uniformly at random; it has no weights, so its policy version stays 0."""
 
     policy_version = 0
+    policy_run = ""
 
     def __init__(self, seed: int | None = None) -> None:
         self.rng = random.Random(seed)
@@ -66,8 +74,11 @@ class UniformPolicy:
                 out.append(e)
         return out
 
-    def set_weights(self, state: dict[str, Any], version: int) -> None:
+    def set_weights(self, state: dict[str, Any], version: int, run: str) -> None:
         raise TypeError("the uniform policy has no weights to follow; serve a model (--model) to follow the learner")
+
+    def stamp(self) -> PolicyStamp | None:
+        return None  # uniform over the candidates whatever the settings: its logged probs are exact
 
     def stats(self) -> str:
         return ""

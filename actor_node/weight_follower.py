@@ -38,8 +38,14 @@ class WeightFollower:
                 curve.apply(self.sub)
             self.sub.connect(endpoint)
 
-    def newest(self, now: float, current: int) -> Announcement | None:
-        """A snapshot newer than `current`, if one was announced or is in Redis (checked every poll_s)."""
+    def newest(self, now: float, current: int, current_run: str = "") -> Announcement | None:
+        """A snapshot to load, if one was announced or is in Redis (checked every poll_s): newer than
+        version `current` of run `current_run`, or of another run whatever its version (a learner
+        restarted without --resume counts from 0 again; its weights are the ones to serve)."""
+
+        def newer(ann: Announcement) -> bool:
+            return ann.version > current if ann.run == current_run else bool(ann.run)
+
         best: Announcement | None = None
         while self.sub is not None:
             try:
@@ -51,8 +57,8 @@ class WeightFollower:
             except WeightsError as e:
                 log.warning("%s", e)
                 continue
-            if ann.version > current and (best is None or ann.version > best.version):
-                best = ann
+            if newer(ann) and (best is None or ann.run != best.run or ann.version > best.version):
+                best = ann  # the latest run announced, its newest version
         if best is None and now >= self._next_poll:
             self._next_poll = now + self.poll_s
             try:
@@ -60,7 +66,7 @@ class WeightFollower:
             except redis.RedisError as e:
                 log.warning("cannot read the latest snapshot from Redis: %s", e)
                 stored = None
-            if stored is not None and stored.version > current:
+            if stored is not None and newer(stored):
                 best = stored
         return best
 

@@ -25,7 +25,7 @@ def catch_up(policy: Policy, follower: WeightFollower | None) -> bool:
     """Load the newest snapshot the learner announced or stored, if newer than what the policy has."""
     if follower is None:
         return False
-    ann = follower.newest(time.monotonic(), policy.policy_version)
+    ann = follower.newest(time.monotonic(), policy.policy_version, policy.policy_run)
     if ann is None:
         return False
     try:
@@ -33,7 +33,7 @@ def catch_up(policy: Policy, follower: WeightFollower | None) -> bool:
     except Exception as e:  # a missing or corrupt snapshot: keep serving the current weights
         log.warning("cannot load policy version %d: %s; keeping version %d", ann.version, e, policy.policy_version)
         return False
-    policy.set_weights(state, ann.version)
+    policy.set_weights(state, ann.version, ann.run)
     return True
 
 
@@ -71,6 +71,7 @@ def serve(
             log.exception("scoring a batch of %d failed", len(jobs))
             chosen = [e] * len(scored)
         answers = iter(chosen)
+        stamp = policy.stamp()  # one per batch: weights change only between batches
         results = []
         for i, job in enumerate(jobs):
             answer = failed[i] if i in failed else next(answers)
@@ -78,7 +79,7 @@ def serve(
                 code = p.E_BAD_REQUEST if isinstance(answer, BadInput) else p.E_INTERNAL
                 results.append(link.error(job["job"], code, f"{type(answer).__name__}: {answer}"))
             else:
-                result = link.result(job["job"], answer.action, answer.logprob, answer.probs, policy.policy_version)
+                result = link.result(job["job"], answer.action, answer.logprob, answer.probs, policy.policy_version, stamp)
                 if "context" in job:  # rag_step: the broker records the client's prompt + this context, as scored
                     result.update(context=job["context"], retrieved=job["retrieved"])
                 results.append(result)

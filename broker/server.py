@@ -42,6 +42,7 @@ from common.learner_figures import read_latest
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
 from common.segments import RedisKeys
+from common.shared_settings import PolicyStamp
 from common.zmqio import bound, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
@@ -699,7 +700,13 @@ class Broker:
             body["retrieved"] = retrieved
         elif "context" in msg:
             raise p.ProtocolError(p.E_BAD_REQUEST, f"a retrieval `context` came back for a {job.mode} job")
-        return PendingStep(job.rid, job.mode, obs, action, logprob, body["probs"], version, now_ms(), p.encode(body), len(context))
+        stamp = None
+        if msg.get("policy") is not None:
+            try:
+                stamp = PolicyStamp.from_wire(p.require(msg, "policy", dict, "a map (the policy stamp)")).to_wire()
+            except ValueError as e:
+                raise p.ProtocolError(p.E_BAD_REQUEST, str(e)) from None
+        return PendingStep(job.rid, job.mode, obs, action, logprob, body["probs"], version, now_ms(), p.encode(body), len(context), stamp)
 
     def _send_actor(self, identity: bytes, body: dict[str, Any]) -> bool:
         try:

@@ -63,6 +63,7 @@ class PendingStep:
     step_ms: int
     reply: bytes  # the encoded reply body, resent verbatim to a retry
     context_chars: int = 0  # rag_step: characters of retrieved context at the end of obs["prompt"] (the scored prompt)
+    policy: dict[str, Any] | None = None  # the actor's PolicyStamp: what the choice was scored with
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -76,6 +77,7 @@ class PendingStep:
             "step_ms": self.step_ms,
             "reply": self.reply,
             "context_chars": self.context_chars,
+            "policy": self.policy,
         }
 
     @classmethod
@@ -210,6 +212,7 @@ class Session:
             truncated=truncated,
             step_ms=step.step_ms,
             feedback_ms=now_ms(),
+            policy=step.policy,
         )
         self.pending = None
         self.open_len += 1

@@ -118,6 +118,7 @@ class Transition:
     truncated: bool
     step_ms: int = 0  # when the step was answered
     feedback_ms: int = 0  # when its reward came
+    policy: dict[str, Any] | None = None  # what it was scored with (common.shared_settings.PolicyStamp); None: not stamped
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

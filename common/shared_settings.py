@@ -18,6 +18,7 @@ Nothing here imports torch: the broker and the uniform actor load these too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from common.config import check, option, section
 from common.options import DTYPE_NAMES, NORMALISATIONS, SCORING_PATHS
@@ -96,3 +97,64 @@ class RetrievalConfig:
         check(self.history_len >= 0, f"`history_len` must be 0 or more, got {self.history_len}")
         check(self.query_chars > 0, f"`query_chars` must be positive, got {self.query_chars}")
         check(self.embed_batch > 0, f"`embed_batch` must be positive, got {self.embed_batch}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyStamp:
+    """What one choice was scored with: the actor sends it with every result, the broker stores it
+    with the transition, and the learner trains only on transitions scored as it scores.
+
+    `run` is the learner run whose weights scored it ("" before the actor loaded any snapshot:
+    the base weights). `path` is informative: every path computes the same function (checked at
+    start), so the learner does not compare it. The other fields define the behaviour policy.
+    """
+
+    run: str
+    normalisation: str
+    temperature: float
+    lora_rank: int
+    greedy: bool
+    path: str = ""
+
+    COMPARED = ("run", "normalisation", "temperature", "lora_rank", "greedy")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "normalisation": self.normalisation,
+            "temperature": self.temperature,
+            "lora_rank": self.lora_rank,
+            "greedy": self.greedy,
+            "path": self.path,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> PolicyStamp:
+        """Raises ValueError naming the field that is missing or of the wrong type."""
+        kinds: dict[str, Any] = {
+            "run": str,
+            "normalisation": str,
+            "temperature": (int, float),
+            "lora_rank": int,
+            "greedy": bool,
+            "path": str,
+        }
+        for name, kind in kinds.items():
+            value = d.get(name, "" if name == "path" else None)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"policy stamp field `{name}` must be {kind}, got {value!r}")
+        return cls(
+            run=str(d["run"]),
+            normalisation=str(d["normalisation"]),
+            temperature=float(d["temperature"]),
+            lora_rank=int(d["lora_rank"]),
+            greedy=bool(d["greedy"]),
+            path=str(d.get("path", "")),
+        )
+
+    def disagreement(self, learner: PolicyStamp) -> str | None:
+        """The first compared field where this choice's policy differs from the learner's, else None."""
+        for name in self.COMPARED:
+            if getattr(self, name) != getattr(learner, name):
+                return name
+        return None

@@ -4,12 +4,14 @@ The learner stores every new policy snapshot in Redis before it announces it,
 so PUB never carries the only copy: an actor that starts late, or misses an
 announcement (PUB/SUB drops messages for slow joiners and at the high-water
 mark), reads the newest snapshot from Redis: `P:weights:latest` (a hash: version,
-checksum as sha256 hex, size, kind) names it, `P:weights:v{version}` holds its
+checksum as sha256 hex, size, kind, run) names it, `P:weights:v{version}` holds its
 safetensors bytes (keys: common/segments.py).
 
 An announcement is a two-frame PUB message: topic `weights`, then a msgpack map
-{proto, v, op: "weights", version, checksum, size, kind}. `kind` is `lora`
-(adapter weights) or `full` (every weight, for tiny models trained without LoRA).
+{proto, v, op: "weights", version, checksum, size, kind, run}. `kind` is `lora`
+(adapter weights) or `full` (every weight, for tiny models trained without LoRA);
+`run` the learner run's id (kept across --resume, new otherwise): versions count
+within a run, and an actor follows a new run whatever its version.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Announcement:
     checksum: str
     size: int
     kind: str
+    run: str = ""  # the learner run (older learners: "")
 
 
 def _keys(prefix: str, version: int | None = None) -> str:
@@ -51,13 +54,15 @@ def _keys(prefix: str, version: int | None = None) -> str:
     return keys.weights_latest if version is None else keys.weights_snapshot(version)
 
 
-def store_snapshot(client: redis.Redis, prefix: str, version: int, state: dict[str, torch.Tensor], kind: str) -> Announcement:
+def store_snapshot(
+    client: redis.Redis, prefix: str, version: int, state: dict[str, torch.Tensor], kind: str, run: str = ""
+) -> Announcement:
     """Write a snapshot to Redis and make it the latest; older ones beyond the last few are deleted."""
     data = save_safetensors({k: v.contiguous() for k, v in state.items()}, metadata={"version": str(version), "kind": kind})
-    ann = Announcement(version, hashlib.sha256(data).hexdigest(), len(data), kind)
+    ann = Announcement(version, hashlib.sha256(data).hexdigest(), len(data), kind, run)
     pipe = client.pipeline(transaction=True)
     pipe.set(_keys(prefix, version), data)
-    pipe.hset(_keys(prefix), mapping={"version": version, "checksum": ann.checksum, "size": ann.size, "kind": kind})
+    pipe.hset(_keys(prefix), mapping={"version": version, "checksum": ann.checksum, "size": ann.size, "kind": kind, "run": run})
     if version - KEEP_VERSIONS >= 0:
         pipe.delete(_keys(prefix, version - KEEP_VERSIONS))
     pipe.execute()
@@ -66,7 +71,7 @@ def store_snapshot(client: redis.Redis, prefix: str, version: int, state: dict[s
 
 def announce(pub: zmq.Socket, ann: Announcement) -> None:
     body = p.header(OP_WEIGHTS)
-    body.update(version=ann.version, checksum=ann.checksum, size=ann.size, kind=ann.kind)
+    body.update(version=ann.version, checksum=ann.checksum, size=ann.size, kind=ann.kind, run=ann.run)
     pub.send_multipart([TOPIC, p.encode(body)])
 
 
@@ -75,7 +80,13 @@ def latest(client: redis.Redis, prefix: str) -> Announcement | None:
     fields = client.hgetall(_keys(prefix))
     if not fields:
         return None
-    return Announcement(int(fields[b"version"]), fields[b"checksum"].decode(), int(fields[b"size"]), fields[b"kind"].decode())
+    return Announcement(
+        int(fields[b"version"]),
+        fields[b"checksum"].decode(),
+        int(fields[b"size"]),
+        fields[b"kind"].decode(),
+        fields.get(b"run", b"").decode(),
+    )
 
 
 def fetch(client: redis.Redis, prefix: str, ann: Announcement) -> dict[str, torch.Tensor]:
@@ -94,6 +105,6 @@ def parse_announcement(frames: list[bytes]) -> Announcement:
         raise WeightsError(f"not a weights announcement: {len(frames)} frames")
     try:
         msg = p.decode(frames[1])
-        return Announcement(int(msg["version"]), str(msg["checksum"]), int(msg["size"]), str(msg["kind"]))
+        return Announcement(int(msg["version"]), str(msg["checksum"]), int(msg["size"]), str(msg["kind"]), str(msg.get("run", "")))
     except (p.ProtocolError, KeyError, TypeError, ValueError) as e:
         raise WeightsError(f"malformed weights announcement: {e}") from e

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from common.segments import Segment
+from common.segments import Segment, Transition
+from common.shared_settings import PolicyStamp
 from learner_node import ppo
 
 
@@ -46,6 +47,7 @@ class Rollout:
     dropped_stale: int = 0
     dropped_truncated: int = 0
     dropped_mismatched: int = 0
+    mismatched: collections.Counter[str] = field(default_factory=collections.Counter)  # by the field that disagreed
     stored: int = 0  # transitions in the segments taken
 
     def __len__(self) -> int:
@@ -93,11 +95,14 @@ def build_rollout(
     current_version: int,
     max_policy_lag: int,
     episodes: EpisodeReturns | None = None,
+    expected: PolicyStamp | None = None,
 ) -> Rollout:
     """Turn decoded segments into a Rollout; `value_of(observations)` is the critic (no gradients).
 
     `episodes` carries episode returns across calls (the learner keeps one); by default a fresh
-    one, so an episode's return counts only if it starts and ends within these segments."""
+    one, so an episode's return counts only if it starts and ends within these segments.
+    `expected`: the learner's own policy stamp; a stamped transition that disagrees with it
+    is dropped and counted by the field that differs (unstamped ones are taken as they are)."""
     out = Rollout()
     episodes = episodes if episodes is not None else EpisodeReturns()
     # One critic call for every observation and bootstrap observation of the batch.
@@ -132,8 +137,10 @@ def build_rollout(
         advantages, returns = ppo.gae(rewards, b_values, dones, next_value, gamma, lam)
         for t, adv, ret, v in zip(transitions, advantages.tolist(), returns.tolist(), seg_values):
             lag = current_version - t.policy_version
-            if lag < 0:
+            reason = "version_ahead" if lag < 0 else _disagreement(t, expected, current_version)
+            if reason is not None:
                 out.dropped_mismatched += 1
+                out.mismatched[reason] += 1
                 continue
             if lag > max_policy_lag:
                 out.dropped_stale += 1
@@ -149,3 +156,17 @@ def build_rollout(
             out.values.append(float(v))
             out.seg_ids.append(seg.seg_id)
     return out
+
+
+def _disagreement(t: Transition, expected: PolicyStamp | None, current_version: int) -> str | None:
+    """Why the learner must not train on `t` (a field of its stamp that differs), or None."""
+    if expected is None or t.policy is None:
+        return None
+    try:
+        stamp = PolicyStamp.from_wire(t.policy)
+    except ValueError:
+        return "stamp"
+    reason = stamp.disagreement(expected)
+    if reason == "run" and stamp.run == "" and current_version == 0:
+        return None  # the actor's base weights, before it loaded a snapshot: the learner's version 0 is the same function
+    return reason

@@ -27,6 +27,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from dataclasses import asdict
 from typing import Any, cast
 
@@ -41,6 +42,7 @@ from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, 
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
 from common.segments import RedisKeys, Segment, ensure_group
+from common.shared_settings import PolicyStamp
 from common.zmqio import bound
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
@@ -95,6 +97,13 @@ class Learner:
             seed=cfg.seed,
         )
         self.version = 0
+        # This run's id: announced with every snapshot and stamped on every choice made with its weights,
+        # so versions are compared within a run. New on a fresh start, restored by --resume.
+        self.run_id = uuid.uuid4().hex[:12]
+        if self.world > 1:
+            shared_run = [self.run_id]
+            dist.broadcast_object_list(shared_run, src=0)
+            self.run_id = shared_run[0]
         self.updates = 0
         self.seen: collections.deque[str] = collections.deque(maxlen=RECENT_SEGMENTS)
         self.seen_set: set[str] = set()
@@ -162,6 +171,7 @@ class Learner:
         self.policy_opt.load_state_dict(optimizers["policy"])
         self.value_opt.load_state_dict(optimizers["value"])
         self.version, self.updates, self.kl.value = state["version"], state["updates"], state["kl_coef"]
+        self.run_id = state.get("run_id") or self.run_id  # a checkpoint from before run ids: a new one
         self.counters.update(state["counters"])
         for seg_id in state["recent_segments"]:
             self._remember(seg_id)
@@ -175,7 +185,8 @@ class Learner:
         # Ready: the stream and consumer group exist, the checkpoint (if resuming) is restored
         # and the current weights are published.
         log.info(
-            "learner ready: policy version %d after %d updates, reading %s as %s/%s",
+            "learner ready: run %s, policy version %d after %d updates, reading %s as %s/%s",
+            self.run_id,
             self.version,
             self.updates,
             self.keys.stream,
@@ -244,7 +255,14 @@ class Learner:
         started = time.perf_counter()
         trained_from = self.version
         rollout = build_rollout(
-            segments, self._values, self.cfg.gamma, self.cfg.gae_lambda, self.version, self.cfg.max_policy_lag, self.episodes
+            segments,
+            self._values,
+            self.cfg.gamma,
+            self.cfg.gae_lambda,
+            self.version,
+            self.cfg.max_policy_lag,
+            self.episodes,
+            self.stamp(),
         )
         train_policy = self.updates >= self.cfg.warmup_updates
         metrics: dict[str, float] = {}
@@ -263,6 +281,8 @@ class Learner:
         self.counters["dropped_stale"] += rollout.dropped_stale
         self.counters["dropped_truncated"] += rollout.dropped_truncated
         self.counters["dropped_mismatched"] += rollout.dropped_mismatched
+        for reason, count in rollout.mismatched.items():
+            self.counters[f"mismatched_{reason}"] += count
         self.counters["segments_trained"] += len(segments)
         for seg in segments:
             self._remember(seg.seg_id)
@@ -445,6 +465,7 @@ class Learner:
     # --- persistence and publication -----------------------------------------------------------
     def save_checkpoint(self, entry_ids: list[str]) -> None:
         state = {
+            "run_id": self.run_id,
             "version": self.version,
             "updates": self.updates,
             "kl_coef": self.kl.value,
@@ -464,12 +485,19 @@ class Learner:
             self.lp.model,
         )
 
+    def stamp(self) -> PolicyStamp:
+        """What a transition must have been scored with to be trained on (see PolicyStamp)."""
+        spec = self.cfg.policy
+        return PolicyStamp(
+            run=self.run_id, normalisation=spec.normalisation, temperature=spec.temperature, lora_rank=spec.lora_rank, greedy=False
+        )
+
     def publish(self) -> None:
         """Store the current weights in Redis, then announce them (PUB never holds the only copy)."""
         if not self.is_main:
             return
         kind = "lora" if self.lp.has_adapter else "full"
-        ann = weights.store_snapshot(self.redis, self.cfg.key_prefix, self.version, policy_state_dict(self.lp.model), kind)
+        ann = weights.store_snapshot(self.redis, self.cfg.key_prefix, self.version, policy_state_dict(self.lp.model), kind, self.run_id)
         weights.announce(bound(self.pub, "the weights publisher"), ann)
 
     def _figures(self, metrics: dict[str, float], n: int) -> dict[str, float]:

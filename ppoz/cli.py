@@ -344,6 +344,16 @@ def cmd_status(args: argparse.Namespace) -> int:
             if k.startswith("losses/") and k.split("/")[-1] in ("policy_loss", "value_loss", "entropy", "approx_kl")
         )
         print(f"  learner: policy v{newest} after {int(learner.get('updates', 0))} updates; last update: {figures}")
+        counters = {k.removeprefix("counters/"): int(v) for k, v in learner.items() if k.startswith("counters/")}
+        if counters:
+            why = ", ".join(
+                f"{k.removeprefix('mismatched_')} {v}" for k, v in sorted(counters.items()) if k.startswith("mismatched_") and v
+            )
+            print(
+                f"  transitions: stored {counters.get('transitions_stored', 0)}, trained {counters.get('transitions_trained', 0)}, "
+                f"dropped stale {counters.get('dropped_stale', 0)}, truncated {counters.get('dropped_truncated', 0)}, "
+                f"mismatched {counters.get('dropped_mismatched', 0)}" + (f" ({why})" if why else "")
+            )
     else:
         print("  learner: no update yet")
     latency = status.get("added_latency") or {}

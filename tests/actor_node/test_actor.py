@@ -56,7 +56,7 @@ def expected_probs(tiny_models, state) -> list[float]:
     model, tok = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4))
     policy = LLMPolicy(model, tok, SamplingConfig(normalisation="token"), "per_candidate")
     if state is not None:
-        policy.set_weights(state, 1)
+        policy.set_weights(state, 1, "run-a")
     return policy.choose_batch([{"job": 1, "obs": OBS}])[0].probs
 
 
@@ -169,3 +169,35 @@ def test_ppoz_actor_command_serves_a_model(broker, make_client, tiny_models):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_new_learner_run_is_followed_at_a_lower_version_and_every_transition_carries_its_stamp(
+    broker, start_llm_actor, make_client, redis_client, key_prefix, tiny_models
+):
+    """A learner restarted without --resume counts from 0 again; its actors must serve its weights, not keep the old run's."""
+    from common.segments import RedisKeys, Segment
+
+    weights.store_snapshot(redis_client, key_prefix, 5, new_snapshot(tiny_models, seed=4), "lora", run="run-a")
+    start_llm_actor(broker.backend, poll_s=0.2)
+    client = make_client(broker.frontend, deadline=30)
+    wait_for(lambda: actors_ready(client, 1), timeout=60, what="the LLM actor")
+    task = client.attach()
+
+    def served(version: int) -> bool:
+        reply = client.step(task, OBS)
+        client.feedback(task, 0.0)
+        return reply["policy_version"] == version
+
+    wait_for(lambda: served(5), timeout=30, what="version 5 of run-a")
+    weights.store_snapshot(redis_client, key_prefix, 1, new_snapshot(tiny_models, seed=5), "lora", run="run-b")
+    wait_for(lambda: served(1), timeout=30, what="version 1 of run-b, although 1 < 5")
+    client.detach(task)
+    entries = redis_client.xrange(RedisKeys(key_prefix).stream)
+    stamps = [(t.policy_version, t.policy) for _, fields in entries for t in Segment.from_entry(fields).transitions]
+    assert stamps and all(policy is not None for _, policy in stamps)
+    assert {policy["run"] for version, policy in stamps if version == 5} == {"run-a"}
+    assert {policy["run"] for version, policy in stamps if version == 1} == {"run-b"}
+    assert all(
+        policy["normalisation"] == "token" and policy["lora_rank"] == 4 and policy["greedy"] is False and policy["path"]
+        for _, policy in stamps
+    )

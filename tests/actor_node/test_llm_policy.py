@@ -90,7 +90,7 @@ def test_weight_swap_changes_outputs_and_drops_the_cache(policy_factory):
     before = policy.choose_batch([job()])[0].probs
     assert policy.cache.entries
     state = {k: torch.randn_like(v) * 0.5 for k, v in policy_state_dict(policy.model).items()}
-    policy.set_weights(state, version=7)
+    policy.set_weights(state, version=7, run="run-a")
     assert policy.policy_version == 7 and not policy.cache.entries
     after = policy.choose_batch([job()])[0].probs
     assert after != pytest.approx(before, abs=1e-4)

@@ -170,3 +170,36 @@ def test_the_running_returns_are_bounded():
             )
         )
     assert list(episodes.running) == ["y", "z"]
+
+
+def stamped(name, stamp, version=5):
+    t = transition(name, 1.0, done=True, version=version)
+    t.policy = None if stamp is None else stamp.to_wire()
+    return segment(f"{name}:0", [t], done=True)
+
+
+def test_transitions_scored_otherwise_than_the_learner_scores_are_dropped_and_counted_by_reason():
+    from dataclasses import replace
+
+    from common.shared_settings import PolicyStamp
+
+    mine = PolicyStamp(run="run-b", normalisation="token", temperature=1.0, lora_rank=8, greedy=False)
+    cases = [
+        stamped("s0", replace(mine, path="kv_batch")),  # another path computes the same function: kept
+        stamped("s1", None),  # unstamped (a uniform actor, an older broker): kept
+        stamped("s2", replace(mine, run="run-a")),  # another run's weights
+        stamped("s0", replace(mine, greedy=True)),  # a greedy actor: its behaviour probability is 1, not the logged softmax
+        stamped("s1", replace(mine, normalisation="word")),
+        stamped("s2", replace(mine, temperature=0.7)),
+        stamped("s0", replace(mine, lora_rank=16)),
+        stamped("s1", replace(mine, run="")),  # base weights while the learner is at version 5
+    ]
+    bad = transition("s2", 1.0, done=True)
+    bad.policy = {"run": 3}
+    cases.append(segment("bad:0", [bad], done=True))
+    r = build_rollout(cases, value_of, 1.0, 1.0, current_version=5, max_policy_lag=0, expected=mine)
+    assert len(r) == 2 and r.dropped_mismatched == 7 and r.stored == 9
+    assert dict(r.mismatched) == {"run": 2, "greedy": 1, "normalisation": 1, "temperature": 1, "lora_rank": 1, "stamp": 1}
+    # The base weights are the learner's version 0 (a fresh adapter is the identity): kept then.
+    base = build_rollout([stamped("s0", replace(mine, run=""), version=0)], value_of, 1.0, 1.0, 0, 0, expected=mine)
+    assert len(base) == 1 and base.dropped_mismatched == 0
