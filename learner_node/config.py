@@ -10,9 +10,45 @@ from common.security import check_server_settings
 from common.shared_settings import PolicySpec
 
 
+@dataclass(kw_only=True)
+class UpdateConfig:
+    """The settings of one PPO update (learner_node/update.py). The learner's config extends it:
+    a [learner] table or `ppoz learner` flags set them, and tests build one alone."""
+
+    update_epochs: int = option(2, "policy passes over each rollout")
+    policy_minibatch: int = option(16, "transitions per policy optimizer step")
+    micro_batch: int = option(4, "transitions per forward/backward (gradient accumulation up to policy_minibatch)")
+    value_minibatch: int = option(32, "transitions per critic optimizer step")
+    clip_coef: float = option(0.2, "PPO ratio clipping")
+    objective: str = option(
+        "decoupled",
+        "decoupled: clip against the learner's weights at the update's start, weight stale samples by "
+        "min(prox/behaviour, behaviour_weight_cap) (docs/design.md); ppo: clip against the behaviour policy",
+    )
+    behaviour_weight_cap: float = option(5.0, "decoupled: cap of the importance weight prox/behaviour (truncated IS)")
+    value_epochs: int = option(8, "critic passes over each rollout (on cached features: no model forward)")
+    value_clip: float = option(0.0, "value clipping around the old values, in return units (0: off)")
+    ent_coef: float = option(0.01, "entropy bonus coefficient")
+    vf_coef: float = option(1.0, "value loss scale (the critic has its own optimizer: this only scales its step)")
+    kl_coef: float = option(0.0, "coefficient of the KL penalty to the reference policy (the base, adapter off)")
+    target_kl: float = option(0.02, "stop an update's policy epochs once approx KL to the proximal policy exceeds this (0: never)")
+    max_grad_norm: float = option(0.5, "gradient clipping norm")
+    seed: int = option(0, "random seed (model initialisation; minibatch permutations, fresh every update)")
+
+    def __post_init__(self) -> None:
+        check(self.objective in OBJECTIVES, f"`objective` must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        check(self.behaviour_weight_cap >= 1, f"`behaviour_weight_cap` must be at least 1, got {self.behaviour_weight_cap}")
+        for name in ("update_epochs", "value_epochs", "policy_minibatch", "micro_batch", "value_minibatch"):
+            check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
+        for name in ("clip_coef", "max_grad_norm"):
+            check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
+        for name in ("value_clip", "ent_coef", "vf_coef", "kl_coef", "target_kl"):  # None (tests) reads as 0: off
+            check((getattr(self, name) or 0) >= 0, f"`{name}` must be 0 or more, got {getattr(self, name)}")
+
+
 @section("learner")
-@dataclass
-class LearnerConfig:
+@dataclass(kw_only=True)
+class LearnerConfig(UpdateConfig):
     # --- the policy: the [policy] table the actors read too; the device is this process's own ---
     policy: PolicySpec = nested(PolicySpec)  # [policy]: model, LoRA, dtype, normalisation, temperature, scoring path
     device: str = option("auto", "torch device: auto, cpu, cuda, cuda:N")
@@ -37,25 +73,7 @@ class LearnerConfig:
     # --- algorithm ---
     gamma: float = option(0.99, "discount factor")
     gae_lambda: float = option(0.95, "GAE lambda")
-    update_epochs: int = option(2, "passes over each rollout")
-    policy_minibatch: int = option(16, "transitions per policy optimizer step")
-    micro_batch: int = option(4, "transitions per forward/backward (gradient accumulation up to policy_minibatch)")
-    value_minibatch: int = option(32, "transitions per critic optimizer step")
-    clip_coef: float = option(0.2, "PPO ratio clipping")
-    objective: str = option(
-        "decoupled",
-        "decoupled: clip against the learner's weights at the update's start, weight stale samples by "
-        "min(prox/behaviour, behaviour_weight_cap) (docs/design.md); ppo: clip against the behaviour policy",
-    )
-    behaviour_weight_cap: float = option(5.0, "decoupled: cap of the importance weight prox/behaviour (truncated IS)")
-    value_epochs: int = option(8, "critic passes over each rollout (on cached features: no model forward)")
-    value_clip: float = option(0.0, "value clipping around the old values, in return units (0: off)")
-    ent_coef: float = option(0.01, "entropy bonus coefficient")
-    vf_coef: float = option(1.0, "value loss scale (the critic has its own optimizer: this only scales its step)")
-    kl_coef: float = option(0.0, "coefficient of the KL penalty to the reference policy (the base, adapter off)")
     kl_target: float = option(0.0, "if > 0, adapt kl_coef towards this KL to the reference (Ziegler et al.)")
-    target_kl: float = option(0.02, "stop an update's policy epochs once approx KL exceeds this (0: never)")
-    max_grad_norm: float = option(0.5, "gradient clipping norm")
     policy_lr: float = option(
         1e-5, "policy learning rate (LoRA on all linear layers: about 10x a full fine-tune's; use ~1e-6 with --lora-rank 0)"
     )
@@ -78,9 +96,9 @@ class LearnerConfig:
     tensorboard_dir: str = option("runs/learner/tb", "TensorBoard log directory (empty: off)")
     max_updates: int = option(0, "stop after this many updates (0: run until stopped)")
     read_block_ms: int = option(1000, "longest a read of the stream blocks")
-    seed: int = option(0, "random seed")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.policy.model != "", "`model` is required: a local directory or a Hugging Face id ([policy] model, or --model)")
         check(self.redis_url != "", "`redis_url` is required: the Redis the broker writes segments to")
         check(self.rollout_batch > 0, f"`rollout_batch` must be positive, got {self.rollout_batch}")
@@ -88,21 +106,9 @@ class LearnerConfig:
         check(self.max_policy_lag >= 0, f"`max_policy_lag` must be 0 or more, got {self.max_policy_lag}")
         check(0 < self.gamma <= 1, f"`gamma` must be in (0, 1], got {self.gamma}")
         check(0 <= self.gae_lambda <= 1, f"`gae_lambda` must be in [0, 1], got {self.gae_lambda}")
-        check(self.objective in OBJECTIVES, f"`objective` must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        check(self.behaviour_weight_cap >= 1, f"`behaviour_weight_cap` must be at least 1, got {self.behaviour_weight_cap}")
-        for name in (
-            "update_epochs",
-            "value_epochs",
-            "policy_minibatch",
-            "micro_batch",
-            "value_minibatch",
-            "keep_checkpoints",
-            "read_block_ms",
-        ):
+        for name in ("keep_checkpoints", "read_block_ms", "policy_lr", "value_lr"):
             check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
-        for name in ("clip_coef", "policy_lr", "value_lr", "max_grad_norm"):
-            check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
-        for name in ("value_clip", "ent_coef", "vf_coef", "kl_coef", "kl_target", "target_kl", "warmup_updates", "max_updates"):
+        for name in ("kl_target", "warmup_updates", "max_updates"):
             check(getattr(self, name) >= 0, f"`{name}` must be 0 or more, got {getattr(self, name)}")
         check(
             all(isinstance(h, int) and h > 0 for h in self.value_hidden), f"`value_hidden` must be positive ints, got {self.value_hidden}"

@@ -10,49 +10,16 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from common.config import option
-from common.options import OBJECTIVES
 from learner_node import ppo
+from learner_node.config import UpdateConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import Rollout
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class UpdateConfig:
-    """One update's settings (the learner fills it from its config; docs there)."""
-
-    update_epochs: int = option(2, "passes over the rollout")
-    policy_minibatch: int = option(16, "transitions per policy optimizer step")
-    micro_batch: int = option(4, "transitions per forward/backward (gradient accumulation up to policy_minibatch)")
-    value_minibatch: int = option(32, "transitions per critic optimizer step")
-    clip_coef: float = option(0.2, "PPO ratio clipping")
-    objective: str = option(
-        "decoupled",
-        "decoupled: clip against the learner's weights at the update's start and weight each stale sample by "
-        "min(prox/behaviour, behaviour_weight_cap) (Hilton et al. 2021, AReaL); ppo: clip against the behaviour policy",
-    )
-    behaviour_weight_cap: float = option(5.0, "decoupled: the cap of the importance weight prox/behaviour (truncated IS)")
-    value_epochs: int = option(4, "passes of the critic over the rollout (its features are cached: cheap)")
-    value_clip: float | None = option(None, "value clipping around the old values (None: off)")
-    ent_coef: float = option(0.01, "entropy bonus coefficient")
-    vf_coef: float = option(1.0, "value loss scale (the critic has its own optimizer: only its effective learning rate)")
-    kl_coef: float = option(0.0, "coefficient of the KL penalty to the reference policy")
-    target_kl: float | None = option(0.02, "stop the policy epochs once approx KL exceeds this (None: never)")
-    max_grad_norm: float = option(0.5, "gradient clipping norm")
-    seed: int = option(0, "seed of the minibatch permutations (a fresh permutation every update and epoch)")
-
-    def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"`objective` must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if not self.behaviour_weight_cap >= 1.0:
-            raise ValueError(f"`behaviour_weight_cap` must be at least 1, got {self.behaviour_weight_cap}")
 
 
 def _world() -> tuple[int, int]:
@@ -127,7 +94,7 @@ def ppo_update(
             v_loss = torch.zeros(())
             if len(mine):
                 newvalue = lp.value_head(features[mine.to(device)]).cpu()
-                v_loss = ppo.value_loss(newvalue, b_values[mine], b_returns[mine], cfg.value_clip)
+                v_loss = ppo.value_loss(newvalue, b_values[mine], b_returns[mine], cfg.value_clip or None)
                 # This rank's mean, weighted so the average over ranks is the minibatch mean.
                 (cfg.vf_coef * v_loss * len(mine) * world / len(mb_inds)).backward()
             _average_gradients(value_params)
@@ -202,7 +169,7 @@ def ppo_update(
             mb_kl = _mean_over_ranks(mb_kl)
             approx_kls.append(mb_kl)
             # Checked per optimizer step, after the step: no accumulated gradient is thrown away.
-            if cfg.target_kl is not None and mb_kl > cfg.target_kl:
+            if cfg.target_kl and mb_kl > cfg.target_kl:
                 stopped_early = True
                 break
         if stopped_early:

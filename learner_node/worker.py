@@ -79,23 +79,7 @@ class Learner:
         self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=cfg.policy_lr, eps=1e-5)
         self.value_opt = torch.optim.Adam(self.lp.value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
         self.kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target or None)
-        self.update_cfg = UpdateConfig(
-            update_epochs=cfg.update_epochs,
-            policy_minibatch=cfg.policy_minibatch,
-            micro_batch=cfg.micro_batch,
-            value_minibatch=cfg.value_minibatch,
-            clip_coef=cfg.clip_coef,
-            objective=cfg.objective,
-            behaviour_weight_cap=cfg.behaviour_weight_cap,
-            value_epochs=cfg.value_epochs,
-            value_clip=cfg.value_clip or None,
-            ent_coef=cfg.ent_coef,
-            vf_coef=cfg.vf_coef,
-            kl_coef=cfg.kl_coef,
-            target_kl=cfg.target_kl or None,
-            max_grad_norm=cfg.max_grad_norm,
-            seed=cfg.seed,
-        )
+        self.update_cfg: UpdateConfig = cfg  # the learner's config is an update config (learner_node/config.py)
         self.version = 0
         # This run's id: announced with every snapshot and stamped on every choice made with its weights,
         # so versions are compared within a run. New on a fresh start, restored by --resume.
