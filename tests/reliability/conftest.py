@@ -24,11 +24,12 @@ PPOZ = [sys.executable, "-m", "ppoz.cli"]
 POLICY = dict(lora_rank=0, normalisation="token")
 LEARNER_SETTINGS = dict(
     device="cpu",
-    rollout_batch=16,
+    rollout_batch=48,  # transitions (segments of 4 here): the fault tests check what is stored, not what is learned
     rollout_timeout_s=1.0,
-    policy_minibatch=16,
+    policy_minibatch=48,
     micro_batch=16,
     update_epochs=1,
+    value_epochs=1,
     max_policy_lag=1000,
     tensorboard_dir="",
 )

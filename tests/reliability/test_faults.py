@@ -26,6 +26,9 @@ from tests.helpers import OBS, wait_for
 from tests.reliability.conftest import SETTLE_STALL_S, RunningLearner
 
 PPOZ = [sys.executable, "-m", "ppoz.cli"]
+# These scenarios wait on progress (the ledger moving, SETTLE_STALL_S without it is a failure), not on a
+# total time; the suite-wide 300 s per test would cut a slow but moving run short on a loaded machine.
+pytestmark = pytest.mark.timeout(1800)
 LONG_OBS = dict(OBS, prompt=OBS["prompt"] + " History: " + "TouchEvent(view=Cart) -> CartActivity. " * 100)
 
 
