@@ -28,7 +28,12 @@ PPOZ = [sys.executable, "-m", "ppoz.cli"]
 
 
 class NotifySocket:
-    """What systemd listens on: every datagram, in order."""
+    """What systemd listens on: every datagram, in order, read all the time as systemd reads them.
+
+    Why a reader thread: the services send without blocking and drop a notification when the
+    socket's queue is full (common/sd_notify.py); a test that read only between its steps let
+    a gateway's watchdog pings fill the queue while it stopped a slow learner, and the
+    gateway's STOPPING=1 was dropped."""
 
     def __init__(self, path: Path) -> None:
         self.path = str(path)
@@ -36,14 +41,22 @@ class NotifySocket:
         self.sock.bind(self.path)
         self.sock.settimeout(0.2)
         self.messages: list[str] = []
+        self._closed = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
-    def receive(self, until: float) -> None:
-        """Collect datagrams until the time `until` (monotonic)."""
-        while time.monotonic() < until:
+    def _read(self) -> None:
+        while not self._closed.is_set():
             try:
                 self.messages.append(self.sock.recv(65536).decode())
             except TimeoutError:
                 continue
+            except OSError:  # closed
+                return
+
+    def receive(self, until: float) -> None:
+        """Let datagrams arrive until the time `until` (monotonic)."""
+        time.sleep(max(0.0, until - time.monotonic()))
 
     def wait_for(self, prefix: str, timeout: float) -> str:
         end = time.monotonic() + timeout
@@ -58,6 +71,8 @@ class NotifySocket:
         return sum(line in m.split("\n") for m in self.messages)
 
     def close(self) -> None:
+        self._closed.set()
+        self._reader.join(2)
         self.sock.close()
 
 
