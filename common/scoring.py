@@ -228,14 +228,11 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
     row_idx: list[int] = []
     col_idx: list[int] = []
     targets: list[int] = []
-    owners: list[tuple[int, int]] = []
     for b, (item, (n_ctx, spans)) in enumerate(zip(items, layouts)):
-        for j, ((start, size), action) in enumerate(zip(spans, item.actions)):
-            cols = [n_ctx - 1] + list(range(start, start + size - 1))
+        for (start, size), action in zip(spans, item.actions):
             row_idx.extend([b] * size)
-            col_idx.extend(cols)
+            col_idx.extend([n_ctx - 1, *range(start, start + size - 1)])
             targets.extend(action)
-            owners.extend([(b, j)] * size)
     if any(n_ctx == 0 for n_ctx, _ in layouts):
         raise ScoringError("a cached prefix must leave at least one context token to compute")
     logp = token_logprobs(

@@ -49,7 +49,7 @@ from learner_node.config import LearnerConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.ppo import AdaptiveKLController
 from learner_node.rollout import EpisodeReturns, build_rollout
-from learner_node.update import UpdateConfig, ppo_update
+from learner_node.update import ppo_update
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,6 @@ class Learner:
         self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=cfg.policy_lr, eps=1e-5)
         self.value_opt = torch.optim.Adam(self.lp.value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
         self.kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target or None)
-        self.update_cfg: UpdateConfig = cfg  # the learner's config is an update config (learner_node/config.py)
         self.version = 0
         # This run's id: announced with every snapshot and stamped on every choice made with its weights,
         # so versions are compared within a run. New on a fresh start, restored by --resume.
@@ -237,7 +236,6 @@ class Learner:
             # in this consumer's pending list, and a resumed learner trains on them first.
             return None
         started = time.perf_counter()
-        trained_from = self.version
         rollout = build_rollout(
             segments,
             self._values,
@@ -253,7 +251,7 @@ class Learner:
         if len(rollout):
             features = torch.stack([self._features[id(o)] for o in rollout.obs])  # the frozen base: no second forward
             metrics = ppo_update(
-                self.lp, self.policy_opt, self.value_opt, rollout, self.update_cfg, train_policy, self.kl.value, features, self.updates
+                self.lp, self.policy_opt, self.value_opt, rollout, self.cfg, train_policy, self.kl.value, features, self.updates
             )
             if train_policy:
                 self.version += 1
@@ -271,7 +269,7 @@ class Learner:
         for seg in segments:
             self._remember(seg.seg_id)
         elapsed = time.perf_counter() - started
-        lag = [trained_from - v for v in rollout.versions] if rollout.versions else [0]
+        lag = rollout.lags or [0]
         metrics.update(
             {
                 "charts/episodic_return": sum(rollout.episodic_returns) / len(rollout.episodic_returns)

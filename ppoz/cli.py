@@ -305,6 +305,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from client import Client, PPOZError
+    from common import learner_figures
 
     try:
         with Client(
@@ -344,7 +345,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             if k.startswith("losses/") and k.split("/")[-1] in ("policy_loss", "value_loss", "entropy", "approx_kl")
         )
         print(f"  learner: policy v{newest} after {int(learner.get('updates', 0))} updates; last update: {figures}")
-        counters = {k.removeprefix("counters/"): int(v) for k, v in learner.items() if k.startswith("counters/")}
+        counters = learner_figures.counters(learner)
         if counters:
             why = ", ".join(
                 f"{k.removeprefix('mismatched_')} {v}" for k, v in sorted(counters.items()) if k.startswith("mismatched_") and v
