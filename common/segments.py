@@ -27,7 +27,7 @@ section 7, describes each field.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -121,7 +121,9 @@ class Transition:
     policy: dict[str, Any] | None = None  # what it was scored with (common.shared_settings.PolicyStamp); None: not stamped
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        # Its fields as they are, shared not copied: msgpack only reads them. (dataclasses.asdict
+        # deep-copies the observation on every feedback: 20% of the broker's CPU per pair.)
+        return dict(self.__dict__)
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Transition:
