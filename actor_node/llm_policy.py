@@ -50,6 +50,7 @@ class LLMPolicy:
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.path = scoring.select_path(model, path)
+        self.position_limit = scoring.position_limit(model)
         self.cache = PrefixCache(prefix_cache_mb if self.path == "packed" else 0.0)
         if prefix_cache_mb and self.path != "packed":
             log.warning("prefix cache off: it needs the packed scoring path, this model runs %s", self.path)
@@ -95,13 +96,9 @@ class LLMPolicy:
         for i, job in enumerate(jobs):
             obs = job["obs"]
             try:
-                items.append(
-                    (
-                        i,
-                        str(job.get("task_id", "")),
-                        scoring.tokenize_observation(self.tokenizer, obs["prompt"], obs.get("question", ""), obs["action"]),
-                    )
-                )
+                item = scoring.tokenize_observation(self.tokenizer, obs["prompt"], obs.get("question", ""), obs["action"])
+                scoring.check_length(item, self.position_limit)  # an over-long item fails alone, never its batch
+                items.append((i, str(job.get("task_id", "")), item))
             except scoring.ScoringError as e:
                 out[i] = e
         with torch.inference_mode():

@@ -17,16 +17,17 @@ Three ways to compute the same numbers (`PATHS`):
 - `per_candidate`: one full forward of context + candidate per candidate (the
   reference; also the last resort).
 
-`select_path` checks the packed path against the reference on the loaded model
-and falls back automatically. Nothing here switches autograd on or off: the
+`select_path` checks the paths against the model's own `model(input_ids).logits`
+on the loaded model and takes the first that matches (actor and learner alike). Nothing here switches autograd on or off: the
 actor calls these under `torch.inference_mode()`, the learner with gradients.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,25 +57,67 @@ class Tokenized:
         return len(self.context) + sum(len(a) for a in self.actions)
 
 
+# How much of the context's end is re-tokenized with each candidate to find the candidate's tokens
+# as they fall in the joined text. Pre-tokenizers split at whitespace and punctuation, so the
+# tokens at the join depend on a few characters before it; 32 is well past any merge.
+BOUNDARY_CHARS = 32
+
+
 def tokenize_observation(tokenizer: Any, prompt: str, question: str, actions: Sequence[str]) -> Tokenized:
     """The single place where text becomes tokens, for actor and learner alike.
 
-    The context is `prompt + question` with the tokenizer's special tokens (BOS);
-    each candidate is tokenized on its own, without special tokens, and follows
-    the context directly. Tokenizing the candidate separately fixes the token
-    boundary at the end of the context whatever the candidate's first character.
+    The model is scored on the text it would read: `prompt + question + candidate`.
+    The context's trailing whitespace belongs to the candidate (lm-evaluation-harness's
+    rule): a byte-level BPE writes " click" as one token, not " " + "click", and a
+    SentencePiece tokenizer must not add its word-start marker to a candidate that
+    continues a word. Each candidate's tokens are those that follow the context's end
+    when the context's last `BOUNDARY_CHARS` characters and the candidate are tokenized
+    together; the context itself (with BOS) is tokenized once and shared by all candidates.
     """
     if not actions:
         raise ScoringError("an observation needs at least one candidate action")
-    context = tuple(tokenizer(prompt + question, add_special_tokens=True)["input_ids"])
+    for i, action in enumerate(actions):
+        if not action:
+            raise ScoringError(f"candidate {i} is empty")
+    text = prompt + question
+    kept = text.rstrip()
+    trailing = text[len(kept) :]
+    context = tuple(tokenizer(kept, add_special_tokens=True)["input_ids"])
     if not context:
         raise ScoringError("prompt + question tokenize to nothing and the tokenizer adds no BOS: nothing to condition on")
-    encoded = tokenizer(list(actions), add_special_tokens=False)["input_ids"]
-    for i, ids in enumerate(encoded):
+    tail = kept[-BOUNDARY_CHARS:]
+    tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
+    joined = tokenizer([tail + trailing + a for a in actions], add_special_tokens=False)["input_ids"]
+    encoded = []
+    for i, ids in enumerate(joined):
+        if ids[: len(tail_ids)] == tail_ids:
+            ids = ids[len(tail_ids) :]
+        else:  # the candidate merged into the context's last token: score it as written after the context
+            ids = tokenizer(trailing + actions[i], add_special_tokens=False)["input_ids"]
         if not ids:
             raise ScoringError(f"candidate {i} ({actions[i]!r}) has no tokens")
+        encoded.append(tuple(ids))
     words = tuple(max(1, len(a.split())) for a in actions)
-    return Tokenized(context, tuple(tuple(ids) for ids in encoded), words)
+    return Tokenized(context, tuple(encoded), words)
+
+
+def position_limit(model: Any) -> int | None:
+    """The most positions the model was built for (learned position tables fail past it, RoPE degrades)."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(limit) if limit else None
+
+
+def check_length(item: Tokenized, limit: int | None) -> None:
+    """Raise ScoringError if context + the longest candidate run past the model's position limit."""
+    if limit is None:
+        return
+    longest = len(item.context) + max(len(a) for a in item.actions)
+    if longest > limit:
+        raise ScoringError(
+            f"observation too long: {len(item.context)} context tokens + {longest - len(item.context)} candidate tokens"
+            f" = {longest} positions, over the model's limit of {limit}"
+        )
 
 
 # --- from summed log-probabilities to a policy -----------------------------------------
@@ -97,20 +140,64 @@ def policy_logprobs(scores: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 # --- model parts ------------------------------------------------------------------------
-def model_parts(model: Any) -> tuple[Any, Any, float | None]:
-    """(decoder that returns the final-normed hidden states, LM head, logit soft-cap)."""
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model's forward does to the LM head's output before its logits come out.
+
+    Known from the config: Cohere multiplies by `logit_scale`, Granite divides by
+    `logits_scaling`, Gemma 2/3 soft-cap with `final_logit_softcapping`. `select_path`
+    checks every path against the model's own `model(input_ids).logits`, so a model
+    that does something else is caught there, not scored wrongly.
+    """
+
+    scale: float = 1.0
+    cap: float | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> LogitTransform:
+        scale = float(getattr(config, "logit_scale", None) or 1.0)
+        scaling = getattr(config, "logits_scaling", None)
+        if scaling:
+            scale /= float(scaling)
+        return cls(scale, getattr(config, "final_logit_softcapping", None) or None)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.cap:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return logits
+
+
+def model_parts(model: Any) -> tuple[Any, Any, LogitTransform]:
+    """(decoder that returns the final-normed hidden states, LM head, the logits' post-processing)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # unwrap peft
     decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else inner.base_model
     head = inner.get_output_embeddings()
-    cap = getattr(inner.config, "final_logit_softcapping", None)
-    return decoder, head, cap
+    return decoder, head, LogitTransform.of(inner.config)
 
 
-def token_logprobs(head: Any, cap: float | None, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) at each hidden state: LM head, optional soft-cap, float32 log-softmax."""
-    logits = head(hidden).float()
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
+def head_logits(head: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head's output in float32, computed in float32: a 16-bit head would round every logit
+    to 8 (bfloat16) or 11 (float16) significant bits before the log-softmax, an error of up to
+    |logit| / 256 in each log-probability. Only the scored positions come here, so the float32
+    copy of the head's weight (vocab x width x 4 bytes, transient) is the cost."""
+    if hidden.dtype == torch.float32 or not _is_plain_linear(head):
+        return head(hidden).float()
+    bias = head.bias
+    return torch.nn.functional.linear(hidden.float(), head.weight.float(), None if bias is None else bias.float())
+
+
+def _is_plain_linear(head: Any) -> bool:
+    """A Linear, or peft's ModulesToSaveWrapper around one (its .weight is the active copy's)."""
+    if isinstance(head, torch.nn.Linear):
+        return True
+    return type(head).__name__ == "ModulesToSaveWrapper" and isinstance(head.original_module, torch.nn.Linear)
+
+
+def token_logprobs(head: Any, post: LogitTransform, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) at each hidden state: float32 LM head, the model's logit post-processing, log-softmax."""
+    logits = post(head_logits(head, hidden))
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
@@ -183,7 +270,7 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
     copies the cached KV once instead of twice, and the masked-away attention is small."""
     from transformers import DynamicCache
 
-    decoder, head, cap = model_parts(model)
+    decoder, head, post = model_parts(model)
     use_bool, dtype = _mask_value(model)
     device = next(model.parameters()).device
     rows, positions, layouts = [], [], []
@@ -236,7 +323,7 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
     if any(n_ctx == 0 for n_ctx, _ in layouts):
         raise ScoringError("a cached prefix must leave at least one context token to compute")
     logp = token_logprobs(
-        head, cap, hidden[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)], torch.tensor(targets, device=device)
+        head, post, hidden[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)], torch.tensor(targets, device=device)
     )
     results = _sum_per_candidate(items, logp)
     return results, (out.past_key_values if keep_cache else None)
@@ -255,7 +342,7 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
     """
     from transformers import DynamicCache
 
-    decoder, head, cap = model_parts(model)
+    decoder, head, post = model_parts(model)
     use_bool, dtype = _mask_value(model)
     device = next(model.parameters()).device
     batch = len(items)
@@ -323,7 +410,7 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
                 assert hidden is not None  # a candidate of more than one token made `length` positive
                 states.append(hidden[b, start : start + size])
             targets.extend(action)
-    logp = token_logprobs(head, cap, torch.cat(states), torch.tensor(targets, device=device))
+    logp = token_logprobs(head, post, torch.cat(states), torch.tensor(targets, device=device))
     results = _sum_per_candidate(items, logp)
     return results, (cache if keep_cache else None)
 
@@ -332,14 +419,14 @@ def score_kv_batch(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]
     """Context KV once per item, then all its candidates in one batched pass over that cache."""
     from transformers import DynamicCache
 
-    decoder, head, cap = model_parts(model)
+    decoder, head, post = model_parts(model)
     device = next(model.parameters()).device
     results = []
     for item in items:
         c, k = len(item.context), len(item.actions)
         out = decoder(input_ids=torch.tensor([item.context], device=device), use_cache=True)
         first = torch.tensor([a[0] for a in item.actions], device=device)
-        first_lp = token_logprobs(head, cap, out.last_hidden_state[0, -1].expand(k, -1), first)
+        first_lp = token_logprobs(head, post, out.last_hidden_state[0, -1].expand(k, -1), first)
         longest = max(len(a) for a in item.actions)
         if longest == 1:
             results.append(first_lp)
@@ -358,14 +445,14 @@ def score_kv_batch(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]
         sums = first_lp.clone()
         for j, a in enumerate(item.actions):
             if len(a) > 1:
-                sums[j] = sums[j] + token_logprobs(head, cap, hidden[j, : len(a) - 1], torch.tensor(a[1:], device=device)).sum()
+                sums[j] = sums[j] + token_logprobs(head, post, hidden[j, : len(a) - 1], torch.tensor(a[1:], device=device)).sum()
         results.append(sums)
     return results
 
 
 def score_per_candidate(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]:
     """The reference: one unpadded forward of context + candidate per candidate."""
-    decoder, head, cap = model_parts(model)
+    decoder, head, post = model_parts(model)
     device = next(model.parameters()).device
     results = []
     for item in items:
@@ -374,7 +461,7 @@ def score_per_candidate(model: Any, items: Sequence[Tokenized]) -> list[torch.Te
         for a in item.actions:
             ids = torch.tensor([list(item.context) + list(a)], device=device)
             hidden = decoder(input_ids=ids).last_hidden_state[0, c - 1 : c - 1 + len(a)]
-            sums.append(token_logprobs(head, cap, hidden, torch.tensor(a, device=device)).sum())
+            sums.append(token_logprobs(head, post, hidden, torch.tensor(a, device=device)).sum())
         results.append(torch.stack(sums))
     return results
 
@@ -387,44 +474,146 @@ def score(model: Any, items: Sequence[Tokenized], path: str = "packed") -> list[
     return SCORERS[path](model, items)
 
 
-def select_path(model: Any, requested: str = "auto", tolerance: float = 1e-3) -> str:
-    """The fastest path that gives the reference's numbers on this model; logs the choice.
+def reference_scores(model: Any, item: Tokenized) -> torch.Tensor:
+    """Each candidate's summed log-probability from the model's own forward: `model(input_ids).logits`
+    over context + candidate, log-softmax in float32. Shares nothing with the paths above (no decoder
+    split, no LM head of ours, no logit post-processing of ours), so it is the yardstick they are held to."""
+    return _reference(model, item)[0]
 
-    A model that cannot take a 4D mask (FlashAttention-2, hybrid linear
-    attention that leaks state between packed candidates) fails the check on a
-    small synthetic observation and falls back to `kv_batch`, then to `per_candidate`.
-    """
-    if requested != "auto":
-        if requested not in PATHS:
-            raise ValueError(f"scoring path must be auto or one of {PATHS}, got {requested!r}")
-        log.info("scoring path %s (as configured)", requested)
-        return requested
+
+def _reference(model: Any, item: Tokenized) -> tuple[torch.Tensor, float]:
+    """reference_scores, and the largest |logit| seen (the scale of 16-bit rounding)."""
+    device = next(model.parameters()).device
+    c = len(item.context)
+    sums = []
+    largest = 0.0
+    for action in item.actions:
+        ids = torch.tensor([list(item.context) + list(action)], device=device)
+        keep = len(action) + 1  # the positions from the context's last token on
+        try:
+            logits = model(input_ids=ids, logits_to_keep=keep).logits[0, :-1]
+        except TypeError:  # a model whose forward takes no logits_to_keep
+            logits = model(input_ids=ids).logits[0, c - 1 : -1]
+        largest = max(largest, float(logits.float().abs().max()))
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        sums.append(logp.gather(-1, torch.tensor(action, device=device).unsqueeze(-1)).sum())
+    return torch.stack(sums), largest
+
+
+def sliding_window(config: Any) -> int | None:
+    """The attention window of a model that attends to only the last W positions in some layers, else None."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None
+
+
+def probe_items(model: Any) -> list[Tokenized]:
+    """Random observations for the path check: multi-token candidates, two items of different
+    context lengths in one batch, and a context past the model's sliding window if it has one."""
+    config = model.config
     vocab = model.get_output_embeddings().weight.shape[0]
+    limit = position_limit(model) or 4096
+    window = sliding_window(config)
+    long_context = 9 if window is None else min(window + 8, limit - 8)
     gen = torch.Generator().manual_seed(0)
-    probe = [
-        Tokenized(
-            tuple(torch.randint(3, vocab, (9,), generator=gen).tolist()),
-            (tuple(torch.randint(3, vocab, (1,), generator=gen).tolist()), tuple(torch.randint(3, vocab, (4,), generator=gen).tolist())),
-            (1, 1),
-        ),
-        Tokenized(
-            tuple(torch.randint(3, vocab, (5,), generator=gen).tolist()),
-            (tuple(torch.randint(3, vocab, (3,), generator=gen).tolist()),),
-            (1,),
-        ),
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(3, vocab, (n,), generator=gen).tolist())
+
+    return [
+        Tokenized(tokens(long_context), (tokens(1), tokens(4), tokens(2)), (1, 1, 1)),
+        Tokenized(tokens(5), (tokens(3),), (1,)),
     ]
+
+
+@contextlib.contextmanager
+def _float32(model: Any) -> Iterator[None]:
+    """The model's 16-bit parameters in float32 for the duration (exact both ways: every bfloat16
+    and float16 value is a float32 value), other parameters (a float32 adapter) untouched."""
+    changed = [(p, p.dtype) for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
+    for p, _ in changed:
+        p.data = p.data.float()
+    try:
+        yield
+    finally:
+        for p, dtype in changed:
+            p.data = p.data.to(dtype)
+
+
+# The path check's bars. In float32 every path must equal the reference to float32 rounding. In the
+# model's own 16-bit dtype, paths and reference round differently (different kernels and shapes, and
+# the reference rounds its logits to 16 bits where the paths keep float32). Rounding a logit moves it
+# by at most half a unit in its last place, eps/2 relative (eps = 2^-7 in bfloat16), and a token's
+# log-softmax by at most eps x the largest |logit| (its own logit and the log-sum-exp each eps/2 x it):
+# the bar is that bound per token. On a bfloat16 model with logits up to 60, paths and reference
+# differ by 0.1 against a bar of 1.9; a path that breaks in 16 bits gives non-finite numbers or nats.
+FLOAT32_TOLERANCE = 1e-3
+NATIVE_ULPS = 1
+
+
+def _checked_diff(model: Any, path: str, items: Sequence[Tokenized], reference: Sequence[torch.Tensor]) -> float:
+    """The largest difference between a path's scores and the reference; inf if it fails or gives non-finite numbers."""
+    try:
+        got = SCORERS[path](model, items)
+    except Exception as e:  # a model that rejects the inputs of this path
+        log.info("scoring path %s unavailable on this model: %s", path, e)
+        return math.inf
+    if not all(bool(torch.isfinite(g).all()) for g in got):
+        return math.inf
+    return max(float((g.float() - r).abs().max()) for g, r in zip(got, reference))
+
+
+def select_path(model: Any, requested: str = "auto") -> str:
+    """The fastest path that gives the model's own numbers; logs the choice and the measured differences.
+
+    Each path is checked against `reference_scores` on `probe_items`: in float32 (the model's
+    16-bit weights upcast for the check, exact) to within FLOAT32_TOLERANCE, which catches a
+    wrong mask, a missed sliding window or logit post-processing; then in the model's own dtype
+    to within NATIVE_ULPS units of the dtype's rounding per token, which catches a path that
+    breaks only in 16 bits. A model that cannot take a 4D mask (FlashAttention-2, hybrid linear
+    attention that leaks state between packed candidates) or attends through a sliding window
+    fails the check and falls back to `kv_batch`, then to `per_candidate`. A configured path
+    (not auto) is checked the same way and refused if it fails.
+    """
+    if requested != "auto" and requested not in PATHS:
+        raise ValueError(f"scoring path must be auto or one of {PATHS}, got {requested!r}")
+    probe = probe_items(model)
+    dtype = next(model.parameters()).dtype
+    candidates = PATHS if requested == "auto" else (requested,)
+    exact: dict[str, float] = {}
+    native: dict[str, float] = {}
+    # The dtype switch happens outside inference mode: parameters changed inside it would become
+    # inference tensors, which the learner could no longer train.
+    with _float32(model):
+        with torch.inference_mode():
+            reference = [reference_scores(model, item) for item in probe]
+            for path in candidates:
+                exact[path] = _checked_diff(model, path, probe, reference)
     with torch.inference_mode():
-        reference = score_per_candidate(model, probe)
-        for path in ("packed", "kv_batch"):
-            try:
-                got = SCORERS[path](model, probe)
-            except Exception as e:  # a model that rejects the inputs of this path
-                log.info("scoring path %s unavailable on this model: %s", path, e)
-                continue
-            diff = max(float((g - r).abs().max()) for g, r in zip(got, reference))
-            if diff <= tolerance and all(math.isfinite(float(g.sum())) for g in got):
-                log.info("scoring path %s (checked against the per-candidate reference: max diff %.2e)", path, diff)
-                return path
-            log.warning("scoring path %s differs from the reference by %.2e on this model; not used", path, diff)
-    log.warning("scoring path per_candidate: no faster path is exact on this model")
-    return "per_candidate"
+        measured = [_reference(model, item) for item in probe]
+        reference = [sums for sums, _ in measured]
+        for path in candidates:
+            native[path] = exact[path] if dtype == torch.float32 else _checked_diff(model, path, probe, reference)
+    largest_logit = max(largest for _, largest in measured)
+    tokens = max(len(a) for item in probe for a in item.actions)
+    native_bar = max(FLOAT32_TOLERANCE, NATIVE_ULPS * torch.finfo(dtype).eps * max(1.0, largest_logit) * tokens)
+    dtype_name = str(dtype).removeprefix("torch.")
+    for path in candidates:
+        if exact[path] <= FLOAT32_TOLERANCE and native[path] <= native_bar:
+            log.info(
+                "scoring path %s (checked against model(input_ids).logits: max diff %.2e in float32, %.2e in %s, bar %.2e)",
+                *(path, exact[path], native[path], dtype_name, native_bar),
+            )
+            return path
+        if math.isfinite(exact[path]) or math.isfinite(native[path]):
+            log.warning(
+                "scoring path %s differs from model(input_ids).logits on this model (%.2e in float32, %.2e in %s); not used",
+                *(path, exact[path], native[path], dtype_name),
+            )
+    if requested != "auto":
+        raise ScoringError(f"the configured scoring path {requested} does not compute this model's log-probabilities (see the log)")
+    raise ScoringError("no scoring path reproduces this model's log-probabilities (see the log); is it a causal LM?")

@@ -1,9 +1,17 @@
 """Tiny causal LMs built locally from a config, for tests, benchmarks and the demo.
 
-Nothing is downloaded: the tokenizer is byte-level (every UTF-8 byte is a
-token, plus BOS/EOS/PAD), built with the `tokenizers` library, and the model
-gets random weights from its config. Both are written with save_pretrained so
-they load through the same `from_pretrained` path a real model takes.
+Nothing is downloaded. Three tokenizers, each written with save_pretrained so it
+loads through the same `from_pretrained` path a real model's does:
+
+- `byte`: every UTF-8 byte is a token, no merges (plus BOS/EOS/PAD). Token
+  boundaries never matter with it, which is why it is not enough to test them.
+- `bpe`: a byte-level BPE as GPT-2, Llama 3 and Qwen2 have (GPT-2's pre-tokenizer
+  regex, so " click" is one word with its space), trained on `CORPUS` with the
+  `tokenizers` library.
+- `sentencepiece`: a SentencePiece BPE as Llama 2 and Mistral have (word-start
+  marker, byte fallback), trained on `CORPUS` with the `sentencepiece` package.
+
+The model gets random weights from its config.
 """
 
 from __future__ import annotations
@@ -18,7 +26,20 @@ import torch
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2")
+TOKENIZERS = ("byte", "bpe", "sentencepiece")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+
+# Text like what the policy reads and chooses (Kea's prompts and events, a text game's), so the
+# trained tokenizers have whole-word tokens for it and boundaries that matter.
+CORPUS = [
+    "Task: explore the app. Screen: MainActivity with [0] Cart [1] Search [2] Settings.",
+    "Which action should I choose next? I shall choose No. 1: TouchEvent(view=Search)",
+    "0: TouchEvent(view=Cart) 1: LongTouchEvent(view=Settings) 2: KeyEvent(BACK) 3: ScrollEvent(down)",
+    "click the button to open settings, press back and scroll down the list",
+    "type hello world in the search box, then click search and open the first result",
+    "You are in a dark room. There is a door to the north and a key on the table.",
+    "take key, open door, go north, go south, look, inventory, drop key",
+]
 
 
 def build_byte_tokenizer(path: str | Path):
@@ -38,6 +59,64 @@ def build_byte_tokenizer(path: str | Path):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(str(path))
     return fast
+
+
+def build_bpe_tokenizer(path: str | Path, vocab_size: int = 512):
+    """A byte-level BPE with GPT-2's pre-tokenizer, trained on CORPUS, saved under `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def build_sentencepiece_tokenizer(path: str | Path, vocab_size: int = 512):
+    """A SentencePiece BPE (Llama 2 style: word-start marker, byte fallback) trained on CORPUS, saved under `path`."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 20),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        pad_id=0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=3,
+        minloglevel=2,
+    )
+    (path / "tokenizer.model").write_bytes(model.getvalue())
+    settings = {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": True,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    tok = AutoTokenizer.from_pretrained(str(path))  # converted to a fast tokenizer from the SentencePiece model
+    tok.save_pretrained(str(path))
+    return tok
+
+
+TOKENIZER_BUILDERS = {"byte": build_byte_tokenizer, "bpe": build_bpe_tokenizer, "sentencepiece": build_sentencepiece_tokenizer}
 
 
 def tiny_config(
@@ -82,17 +161,23 @@ def tiny_config(
     raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
 
 
-def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **config_overrides) -> Path:
-    """Build and save a tiny model + byte tokenizer under `path` (reused if already there)."""
+def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, tokenizer: str = "byte", **config_overrides) -> Path:
+    """Build and save a tiny model + tokenizer (byte, bpe or sentencepiece) under `path` (reused if already there)."""
     from transformers import AutoModelForCausalLM
 
+    if tokenizer not in TOKENIZER_BUILDERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; known: {', '.join(TOKENIZERS)}")
     path = Path(path)
     marker = path / "ppoz_tiny.json"
     spec = {"arch": arch, "seed": seed, **config_overrides}
+    if tokenizer != "byte":
+        spec["tokenizer"] = tokenizer
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return path
     path.mkdir(parents=True, exist_ok=True)
-    build_byte_tokenizer(path)
+    tok = TOKENIZER_BUILDERS[tokenizer](path)
+    if tokenizer != "byte":
+        config_overrides.setdefault("vocab_size", len(tok))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **config_overrides))
     model.save_pretrained(str(path))

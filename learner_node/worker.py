@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from common import weights
+from common import scoring, weights
 from common.learner_figures import COUNTER_PREFIX, write_latest
 from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict
 from common.sd_notify import Notifier
@@ -75,7 +75,9 @@ class Learner:
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
         model, tokenizer = load_policy(ModelSpec.of(cfg.policy, device))  # in eval mode, and it stays so: no dropout
-        self.lp = LearnerPolicy(model, tokenizer, cfg.policy.normalisation, cfg.policy.temperature, cfg.value_hidden)
+        # The learner checks its scoring path as the actor does: every path it may use computes the model's own log-probabilities.
+        path = scoring.select_path(model, cfg.policy.scoring_path)
+        self.lp = LearnerPolicy(model, tokenizer, cfg.policy.normalisation, cfg.policy.temperature, cfg.value_hidden, path)
         self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=cfg.policy_lr, eps=1e-5)
         self.value_opt = torch.optim.Adam(self.lp.value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
         self.kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target or None)
@@ -471,7 +473,12 @@ class Learner:
         """What a transition must have been scored with to be trained on (see PolicyStamp)."""
         spec = self.cfg.policy
         return PolicyStamp(
-            run=self.run_id, normalisation=spec.normalisation, temperature=spec.temperature, lora_rank=spec.lora_rank, greedy=False
+            run=self.run_id,
+            normalisation=spec.normalisation,
+            temperature=spec.temperature,
+            lora_rank=spec.lora_rank,
+            greedy=False,
+            path=self.lp.path,
         )
 
     def publish(self) -> None:

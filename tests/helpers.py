@@ -32,3 +32,19 @@ OBS = {
     "question": "Which action should I choose next? I shall choose No. ",
     "action": ["0: TouchEvent(view=Shop)", "1: TouchEvent(view=Cart)", "2: KeyEvent(BACK)"],
 }
+
+
+def own_logits_scores(model: Any, item: Any) -> Any:
+    """The yardstick for scoring, written here and sharing nothing with common.scoring: for each
+    candidate of a tokenized observation, one forward of the model over context + candidate and the
+    sum of log-softmax(model(input_ids).logits) at the candidate's tokens."""
+    import torch
+
+    sums = []
+    with torch.inference_mode():
+        for action in item.actions:
+            logits = model(input_ids=torch.tensor([list(item.context) + list(action)])).logits[0].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            c = len(item.context)
+            sums.append(sum(logp[c - 1 + j, token] for j, token in enumerate(action)))
+    return torch.stack(sums)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 from actor_node.llm_policy import Choice, LLMPolicy, SamplingConfig
 from common import scoring
 from common.policy_model import ModelSpec, load_policy, policy_state_dict
+from common.tiny_models import build_tiny_model
+from tests.helpers import own_logits_scores
 
 OBS = {
     "prompt": "Task: test the app. History: step 1 tapped Cart.",
@@ -24,32 +27,68 @@ def job(obs=OBS, task="t1", n=1):
 
 @pytest.fixture
 def policy_factory(tiny_models):
-    def make(cache_mb=0.0, greedy=False, lora_rank=4, normalisation="token", seed=0):
+    def make(cache_mb=0.0, greedy=False, lora_rank=4, normalisation="token", seed=0, temperature=1.0):
         model, tok = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=lora_rank))
-        return LLMPolicy(
-            model, tok, SamplingConfig(normalisation=normalisation, greedy=greedy, max_batch_tokens=4096, seed=seed), "auto", cache_mb
-        )
+        sampling = SamplingConfig(normalisation=normalisation, greedy=greedy, max_batch_tokens=4096, seed=seed, temperature=temperature)
+        return LLMPolicy(model, tok, sampling, "auto", cache_mb)
 
     return make
 
 
-def test_choices_are_a_distribution_and_logprob_matches(policy_factory):
-    policy = policy_factory()
+def expected_logprobs(policy: LLMPolicy, obs=OBS) -> torch.Tensor:
+    """log pi over the candidates, from the model's own logits and the normalisation written out here."""
+    item = scoring.tokenize_observation(policy.tokenizer, obs["prompt"], obs["question"], obs["action"])
+    sums = own_logits_scores(policy.model, item)
+    if policy.sampling.normalisation == "token":
+        sums = sums / torch.tensor([len(a) for a in item.actions])
+    elif policy.sampling.normalisation == "word":
+        sums = sums / torch.tensor([max(1, len(a.split())) for a in obs["action"]])
+    return torch.log_softmax(sums / policy.sampling.temperature, -1)
+
+
+@pytest.mark.parametrize("normalisation", ["token", "word", "sum"])
+def test_logprob_and_probs_are_the_models_normalised_softmax(policy_factory, normalisation):
+    policy = policy_factory(normalisation=normalisation, temperature=0.3)
+    expected = expected_logprobs(policy)
     answers = policy.choose_batch([job(n=i) for i in range(4)])
     for a in answers:
         assert isinstance(a, Choice) and 0 <= a.action < 3
-        assert math.isclose(sum(a.probs), 1.0, rel_tol=1e-5)
-        assert math.isclose(a.logprob, math.log(a.probs[a.action]), rel_tol=1e-5)
-    assert answers[0].probs == pytest.approx(answers[1].probs)  # same observation, same distribution
+        assert a.probs == pytest.approx(expected.exp().tolist(), abs=1e-5)
+        assert a.logprob == pytest.approx(float(expected[a.action]), abs=1e-5)
 
 
-def test_probs_are_the_normalised_score_softmax(policy_factory):
-    policy = policy_factory(normalisation="word")
-    item = scoring.tokenize_observation(policy.tokenizer, OBS["prompt"], OBS["question"], OBS["action"])
-    with torch.inference_mode():
-        sums = scoring.score_per_candidate(policy.model, [item])[0]
-    expected = torch.softmax(scoring.normalise(sums, item, "word"), -1)
-    assert policy.choose_batch([job()])[0].probs == pytest.approx(expected.tolist(), abs=1e-5)
+def test_sampling_follows_a_peaked_distribution(policy_factory):
+    """Frequencies over 3,000 draws match the probabilities within 4 standard errors, on a distribution
+    far from uniform (a uniform or argmax sampler fails by more than 10 standard errors)."""
+    short = {"prompt": "Task", "question": ": ", "action": ["back", "open settings", "scroll down the list"]}  # cheap to score
+    policy = policy_factory(seed=1, normalisation="token")
+    scores = expected_logprobs(policy, short)  # at temperature 1: log-softmax of the normalised scores, up to a constant
+    low, high = 1e-4, 1.0  # the temperature that puts 0.7 on the best candidate
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (low, middle) if float(torch.softmax(scores / middle, -1).max()) < 0.7 else (middle, high)
+    policy.sampling = dataclasses.replace(policy.sampling, temperature=high)
+    probs = expected_logprobs(policy, short).exp()
+    assert float(probs.max()) > 0.6 and float(probs.min()) < 0.25  # peaked: the test can tell samplers apart
+    n = 3000
+    answers = policy.choose_batch([job(short, n=i) for i in range(n)])
+    for k in range(3):
+        freq = sum(a.action == k for a in answers) / n
+        p = float(probs[k])
+        assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / n), (k, freq, p)
+
+
+def test_an_over_long_observation_fails_alone_naming_the_limit(tmp_path):
+    """A context past the model's position limit (GPT-2's learned positions would fail the whole
+    batch's forward) is refused with an error naming the limit; the rest of the batch is answered."""
+    path = build_tiny_model(tmp_path / "gpt2-128", "gpt2", max_positions=128)
+    model, tok = load_policy(ModelSpec(model=str(path), device="cpu", lora_rank=0))
+    policy = LLMPolicy(model, tok, SamplingConfig(normalisation="token"), "auto")
+    long_obs = {**OBS, "prompt": "x" * 200}
+    answers = policy.choose_batch([job(), job(long_obs), job()])
+    assert isinstance(answers[0], Choice) and isinstance(answers[2], Choice)
+    assert isinstance(answers[1], scoring.ScoringError)
+    assert "limit of 128" in str(answers[1])
 
 
 def test_greedy_picks_the_most_probable(policy_factory):
@@ -57,13 +96,6 @@ def test_greedy_picks_the_most_probable(policy_factory):
     answers = policy.choose_batch([job(n=i) for i in range(5)])
     best = max(range(3), key=lambda i: answers[0].probs[i])
     assert all(a.action == best for a in answers)
-
-
-def test_sampling_follows_the_probabilities(policy_factory):
-    policy = policy_factory(seed=1)
-    answers = policy.choose_batch([job(n=i) for i in range(600)])
-    freq = [sum(a.action == k for a in answers) / 600 for k in range(3)]
-    assert freq == pytest.approx(answers[0].probs, abs=0.07)
 
 
 def test_bad_observation_fails_alone(policy_factory):

@@ -1,4 +1,5 @@
-"""Candidate scoring: exact against the naive reference on several architectures, and the shared tokenization."""
+"""Candidate scoring: every path equals the model's own `model(input_ids).logits`, on several
+architectures, dtypes and tokenizers; the path check; the token boundary rule."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from common import scoring as s
+from common.tiny_models import build_tiny_model
+from tests.helpers import own_logits_scores
 
 OBSERVATIONS = [
     (
@@ -19,27 +22,64 @@ OBSERVATIONS = [
     ("short", " q ", ["a", "b"]),
 ]
 
+# Contexts and candidates where the token boundary matters: a trailing space (" click" is one BPE
+# token), none (the candidate continues a word, so SentencePiece must not mark a word start), a newline.
+BOUNDARIES = [
+    ("I shall choose No. ", ["1: TouchEvent(view=Search)", "click", "s and scroll"]),
+    ("Screen: [0] Cart", ["1: TouchEvent(view=Search)", "click", " search", "s and scroll"]),
+    ("take key, open door\n", ["go north", " look", "inventory"]),
+    ("", ["take key", "look"]),
+]
 
-def load(path: str, attn: str = "sdpa"):
+
+def load(path: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32):
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).eval(), AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(path)
 
 
 def items(tokenizer):
     return [s.tokenize_observation(tokenizer, *obs) for obs in OBSERVATIONS]
 
 
-def test_tokenization_is_context_then_each_candidate_alone(tiny_models):
-    _, tok = load(tiny_models["llama"])
-    for prompt, question, actions in OBSERVATIONS:
-        item = s.tokenize_observation(tok, prompt, question, actions)
-        assert list(item.context) == tok(prompt + question)["input_ids"]
-        assert item.context[0] == tok.bos_token_id
+@pytest.fixture(scope="module")
+def trained_tokenizer_models(tmp_path_factory) -> dict[str, str]:
+    """Tiny Llama-style models with a byte-level BPE and a SentencePiece tokenizer trained locally."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {kind: str(build_tiny_model(root / kind, "llama", tokenizer=kind)) for kind in ("bpe", "sentencepiece")}
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe", "sentencepiece"])
+def test_tokens_are_those_of_the_joined_text(tiny_models, trained_tokenizer_models, kind):
+    """Context + candidate tokens are the tokens of the text the model reads, prompt + question +
+    candidate, BOS included: with a trained BPE the context's trailing space joins the candidate's
+    first word, and SentencePiece marks a word start only where the joined text has one."""
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama"] if kind == "byte" else trained_tokenizer_models[kind])
+    for context, actions in BOUNDARIES + [(p + q, a) for p, q, a in OBSERVATIONS]:
+        item = s.tokenize_observation(tok, context, "", actions)
+        assert item.context == tuple(tok(context.rstrip())["input_ids"])
         for ids, text in zip(item.actions, actions):
-            assert list(ids) == tok(text, add_special_tokens=False)["input_ids"]
-            # byte-level: the boundary loses nothing, leading spaces and non-ASCII included
-            assert tok.decode(list(item.context) + list(ids), skip_special_tokens=True) == prompt + question + text
+            assert list(item.context) + list(ids) == tok(context + text)["input_ids"], (kind, context, text)
         assert item.words == tuple(max(1, len(a.split())) for a in actions)
+
+
+def test_the_boundary_rule_changes_what_trained_tokenizers_score(trained_tokenizer_models):
+    """Guard for the test above: tokenizing each candidate on its own gives other tokens with both tokenizers."""
+    contexts = {"bpe": "I shall choose No. ", "sentencepiece": "Screen: [0] Cart"}  # " click" is one BPE token; "click" no word start
+    for kind, path in trained_tokenizer_models.items():
+        tok = AutoTokenizer.from_pretrained(path)
+        item = s.tokenize_observation(tok, contexts[kind], "", ["click"])
+        assert list(item.actions[0]) != tok("click", add_special_tokens=False)["input_ids"], kind
+
+
+@pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
+def test_scores_with_trained_tokenizers_equal_the_models_own_logits(trained_tokenizer_models, kind):
+    model, tok = load(trained_tokenizer_models[kind])
+    batch = [s.tokenize_observation(tok, context, "", actions) for context, actions in BOUNDARIES if context]
+    with torch.inference_mode():
+        got = s.score(model, batch, s.select_path(model))
+    for g, item in zip(got, batch):
+        assert torch.allclose(g, own_logits_scores(model, item), atol=1e-4)
 
 
 def test_empty_candidate_or_list_is_refused(tiny_models):
@@ -53,7 +93,7 @@ def test_empty_candidate_or_list_is_refused(tiny_models):
 def test_first_token_is_scored_from_the_last_context_position(tiny_models):
     """One-token candidates get log p(token | context) from a full-vocabulary log-softmax, not 0."""
     model, tok = load(tiny_models["llama"])
-    item = s.tokenize_observation(tok, "Screen", " choose: ", ["a", "b", "c"])
+    item = s.tokenize_observation(tok, "Screen", " choose:", ["a", "b", "c"])  # no trailing space: one-token candidates
     with torch.inference_mode():
         got = s.score_packed(model, [item])[0]
         logits = model(input_ids=torch.tensor([item.context])).logits[0, -1]
@@ -64,18 +104,109 @@ def test_first_token_is_scored_from_the_last_context_position(tiny_models):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("path", ["packed", "kv_batch"])
-def test_paths_equal_the_reference(tiny_models, arch, attn, path):
+@pytest.mark.parametrize("path", s.PATHS)
+def test_paths_equal_the_models_own_logits(tiny_models, arch, attn, path):
     model, tok = load(tiny_models[arch], attn)
     batch = items(tok)  # mixed context lengths, one-token and long candidates in one batch
     with torch.inference_mode():
-        reference = s.score_per_candidate(model, batch)
         got = s.score(model, batch, path)
         alone = [s.score(model, [item], path)[0] for item in batch]
-    for g, a, r in zip(got, alone, reference):
-        assert g.shape == r.shape
-        assert torch.allclose(g, r, atol=1e-4), (g - r).abs().max()
-        assert torch.allclose(a, r, atol=1e-4)  # batching changes nothing
+    for g, a, item in zip(got, alone, batch):
+        reference = own_logits_scores(model, item)
+        assert g.shape == reference.shape
+        assert torch.allclose(g, reference, atol=1e-4), (g - reference).abs().max()
+        assert torch.allclose(a, reference, atol=1e-4)  # batching changes nothing
+
+
+def saved_model(config, path, dtype=torch.float32):
+    """A model of this config with random weights, saved and loaded back through from_pretrained."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def small(**extra):
+    return dict(
+        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **extra
+    )
+
+
+def random_items(vocab: int, context: int, seed: int = 1) -> list[s.Tokenized]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        return tuple(torch.randint(3, vocab, (n,), generator=gen).tolist())
+
+    return [s.Tokenized(tokens(context), (tokens(3), tokens(1), tokens(5)), (1, 1, 1)), s.Tokenized(tokens(7), (tokens(2),), (1,))]
+
+
+@pytest.mark.parametrize("arch", ["cohere", "granite"])
+def test_logit_scaled_architectures_are_scored_as_the_model_scores(tmp_path, arch):
+    """Cohere multiplies the head's output by logit_scale, Granite divides by logits_scaling: every path
+    applies it (LogitTransform), so packed is chosen and all paths equal model(input_ids).logits."""
+    from transformers import CohereConfig, GraniteConfig
+
+    config = CohereConfig(**small(logit_scale=0.25)) if arch == "cohere" else GraniteConfig(**small(logits_scaling=4.0))
+    model = saved_model(config, tmp_path / arch)
+    batch = random_items(259, context=12)
+    assert s.select_path(model) == "packed"
+    with torch.inference_mode():
+        for path in s.PATHS:
+            for got, item in zip(s.score(model, batch, path), batch):
+                assert torch.allclose(got, own_logits_scores(model, item), atol=1e-4), path
+
+
+def test_a_sliding_window_model_is_scored_past_its_window(tmp_path):
+    """The packed path's 4D mask sees the whole context; a Mistral-style model attends to its last
+    `sliding_window` positions only. The path check's probe crosses the window, so packed is refused,
+    and the chosen path equals the model's own logits on contexts three windows long."""
+    from transformers import MistralConfig
+
+    model = saved_model(MistralConfig(**small(sliding_window=16, max_position_embeddings=256)), tmp_path / "mistral")
+    batch = random_items(259, context=48)
+    with torch.inference_mode():
+        packed = s.score_packed(model, batch)
+    assert max(float((g - own_logits_scores(model, item)).abs().max()) for g, item in zip(packed, batch)) > 1e-2
+    path = s.select_path(model)
+    assert path != "packed"
+    with torch.inference_mode():
+        for got, item in zip(s.score(model, batch, path), batch):
+            assert torch.allclose(got, own_logits_scores(model, item), atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_packed_is_chosen_in_bfloat16_with_realistic_logits(tiny_models, arch):
+    """A random tiny model's logits are below 1; a trained model's reach tens. Scaled up so, in
+    bfloat16, the packed path must still pass the check (the old absolute 1e-3 bar refused it)."""
+    model, tok = load(tiny_models[arch], dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(60.0)
+    with torch.inference_mode():
+        largest = float(model(input_ids=torch.tensor([items(tok)[0].context])).logits.abs().max())
+    assert largest > 10
+    assert s.select_path(model) == "packed"
+    assert next(model.parameters()).dtype == torch.bfloat16  # the check's float32 upcast is undone
+    batch = items(tok)
+    with torch.inference_mode():
+        for got, item in zip(s.score_packed(model, batch), batch):
+            assert torch.isfinite(got).all()
+            assert float((got - own_logits_scores(model, item)).abs().max()) < 0.1 * largest
+
+
+def test_the_lm_head_runs_in_float32_at_scored_positions(tiny_models):
+    """In bfloat16 the head's output is not rounded to 16 bits before the log-softmax."""
+    model, _ = load(tiny_models["llama"], dtype=torch.bfloat16)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        head.weight.mul_(60.0)
+    hidden = torch.randn(6, head.weight.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
+    targets = torch.tensor([3, 7, 11, 100, 200, 250])
+    with torch.inference_mode():
+        got = s.token_logprobs(head, s.LogitTransform(), hidden, targets)
+        exact = torch.log_softmax(hidden.float() @ head.weight.float().T, -1).gather(-1, targets[:, None]).squeeze(-1)
+        rounded = torch.log_softmax(head(hidden).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert torch.allclose(got, exact, atol=1e-4)
+    assert float((rounded - exact).abs().max()) > 1e-3  # what rounding the logits first would cost
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
