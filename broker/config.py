@@ -28,7 +28,11 @@ class BrokerConfig:
     actor_job_timeout_ms: int = option(20_000, "an actor holding one job longer than this is taken as hung; its jobs go elsewhere")
     storage_timeout_ms: int = option(5000, "a Redis write not answered within this is taken as failed: its requests get `internal`")
     max_queue: int = option(10_000, "most step requests queued for actors; past it `ask` answers wait and steps get `overloaded`")
-    max_stream_backlog: int = option(0, "`ask` answers wait while the segment stream holds more entries than this (0: no limit)")
+    max_stream_backlog: int = option(
+        -1,
+        "`ask` answers wait while the segment stream holds more entries than this; -1: the limit the learner publishes"
+        " (what it trains within its policy-lag bound; none until a learner has read a rollout), 0: no limit",
+    )
     retry_after_ms: int = option(1000, "the `retry_after_ms` the broker suggests when it applies back-pressure")
     max_message_bytes: int = option(4 * 1024 * 1024, "largest request accepted; larger ones get `too_large`")
     max_actions: int = option(256, "most candidate actions in one observation")
@@ -59,7 +63,10 @@ class BrokerConfig:
         check(self.storage_timeout_ms > 0, f"`storage_timeout_ms` must be positive, got {self.storage_timeout_ms}")
         check(self.max_queue > 0, f"`max_queue` must be positive, got {self.max_queue}")
         check(self.rag_max_context_chars >= 0, f"`rag_max_context_chars` must be 0 or more, got {self.rag_max_context_chars}")
-        check(self.max_stream_backlog >= 0, f"`max_stream_backlog` must be 0 or more, got {self.max_stream_backlog}")
+        check(
+            self.max_stream_backlog >= -1,
+            f"`max_stream_backlog` must be -1 (the learner's limit), 0 (none) or a positive count, got {self.max_stream_backlog}",
+        )
         check(self.retry_after_ms > 0, f"`retry_after_ms` must be positive, got {self.retry_after_ms}")
         check(self.max_message_bytes >= 1024, f"`max_message_bytes` must be at least 1024, got {self.max_message_bytes}")
         check(self.max_actions > 0, f"`max_actions` must be positive, got {self.max_actions}")

@@ -69,6 +69,9 @@ class Broker:
         self.task_jobs: dict[str, Job] = {}  # the step job in progress per task
         self.metrics: collections.Counter[str] = new_counters()  # every documented key, from 0
         self.stream_length = 0
+        # Back-pressure: `ask` answers wait while the stream holds more than this (0: no limit). With
+        # max_stream_backlog -1 it is what the learner publishes, re-read with the stream length.
+        self.backlog_limit = max(0, self.cfg.max_stream_backlog)
         self.started = time.monotonic()
         self.now = time.monotonic()
         self.running = False
@@ -117,6 +120,8 @@ class Broker:
                 sum(s.pending is not None for s in self.sessions.values()),
             )
         self.stream_length = self.store.stream_length()
+        if self.cfg.max_stream_backlog < 0:
+            self.backlog_limit = self.store.learner_backlog()
         self.frontend = self._router(self.cfg.frontend, self.cfg.max_message_bytes, "clients", self.cfg.curve_allowed_clients)
         self.outbox.sock = self.frontend
         self.backend = self._router(self.cfg.backend, self.cfg.max_message_bytes, "actors", self.cfg.curve_allowed_actors)
@@ -425,7 +430,7 @@ class Broker:
             return "no_actor"
         if len(self.queue) >= self.cfg.max_queue:
             return "queue_full"
-        if self.cfg.max_stream_backlog and self.stream_length > self.cfg.max_stream_backlog:
+        if self.backlog_limit and self.stream_length > self.backlog_limit:
             return "stream_backlog"
         return ""
 
@@ -537,6 +542,7 @@ class Broker:
             "queued_jobs": len(self.queue),
             "jobs": len(self.jobs),
             "stream_length": self.stream_length,
+            "stream_backlog_limit": self.backlog_limit,
             "storage_ok": self.storage_ok,
             "actors": [
                 {"name": a.name, "credits": a.credits, "inflight": len(a.inflight), "policy_version": a.policy_version, "served": a.served}
@@ -827,6 +833,8 @@ class Broker:
             self.expire_sessions()
             try:
                 self.stream_length = self.store.stream_length()
+                if self.cfg.max_stream_backlog < 0:
+                    self.backlog_limit = self.store.learner_backlog()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 # Idle clients write nothing, so this read may be the first to find Redis gone.
                 self._storage_lost(f"Redis read failed (stream length): {e}")

@@ -260,6 +260,15 @@ class SessionStore:
     def stream_length(self) -> int:
         return int(self.client.xlen(self.keys.stream))
 
+    def learner_backlog(self) -> int:
+        """The backlog limit the learner publishes (0: none published yet, or not a positive number)."""
+        value = self.client.get(self.keys.learner_backlog)
+        try:
+            return max(0, int(value)) if value is not None else 0
+        except ValueError:
+            log.warning("ignoring a malformed learner backlog limit %r", value)
+            return 0
+
 
 def _recent_replies(fields: dict[bytes, bytes]) -> list[Replied]:
     """The kept replies of a task hash, oldest first: its `recent:<slot>` fields, and a broker's older `last_rid`/`last_reply`."""

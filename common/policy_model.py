@@ -25,12 +25,20 @@ class ModelSpec:
     dtype: str = option("auto", "auto: bfloat16 on GPU, float32 on CPU")
     lora_rank: int = option(8, "0: no adapter, all weights are the policy's (tiny models)")
     lora_alpha: int = option(16, "LoRA alpha")
+    lora_trainable: tuple[str, ...] = option((), "modules trained in full beside the adapter (peft's modules_to_save)")
     attn_implementation: str = option("sdpa", "transformers' attention implementation")
 
     @classmethod
     def of(cls, policy: PolicySpec, device: str) -> ModelSpec:
         """The model of the shared [policy] settings, on this process's device."""
-        return cls(model=policy.model, device=device, dtype=policy.dtype, lora_rank=policy.lora_rank, lora_alpha=policy.lora_alpha)
+        return cls(
+            model=policy.model,
+            device=device,
+            dtype=policy.dtype,
+            lora_rank=policy.lora_rank,
+            lora_alpha=policy.lora_alpha,
+            lora_trainable=tuple(policy.lora_trainable),
+        )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -62,6 +70,7 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
             lora_alpha=spec.lora_alpha,
             target_modules="all-linear",
             lora_dropout=0.0,
+            modules_to_save=list(spec.lora_trainable) or None,
             task_type="CAUSAL_LM",
         )
         # peft keeps adapter weights in float32 even over a bf16 base (autocast_adapter_dtype):

@@ -17,6 +17,8 @@ and the demo read the figures. Every key is built here and nowhere else
     P:weights:latest    HASH    version, checksum, size, kind of the newest snapshot         learner -> actors
     P:weights:v{n}      STRING  snapshot n: safetensors bytes                                learner -> actors
     P:learner:latest    HASH    the learner's latest figures and cumulative counters         learner -> status, ledger
+    P:learner:backlog   STRING  the stream backlog (entries) the learner can train within    learner -> broker
+                                its lag bound: the broker's default back-pressure limit
 
 A stream entry (one closed segment) has the fields in `ENTRY_FIELDS`; the
 broker's Lua script writes them (broker/store.py builds it from these names)
@@ -84,6 +86,10 @@ class RedisKeys:
     @property
     def learner_latest(self) -> str:
         return f"{self.prefix}:learner:latest"
+
+    @property
+    def learner_backlog(self) -> str:
+        return f"{self.prefix}:learner:backlog"
 
 
 def ensure_group(client: redis.Redis, keys: RedisKeys, group: str) -> None:

@@ -32,6 +32,11 @@ class PolicySpec:
     model: str = option("", "causal LM: a local directory or a Hugging Face id; the actor serves the uniform random policy when empty")
     lora_rank: int = option(8, "rank of the LoRA adapter the learner trains (0: train all weights, for tiny models)")
     lora_alpha: int = option(16, "LoRA alpha")
+    lora_trainable: list[str] = option(
+        [],
+        "modules trained in full beside the adapter (peft's modules_to_save, matched by name suffix), e.g. lm_head and"
+        " model.norm: a random tiny model's head must learn, a pretrained model's need not",
+    )
     dtype: str = option(
         "auto", "base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16; the adapter stays float32"
     )

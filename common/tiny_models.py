@@ -26,6 +26,10 @@ import torch
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2")
+# What a tiny model trains in full beside its LoRA adapter (`lora_trainable`): its random LM head and
+# final norm. A pretrained model's head already maps features to words; a random one's does not,
+# and LoRA on the layers below cannot make up for it (the policy barely moves).
+LORA_TRAINABLE = {"llama": ("lm_head", "model.norm"), "qwen2": ("lm_head", "model.norm"), "gpt2": ("lm_head", "ln_f")}
 TOKENIZERS = ("byte", "bpe", "sentencepiece")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 

@@ -59,6 +59,21 @@ REDIS_BACKOFF_FIRST_S = 0.1
 REDIS_BACKOFF_CAP_S = 5.0
 
 
+def backlog_limit(rollout_batch: int, max_policy_lag: int, transitions_per_segment: float) -> int:
+    """The stream backlog (closed segments) this learner can train within its policy-lag bound.
+
+    Each update consumes about `rollout_batch` transitions and moves the policy one version, so a
+    transition that waits behind B transitions is trained about B / rollout_batch versions after
+    it was scored. Holding the backlog to half the lag bound's worth keeps the lag of what the
+    actors produce while the learner trains (one more rollout) within the bound, whatever the
+    learner's pace: a slow learner makes the actors wait instead of making the data stale. Never
+    less than two rollouts, or actors and learner could wait on each other.
+    """
+    per_segment = max(1.0, transitions_per_segment)
+    versions = max(1, max_policy_lag // 2)
+    return max(math.ceil(2 * rollout_batch / per_segment), math.ceil(versions * rollout_batch / per_segment))
+
+
 class Learner:
     def __init__(self, cfg: LearnerConfig, client: redis.Redis, context: zmq.Context | None = None) -> None:
         self.cfg = cfg
@@ -121,6 +136,7 @@ class Learner:
         self._unacked: list[str] = []
         self._unpublished = False
         self._unreported: dict[str, float] = {}  # the last update's figures and counters (common/learner_figures.py)
+        self._backlog = 0  # the backlog limit to publish for the broker (0: nothing new)
 
     # --- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -294,6 +310,7 @@ class Learner:
             self._unacked = ids
             self._unpublished = bool(train_policy and len(rollout))
             self._unreported = self._figures(metrics, len(rollout))
+            self._backlog = backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag, rollout.stored / len(segments))
             self._log(metrics, len(rollout))
             self._settle()
         return metrics
@@ -401,6 +418,9 @@ class Learner:
         if self._unreported:
             write_latest(self.redis, self.cfg.key_prefix, self._unreported)
             self._unreported = {}
+        if self._backlog:
+            self.redis.set(self.keys.learner_backlog, self._backlog)
+            self._backlog = 0
 
     def _wait_for_redis(self, error: Exception) -> None:
         """Redis went away (restart, network): wait for it with capped exponential back-off, then resume.

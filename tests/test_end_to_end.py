@@ -1,9 +1,10 @@
 """The whole system learns: real broker, real LLM actor, real PPO learner, environment clients.
 
 A small Kea-like app (envs/kea_sim.py) explored by 4 clients through the real
-protocol. The uniformly random policy's mean return is measured locally; after
-training, the policy's mean return must beat it by a clear margin, within a
-bounded number of environment steps.
+protocol, the policy a LoRA adapter. The uniformly random
+policy's mean return is measured locally. The run takes its whole budget of
+environment steps; the mean return over its last WINDOW episodes must beat random
+by a clear margin: learned, and still learned at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from actor_node.config import ActorConfig
 from actor_node.main import run_actor
 from common.redis_server import connect
 from common.shared_settings import PolicySpec
+from common.tiny_models import LORA_TRAINABLE
 from envs.base import random_returns
 from envs.kea_sim import KeaSim, SimConfig
 from envs.runner import Runner
@@ -26,16 +28,21 @@ from learner_node.worker import Learner
 from tests.helpers import actors_ready, wait_for
 
 APP = SimConfig(screens=5, links_per_screen=2, external_links=1, horizon=6, history_limit=1, event_hashes=False)
-MAX_STEPS = 4000  # environment steps allowed to get there
+MAX_STEPS = 2000  # the run's fixed budget of environment steps
 MARGIN = 0.8  # return units above the random policy's mean (an episode can earn at most 4)
 WINDOW = 60  # episodes the trained policy's mean is taken over
 
 
 @pytest.mark.slow
-def test_trained_policy_beats_random_within_bounded_steps(start_broker, make_client, tiny_models, redis_url, key_prefix, tmp_path):
+@pytest.mark.timeout(900)  # the budget takes 3 to 4 minutes on a quiet 2-core machine
+def test_a_lora_policy_beats_random_at_the_end_of_its_budget(start_broker, make_client, tiny_models, redis_url, key_prefix, tmp_path):
+    """A rank-4 LoRA adapter on every linear layer, the random tiny model's head and final norm trained
+    beside it (`lora_trainable`); all-weights training of the same loop is covered by the bandit test."""
     baseline = statistics.mean(random_returns(lambda i: KeaSim(APP), 1000))
     broker = start_broker(max_stream_backlog=48, segment_len=APP.horizon)
-    policy = PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token")
+    policy = PolicySpec(
+        model=tiny_models["llama"], lora_rank=4, lora_alpha=8, lora_trainable=list(LORA_TRAINABLE["llama"]), normalisation="token"
+    )
     learner = Learner(
         LearnerConfig(
             policy=policy,
@@ -83,9 +90,9 @@ def test_trained_policy_beats_random_within_bounded_steps(start_broker, make_cli
             recent = [e.ret for e in stats.episodes[-WINDOW:] if e.policy_version >= 1]
         return statistics.mean(recent) if len(recent) == WINDOW else float("-inf")
 
-    deadline = time.monotonic() + 400  # a safety net for a broken build, not the measure
+    deadline = time.monotonic() + 600  # a safety net for a broken build, not the measure
     try:
-        while stats.steps < MAX_STEPS and trained_mean() < baseline + MARGIN and time.monotonic() < deadline:
+        while stats.steps < MAX_STEPS and time.monotonic() < deadline:
             assert runner.running() and learner_thread.is_alive(), "a component stopped early"
             time.sleep(0.5)
     finally:
@@ -95,8 +102,9 @@ def test_trained_policy_beats_random_within_bounded_steps(start_broker, make_cli
         learner_thread.join(120)
     first = [e.ret for e in stats.episodes if e.policy_version == 0]
     assert first and statistics.mean(first) < baseline + MARGIN, "the untrained policy already scores like a trained one"
+    assert stats.steps >= MAX_STEPS, f"only {stats.steps} of {MAX_STEPS} steps ran before the safety deadline"
     assert trained_mean() >= baseline + MARGIN, (
-        f"after {stats.steps} steps and {learner.updates} updates the policy's mean return is {trained_mean():.2f}, "
-        f"random is {baseline:.2f}"
+        f"after {stats.steps} steps and {learner.updates} updates the mean return of the last {WINDOW} episodes is "
+        f"{trained_mean():.2f}, random is {baseline:.2f}"
     )
     assert stats.steps <= MAX_STEPS + 4 * APP.horizon and stats.failures == 0

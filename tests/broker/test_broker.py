@@ -12,7 +12,7 @@ import zmq
 from actor_node.policies import UniformPolicy
 from client import BadRequest, FeedbackWithoutStep, InternalError, RequestTimeout, UnknownTask
 from common import protocol as p
-from common.segments import Segment
+from common.segments import RedisKeys, Segment
 from tests.helpers import OBS, actors_ready, wait_for
 
 
@@ -388,3 +388,21 @@ def test_a_task_id_attached_again_after_detach_gets_new_segment_ids(stack, redis
         client.detach("emulator-7")
     ids = [s.seg_id for s in segments(redis_client, key_prefix)]
     assert len(ids) == 2 and len(set(ids)) == 2 and all(i.startswith("emulator-7:") and i.endswith(":0") for i in ids)
+
+
+def test_default_back_pressure_follows_the_limit_the_learner_publishes(start_broker, start_actor, make_client, redis_client, key_prefix):
+    """max_stream_backlog -1 (the default): no limit until a learner publishes one, then `ask` waits above it."""
+    broker, client = running(start_broker, start_actor, make_client, segment_len=1)
+    assert broker.config.max_stream_backlog == -1
+    task = client.attach()
+    for n in range(4):  # one-step segments (each closed by the next step), nobody reading them
+        client.step(task, obs(n))
+        client.feedback(task, reward=0.0, done=False)
+    assert client.status()["stream_length"] == 3
+    assert client.ask(task)["status"] == "ok"
+    redis_client.set(RedisKeys(key_prefix).learner_backlog, 2)  # what the learner writes after an update
+    reply = wait_for(lambda: (r := client.ask(task))["status"] == "wait" and r, timeout=5, what="the broker to read the learner's limit")
+    assert reply["reason"] == "stream_backlog"
+    assert client.status()["stream_backlog_limit"] == 2
+    redis_client.set(RedisKeys(key_prefix).learner_backlog, 10)  # a faster learner, or a longer lag bound
+    wait_for(lambda: client.ask(task)["status"] == "ok", timeout=5, what="the broker to read the raised limit")

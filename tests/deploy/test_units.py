@@ -418,7 +418,7 @@ def test_example_config_is_consistent_across_components():
     for key in ("key_prefix", "redis_url"):
         assert getattr(actor, key) == getattr(learner, key), key
     assert broker.redis_url == learner.redis_url and broker.key_prefix == learner.key_prefix
-    assert broker.max_stream_backlog == 0 or broker.max_stream_backlog > learner.rollout_batch / broker.segment_len
+    assert broker.max_stream_backlog <= 0 or broker.max_stream_backlog > learner.rollout_batch / broker.segment_len
 
 
 # ---- (d) the units' command lines, through the real `ppoz` parser ----

@@ -27,7 +27,7 @@ from learner_node.config import LearnerConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import build_rollout
 from learner_node.update import UpdateConfig, ppo_update
-from learner_node.worker import Learner
+from learner_node.worker import Learner, backlog_limit
 from tests.learner_node.helpers import on_policy_segments
 
 PROMPTS = [
@@ -207,3 +207,11 @@ def test_an_update_holds_about_rollout_batch_transitions_not_segments(tiny_model
     finally:
         learner.close()
     assert all(10 <= size <= 10 + 4 - 1 for size in sizes), sizes  # within one segment of rollout_batch (was 40: 10 segments)
+    # the back-pressure limit it publishes for the broker: max(2 rollouts, lag 8 / 2 = 4 rollouts) of 10, in 4-transition segments
+    assert int(redis_client.get(RedisKeys(key_prefix).learner_backlog)) == 10
+
+
+def test_the_backlog_limit_is_half_the_lag_bound_and_at_least_two_rollouts():
+    assert backlog_limit(rollout_batch=64, max_policy_lag=8, transitions_per_segment=32) == 8  # 4 versions x 64 / 32
+    assert backlog_limit(rollout_batch=16, max_policy_lag=2, transitions_per_segment=1) == 32  # two rollouts of one-step segments
+    assert backlog_limit(rollout_batch=10, max_policy_lag=8, transitions_per_segment=0.5) == 40  # never fewer than 1 per segment
