@@ -169,6 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     rag_bench.add_arguments(b)
     b.set_defaults(func=rag_bench.main)
+    b = benches.add_parser(
+        "learning",
+        help="PPO under policy lag: sync, dropping stale samples, and the decoupled objective, side by side",
+        description="Train a contextual bandit with the actor's and learner's own code three ways under the same budget and "
+        "seeds: no lag, lag with stale samples dropped, lag with the decoupled objective (docs/benchmarks.md).",
+    )
+    from ppoz.bench import learning as learning_bench
+
+    learning_bench.add_arguments(b)
+    b.set_defaults(func=learning_bench.main)
 
     p = sub.add_parser(
         "status", help="show a running broker's sessions, actors and counters", description="Ask a running broker for its figures."

@@ -27,6 +27,7 @@ SUBCOMMANDS = [
     ["bench", "scoring"],
     ["bench", "learner"],
     ["bench", "rag"],
+    ["bench", "learning"],
     ["fuzz"],
     ["soak"],
     ["status"],
@@ -168,7 +169,21 @@ def test_bench_rag_runs_and_reports_retrieval_cost_side_by_side(tmp_path):
     assert 0 < figures["added_tokens_max"] <= 128  # the token budget holds
 
 
-@pytest.mark.parametrize("args", [["soak", "--clients", "0"], ["fuzz", "--messages", "0"], ["bench", "rag", "--steps", "0"]])
+def test_bench_learning_runs_the_three_methods_on_the_same_budget():
+    result = run("bench", "learning", "--steps", "64", "--seeds", "1", "--lag", "2", "--rollout-batch", "16", "--json", timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout)
+    assert figures["random_return"] == 0.25 and set(figures["methods"]) == {"sync", "drop_stale", "decoupled"}
+    sync, drop, decoupled = (figures["methods"][m] for m in ("sync", "drop_stale", "decoupled"))
+    assert sync["used"] == 64 and sync["dropped"] == 0  # lag 0: every rollout trained at once
+    assert decoupled["dropped"] == 0 and decoupled["used"] == 64 - 2 * 16  # the last 2 rollouts are still in the queue
+    assert drop["dropped"] > 0 and drop["used"] + drop["dropped"] == decoupled["used"]  # same samples, most thrown away
+    assert all(0.0 <= m["return"] <= 1.0 for m in figures["methods"].values())
+
+
+@pytest.mark.parametrize(
+    "args", [["soak", "--clients", "0"], ["fuzz", "--messages", "0"], ["bench", "rag", "--steps", "0"], ["bench", "learning", "--lag", "0"]]
+)
 def test_load_commands_refuse_nonsense_counts(args):
     result = run(*args)
     assert result.returncode != 0 and "must be positive" in result.stderr
