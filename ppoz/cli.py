@@ -343,6 +343,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(
         f"  sessions {status['sessions']}  pending steps {status['pending_steps']}  queued {status['queued_jobs']}"
         f"  steps/s {status.get('steps_per_s', 0.0):.1f}  stream backlog {status['stream_length']}"
+        f" (limit {status.get('stream_backlog_limit') or 'none'})"
     )
     print(f"  actors ({len(status['actors'])}):")
     for a in status["actors"]:
