@@ -119,9 +119,7 @@ class Broker:
                 len(self.sessions),
                 sum(s.pending is not None for s in self.sessions.values()),
             )
-        self.stream_length = self.store.stream_length()
-        if self.cfg.max_stream_backlog < 0:
-            self.backlog_limit = self.store.learner_backlog()
+        self._read_stream_state()
         self.frontend = self._router(self.cfg.frontend, self.cfg.max_message_bytes, "clients", self.cfg.curve_allowed_clients)
         self.outbox.sock = self.frontend
         self.backend = self._router(self.cfg.backend, self.cfg.max_message_bytes, "actors", self.cfg.curve_allowed_actors)
@@ -422,6 +420,13 @@ class Broker:
     def _count_closed(self, n: int) -> None:
         self.metrics["broker/segments_closed"] += n
         self.stream_length += n  # refreshed from Redis every second; counted here so back-pressure reacts at once
+
+    def _read_stream_state(self) -> None:
+        """The stream's length, and the learner's backlog limit where the broker follows it (max_stream_backlog -1)."""
+        length, learner_limit = self.store.stream_state()
+        self.stream_length = length
+        if self.cfg.max_stream_backlog < 0:
+            self.backlog_limit = learner_limit
 
     def _backpressure(self) -> str:
         if self.draining:
@@ -832,9 +837,7 @@ class Broker:
                 return
             self.expire_sessions()
             try:
-                self.stream_length = self.store.stream_length()
-                if self.cfg.max_stream_backlog < 0:
-                    self.backlog_limit = self.store.learner_backlog()
+                self._read_stream_state()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 # Idle clients write nothing, so this read may be the first to find Redis gone.
                 self._storage_lost(f"Redis read failed (stream length): {e}")

@@ -257,17 +257,18 @@ class SessionStore:
         same = type(record.get("rid")) is type(rid) and record.get("rid") == rid  # str and bin rids are distinct on the wire
         return record["reply"] if same else None
 
-    def stream_length(self) -> int:
-        return int(self.client.xlen(self.keys.stream))
-
-    def learner_backlog(self) -> int:
-        """The backlog limit the learner publishes (0: none published yet, or not a positive number)."""
-        value = self.client.get(self.keys.learner_backlog)
+    def stream_state(self) -> tuple[int, int]:
+        """(entries in the segment stream, the backlog limit the learner publishes), in one round trip.
+        The limit is 0 while none is published (or it is not a positive number)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xlen(self.keys.stream)
+        pipe.get(self.keys.learner_backlog)
+        length, limit = pipe.execute()
         try:
-            return max(0, int(value)) if value is not None else 0
+            return int(length), max(0, int(limit)) if limit is not None else 0
         except ValueError:
-            log.warning("ignoring a malformed learner backlog limit %r", value)
-            return 0
+            log.warning("ignoring a malformed learner backlog limit %r", limit)
+            return int(length), 0
 
 
 def _recent_replies(fields: dict[bytes, bytes]) -> list[Replied]:

@@ -474,15 +474,11 @@ def score(model: Any, items: Sequence[Tokenized], path: str = "packed") -> list[
     return SCORERS[path](model, items)
 
 
-def reference_scores(model: Any, item: Tokenized) -> torch.Tensor:
+def reference_scores(model: Any, item: Tokenized) -> tuple[torch.Tensor, float]:
     """Each candidate's summed log-probability from the model's own forward: `model(input_ids).logits`
-    over context + candidate, log-softmax in float32. Shares nothing with the paths above (no decoder
-    split, no LM head of ours, no logit post-processing of ours), so it is the yardstick they are held to."""
-    return _reference(model, item)[0]
-
-
-def _reference(model: Any, item: Tokenized) -> tuple[torch.Tensor, float]:
-    """reference_scores, and the largest |logit| seen (the scale of 16-bit rounding)."""
+    over context + candidate, log-softmax in float32; and the largest |logit| seen (the scale of 16-bit
+    rounding). Shares nothing with the paths above (no decoder split, no LM head of ours, no logit
+    post-processing of ours), so it is the yardstick they are held to."""
     device = next(model.parameters()).device
     c = len(item.context)
     sums = []
@@ -584,20 +580,16 @@ def select_path(model: Any, requested: str = "auto") -> str:
     probe = probe_items(model)
     dtype = next(model.parameters()).dtype
     candidates = PATHS if requested == "auto" else (requested,)
-    exact: dict[str, float] = {}
-    native: dict[str, float] = {}
-    # The dtype switch happens outside inference mode: parameters changed inside it would become
-    # inference tensors, which the learner could no longer train.
-    with _float32(model):
+    # The dtype switch happens outside inference mode (entered first, left last): parameters changed
+    # inside it would become inference tensors, which the learner could no longer train.
+    with _float32(model), torch.inference_mode():
+        measured = [reference_scores(model, item) for item in probe]
+        exact = {path: _checked_diff(model, path, probe, [sums for sums, _ in measured]) for path in candidates}
+    native = exact  # a float32 model was just checked in its own dtype
+    if dtype != torch.float32:
         with torch.inference_mode():
-            reference = [reference_scores(model, item) for item in probe]
-            for path in candidates:
-                exact[path] = _checked_diff(model, path, probe, reference)
-    with torch.inference_mode():
-        measured = [_reference(model, item) for item in probe]
-        reference = [sums for sums, _ in measured]
-        for path in candidates:
-            native[path] = exact[path] if dtype == torch.float32 else _checked_diff(model, path, probe, reference)
+            measured = [reference_scores(model, item) for item in probe]
+            native = {path: _checked_diff(model, path, probe, [sums for sums, _ in measured]) for path in candidates}
     largest_logit = max(largest for _, largest in measured)
     tokens = max(len(a) for item in probe for a in item.actions)
     native_bar = max(FLOAT32_TOLERANCE, NATIVE_ULPS * torch.finfo(dtype).eps * max(1.0, largest_logit) * tokens)

@@ -100,5 +100,11 @@ class LearnerPolicy:
                 out.append(hidden[torch.arange(len(chunk), device=device), last].float())
         return torch.cat(out)
 
+    @torch.no_grad()
+    def values(self, observations: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The critic on observations: (the frozen base's features [N, width], the values [N])."""
+        features = self.features([self.tokenize(o) for o in observations])
+        return features, self.value_head(features)
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

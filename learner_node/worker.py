@@ -461,10 +461,9 @@ class Learner:
 
     def _values(self, observations: list[dict[str, Any]]) -> list[float]:
         """Critic values for GAE; the features are kept (by observation object) for the update's critic epochs."""
-        with torch.no_grad():
-            features = self.lp.features([self.lp.tokenize(o) for o in observations])
-            self._features = {id(o): f for o, f in zip(observations, features)}
-            return self.lp.value_head(features).cpu().tolist()
+        features, values = self.lp.values(observations)
+        self._features = {id(o): f for o, f in zip(observations, features)}
+        return values.cpu().tolist()
 
     # --- persistence and publication -----------------------------------------------------------
     def save_checkpoint(self, entry_ids: list[str]) -> None:

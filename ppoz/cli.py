@@ -132,53 +132,43 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmarks; each prints a table, or one JSON object with --json.",
     )
     benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
-    b = benches.add_parser(
-        "broker",
-        help="step+feedback pairs/s and latency through the broker",
-        description="Step+feedback pairs per second through a real broker with Redis durability on, "
-        "and client-seen latency at a fixed rate.",
-    )
     from ppoz.bench import broker as broker_bench
-
-    broker_bench.add_arguments(b)
-    b.set_defaults(func=broker_bench.main)
-    b = benches.add_parser(
-        "scoring",
-        help="candidate scoring: padded sequences vs prompt KV per action vs packed",
-        description="Score Kea-shaped observations three ways on one model, side by side (docs/benchmarks.md).",
-    )
+    from ppoz.bench import learner as learner_bench
+    from ppoz.bench import learning as learning_bench
+    from ppoz.bench import rag as rag_bench
     from ppoz.bench import scoring as scoring_bench
 
-    scoring_bench.add_arguments(b)
-    b.set_defaults(func=scoring_bench.main)
-    b = benches.add_parser(
-        "learner",
-        help="peak memory and speed of a PPO step: packed vs one sequence per candidate",
-        description="Peak memory and transitions/s of one PPO policy step, packed layout against one sequence per candidate.",
-    )
-    from ppoz.bench import learner as learner_bench
-
-    learner_bench.add_arguments(b)
-    b.set_defaults(func=learner_bench.main)
-    b = benches.add_parser(
-        "rag",
-        help="what rag_step's retrieval adds to a step, side by side with the plain step",
-        description="Time step, retrieval and rag_step on simulated Kea tasks with a corpus (docs/benchmarks.md).",
-    )
-    from ppoz.bench import rag as rag_bench
-
-    rag_bench.add_arguments(b)
-    b.set_defaults(func=rag_bench.main)
-    b = benches.add_parser(
-        "learning",
-        help="PPO under policy lag: sync, dropping stale samples, and the decoupled objective, side by side",
-        description="Train a contextual bandit with the actor's and learner's own code three ways under the same budget and "
-        "seeds: no lag, lag with stale samples dropped, lag with the decoupled objective (docs/benchmarks.md).",
-    )
-    from ppoz.bench import learning as learning_bench
-
-    learning_bench.add_arguments(b)
-    b.set_defaults(func=learning_bench.main)
+    for module, help_text, description in (
+        (
+            broker_bench,
+            "step+feedback pairs/s and latency through the broker",
+            "Step+feedback pairs per second through a real broker with Redis durability on, and client-seen latency at a fixed rate.",
+        ),
+        (
+            scoring_bench,
+            "candidate scoring: padded sequences vs prompt KV per action vs packed",
+            "Score Kea-shaped observations three ways on one model, side by side (docs/benchmarks.md).",
+        ),
+        (
+            learner_bench,
+            "peak memory and speed of a PPO step: packed vs one sequence per candidate",
+            "Peak memory and transitions/s of one PPO policy step, packed layout against one sequence per candidate.",
+        ),
+        (
+            rag_bench,
+            "what rag_step's retrieval adds to a step, side by side with the plain step",
+            "Time step, retrieval and rag_step on simulated Kea tasks with a corpus (docs/benchmarks.md).",
+        ),
+        (
+            learning_bench,
+            "PPO under policy lag: sync, dropping stale samples, and the decoupled objective, side by side",
+            "Train a contextual bandit with the actor's and learner's own code three ways under the same budget and "
+            "seeds: no lag, lag with stale samples dropped, lag with the decoupled objective (docs/benchmarks.md).",
+        ),
+    ):
+        b = benches.add_parser(module.__name__.rsplit(".", 1)[1], help=help_text, description=description)
+        module.add_arguments(b)
+        b.set_defaults(func=module.main)
 
     p = sub.add_parser(
         "status", help="show a running broker's sessions, actors and counters", description="Ask a running broker for its figures."

@@ -144,8 +144,7 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
     assert max(abs(a - t.logprob) for a, t in zip(plain, by_task[task_a])) > 1e-3
 
     def value_of(observations):
-        with torch.no_grad():
-            return lp.value_head(lp.features([lp.tokenize(o) for o in observations])).tolist()
+        return lp.values(observations)[1].tolist()
 
     rollout = build_rollout(segments, value_of, 0.99, 0.95, current_version=0, max_policy_lag=0)
     assert len(rollout) == 12

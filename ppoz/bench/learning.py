@@ -110,8 +110,7 @@ def run(model_dir: str, method: str, seed: int, args: argparse.Namespace) -> dic
     used = dropped = 0
 
     def value_of(observations: list[dict[str, Any]]) -> list[float]:
-        with torch.no_grad():
-            return lp.value_head(lp.features([lp.tokenize(o) for o in observations])).tolist()
+        return lp.values(observations)[1].tolist()
 
     while len(rewards) < args.steps:
         if served != version:  # the actor applies each new version before its next batch

@@ -146,8 +146,7 @@ def moved_policy(model_dir: str) -> tuple[LearnerPolicy, torch.optim.Optimizer, 
 
 def stale_rollout(lp: LearnerPolicy, segments, lag: int, max_policy_lag: int = 8):
     def value_of(observations):
-        with torch.no_grad():
-            return lp.value_head(lp.features([lp.tokenize(o) for o in observations])).tolist()
+        return lp.values(observations)[1].tolist()
 
     return build_rollout(segments, value_of, 0.99, 0.95, current_version=lag, max_policy_lag=max_policy_lag)
 
@@ -230,8 +229,7 @@ def critic_error_after_updates(model_dir: str, cfg: UpdateConfig, updates: int) 
         s.transitions[0].reward = 5.0
     for i in range(updates):
         ppo_update(lp, popt, vopt, stale_rollout(lp, segments, 0), cfg, train_policy=False, update_index=i)
-    with torch.no_grad():
-        values = lp.value_head(lp.features([lp.tokenize(s.transitions[0].obs) for s in segments]))
+    values = lp.values([s.transitions[0].obs for s in segments])[1]
     return float((values - 5.0).abs().max())
 
 

@@ -27,8 +27,7 @@ def rollout_for(lp: LearnerPolicy, n: int = 16):
     segments = on_policy_segments(lp.model, lp.tokenizer, n)
 
     def value_of(observations):
-        with torch.no_grad():
-            return lp.value_head(lp.features([lp.tokenize(o) for o in observations])).tolist()
+        return lp.values(observations)[1].tolist()
 
     return build_rollout(segments, value_of, 0.99, 0.95, current_version=0, max_policy_lag=0)
 
