@@ -27,6 +27,7 @@ import argparse
 import collections
 import json
 import logging
+import math
 import platform
 import random
 import statistics
@@ -60,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollout-batch", type=int, default=32, help="transitions per update (default: 32)")
     parser.add_argument("--lr", type=float, default=1e-3, help="policy learning rate (default: 1e-3)")
     parser.add_argument("--lora-rank", type=int, default=4, help="LoRA rank (default: 4; the head and final norm train beside it)")
+    parser.add_argument(
+        "--target-kl",
+        type=float,
+        default=None,
+        help="stop an update's epochs past this approx KL (default: the learner's target_kl; 0: never)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -99,7 +106,7 @@ def run(model_dir: str, method: str, seed: int, args: argparse.Namespace) -> dic
         micro_batch=args.rollout_batch // 2,
         value_epochs=4,
         ent_coef=0.0,
-        target_kl=0.0,
+        target_kl=UpdateConfig().target_kl if args.target_kl is None else args.target_kl,
     )
     ahead = 0 if method == "sync" else args.lag
     max_lag = 0 if method == "drop_stale" else ahead
@@ -157,6 +164,12 @@ def main(args: argparse.Namespace) -> int:
     logging.getLogger("common").setLevel(logging.WARNING)
     started = time.perf_counter()
     tail = max(1, args.steps // 5)
+    if args.steps - tail < args.lag * args.rollout_batch:
+        raise SystemExit(
+            f"ppoz bench learning: --steps {args.steps} is too short for --lag {args.lag} x --rollout-batch {args.rollout_batch}: "
+            f"need at least {5 * args.lag * args.rollout_batch // 4 + 1} steps"
+        )
+    sync_shifted = math.nan
     random_return = 1.0 / 4
     methods: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,6 +184,9 @@ def main(args: argparse.Namespace) -> int:
                     *(method, seed, statistics.mean(result["rewards"][-tail:]), result["used"], result["dropped"], result["updates"]),
                 )
             returns = [statistics.mean(r["rewards"][-tail:]) for r in runs]
+            if method == "sync":  # the same window moved back by the lag: the best a lagged actor can show
+                shift = args.lag * args.rollout_batch
+                sync_shifted = statistics.mean(statistics.mean(r["rewards"][-tail - shift : len(r["rewards"]) - shift]) for r in runs)
             methods[method] = {
                 "return": statistics.mean(returns),
                 "stderr": statistics.stdev(returns) / len(returns) ** 0.5 if len(returns) > 1 else 0.0,
@@ -183,6 +199,9 @@ def main(args: argparse.Namespace) -> int:
         "random_return": random_return,
         "methods": methods,
         "decoupled_share_of_sync_gain": gain["decoupled"] / gain["sync"] if gain["sync"] else float("nan"),
+        # sync's return over the window moved back by lag x rollout_batch steps: a lagged actor serves the
+        # policy sync served that many steps earlier, so this is what a lagged method reaches at sync's pace
+        "sync_return_lag_steps_earlier": sync_shifted,
         "steps": args.steps,
         "seeds": args.seeds,
         "lag": args.lag,
@@ -198,4 +217,6 @@ def main(args: argparse.Namespace) -> int:
     for name, v in methods.items():
         print(f"{name:<12}{v['return']:>14.3f} ± {v['stderr']:.3f}{v['used']:>8}{v['dropped']:>9}{v['updates']:>9}")
     print(f"decoupled gains {result['decoupled_share_of_sync_gain']:.0%} of sync's improvement over random ({result['seconds']} s)")
+    earlier = args.lag * args.rollout_batch
+    print(f"sync over the window {earlier} steps earlier (what a lagged actor shows at sync's pace): {sync_shifted:.3f}")
     return 0
