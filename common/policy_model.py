@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,14 +31,18 @@ class ModelSpec:
 
     @classmethod
     def of(cls, policy: PolicySpec, device: str) -> ModelSpec:
-        """The model of the shared [policy] settings, on this process's device."""
+        """The model of the shared [policy] settings, on this process's device ("auto" settings resolved)."""
+        from common.shared_settings import AUTO
+        from common.tiny_models import default_lora_trainable
+
+        trainable = default_lora_trainable(policy.model) if policy.lora_trainable == [AUTO] else tuple(policy.lora_trainable)
         return cls(
             model=policy.model,
             device=device,
             dtype=policy.dtype,
             lora_rank=policy.lora_rank,
             lora_alpha=policy.lora_alpha,
-            lora_trainable=tuple(policy.lora_trainable),
+            lora_trainable=trainable,
         )
 
     def resolved_device(self) -> torch.device:
@@ -75,7 +80,11 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
         )
         # peft keeps adapter weights in float32 even over a bf16 base (autocast_adapter_dtype):
         # a 1e-6 update would round away in 16 bits.
-        model = get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # A tied head (GPT-2, Qwen2) in modules_to_save: peft warns that its trained copy unties it from
+            # the input embedding. That is what is meant (the embedding stays the base's); PPOZ never merges.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*tied layer is part of the adapter")
+            model = get_peft_model(model, config)
     model.to(spec.resolved_device()).eval()
     log.info("loaded %s on %s (%s), LoRA rank %d", spec.model, spec.resolved_device(), spec.resolved_dtype(), spec.lora_rank)
     return model, tokenizer

@@ -23,6 +23,8 @@ from typing import Any
 from common.config import check, option, section
 from common.options import DTYPE_NAMES, NORMALISATIONS, SCORING_PATHS
 
+AUTO = "auto"  # a setting resolved from the model at load time (lora_trainable)
+
 
 @section("policy")
 @dataclass(kw_only=True)
@@ -33,9 +35,10 @@ class PolicySpec:
     lora_rank: int = option(8, "rank of the LoRA adapter the learner trains (0: train all weights, for tiny models)")
     lora_alpha: int = option(16, "LoRA alpha")
     lora_trainable: list[str] = option(
-        [],
+        [AUTO],
         "modules trained in full beside the adapter (peft's modules_to_save, matched by name suffix), e.g. lm_head and"
-        " model.norm: a random tiny model's head must learn, a pretrained model's need not",
+        " model.norm; auto: the head and final norm of a random tiny model (`ppoz tiny-model`), which must learn,"
+        " none for any other model, whose head already maps features to words",
     )
     dtype: str = option(
         "auto", "base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16; the adapter stays float32"
@@ -47,6 +50,10 @@ class PolicySpec:
     def __post_init__(self) -> None:
         check(self.lora_rank >= 0, f"`lora_rank` must be 0 or more, got {self.lora_rank}")
         check(self.lora_alpha > 0, f"`lora_alpha` must be positive, got {self.lora_alpha}")
+        check(
+            AUTO not in self.lora_trainable or self.lora_trainable == [AUTO],
+            f'`lora_trainable` is either ["{AUTO}"] or a list of module names, got {self.lora_trainable}',
+        )
         check(
             self.dtype == "auto" or self.dtype in DTYPE_NAMES,
             f"`dtype` must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}",

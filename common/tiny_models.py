@@ -30,6 +30,12 @@ ARCHITECTURES = ("llama", "qwen2", "gpt2")
 # final norm. A pretrained model's head already maps features to words; a random one's does not,
 # and LoRA on the layers below cannot make up for it (the policy barely moves).
 LORA_TRAINABLE = {"llama": ("lm_head", "model.norm"), "qwen2": ("lm_head", "model.norm"), "gpt2": ("lm_head", "ln_f")}
+# The policy learning rates such a model trains at by default (`[learner] policy_lr = 0`): random
+# weights need steps far larger than a pretrained model's 1e-5 (LoRA) / 1e-6 (all weights), which would
+# leave the policy where it started for the length of a demo. Measured: ppoz bench learning (LoRA, 1e-3)
+# and ppoz demo (all weights, 3e-4), docs/benchmarks.md.
+TINY_POLICY_LR = {"lora": 1e-3, "all_weights": 3e-4}
+MARKER = "ppoz_tiny.json"  # in a tiny model's directory: how it was built (and that its weights are random)
 TOKENIZERS = ("byte", "bpe", "sentencepiece")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
@@ -172,7 +178,7 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, token
     if tokenizer not in TOKENIZER_BUILDERS:
         raise ValueError(f"unknown tokenizer {tokenizer!r}; known: {', '.join(TOKENIZERS)}")
     path = Path(path)
-    marker = path / "ppoz_tiny.json"
+    marker = path / MARKER
     spec = {"arch": arch, "seed": seed, **config_overrides}
     if tokenizer != "byte":
         spec["tokenizer"] = tokenizer
@@ -188,3 +194,27 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, token
     marker.write_text(json.dumps(spec))
     log.info("built a tiny %s model (%d parameters) in %s", arch, sum(p.numel() for p in model.parameters()), path)
     return path
+
+
+def tiny_model_arch(model: str) -> str | None:
+    """The architecture of a model directory PPOZ built with random weights (it holds MARKER), else None."""
+    marker = Path(model) / MARKER
+    if not marker.is_file():
+        return None
+    try:
+        return str(json.loads(marker.read_text())["arch"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{marker} is not a tiny model's build record: {e}") from e
+
+
+def default_lora_trainable(model: str) -> tuple[str, ...]:
+    """`lora_trainable = ["auto"]`: a random tiny model's head and final norm; nothing for any other model."""
+    arch = tiny_model_arch(model)
+    return LORA_TRAINABLE.get(arch, ()) if arch else ()
+
+
+def default_policy_lr(model: str, lora_rank: int) -> float:
+    """`policy_lr = 0`: the learning rate for this model and adapter (docs/design.md, the LoRA defaults)."""
+    if tiny_model_arch(model):
+        return TINY_POLICY_LR["lora" if lora_rank else "all_weights"]
+    return 1e-5 if lora_rank else 1e-6

@@ -89,6 +89,7 @@ class RunStats:
         with self.lock:
             elapsed = time.monotonic() - self.started_at
             returns = [e.ret for e in self.episodes]
+            last_fifth = returns[len(returns) - len(returns) // 5 :] if len(returns) >= 5 else []
             return {
                 "elapsed_s": elapsed,
                 "steps": self.steps,
@@ -97,9 +98,24 @@ class RunStats:
                 "mean_return": sum(returns) / len(returns) if returns else float("nan"),
                 "recent_mean_return": sum(self.recent) / len(self.recent) if self.recent else float("nan"),
                 "recent_episodes": len(self.recent),
+                # the learning figure docs/benchmarks.md quotes: the last fifth of the episodes, with its standard error
+                "last_fifth_mean_return": mean_and_stderr(last_fifth)[0],
+                "last_fifth_stderr": mean_and_stderr(last_fifth)[1],
+                "last_fifth_episodes": len(last_fifth),
                 "policy_version": self.policy_version,
                 "failures": self.failures,
             }
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """The mean and its standard error (NaN for no values; 0 error for one)."""
+    if not values:
+        return float("nan"), float("nan")
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, (var / len(values)) ** 0.5
 
 
 def play(

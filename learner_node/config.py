@@ -75,7 +75,9 @@ class LearnerConfig(UpdateConfig):
     gae_lambda: float = option(0.95, "GAE lambda")
     kl_target: float = option(0.0, "if > 0, adapt kl_coef towards this KL to the reference (Ziegler et al.)")
     policy_lr: float = option(
-        1e-5, "policy learning rate (LoRA on all linear layers: about 10x a full fine-tune's; use ~1e-6 with --lora-rank 0)"
+        0.0,
+        "policy learning rate; 0: by the model and adapter: 1e-5 with LoRA on all linear layers (about 10x a full "
+        "fine-tune's), 1e-6 with --lora-rank 0; a random tiny model (`ppoz tiny-model`) 1e-3 and 3e-4",
     )
     value_lr: float = option(1e-3, "critic (value head MLP) learning rate")
     warmup_updates: int = option(0, "first updates train only the critic")
@@ -97,6 +99,12 @@ class LearnerConfig(UpdateConfig):
     max_updates: int = option(0, "stop after this many updates (0: run until stopped)")
     read_block_ms: int = option(1000, "longest a read of the stream blocks")
 
+    def resolved_policy_lr(self) -> float:
+        """`policy_lr`, or the model's default when it is 0."""
+        from common.tiny_models import default_policy_lr
+
+        return self.policy_lr or default_policy_lr(self.policy.model, self.policy.lora_rank)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.policy.model != "", "`model` is required: a local directory or a Hugging Face id ([policy] model, or --model)")
@@ -106,7 +114,8 @@ class LearnerConfig(UpdateConfig):
         check(self.max_policy_lag >= 0, f"`max_policy_lag` must be 0 or more, got {self.max_policy_lag}")
         check(0 < self.gamma <= 1, f"`gamma` must be in (0, 1], got {self.gamma}")
         check(0 <= self.gae_lambda <= 1, f"`gae_lambda` must be in [0, 1], got {self.gae_lambda}")
-        for name in ("keep_checkpoints", "read_block_ms", "policy_lr", "value_lr"):
+        check(self.policy_lr >= 0, f"`policy_lr` must be 0 (by the model) or positive, got {self.policy_lr}")
+        for name in ("keep_checkpoints", "read_block_ms", "value_lr"):
             check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
         for name in ("kl_target", "warmup_updates", "max_updates"):
             check(getattr(self, name) >= 0, f"`{name}` must be 0 or more, got {getattr(self, name)}")

@@ -93,7 +93,9 @@ class Learner:
         # The learner checks its scoring path as the actor does: every path it may use computes the model's own log-probabilities.
         path = scoring.select_path(model, cfg.policy.scoring_path)
         self.lp = LearnerPolicy(model, tokenizer, cfg.policy.normalisation, cfg.policy.temperature, cfg.value_hidden, path)
-        self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=cfg.policy_lr, eps=1e-5)
+        policy_lr = cfg.resolved_policy_lr()
+        log.info("policy learning rate %g%s", policy_lr, "" if cfg.policy_lr else " (by the model: [learner] policy_lr = 0)")
+        self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=policy_lr, eps=1e-5)
         self.value_opt = torch.optim.Adam(self.lp.value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
         self.kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target or None)
         self.version = 0

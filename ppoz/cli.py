@@ -207,6 +207,23 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_arguments(p)
     p.set_defaults(func=soak.main)
 
+    from common.tiny_models import ARCHITECTURES, TOKENIZERS
+
+    p = sub.add_parser(
+        "tiny-model",
+        help="build a tiny causal LM with random weights in a directory, to try a stack without a GPU or a download",
+        description="Build a tiny model and its tokenizer locally (nothing is downloaded) and save them with "
+        "save_pretrained, so `[policy] model = DIR` loads it as any model. Its random head and final norm train "
+        "beside the LoRA adapter and the learner's policy_lr is 1e-3 (3e-4 with --lora-rank 0) by default.",
+    )
+    p.add_argument("dir", metavar="DIR", help="where to write it (kept if it holds the same tiny model already)")
+    p.add_argument("--arch", default="llama", choices=ARCHITECTURES, help="architecture (default: llama)")
+    p.add_argument("--tokenizer", default="byte", choices=TOKENIZERS, help="tokenizer, trained locally but byte (default: byte)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (default: 64)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    p.set_defaults(func=cmd_tiny_model)
+
     p = sub.add_parser(
         "keygen",
         help="make a CURVE key pair: NAME.key (public) and NAME.key_secret (secret, mode 0600)",
@@ -235,6 +252,17 @@ def _on_stop(stop: Callable[[], None]) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from common.tiny_models import build_tiny_model
+
+    if args.hidden < 8 or args.hidden % 4 or args.layers < 1:
+        print(f"ppoz tiny-model: --hidden must be a multiple of 4 from 8 (got {args.hidden}), --layers at least 1", file=sys.stderr)
+        return 2
+    path = build_tiny_model(args.dir, args.arch, seed=args.seed, tokenizer=args.tokenizer, hidden=args.hidden, layers=args.layers)
+    print(f'{path}: a tiny {args.arch} model with random weights; use it with [policy] model = "{path}" (or --model {path})')
+    return 0
 
 
 def cmd_broker(args: argparse.Namespace) -> int:

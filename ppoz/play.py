@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import signal
-import statistics
 import sys
 import threading
 from typing import Any
@@ -64,7 +63,7 @@ def parse_options(items: list[str]) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     from envs.base import random_returns
-    from envs.runner import Runner, make_env_factory
+    from envs.runner import Runner, make_env_factory, mean_and_stderr
 
     if args.clients < 1 or args.seconds < 0 or args.episodes < 0:
         print("ppoz play: --clients must be at least 1, --seconds and --episodes 0 or more", file=sys.stderr)
@@ -75,11 +74,15 @@ def main(args: argparse.Namespace) -> int:
         print(f"ppoz play: {e}", file=sys.stderr)
         return 2
     say = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the one JSON object only
-    baseline = None
+    baseline = baseline_stderr = None
     if args.random_baseline:
-        baseline = statistics.mean(random_returns(make_env, args.random_baseline, seed=args.seed))
+        baseline, baseline_stderr = mean_and_stderr(random_returns(make_env, args.random_baseline, seed=args.seed))
         if not args.json:  # with --json, stdout is the one JSON object, which carries the baseline too
-            print(f"random policy: mean return {baseline:.3f} over {args.random_baseline} episodes (played locally)", file=say, flush=True)
+            print(
+                f"random policy: mean return {baseline:.3f} ± {baseline_stderr:.3f} over {args.random_baseline} episodes (played locally)",
+                file=say,
+                flush=True,
+            )
     print(f"playing {args.env} with {args.clients} clients against {args.broker}", file=say, flush=True)
     runner = Runner(args.broker, make_env, args.clients, deadline=args.deadline, max_episodes=args.episodes or None, seed=args.seed)
     if threading.current_thread() is threading.main_thread():
@@ -99,9 +102,15 @@ def main(args: argparse.Namespace) -> int:
     final["env"] = args.env
     if baseline is not None:
         final["random_mean_return"] = baseline
+        final["random_stderr"] = baseline_stderr
     if args.json:
         # No episode yet means a mean of NaN, which JSON has no word for (jq and JSON.parse refuse it): null.
         print(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in final.items()}, sort_keys=True))
     else:
         report(final)
+        print(
+            f"last fifth of the episodes ({final['last_fifth_episodes']}): mean return "
+            f"{final['last_fifth_mean_return']:.3f} ± {final['last_fifth_stderr']:.3f}",
+            flush=True,
+        )
     return 0

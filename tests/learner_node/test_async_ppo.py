@@ -222,7 +222,7 @@ def critic_error_after_updates(model_dir: str, cfg: UpdateConfig, updates: int) 
     defaults = LearnerConfig(policy=PolicySpec(model=model_dir), redis_url="redis://unused")
     model, tok = load_policy(ModelSpec(model=model_dir, device="cpu", lora_rank=4))
     lp = LearnerPolicy(model, tok, "token", 1.0, defaults.value_hidden)
-    popt = torch.optim.Adam(lp.trainable_parameters(), lr=defaults.policy_lr)
+    popt = torch.optim.Adam(lp.trainable_parameters(), lr=defaults.resolved_policy_lr())
     vopt = torch.optim.Adam(lp.value_head.parameters(), lr=defaults.value_lr)
     segments = on_policy_segments(lp.model, lp.tokenizer, 16)
     for s in segments:

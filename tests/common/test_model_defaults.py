@@ -1,0 +1,94 @@
+"""Settings resolved from the model: `lora_trainable = ["auto"]` and `policy_lr = 0`.
+
+A random tiny model (built by `ppoz tiny-model`, its directory holds ppoz_tiny.json) must train its head
+beside the adapter and at a rate its random weights notice; any other model keeps the pretrained defaults.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, load
+from common.policy_model import ModelSpec, load_policy
+from common.shared_settings import PolicySpec
+from common.tiny_models import LORA_TRAINABLE, MARKER
+from learner_node.config import LearnerConfig
+
+
+@pytest.fixture(scope="module")
+def pretrained_like(tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama's files without the build record: what a downloaded model directory looks like."""
+    path = tmp_path_factory.mktemp("pretrained") / "llama"
+    shutil.copytree(tiny_models["llama"], path)
+    (path / MARKER).unlink()
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_auto_trains_a_tiny_models_head_and_final_norm(tiny_models: dict[str, str], arch: str) -> None:
+    spec = ModelSpec.of(PolicySpec(model=tiny_models[arch]), "cpu")
+    assert spec.lora_trainable == LORA_TRAINABLE[arch]
+    model, _ = load_policy(spec)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad and "lora_" not in name}
+    # peft keeps a trainable copy of each module to save, the original frozen beside it
+    assert trainable and all(any(f"{m}.modules_to_save" in name for m in LORA_TRAINABLE[arch]) for name in trainable)
+
+
+def test_auto_trains_nothing_beside_the_adapter_of_another_model(pretrained_like: str) -> None:
+    spec = ModelSpec.of(PolicySpec(model=pretrained_like), "cpu")
+    assert spec.lora_trainable == ()
+    model, _ = load_policy(spec)
+    assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+
+
+def test_an_explicit_list_is_taken_as_it_is(tiny_models: dict[str, str]) -> None:
+    assert ModelSpec.of(PolicySpec(model=tiny_models["llama"], lora_trainable=[]), "cpu").lora_trainable == ()
+    assert ModelSpec.of(PolicySpec(model=tiny_models["llama"], lora_trainable=["lm_head"]), "cpu").lora_trainable == ("lm_head",)
+    with pytest.raises(ValueError, match="lora_trainable"):
+        PolicySpec(model="m", lora_trainable=["auto", "lm_head"])
+
+
+def test_policy_lr_by_the_model(tiny_models: dict[str, str], pretrained_like: str) -> None:
+    def lr(model: str, **kw: object) -> float:
+        return LearnerConfig(policy=PolicySpec(model=model, **kw), redis_url="redis://x").resolved_policy_lr()  # type: ignore[arg-type]
+
+    assert lr(tiny_models["llama"]) == 1e-3
+    assert lr(tiny_models["llama"], lora_rank=0) == 3e-4
+    assert lr(pretrained_like) == 1e-5
+    assert lr(pretrained_like, lora_rank=0) == 1e-6
+    given = LearnerConfig(policy=PolicySpec(model=tiny_models["llama"]), redis_url="redis://x", policy_lr=2e-4)
+    assert given.resolved_policy_lr() == 2e-4
+
+
+def test_policy_lr_must_not_be_negative(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[policy]\nmodel = "m"\n[learner]\nredis_url = "redis://x"\npolicy_lr = -1e-5\n')
+    with pytest.raises(ConfigError, match="policy_lr"):
+        load(LearnerConfig, str(cfg))
+
+
+def test_a_broken_build_record_is_named(tmp_path: Path) -> None:
+    (tmp_path / MARKER).write_text("{not json")
+    with pytest.raises(ValueError, match=MARKER):
+        ModelSpec.of(PolicySpec(model=str(tmp_path)), "cpu")
+
+
+def test_ppoz_tiny_model_builds_a_loadable_model(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ppoz.cli", "tiny-model", str(tmp_path / "m"), "--arch", "qwen2", "--hidden", "32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "model =" in out.stdout
+    spec = ModelSpec.of(PolicySpec(model=str(tmp_path / "m")), "cpu")
+    model, tokenizer = load_policy(spec)
+    assert model.config.hidden_size == 32 and spec.lora_trainable == LORA_TRAINABLE["qwen2"]
+    bad = subprocess.run([sys.executable, "-m", "ppoz.cli", "tiny-model", str(tmp_path / "b"), "--hidden", "30"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--hidden" in bad.stderr
