@@ -55,11 +55,11 @@ ANSWERS = ["blue", "green", "yellow", "white", "red", "black", "orange", "purple
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=1536, help="environment steps per run (default: 1536)")
+    parser.add_argument("--steps", type=int, default=3072, help="environment steps per run (default: 3072)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per method (default: 3)")
     parser.add_argument("--lag", type=int, default=4, help="rollouts the actor runs ahead of the learner (default: 4)")
     parser.add_argument("--rollout-batch", type=int, default=32, help="transitions per update (default: 32)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="policy learning rate (default: 1e-3)")
+    parser.add_argument("--lr", type=float, default=5e-4, help="policy learning rate (default: 5e-4)")
     parser.add_argument("--lora-rank", type=int, default=4, help="LoRA rank (default: 4; the head and final norm train beside it)")
     parser.add_argument(
         "--target-kl",
