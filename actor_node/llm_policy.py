@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class SamplingConfig:
     """How the actor turns candidate scores into a choice, and how much it scores at once."""
 
-    normalisation: str = option("word", "token, word or sum: how a candidate's summed log-probability is normalised")
+    normalisation: str = option("token", "token, word or sum: how a candidate's summed log-probability is normalised")
     temperature: float = option(1.0, "softmax temperature over the normalised scores")
     greedy: bool = option(False, "evaluation mode: argmax instead of sampling")
     max_batch_tokens: int = option(32768, "most tokens (context + candidates) in one forward")

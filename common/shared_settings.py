@@ -43,7 +43,11 @@ class PolicySpec:
     dtype: str = option(
         "auto", "base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16; the adapter stays float32"
     )
-    normalisation: str = option("word", "how a candidate's summed log-probability is normalised: token, word (PPOAPI's default) or sum")
+    normalisation: str = option(
+        "token",
+        "how a candidate's summed log-probability is normalised: token (the mean per token), word (PPOAPI's and TWOSOME's"
+        " default, for short phrase actions: on Kea's long event strings it makes the policy all but deterministic) or sum",
+    )
     temperature: float = option(1.0, "softmax temperature over the normalised candidate scores")
     scoring_path: str = option("auto", "how candidates are scored: auto (checked at start), packed, kv_batch or per_candidate")
 

@@ -90,5 +90,7 @@ def test_ppoz_tiny_model_builds_a_loadable_model(tmp_path: Path) -> None:
     spec = ModelSpec.of(PolicySpec(model=str(tmp_path / "m")), "cpu")
     model, tokenizer = load_policy(spec)
     assert model.config.hidden_size == 32 and spec.lora_trainable == LORA_TRAINABLE["qwen2"]
-    bad = subprocess.run([sys.executable, "-m", "ppoz.cli", "tiny-model", str(tmp_path / "b"), "--hidden", "30"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ppoz.cli", "tiny-model", str(tmp_path / "b"), "--hidden", "30"], capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode == 2 and "--hidden" in bad.stderr
