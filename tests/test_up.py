@@ -111,6 +111,11 @@ def test_up_runs_the_whole_stack_restarts_a_killed_actor_and_stops_cleanly(tmp_p
         assert re.search(r"learner: policy v[1-9]\d* after \d+ updates; last update: .*policy_loss", table.stdout), table.stdout
         actor = up.pid("actor-0")
         assert actor is not None
+        # Each torch process gets its share of the cores, not all of them each (they would fight over them).
+        expected = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
+        for pid in (actor, up.pid("learner")):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"OMP_NUM_THREADS={expected}".encode() in environ
         os.kill(actor, signal.SIGKILL)
         wait_for(lambda: up.pid("actor-0", 2), timeout=60, what="actor-0 to be restarted")
         assert "actor-0 died (killed by SIGKILL); its last lines:" in up.text()
@@ -128,6 +133,18 @@ def test_up_runs_the_whole_stack_restarts_a_killed_actor_and_stops_cleanly(tmp_p
         assert f"stopped {name} (exit code 0)" in up.text(), up.text()[-3000:]
     order = [up.text().index(f"stopped {name} (exit code") for name in ("clients", "actor-0", "learner", "broker")]
     assert order == sorted(order), "components must stop clients first, broker last"
+
+
+def test_thread_env_shares_the_cores_among_the_torch_processes(monkeypatch):
+    from ppoz.up import thread_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert thread_env(0, 3) == {"OMP_NUM_THREADS": "5"}  # an actor per 5 cores and the learner: 15 of 16
+    assert thread_env(0, 20) == {"OMP_NUM_THREADS": "1"}
+    assert thread_env(4, 3) == {"OMP_NUM_THREADS": "4"}  # [up] cpu_threads as given
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert thread_env(0, 3) == {}  # the user's own setting stands
 
 
 @pytest.mark.slow
