@@ -22,6 +22,7 @@ class ActorConfig:
     credits: int = option(16, "most requests the broker may hand this actor at once")
     max_batch: int = option(8, "most requests scored in one forward")
     max_batch_tokens: int = option(32768, "most tokens (context + candidates) in one forward")
+    max_generate_rows: int = option(16, "generate: most responses decoded at once; more requests wait for a row (keep credits >= this)")
     rag: bool = option(
         True,
         "rag_step: put retrieved context (the task's recent steps, the corpus) into the prompt "
@@ -59,6 +60,7 @@ class ActorConfig:
         check(not self.weights or "://" in self.weights, f"`weights` must be a ZeroMQ endpoint, got {self.weights!r}")
         check(self.credits > 0, f"`credits` must be positive, got {self.credits}")
         check(self.max_batch > 0, f"`max_batch` must be positive, got {self.max_batch}")
+        check(self.max_generate_rows > 0, f"`max_generate_rows` must be positive, got {self.max_generate_rows}")
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
         check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
         check(

@@ -14,13 +14,16 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from common import protocol as p
 from common.security import ClientKeys
 from common.shared_settings import PolicyStamp
+
+if TYPE_CHECKING:
+    from actor_node.generation import Generated
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,23 @@ class BrokerLink:
         job: int, action: int, logprob: float, probs: list[float], policy_version: int, stamp: PolicyStamp | None = None
     ) -> dict[str, Any]:
         result = {"job": job, "action": action, "logprob": logprob, "probs": probs, "policy_version": policy_version}
+        if stamp is not None:
+            result["policy"] = stamp.to_wire()
+        return result
+
+    @staticmethod
+    def generated(job: int, answer: Generated, policy_version: int, stamp: PolicyStamp | None = None) -> dict[str, Any]:
+        """The result of a generate job: the response, its tokens and their behaviour log-probabilities."""
+        result = {
+            "job": job,
+            "text": answer.text,
+            "prompt_ids": answer.prompt_ids,
+            "response_ids": answer.response_ids,
+            "logprobs": answer.logprobs,
+            "finish_reason": answer.finish_reason,
+            "top_p": answer.top_p,
+            "policy_version": policy_version,
+        }
         if stamp is not None:
             result["policy"] = stamp.to_wire()
         return result

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from actor_node.generation import GenerationEngine
 from actor_node.policies import Choice
 from actor_node.prefix_cache import PrefixCache
 from common import scoring
@@ -34,6 +35,7 @@ class SamplingConfig:
     greedy: bool = option(False, "evaluation mode: argmax instead of sampling")
     max_batch_tokens: int = option(32768, "most tokens (context + candidates) in one forward")
     seed: int = option(0, "seed of the sampling generator")
+    max_generate_rows: int = option(16, "most responses generated at once (the decode batch)")
 
 
 class LLMPolicy:
@@ -56,6 +58,8 @@ class LLMPolicy:
             log.warning("prefix cache off: it needs the packed scoring path, this model runs %s", self.path)
         self.policy_version = policy_version
         self.policy_run = ""
+        self.prefix_cache_mb = prefix_cache_mb
+        self.engine: GenerationEngine | None = None  # made on first use (generation_engine)
         self.generator = torch.Generator().manual_seed(sampling.seed)
         self.forwards = 0
         self.scored = 0
@@ -65,8 +69,12 @@ class LLMPolicy:
     def set_weights(self, state: dict[str, torch.Tensor], version: int, run: str) -> None:
         """Swap to new weights (call between batches). Cached KV is stale after this, so it is dropped."""
         device = next(self.model.parameters()).device
+        if self.engine is not None and self.engine.active:
+            raise RuntimeError("weights must not change while responses are being generated")
         load_policy_state_dict(self.model, {k: v.to(device) for k, v in state.items()})
         self.cache.clear()
+        if self.engine is not None:
+            self.engine.clear_cache()
         if run != self.policy_run:
             log.info("following learner run %s (was %s)", run or "-", self.policy_run or "the base weights")
         self.policy_version = version
@@ -85,7 +93,20 @@ class LLMPolicy:
         )
 
     def stats(self) -> str:
-        return f"{self.scored} scored in {self.forwards} forwards; prefix cache {self.cache.stats()}"
+        generated = f"; {self.engine.stats()}" if self.engine is not None else ""
+        return f"{self.scored} scored in {self.forwards} forwards; prefix cache {self.cache.stats()}{generated}"
+
+    def generation_engine(self) -> GenerationEngine:
+        """The batch of running responses (actor_node/generation.py), sharing this policy's model and weights."""
+        if self.engine is None:
+            self.engine = GenerationEngine(
+                self.model,
+                self.tokenizer,
+                max_rows=self.sampling.max_generate_rows,
+                prefix_cache_mb=self.prefix_cache_mb,
+                seed=self.sampling.seed,
+            )
+        return self.engine
 
     # --- scoring --------------------------------------------------------------------------
     def choose_batch(self, jobs: list[dict[str, Any]]) -> list[Choice | Exception]:

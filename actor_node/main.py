@@ -44,6 +44,7 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
             greedy=cfg.greedy,
             max_batch_tokens=cfg.max_batch_tokens,
             seed=cfg.seed,
+            max_generate_rows=cfg.max_generate_rows,
         )
         policy = LLMPolicy(model, tokenizer, sampling, cfg.policy.scoring_path, cfg.prefix_cache_mb)
         if cfg.rag:

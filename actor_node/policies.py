@@ -15,9 +15,12 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from common.shared_settings import PolicyStamp
+
+if TYPE_CHECKING:  # no torch at import: the uniform actor starts without it
+    from actor_node.generation import GenerationEngine
 
 
 @dataclass
@@ -51,6 +54,10 @@ class Policy(Protocol):
         """A one-line summary of the work done, for the log at exit ('' if nothing to say)."""
         ...
 
+    def generation_engine(self) -> GenerationEngine | None:
+        """What serves `generate` jobs with this policy's model and weights (None: a policy without a model)."""
+        ...
+
 
 class UniformPolicy:
     """Samples a candidate uniformly at random; it has no weights, so its policy version stays 0."""
@@ -82,3 +89,6 @@ class UniformPolicy:
 
     def stats(self) -> str:
         return ""
+
+    def generation_engine(self) -> GenerationEngine | None:
+        return None  # no model to generate with

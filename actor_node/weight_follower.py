@@ -29,6 +29,7 @@ class WeightFollower:
         self.prefix = prefix
         self.poll_s = poll_s
         self._next_poll = 0.0
+        self.waiting: Announcement | None = None  # found by `newest`, not loaded yet (see `take`)
         self.sub: zmq.Socket | None = None
         if endpoint:
             self.sub = (context or zmq.Context.instance()).socket(zmq.SUB)
@@ -41,7 +42,20 @@ class WeightFollower:
     def newest(self, now: float, current: int, current_run: str = "") -> Announcement | None:
         """A snapshot to load, if one was announced or is in Redis (checked every poll_s): newer than
         version `current` of run `current_run`, or of another run whatever its version (a learner
-        restarted without --resume counts from 0 again; its weights are the ones to serve)."""
+        restarted without --resume counts from 0 again; its weights are the ones to serve).
+
+        It is kept as `waiting` until `take()`: an actor that is generating loads new weights only
+        once its running responses are finished, and must not lose the announcement meanwhile."""
+        found = self._poll(now, current, current_run)
+        if found is not None:
+            self.waiting = found
+        return self.waiting
+
+    def take(self) -> None:
+        """The waiting snapshot was loaded (or could not be): forget it."""
+        self.waiting = None
+
+    def _poll(self, now: float, current: int, current_run: str) -> Announcement | None:
 
         def newer(ann: Announcement) -> bool:
             return ann.version > current if ann.run == current_run else bool(ann.run)

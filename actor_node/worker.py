@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from actor_node.link import BrokerLink
 from actor_node.policies import Policy
@@ -16,6 +17,7 @@ from common import weights
 from common.errors import BadInput
 
 if TYPE_CHECKING:
+    from actor_node.generation import Generated
     from actor_node.rag import Retriever
 
 log = logging.getLogger(__name__)
@@ -28,12 +30,13 @@ def catch_up(policy: Policy, follower: WeightFollower | None) -> bool:
     ann = follower.newest(time.monotonic(), policy.policy_version, policy.policy_run)
     if ann is None:
         return False
+    follower.take()
     try:
         state = weights.fetch(follower.client, follower.prefix, ann)
-    except Exception as e:  # a missing or corrupt snapshot: keep serving the current weights
+        policy.set_weights(state, ann.version, ann.run)
+    except Exception as e:  # a missing or corrupt snapshot, or one of another model: keep serving the current weights
         log.warning("cannot load policy version %d: %s; keeping version %d", ann.version, e, policy.policy_version)
         return False
-    policy.set_weights(state, ann.version, ann.run)
     return True
 
 
@@ -49,40 +52,84 @@ def serve(
     """Answer jobs until `stop` is set; return how many were answered.
 
     Weights change only here, between two batches, so all results of a batch
-    carry one policy version. `tick(served)` is called once per turn of the loop
-    (the systemd watchdog: a hung forward stops it). With a `retriever`, rag_step
-    jobs are augmented first, and their results carry the observation scored."""
+    carry one policy version; while responses are being generated, new weights
+    wait until the running ones are finished (and new generate jobs wait with
+    them), so every token of a response comes from one version. Scoring jobs are
+    answered between decode steps. `tick(served)` is called once per turn of the
+    loop (the systemd watchdog: a hung forward stops it). With a `retriever`,
+    rag_step jobs are augmented first, and their results carry the observation scored."""
     served = 0
+    engine = policy.generation_engine()
+    waiting: list[dict[str, Any]] = []  # generate jobs not in the running batch yet
     while not stop.is_set():
         if tick is not None:
             tick(served)
-        catch_up(policy, follower)
+        generating = engine is not None and engine.active > 0
+        if follower is not None:  # kept as follower.waiting until loaded
+            follower.newest(time.monotonic(), policy.policy_version, policy.policy_run)
+        if not generating:
+            catch_up(policy, follower)
         link.policy_version = policy.policy_version
-        jobs = link.get_jobs(max_batch, timeout=0.1)
-        if not jobs:
-            continue
-        failed = retriever.augment_batch(jobs) if retriever is not None else {}
-        scored = [job for i, job in enumerate(jobs) if i not in failed]
-        try:
-            chosen = list(policy.choose_batch(scored)) if scored else []
-            if len(chosen) != len(scored):
-                raise RuntimeError(f"the policy answered {len(chosen)} of {len(scored)} jobs")
-        except Exception as e:  # the whole batch failed (out of memory, say): answer every job
-            log.exception("scoring a batch of %d failed", len(jobs))
-            chosen = [e] * len(scored)
-        answers = iter(chosen)
-        stamp = policy.stamp()  # one per batch: weights change only between batches
-        results = []
-        for i, job in enumerate(jobs):
-            answer = failed[i] if i in failed else next(answers)
-            if isinstance(answer, Exception):
-                code = p.E_BAD_REQUEST if isinstance(answer, BadInput) else p.E_INTERNAL
-                results.append(link.error(job["job"], code, f"{type(answer).__name__}: {answer}"))
-            else:
-                result = link.result(job["job"], answer.action, answer.logprob, answer.probs, policy.policy_version, stamp)
-                if "context" in job:  # rag_step: the broker records the client's prompt + this context, as scored
-                    result.update(context=job["context"], retrieved=job["retrieved"])
-                results.append(result)
-        link.send_results(results)
-        served += len(jobs)
+        jobs = link.get_jobs(max_batch, timeout=0.0 if generating or waiting else 0.1)
+        scoring_jobs = [job for job in jobs if job.get("mode") != p.OP_GENERATE]
+        waiting += [job for job in jobs if job.get("mode") == p.OP_GENERATE]
+        results = _score(link, policy, scoring_jobs, retriever) if scoring_jobs else []
+        if waiting and engine is None:
+            no_model = "this actor serves no model: generate needs one (--model)"
+            results += [link.error(job["job"], p.E_BAD_REQUEST, no_model) for job in waiting]
+            waiting = []
+        if engine is not None:
+            swap_waiting = follower is not None and follower.waiting is not None
+            if waiting and not swap_waiting and engine.free:  # join the running batch (none joins while new weights wait)
+                joining, waiting = waiting[: engine.free], waiting[engine.free :]
+                results += [_generated(link, policy, job, answer) for job, answer in engine.add(joining)]
+            if engine.active:
+                results += [_generated(link, policy, job, answer) for job, answer in engine.step()]
+        if results:
+            link.send_results(results)
+            served += len(results)
     return served
+
+
+def _score(link: BrokerLink, policy: Policy, jobs: list[dict[str, Any]], retriever: Retriever | None) -> list[dict[str, Any]]:
+    """Choose an action for each scoring job (step, rag_step): their results, errors included."""
+    failed = retriever.augment_batch(jobs) if retriever is not None else {}
+    scored = [job for i, job in enumerate(jobs) if i not in failed]
+    try:
+        chosen = list(policy.choose_batch(scored)) if scored else []
+        if len(chosen) != len(scored):
+            raise RuntimeError(f"the policy answered {len(chosen)} of {len(scored)} jobs")
+    except Exception as e:  # the whole batch failed (out of memory, say): answer every job
+        log.exception("scoring a batch of %d failed", len(jobs))
+        chosen = [e] * len(scored)
+    answers = iter(chosen)
+    stamp = policy.stamp()  # one per batch: weights change only between batches
+    results = []
+    for i, job in enumerate(jobs):
+        answer = failed[i] if i in failed else next(answers)
+        if isinstance(answer, Exception):
+            results.append(link.error(job["job"], _error_code(answer), f"{type(answer).__name__}: {answer}"))
+        else:
+            result = link.result(job["job"], answer.action, answer.logprob, answer.probs, policy.policy_version, stamp)
+            if "context" in job:  # rag_step: the broker records the client's prompt + this context, as scored
+                result.update(context=job["context"], retrieved=job["retrieved"])
+            results.append(result)
+    return results
+
+
+def _generated(link: BrokerLink, policy: Policy, job: dict[str, Any], answer: Generated | Exception) -> dict[str, Any]:
+    """The result message of one generate job."""
+    if isinstance(answer, Exception):
+        return link.error(job["job"], _error_code(answer), f"{type(answer).__name__}: {answer}")
+    stamp = policy.stamp()
+    if stamp is not None:  # the behaviour policy of a response: its own temperature, and greedy when that is 0
+        stamp = dataclasses.replace(stamp, temperature=answer.temperature, greedy=answer.temperature == 0, path=p.OP_GENERATE)
+    return link.generated(job["job"], answer, policy.policy_version, stamp)
+
+
+def _error_code(e: Exception) -> str:
+    from actor_node.generation import DeadlineExceeded
+
+    if isinstance(e, DeadlineExceeded):
+        return p.E_TIMEOUT
+    return p.E_BAD_REQUEST if isinstance(e, BadInput) else p.E_INTERNAL

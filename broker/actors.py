@@ -6,6 +6,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.protocol import OP_GENERATE
+
 MAX_ATTEMPTS = 3
 """A job whose actor died this many times is answered with an error rather than sent again:
 an observation that crashes actors must not take the whole farm down one actor at a time."""
@@ -86,6 +88,13 @@ class ActorRegistry:
         """Actors not heard from for `liveness` of their heartbeat intervals: dead."""
         return [a for a in self.actors.values() if now - a.last_heard > liveness * a.heartbeat_s]
 
-    def stuck_since(self, cutoff: float) -> list[Actor]:
-        """Actors holding a job dispatched before `cutoff`: hung."""
-        return [a for a in self.actors.values() if any(j.dispatched_at < cutoff for j in a.inflight.values())]
+    def stuck(self, now: float, job_timeout_s: float) -> list[Actor]:
+        """Actors holding a job past its time: hung. A scoring job has `job_timeout_s` from its dispatch; a
+        generate job runs as long as its deadline allows (the actor answers it `timeout` at its deadline
+        itself), so it is past its time `job_timeout_s` after its deadline."""
+
+        def late(job: Job) -> bool:
+            start = job.deadline if job.mode == OP_GENERATE else job.dispatched_at
+            return now - start > job_timeout_s
+
+        return [a for a in self.actors.values() if any(late(j) for j in a.inflight.values())]

@@ -21,6 +21,10 @@ class BrokerConfig:
     segment_len: int = option(32, "transitions per trajectory segment before it closes and goes to the stream")
     session_ttl_s: float = option(600.0, "a session with no request for this long expires; its data is flushed as a truncated segment")
     request_timeout_ms: int = option(30_000, "longest time a client request may wait for an answer before it gets a `timeout` error")
+    generate_timeout_ms: int = option(
+        300_000, "generate: the default and the longest deadline of a request (a response takes as many forwards as it has tokens)"
+    )
+    max_new_tokens: int = option(4096, "generate: the largest response budget (`sampling.max_new_tokens`) a request may ask for")
     heartbeat_ms: int = option(1000, "heartbeat interval towards actors")
     metrics_bind: str = option("", "HOST:PORT for a Prometheus text endpoint (GET /metrics), e.g. 127.0.0.1:9101; empty: off")
     drain_timeout_s: float = option(10.0, "on SIGTERM, how long steps in flight may take to finish before the broker exits anyway")
@@ -57,6 +61,8 @@ class BrokerConfig:
         check(self.session_ttl_s > 0, f"`session_ttl_s` must be positive, got {self.session_ttl_s}")
         check(self.drain_timeout_s >= 0, f"`drain_timeout_s` must be 0 or more, got {self.drain_timeout_s}")
         check(self.request_timeout_ms > 0, f"`request_timeout_ms` must be positive, got {self.request_timeout_ms}")
+        check(self.generate_timeout_ms > 0, f"`generate_timeout_ms` must be positive, got {self.generate_timeout_ms}")
+        check(self.max_new_tokens > 0, f"`max_new_tokens` must be positive, got {self.max_new_tokens}")
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
         check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
         check(self.actor_job_timeout_ms > 0, f"`actor_job_timeout_ms` must be positive, got {self.actor_job_timeout_ms}")
@@ -94,4 +100,10 @@ class BrokerConfig:
 
     @property
     def limits(self) -> Limits:
-        return Limits(self.max_message_bytes, self.max_actions, self.max_action_chars, self.max_prompt_chars)
+        return Limits(
+            max_message_bytes=self.max_message_bytes,
+            max_actions=self.max_actions,
+            max_action_chars=self.max_action_chars,
+            max_prompt_chars=self.max_prompt_chars,
+            max_new_tokens=self.max_new_tokens,
+        )

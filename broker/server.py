@@ -96,6 +96,7 @@ class Broker:
             p.OP_ASK: self.on_ask,
             p.OP_STEP: self.on_step,
             p.OP_RAG_STEP: self.on_step,
+            p.OP_GENERATE: self.on_step,
             p.OP_FEEDBACK: self.on_feedback,
             p.OP_STATUS: self.on_status,
             p.OP_PING: self.on_ping,
@@ -440,7 +441,7 @@ class Broker:
         return ""
 
     def on_step(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
-        """step / rag_step: queue the observation for an actor; the reply comes with the result."""
+        """step / rag_step / generate: queue the request for an actor; the reply comes with the result."""
         self._require_storage()  # before any session lookup: while Redis is down, sessions are not in memory
         session = self._session(msg)
         replay = session.replay(rid)
@@ -453,7 +454,8 @@ class Broker:
             running.waiters.append(envelope)  # a retry of a step still being scored
             self.metrics["broker/joined_retries"] += 1
             return
-        obs = p.check_obs(msg, self.limits)
+        generate = msg["op"] == p.OP_GENERATE
+        obs = p.check_generate(msg, self.limits) if generate else p.check_obs(msg, self.limits)
         if self.draining:  # shutting down: no new work; the client's retry reaches the restarted broker
             raise p.ProtocolError(
                 p.E_OVERLOADED, "the broker is shutting down; retry with the same rid", retry_after_ms=self.cfg.retry_after_ms
@@ -462,10 +464,11 @@ class Broker:
             raise p.ProtocolError(p.E_OVERLOADED, f"{len(self.queue)} steps are queued", retry_after_ms=self.cfg.retry_after_ms)
         if running is not None:  # the client gave up on its previous step and sent a new one
             self._abandon_task_job(session.task_id, p.E_TIMEOUT, "superseded by a newer step of the same task")
-        deadline_ms = p.optional(msg, "deadline_ms", int, "a positive int (milliseconds)", self.cfg.request_timeout_ms)
+        longest = self.cfg.generate_timeout_ms if generate else self.cfg.request_timeout_ms
+        deadline_ms = p.optional(msg, "deadline_ms", int, "a positive int (milliseconds)", longest)
         if deadline_ms <= 0:
             raise p.ProtocolError(p.E_BAD_REQUEST, f"`deadline_ms` must be positive, got {deadline_ms}")
-        deadline_ms = min(deadline_ms, self.cfg.request_timeout_ms)
+        deadline_ms = min(deadline_ms, longest)
         job = Job(
             self.registry.next_job_id(),
             session.task_id,
@@ -683,6 +686,14 @@ class Broker:
             self.reply(envelope, step.reply, durable=True, since=since)
 
     def _checked_result(self, job: Job, msg: dict[str, Any]) -> PendingStep:
+        stamp = None
+        if msg.get("policy") is not None:
+            try:
+                stamp = PolicyStamp.from_wire(p.require(msg, "policy", dict, "a map (the policy stamp)")).to_wire()
+            except ValueError as e:
+                raise p.ProtocolError(p.E_BAD_REQUEST, str(e)) from None
+        if job.mode == p.OP_GENERATE:
+            return self._checked_generation(job, msg, stamp)
         n = len(job.obs["action"])
         action = p.require(msg, "action", int, "an int")
         if not 0 <= action < n:
@@ -711,13 +722,46 @@ class Broker:
             body["retrieved"] = retrieved
         elif "context" in msg:
             raise p.ProtocolError(p.E_BAD_REQUEST, f"a retrieval `context` came back for a {job.mode} job")
-        stamp = None
-        if msg.get("policy") is not None:
-            try:
-                stamp = PolicyStamp.from_wire(p.require(msg, "policy", dict, "a map (the policy stamp)")).to_wire()
-            except ValueError as e:
-                raise p.ProtocolError(p.E_BAD_REQUEST, str(e)) from None
         return PendingStep(job.rid, job.mode, obs, action, logprob, body["probs"], version, now_ms(), p.encode(body), len(context), stamp)
+
+    def _checked_generation(self, job: Job, msg: dict[str, Any], stamp: dict[str, Any] | None) -> PendingStep:
+        """A generate job's result: the response, its tokens and their log-probabilities, checked against the request."""
+        text = p.require(msg, "text", str, "a str")
+        prompt_ids = _token_ids(msg, "prompt_ids")
+        response_ids = _token_ids(msg, "response_ids")
+        budget = job.obs["sampling"]["max_new_tokens"]
+        if len(response_ids) > budget:
+            raise p.ProtocolError(p.E_BAD_REQUEST, f"{len(response_ids)} response tokens for a budget of {budget}")
+        logprobs = p.require(msg, "logprobs", list, "an array of numbers")
+        if len(logprobs) != len(response_ids) or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and x <= 0 and x > -float("inf") for x in logprobs
+        ):
+            raise p.ProtocolError(p.E_BAD_REQUEST, f"`logprobs` must be {len(response_ids)} finite numbers <= 0, one per response token")
+        finish = p.require(msg, "finish_reason", str, "eos, stop or length")
+        if finish not in p.FINISH_REASONS:
+            raise p.ProtocolError(p.E_BAD_REQUEST, f"`finish_reason` must be one of {', '.join(p.FINISH_REASONS)}, got {finish!r}")
+        version = p.require(msg, "policy_version", int, "an int")
+        sampling = job.obs["sampling"]
+        logprob = float(sum(logprobs))
+        body = p.header(job.mode, job.rid)
+        body.update(
+            task_id=job.task_id,
+            status="ok",
+            text=text,
+            n_tokens=len(response_ids),
+            finish_reason=finish,
+            logprob=logprob,
+            policy_version=version,
+        )
+        generation = {
+            "response_ids": response_ids,
+            "logprobs": [float(x) for x in logprobs],
+            "finish_reason": finish,
+            "temperature": sampling["temperature"],
+            "top_p": sampling["top_p"],
+        }
+        obs = {"prompt_ids": prompt_ids, "sampling": sampling}
+        return PendingStep(job.rid, job.mode, obs, 0, logprob, [], version, now_ms(), p.encode(body), 0, stamp, generation)
 
     def _send_actor(self, identity: bytes, body: dict[str, Any]) -> bool:
         try:
@@ -810,9 +854,9 @@ class Broker:
             )
             self.metrics["actors/dead"] += 1
             self._requeue(self.registry.remove(actor.identity))
-        for actor in self.registry.stuck_since(now - self.cfg.actor_job_timeout_ms / 1000):
+        for actor in self.registry.stuck(now, self.cfg.actor_job_timeout_ms / 1000):
             log.warning(
-                "actor %s held a job over %d ms: taken as hung, %d jobs requeued",
+                "actor %s held a job over %d ms (a generate job: past its deadline): taken as hung, %d jobs requeued",
                 actor.name,
                 self.cfg.actor_job_timeout_ms,
                 len(actor.inflight),
@@ -853,6 +897,13 @@ class Broker:
             closed = self._end_session(session, REASON_EXPIRED, "the session expired while its step was being scored")
             self.metrics["sessions/expired"] += 1
             log.info("session %s expired after %.0f s of silence (%d segment closed)", session.task_id, self.cfg.session_ttl_s, closed)
+
+
+def _token_ids(msg: dict[str, Any], name: str) -> list[int]:
+    ids = p.require(msg, name, list, "a non-empty array of token ids")
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise p.ProtocolError(p.E_BAD_REQUEST, f"`{name}` must be a non-empty array of token ids (ints >= 0)")
+    return ids
 
 
 def _key(rid: Any) -> Any:

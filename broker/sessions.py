@@ -54,7 +54,7 @@ class PendingStep:
     """A step answered to the client and waiting for its reward."""
 
     rid: Any
-    mode: str  # "step" or "rag_step"
+    mode: str  # "step", "rag_step" or "generate"
     obs: dict[str, Any]
     action: int
     logprob: float
@@ -64,6 +64,7 @@ class PendingStep:
     reply: bytes  # the encoded reply body, resent verbatim to a retry
     context_chars: int = 0  # rag_step: characters of retrieved context at the end of obs["prompt"] (the scored prompt)
     policy: dict[str, Any] | None = None  # the actor's PolicyStamp: what the choice was scored with
+    generation: dict[str, Any] | None = None  # generate: the response's tokens and log-probabilities (Transition.generation)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -78,6 +79,7 @@ class PendingStep:
             "reply": self.reply,
             "context_chars": self.context_chars,
             "policy": self.policy,
+            "generation": self.generation,
         }
 
     @classmethod
@@ -213,6 +215,7 @@ class Session:
             step_ms=step.step_ms,
             feedback_ms=now_ms(),
             policy=step.policy,
+            generation=step.generation,
         )
         self.pending = None
         self.open_len += 1

@@ -31,7 +31,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from client.retry import RetryRule, answers, check_timeouts, feedback_fields
+from client.retry import RetryRule, answers, check_timeouts, feedback_fields, generate_fields
 from common import protocol as p
 from common.security import KeySource, client_keys
 
@@ -228,6 +228,27 @@ class AsyncClient:
     async def rag_step(self, task_id: str, obs: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
         """As step, for retrieval-augmented observations."""
         return await self.request(p.OP_RAG_STEP, rid=rid, task_id=task_id, obs=obs)
+
+    async def generate(
+        self,
+        task_id: str,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        rid: str | None = None,
+        deadline: float | None = None,
+    ) -> dict[str, Any]:
+        """A response to `prompt` (a str) or chat `messages`, written by the policy; the reply map: text,
+        n_tokens, finish_reason (eos, stop or length), logprob, policy_version. Its reward goes in with
+        `feedback`, as a step's. temperature 0 is greedy decoding. `deadline` (seconds) bounds the request
+        here and at the broker; it defaults to the client's."""
+        fields = generate_fields(task_id, prompt, messages, max_new_tokens, temperature, top_p, stop, seed, deadline)
+        return await self.request(p.OP_GENERATE, rid=rid, deadline=deadline, **fields)
 
     async def feedback(
         self,

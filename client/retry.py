@@ -76,6 +76,33 @@ def feedback_fields(
     return fields
 
 
+def generate_fields(
+    task_id: str,
+    prompt: str | None,
+    messages: list[dict[str, str]] | None,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop: list[str] | None,
+    seed: int | None,
+    deadline: float | None,
+) -> dict[str, Any]:
+    """The fields of a `generate` request: exactly one of `prompt` and `messages`, the sampling settings,
+    and `deadline_ms` when the caller gave a deadline (the broker's default otherwise)."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("generate needs exactly one of `prompt` (a str) and `messages` (a list of {role, content})")
+    sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    if stop:
+        sampling["stop"] = list(stop)
+    if seed is not None:
+        sampling["seed"] = seed
+    fields: dict[str, Any] = {"task_id": task_id, "sampling": sampling}
+    fields.update({"prompt": prompt} if prompt is not None else {"messages": messages})
+    if deadline is not None:
+        fields["deadline_ms"] = max(1, int(deadline * 1000))
+    return fields
+
+
 def check_timeouts(deadline: float, attempt_timeout: float) -> None:
     """Refuse deadlines a client could never meet, naming the bad value."""
     if not (isinstance(deadline, (int, float)) and deadline > 0 and math.isfinite(deadline)):

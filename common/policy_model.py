@@ -104,7 +104,12 @@ def load_policy_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
     if hasattr(model, "peft_config"):
         from peft import set_peft_model_state_dict
 
-        result = set_peft_model_state_dict(model, state)
+        try:
+            result = set_peft_model_state_dict(model, state)
+        except KeyError as e:  # peft looks up every trainable module's tensors in the snapshot
+            raise ValueError(
+                f"adapter snapshot lacks {e}: it was made with other [policy] settings (lora_rank, lora_trainable) than this model's"
+            ) from None
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"adapter snapshot has keys this model lacks, e.g. {unexpected[:3]}")

@@ -25,11 +25,12 @@ OP_DETACH = "detach"
 OP_ASK = "ask"
 OP_STEP = "step"
 OP_RAG_STEP = "rag_step"
+OP_GENERATE = "generate"  # write a response to a prompt, token by token (generation-mode PPO)
 OP_FEEDBACK = "feedback"
 OP_STATUS = "status"
 OP_PING = "ping"
-CLIENT_OPS = frozenset({OP_ATTACH, OP_DETACH, OP_ASK, OP_STEP, OP_RAG_STEP, OP_FEEDBACK, OP_STATUS, OP_PING})
-STEP_OPS = frozenset({OP_STEP, OP_RAG_STEP})
+CLIENT_OPS = frozenset({OP_ATTACH, OP_DETACH, OP_ASK, OP_STEP, OP_RAG_STEP, OP_GENERATE, OP_FEEDBACK, OP_STATUS, OP_PING})
+STEP_OPS = frozenset({OP_STEP, OP_RAG_STEP, OP_GENERATE})  # the ops whose answer waits for a reward (a `feedback`)
 
 # --- Actor operations (back end) --------------------------------------------------------
 OP_READY = "ready"  # actor -> broker: I am here and can hold `credits` jobs
@@ -85,6 +86,17 @@ class Limits:
     max_actions: int = 256
     max_action_chars: int = 4096
     max_prompt_chars: int = 1_000_000
+    max_new_tokens: int = 4096  # generate: the largest response budget a request may ask for
+    max_stop_strings: int = 8
+    max_stop_chars: int = 256
+    max_messages: int = 256
+
+
+# generate's sampling settings: each key, what it must be, and its default (None: required)
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
+FINISH_REASONS = ("eos", "stop", "length")  # why a response ended: the end-of-sequence token, a stop string, its token budget
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+MAX_TEMPERATURE = 100.0
 
 
 # --- Encoding -------------------------------------------------------------------------
@@ -237,6 +249,79 @@ def check_obs(body: dict[str, Any], limits: Limits, name: str = "obs") -> dict[s
             f"`{name}.prompt` + `{name}.question` have {len(prompt) + len(question)} characters, the limit is {limits.max_prompt_chars}",
         )
     return {"prompt": prompt, "question": question, "action": actions}
+
+
+def check_generate(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
+    """Validate a generate request's prompt and sampling settings; return them as the job's observation.
+
+    The prompt is either `prompt` (a str, tokenized as it is) or `messages` (an array of
+    {role, content} maps, rendered with the model's chat template), never both. `sampling`
+    holds `max_new_tokens` (required), `temperature` (0 means greedy), `top_p`, `stop`
+    (strings that end the response) and `seed`; any other key is refused by name."""
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise ProtocolError(E_BAD_REQUEST, "a generate request needs exactly one of `prompt` (a str) and `messages` (an array of maps)")
+    obs: dict[str, Any] = {}
+    if prompt is not None:
+        prompt = require(body, "prompt", str, "a non-empty str")
+        if not prompt:
+            raise ProtocolError(E_BAD_REQUEST, "`prompt` is empty")
+        if len(prompt) > limits.max_prompt_chars:
+            raise ProtocolError(E_TOO_LARGE, f"`prompt` has {len(prompt)} characters, the limit is {limits.max_prompt_chars}")
+        obs["prompt"] = prompt
+    else:
+        obs["messages"] = _check_messages(require(body, "messages", list, "a non-empty array of {role, content} maps"), limits)
+    sampling = require(body, "sampling", dict, "a map with at least `max_new_tokens`")
+    unknown = sorted(str(k) for k in sampling if k not in SAMPLING_KEYS)
+    if unknown:
+        raise ProtocolError(E_BAD_REQUEST, f"unknown `sampling` keys: {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}")
+    budget = require(sampling, "max_new_tokens", int, "a positive int (in `sampling`)")
+    if budget < 1:
+        raise ProtocolError(E_BAD_REQUEST, f"`sampling.max_new_tokens` must be at least 1, got {budget}")
+    if budget > limits.max_new_tokens:
+        raise ProtocolError(E_TOO_LARGE, f"`sampling.max_new_tokens` is {budget}, the limit is {limits.max_new_tokens}")
+    temperature = float(optional(sampling, "temperature", (int, float), "a number from 0 (greedy) to 100", 1.0))
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ProtocolError(E_BAD_REQUEST, f"`sampling.temperature` must be from 0 (greedy) to {MAX_TEMPERATURE:g}, got {temperature}")
+    top_p = float(optional(sampling, "top_p", (int, float), "a number in (0, 1]", 1.0))
+    if not 0 < top_p <= 1:
+        raise ProtocolError(E_BAD_REQUEST, f"`sampling.top_p` must be in (0, 1], got {top_p}")
+    stop = optional(sampling, "stop", list, "an array of non-empty str", [])
+    if len(stop) > limits.max_stop_strings:
+        raise ProtocolError(E_TOO_LARGE, f"`sampling.stop` has {len(stop)} strings, the limit is {limits.max_stop_strings}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise ProtocolError(E_BAD_REQUEST, f"`sampling.stop[{i}]` must be a non-empty str, got {_wire_type(s)}")
+        if len(s) > limits.max_stop_chars:
+            raise ProtocolError(E_TOO_LARGE, f"`sampling.stop[{i}]` has {len(s)} characters, the limit is {limits.max_stop_chars}")
+    seed = optional(sampling, "seed", int, "an int from 0 to 2^63 - 1", None)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise ProtocolError(E_BAD_REQUEST, f"`sampling.seed` must be from 0 to 2^63 - 1, got {seed}")
+    obs["sampling"] = {"max_new_tokens": budget, "temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed}
+    return obs
+
+
+def _check_messages(messages: list[Any], limits: Limits) -> list[dict[str, str]]:
+    if not messages:
+        raise ProtocolError(E_BAD_REQUEST, "`messages` is empty")
+    if len(messages) > limits.max_messages:
+        raise ProtocolError(E_TOO_LARGE, f"`messages` has {len(messages)} entries, the limit is {limits.max_messages}")
+    out, chars = [], 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ProtocolError(E_BAD_REQUEST, f"`messages[{i}]` must be a map {{role, content}}, got {_wire_type(m)}")
+        unknown = sorted(str(k) for k in m if k not in ("role", "content"))
+        if unknown:
+            raise ProtocolError(E_BAD_REQUEST, f"`messages[{i}]` has unknown keys {', '.join(unknown)}; known: role, content")
+        role = require(m, "role", str, f"one of {', '.join(MESSAGE_ROLES)} (in `messages[{i}]`)")
+        if role not in MESSAGE_ROLES:
+            raise ProtocolError(E_BAD_REQUEST, f"`messages[{i}].role` must be one of {', '.join(MESSAGE_ROLES)}, got {role[:40]!r}")
+        content = require(m, "content", str, f"a str (in `messages[{i}]`)")
+        chars += len(content)
+        out.append({"role": role, "content": content})
+    if chars > limits.max_prompt_chars:
+        raise ProtocolError(E_TOO_LARGE, f"`messages` hold {chars} characters of content, the limit is {limits.max_prompt_chars}")
+    return out
 
 
 def check_reward(body: dict[str, Any]) -> float:

@@ -125,6 +125,9 @@ class Transition:
     step_ms: int = 0  # when the step was answered
     feedback_ms: int = 0  # when its reward came
     policy: dict[str, Any] | None = None  # what it was scored with (common.shared_settings.PolicyStamp); None: not stamped
+    # mode "generate": obs is {prompt_ids, sampling}, action 0, probs [], logprob the response's sum, and this holds
+    # {response_ids, logprobs (per token, of the distribution sampled from), finish_reason, temperature, top_p}
+    generation: dict[str, Any] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         # Its fields as they are, shared not copied: msgpack only reads them. (dataclasses.asdict

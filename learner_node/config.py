@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import check, nested, option, section
-from common.options import OBJECTIVES
+from common.options import KL_ESTIMATORS, LOSS_AGGREGATIONS, OBJECTIVES
 from common.security import check_server_settings
 from common.shared_settings import PolicySpec
 
@@ -46,11 +46,51 @@ class UpdateConfig:
             check((getattr(self, name) or 0) >= 0, f"`{name}` must be 0 or more, got {getattr(self, name)}")
 
 
+@section("generation")
+@dataclass(kw_only=True)
+class GenerationConfig:
+    """token-level PPO on generated responses (generate transitions)"""
+
+    gamma: float = option(1.0, "discount per response token")
+    gae_lambda: float = option(0.95, "GAE lambda over response tokens")
+    kl_coef: float = option(0.001, "coefficient of the KL to the reference (the base, adapter off), per token")
+    kl_in_reward: bool = option(True, "the KL penalty goes into each token's reward (InstructGPT); off: into the loss")
+    kl_estimator: str = option("k1", "per-token KL estimator: k1 (log ratio), k2 (half its square) or k3 ((r - 1) - log r)")
+    clip_low: float = option(0.2, "the ratio may fall to 1 - clip_low")
+    clip_high: float = option(0.2, "the ratio may rise to 1 + clip_high (above clip_low: DAPO's clip-higher)")
+    clip_ratio_c: float = option(3.0, "dual clip: a token with a negative advantage loses at most clip_ratio_c * |A|")
+    loss_aggregation: str = option("token-mean", "token-mean, seq-mean-token-sum or seq-mean-token-mean")
+    value_clip: float = option(0.5, "value clipping around the old token values (0: off)")
+    value_huber_delta: float = option(0.0, "Huber value loss with this delta (0: squared error)")
+    ent_coef: float = option(0.0, "entropy bonus per token (over the whole vocabulary)")
+    micro_batch_tokens: int = option(8192, "most tokens (prompts and responses packed in one row) per forward")
+    value_hidden: list = option([256], "hidden layer sizes of the per-token value head MLP (on the frozen base's features)")
+
+    def __post_init__(self) -> None:
+        check(0 < self.gamma <= 1, f"`gamma` must be in (0, 1], got {self.gamma}")
+        check(0 <= self.gae_lambda <= 1, f"`gae_lambda` must be in [0, 1], got {self.gae_lambda}")
+        check(self.kl_estimator in KL_ESTIMATORS, f"`kl_estimator` must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        check(
+            self.loss_aggregation in LOSS_AGGREGATIONS,
+            f"`loss_aggregation` must be one of {', '.join(LOSS_AGGREGATIONS)}, got {self.loss_aggregation!r}",
+        )
+        check(0 < self.clip_low < 1, f"`clip_low` must be in (0, 1), got {self.clip_low}")
+        check(self.clip_high > 0, f"`clip_high` must be positive, got {self.clip_high}")
+        check(self.clip_ratio_c > 1, f"`clip_ratio_c` must be above 1, got {self.clip_ratio_c}")
+        for name in ("kl_coef", "value_clip", "value_huber_delta", "ent_coef"):
+            check(getattr(self, name) >= 0, f"`{name}` must be 0 or more, got {getattr(self, name)}")
+        check(self.micro_batch_tokens >= 16, f"`micro_batch_tokens` must be at least 16, got {self.micro_batch_tokens}")
+        check(
+            all(isinstance(h, int) and h > 0 for h in self.value_hidden), f"`value_hidden` must be positive ints, got {self.value_hidden}"
+        )
+
+
 @section("learner")
 @dataclass(kw_only=True)
 class LearnerConfig(UpdateConfig):
     # --- the policy: the [policy] table the actors read too; the device is this process's own ---
     policy: PolicySpec = nested(PolicySpec)  # [policy]: model, LoRA, dtype, normalisation, temperature, scoring path
+    generation: GenerationConfig = nested(GenerationConfig, "gen_")  # [generation]: token-level PPO on generate transitions
     device: str = option("auto", "torch device: auto, cpu, cuda, cuda:N")
     # --- data ---
     redis_url: str = option("", "Redis holding the segment stream (required)")

@@ -7,7 +7,9 @@
 - Critic (TWOSOME's design): an MLP value head on the frozen base's final hidden
   state at the last token of the context, i.e. exactly the text the policy sees
   (prompt + question), adapter disabled. The base is frozen, so these features
-  are computed once per observation and the head trains on them alone.
+  are computed once per observation and the head trains on them alone. Generated
+  responses have a head of their own (`token_value_head`): a value per response
+  token, from the base's hidden state before that token.
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ class ValueHead(nn.Module):
 
 class LearnerPolicy:
     def __init__(
-        self, model: Any, tokenizer: Any, normalisation: str, temperature: float, value_hidden: Sequence[int], path: str = "packed"
+        self,
+        model: Any,
+        tokenizer: Any,
+        normalisation: str,
+        temperature: float,
+        value_hidden: Sequence[int],
+        path: str = "packed",
+        token_value_hidden: Sequence[int] = (256,),
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -54,6 +63,8 @@ class LearnerPolicy:
         device = next(model.parameters()).device
         width = model.get_output_embeddings().weight.shape[1]
         self.value_head = ValueHead(width, value_hidden).to(device)
+        # generate transitions: the value of each response token, from the same frozen features (learner_node/generation.py)
+        self.token_value_head = ValueHead(width, token_value_hidden).to(device)
 
     def tokenize(self, obs: dict[str, Any]) -> scoring.Tokenized:
         return scoring.tokenize_observation(self.tokenizer, obs["prompt"], obs.get("question", ""), obs["action"])

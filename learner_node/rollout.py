@@ -30,8 +30,20 @@ from learner_node import ppo
 
 
 @dataclass
-class Rollout:
-    """Flat per-transition training data (b_ tensors) and what was left out."""
+class Tally:
+    """What a batch took from its segments and what it left out, and why: the learner's counters and the ledger."""
+
+    episodic_returns: list[float] = field(default_factory=list)
+    dropped_stale: int = 0
+    dropped_truncated: int = 0
+    dropped_mismatched: int = 0
+    mismatched: collections.Counter[str] = field(default_factory=collections.Counter)  # by the field that disagreed
+    stored: int = 0  # transitions in the segments taken
+
+
+@dataclass
+class Rollout(Tally):
+    """Flat per-transition training data (b_ tensors) of candidate choices, and what was left out."""
 
     obs: list[dict[str, Any]] = field(default_factory=list)
     actions: list[int] = field(default_factory=list)
@@ -43,12 +55,6 @@ class Rollout:
     returns: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
     seg_ids: list[str] = field(default_factory=list)
-    episodic_returns: list[float] = field(default_factory=list)
-    dropped_stale: int = 0
-    dropped_truncated: int = 0
-    dropped_mismatched: int = 0
-    mismatched: collections.Counter[str] = field(default_factory=collections.Counter)  # by the field that disagreed
-    stored: int = 0  # transitions in the segments taken
 
     def __len__(self) -> int:
         return len(self.actions)

@@ -46,12 +46,15 @@ from common.shared_settings import PolicyStamp
 from common.zmqio import bound
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
+from learner_node.generation import build_generation_batch, generation_update, split_by_mode
 from learner_node.policy import LearnerPolicy
 from learner_node.ppo import AdaptiveKLController
 from learner_node.rollout import EpisodeReturns, build_rollout
 from learner_node.update import ppo_update
 
 log = logging.getLogger(__name__)
+
+TOKEN_HEAD = "token."  # the token value head's tensors in a checkpoint's value_head.safetensors
 
 RECENT_SEGMENTS = 100_000  # segment ids remembered to drop duplicates
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # redis-py's own retries gave up: Redis is down or restarting
@@ -92,11 +95,14 @@ class Learner:
         model, tokenizer = load_policy(ModelSpec.of(cfg.policy, device))  # in eval mode, and it stays so: no dropout
         # The learner checks its scoring path as the actor does: every path it may use computes the model's own log-probabilities.
         path = scoring.select_path(model, cfg.policy.scoring_path)
-        self.lp = LearnerPolicy(model, tokenizer, cfg.policy.normalisation, cfg.policy.temperature, cfg.value_hidden, path)
+        self.lp = LearnerPolicy(
+            model, tokenizer, cfg.policy.normalisation, cfg.policy.temperature, cfg.value_hidden, path, cfg.generation.value_hidden
+        )
         policy_lr = cfg.resolved_policy_lr()
         log.info("policy learning rate %g%s", policy_lr, "" if cfg.policy_lr else " (by the model: [learner] policy_lr = 0)")
         self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=policy_lr, eps=1e-5)
         self.value_opt = torch.optim.Adam(self.lp.value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
+        self.token_value_opt = torch.optim.Adam(self.lp.token_value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
         self.kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target or None)
         self.version = 0
         # This run's id: announced with every snapshot and stamped on every choice made with its weights,
@@ -170,7 +176,11 @@ class Learner:
         tensors, value_head, optimizers, state = checkpoint.load(path)
         device = next(self.lp.model.parameters()).device
         load_policy_state_dict(self.lp.model, {k: v.to(device) for k, v in tensors.items()})
-        self.lp.value_head.load_state_dict(value_head)
+        token_head = {k[len(TOKEN_HEAD) :]: v for k, v in value_head.items() if k.startswith(TOKEN_HEAD)}
+        self.lp.value_head.load_state_dict({k: v for k, v in value_head.items() if not k.startswith(TOKEN_HEAD)})
+        if token_head:  # checkpoints from before generation have none: the token head starts fresh
+            self.lp.token_value_head.load_state_dict(token_head)
+            self.token_value_opt.load_state_dict(optimizers["token_value"])
         self.policy_opt.load_state_dict(optimizers["policy"])
         self.value_opt.load_state_dict(optimizers["value"])
         self.version, self.updates, self.kl.value = state["version"], state["updates"], state["kl_coef"]
@@ -256,8 +266,9 @@ class Learner:
             # in this consumer's pending list, and a resumed learner trains on them first.
             return None
         started = time.perf_counter()
+        scoring_segments, generate_segments = split_by_mode(segments)
         rollout = build_rollout(
-            segments,
+            scoring_segments,
             self._values,
             self.cfg.gamma,
             self.cfg.gae_lambda,
@@ -266,6 +277,7 @@ class Learner:
             self.episodes,
             self.stamp(),
         )
+        generated = build_generation_batch(generate_segments, self.version, self.cfg.max_policy_lag, self.episodes, self.stamp())
         train_policy = self.updates >= self.cfg.warmup_updates
         metrics: dict[str, float] = {}
         if len(rollout):
@@ -273,35 +285,42 @@ class Learner:
             metrics = ppo_update(
                 self.lp, self.policy_opt, self.value_opt, rollout, self.cfg, train_policy, self.kl.value, features, self.updates
             )
-            if train_policy:
-                self.version += 1
-                if "losses/kl_ref" in metrics and not math.isnan(metrics["losses/kl_ref"]):
-                    self.kl.update(metrics["losses/kl_ref"], len(rollout))
+            if train_policy and "losses/kl_ref" in metrics and not math.isnan(metrics["losses/kl_ref"]):
+                self.kl.update(metrics["losses/kl_ref"], len(rollout))
+        if len(generated):  # a loss of its own: candidate and token-level objectives are never mixed in one loss
+            metrics.update(
+                generation_update(
+                    self.lp, self.policy_opt, self.token_value_opt, generated, self.cfg, self.cfg.generation, train_policy, self.updates
+                )
+            )
+        trained = len(rollout) + len(generated)
+        if train_policy and trained:
+            self.version += 1
         self.updates += 1
-        self.counters["transitions_stored"] += rollout.stored
-        self.counters["transitions_trained"] += len(rollout)
-        self.counters["dropped_stale"] += rollout.dropped_stale
-        self.counters["dropped_truncated"] += rollout.dropped_truncated
-        self.counters["dropped_mismatched"] += rollout.dropped_mismatched
-        for reason, count in rollout.mismatched.items():
-            self.counters[f"mismatched_{reason}"] += count
+        for kind in (rollout, generated):
+            self.counters["transitions_stored"] += kind.stored
+            self.counters["dropped_stale"] += kind.dropped_stale
+            self.counters["dropped_truncated"] += kind.dropped_truncated
+            self.counters["dropped_mismatched"] += kind.dropped_mismatched
+            for reason, count in kind.mismatched.items():
+                self.counters[f"mismatched_{reason}"] += count
+        self.counters["transitions_trained"] += trained
         self.counters["segments_trained"] += len(segments)
         for seg in segments:
             self._remember(seg.seg_id)
         elapsed = time.perf_counter() - started
-        lag = rollout.lags or [0]
+        lag = rollout.lags + generated.lags or [0]
+        returns = rollout.episodic_returns + generated.episodic_returns
         metrics.update(
             {
-                "charts/episodic_return": sum(rollout.episodic_returns) / len(rollout.episodic_returns)
-                if rollout.episodic_returns
-                else math.nan,
-                "charts/episodes": len(rollout.episodic_returns),
+                "charts/episodic_return": sum(returns) / len(returns) if returns else math.nan,
+                "charts/episodes": len(returns),
                 "charts/policy_lag": sum(lag) / len(lag),
-                "charts/SPS": len(rollout) / elapsed if elapsed > 0 else 0.0,
+                "charts/SPS": trained / elapsed if elapsed > 0 else 0.0,
                 "charts/policy_version": self.version,
-                "charts/dropped_stale": rollout.dropped_stale,
-                "charts/dropped_truncated": rollout.dropped_truncated,
-                "charts/dropped_mismatched": rollout.dropped_mismatched,
+                "charts/dropped_stale": rollout.dropped_stale + generated.dropped_stale,
+                "charts/dropped_truncated": rollout.dropped_truncated + generated.dropped_truncated,
+                "charts/dropped_mismatched": rollout.dropped_mismatched + generated.dropped_mismatched,
             }
         )
         if self.is_main:
@@ -310,10 +329,12 @@ class Learner:
             ids = [entry_id for entry_id, _ in entries]
             self.save_checkpoint(ids)
             self._unacked = ids
-            self._unpublished = bool(train_policy and len(rollout))
-            self._unreported = self._figures(metrics, len(rollout))
-            self._backlog = backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag, rollout.stored / len(segments))
-            self._log(metrics, len(rollout))
+            self._unpublished = bool(train_policy and trained)
+            self._unreported = self._figures(metrics, trained)
+            self._backlog = backlog_limit(
+                self.cfg.rollout_batch, self.cfg.max_policy_lag, (rollout.stored + generated.stored) / len(segments)
+            )
+            self._log(metrics, trained)
             self._settle()
         return metrics
 
@@ -483,8 +504,12 @@ class Learner:
             self.cfg.checkpoint_dir,
             self.updates,
             policy_state_dict(self.lp.model),
-            self.lp.value_head.state_dict(),
-            {"policy": self.policy_opt.state_dict(), "value": self.value_opt.state_dict()},
+            {**self.lp.value_head.state_dict(), **{TOKEN_HEAD + k: v for k, v in self.lp.token_value_head.state_dict().items()}},
+            {
+                "policy": self.policy_opt.state_dict(),
+                "value": self.value_opt.state_dict(),
+                "token_value": self.token_value_opt.state_dict(),
+            },
             state,
             self.cfg.keep_checkpoints,
             self.lp.model,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -45,15 +46,20 @@ def start_llm_actor(tiny_models, redis_url, key_prefix):
         thread.join(15)
 
 
+def actor_spec(tiny_models) -> ModelSpec:
+    """The model the LLM actor above loads (its [policy]: a tiny model's head and norm train beside the adapter)."""
+    return ModelSpec.of(PolicySpec(model=tiny_models["llama"], lora_rank=4), "cpu")
+
+
 def new_snapshot(tiny_models, seed: int) -> dict[str, torch.Tensor]:
     """Adapter weights with a non-zero B, so the policy really changes."""
-    model, _ = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4))
+    model, _ = load_policy(actor_spec(tiny_models))
     gen = torch.Generator().manual_seed(seed)
     return {k: torch.randn(v.shape, generator=gen) * 0.3 for k, v in policy_state_dict(model).items()}
 
 
 def expected_probs(tiny_models, state) -> list[float]:
-    model, tok = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4))
+    model, tok = load_policy(actor_spec(tiny_models))
     policy = LLMPolicy(model, tok, SamplingConfig(normalisation="token"), "per_candidate")
     if state is not None:
         policy.set_weights(state, 1, "run-a")
@@ -130,6 +136,22 @@ def test_corrupt_snapshot_is_refused_and_serving_goes_on(broker, start_llm_actor
         timeout=30,
         what="the actor to take the repaired snapshot",
     )
+
+
+def test_a_snapshot_of_other_policy_settings_is_refused_and_serving_goes_on(
+    broker, start_llm_actor, make_client, redis_client, key_prefix, tiny_models
+):
+    """An adapter made without the trainable head the actor's [policy] has: refused by name, version 0 served on."""
+    model, _ = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4, lora_trainable=()))
+    weights.store_snapshot(redis_client, key_prefix, 1, policy_state_dict(model), "lora")
+    start_llm_actor(broker.backend, poll_s=0.2)
+    client = make_client(broker.frontend, deadline=30)
+    wait_for(lambda: actors_ready(client, 1), timeout=60, what="the LLM actor")
+    task = client.attach()
+    for _ in range(3):
+        assert client.step(task, OBS)["policy_version"] == 0
+        client.feedback(task, 0.0)
+        time.sleep(0.3)  # past the actor's poll: it has tried the snapshot
 
 
 def test_ppoz_actor_command_serves_a_model(broker, make_client, tiny_models):

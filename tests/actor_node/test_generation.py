@@ -1,0 +1,168 @@
+"""The actor's generation engine: the tokens it samples, the log-probabilities it logs, and when it stops.
+
+The yardstick for every log-probability is the model's own `model(input_ids).logits` over prompt +
+response, computed here (it shares nothing with the engine's decoder-and-head path or its KV cache).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from actor_node.generation import DeadlineExceeded, GenerationEngine, GenerationError, SamplingParams, sample_token
+from common.policy_model import ModelSpec, load_policy
+
+
+def own_logprobs(model: Any, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(model(prompt + response).logits / T) at each response token."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return torch.stack([logp[len(prompt) - 1 + j, t] for j, t in enumerate(response)])
+
+
+def job(i: int, prompt: str = "", deadline_ms: int = 60_000, **sampling: Any) -> dict[str, Any]:
+    settings = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "stop": [], "seed": i, **sampling}
+    return {"job": i, "task_id": f"t{i}", "obs": {"prompt": prompt or f"prompt number {i}: say something", "sampling": settings}}
+
+
+def run(engine: GenerationEngine, jobs: list[dict[str, Any]], join_after: int = 0, later: list[dict[str, Any]] | None = None):
+    """Add `jobs`, step; after `join_after` steps add `later` (they join the running batch); all answers by job id."""
+    answers = dict((j["job"], a) for j, a in engine.add(jobs))
+    steps = 0
+    while engine.active or later:
+        if later and steps >= join_after:
+            answers.update((j["job"], a) for j, a in engine.add(later))
+            later = None
+        answers.update((j["job"], a) for j, a in engine.step())
+        steps += 1
+    return answers
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+def policy(request, tiny_models):
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models[request.param], device="cpu", lora_rank=4))
+    with torch.no_grad():  # a non-zero adapter: the engine must score with it on
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model, tokenizer
+
+
+def test_logged_logprobs_are_the_models_own_for_requests_that_join_a_running_batch(policy) -> None:
+    model, tokenizer = policy
+    engine = GenerationEngine(model, tokenizer, max_rows=8, prefix_cache_mb=64)
+    first = [job(0, max_new_tokens=12), job(1, "a short one", max_new_tokens=5, temperature=0.7)]
+    later = [job(2, "a much longer prompt than the others, joining after three steps", max_new_tokens=9, temperature=1.4)]
+    answers = run(engine, first, join_after=3, later=later)
+    assert sorted(answers) == [0, 1, 2]
+    for i, temperature in ((0, 1.0), (1, 0.7), (2, 1.4)):
+        g = answers[i]
+        assert not isinstance(g, Exception), g
+        assert g.prompt_ids == tokenizer(first[i]["obs"]["prompt"] if i < 2 else later[0]["obs"]["prompt"])["input_ids"]
+        expected = own_logprobs(model, g.prompt_ids, g.response_ids, temperature)
+        assert float((expected - torch.tensor(g.logprobs)).abs().max()) < 1e-4, i
+        assert g.logprob == pytest.approx(sum(g.logprobs))
+
+
+def test_a_cached_prompt_prefix_gives_the_same_logprobs(policy) -> None:
+    model, tokenizer = policy
+    engine = GenerationEngine(model, tokenizer, max_rows=4, prefix_cache_mb=64)
+    prompt = "the same long prompt for several samples of one question, " * 2
+    a = run(engine, [job(0, prompt)])[0]
+    b = run(engine, [job(1, prompt)])[1]  # a second sample: the prompt's KV comes from the cache
+    assert engine.cache.hits >= 1 and engine.cache.reused_tokens >= len(a.prompt_ids) - 1
+    for g in (a, b):
+        expected = own_logprobs(model, g.prompt_ids, g.response_ids)
+        assert float((expected - torch.tensor(g.logprobs)).abs().max()) < 1e-4
+
+
+def test_a_seeded_request_gives_the_same_response_alone_or_in_a_batch(policy) -> None:
+    model, tokenizer = policy
+    alone = run(GenerationEngine(model, tokenizer), [job(7, "seeded", max_new_tokens=10)])[7]
+    crowd = run(GenerationEngine(model, tokenizer), [job(5), job(7, "seeded", max_new_tokens=10), job(9, "x" * 40)])[7]
+    assert alone.response_ids == crowd.response_ids
+
+
+def test_finish_reasons_stop_strings_and_greedy(tiny_models) -> None:
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
+    engine = GenerationEngine(model, tokenizer)
+    g = run(engine, [job(0, max_new_tokens=6)])[0]
+    assert g.finish_reason == "length" and len(g.response_ids) == 6
+    greedy = run(engine, [job(1, temperature=0.0, max_new_tokens=6)])[1]
+    with torch.inference_mode():
+        ids = greedy.prompt_ids
+        for token in greedy.response_ids:  # each token is the argmax of the model's own logits
+            assert token == int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            ids = ids + [token]
+    assert greedy.logprobs == [0.0] * 6
+    # A stop string: the response ends at the token that completes it, and the text stops before it.
+    text = tokenizer.decode(greedy.response_ids, skip_special_tokens=True)
+    stop = text[2:4]
+    stopped = run(engine, [job(1, temperature=0.0, max_new_tokens=6, stop=[stop])])[1]
+    assert stopped.finish_reason == "stop" and stopped.text == text[: text.find(stop)]
+    assert tokenizer.decode(stopped.response_ids, skip_special_tokens=True).find(stop) >= 0
+    # The end-of-sequence token ends a response and is kept in its tokens (the policy learns to stop).
+    engine.end_ids = {greedy.response_ids[2]}
+    ended = run(engine, [job(1, temperature=0.0, max_new_tokens=6)])[1]
+    assert ended.finish_reason == "eos" and ended.response_ids == greedy.response_ids[:3]
+
+
+def test_top_p_samples_within_the_nucleus_and_logs_its_renormalised_probability() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=0.7)
+    # Nucleus for p = 0.7: tokens 0 (0.5) and 1 (0.5 < 0.7, so 0.3 joins); renormalised 0.625 and 0.375.
+    seen = {0: 0, 1: 0}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        token, logprob = sample_token(logits, params, g)
+        assert token in seen, token
+        assert logprob == pytest.approx(math.log(0.625 if token == 0 else 0.375), abs=1e-5)
+        seen[token] += 1
+    # 2000 draws of p = 0.625: standard error 0.011; a sampler ignoring the nucleus gives 0.5 / 0.8 = 0.625 too,
+    # but never token 2 or 3 (checked above); one ignoring top-p altogether draws them 20% of the time.
+    assert abs(seen[0] / 2000 - 0.625) < 4 * 0.011
+
+
+def test_the_deadline_answers_a_request_without_holding_the_others(tiny_models) -> None:
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
+    engine = GenerationEngine(model, tokenizer)
+    slow = job(0, max_new_tokens=400)
+    slow["deadline_ms"] = 200
+    answered = dict((j["job"], a) for j, a in engine.add([slow, job(1, max_new_tokens=4)]))
+    started = time.monotonic()
+    while engine.active:
+        answered.update((j["job"], a) for j, a in engine.step())
+    assert isinstance(answered[0], DeadlineExceeded)
+    assert answered[1].finish_reason == "length"
+    assert time.monotonic() - started < 30
+
+
+def test_bad_requests_fail_alone_naming_the_limit(tiny_models) -> None:
+    from transformers import AutoConfig
+
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["gpt2"], device="cpu", lora_rank=0))
+    limit = AutoConfig.from_pretrained(tiny_models["gpt2"]).n_positions
+    engine = GenerationEngine(model, tokenizer)
+    long_prompt = job(0, "word " * (limit // 5), max_new_tokens=limit)
+    chat = {"job": 1, "task_id": "t1", "obs": {"messages": [{"role": "user", "content": "hi"}], "sampling": {"max_new_tokens": 4}}}
+    answers = dict((j["job"], a) for j, a in engine.add([long_prompt, chat, job(2, max_new_tokens=3)]))
+    assert isinstance(answers[0], GenerationError) and f"limit of {limit}" in str(answers[0])
+    assert isinstance(answers[1], GenerationError) and "chat template" in str(answers[1])
+    while engine.active:
+        answers.update((j["job"], a) for j, a in engine.step())
+    assert answers[2].finish_reason == "length"
+
+
+def test_chat_messages_go_through_the_tokenizers_template(tiny_models) -> None:
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    engine = GenerationEngine(model, tokenizer)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    chat = {"job": 0, "task_id": "t", "obs": {"messages": messages, "sampling": {"max_new_tokens": 3}}}
+    g = run(engine, [chat])[0]
+    assert tokenizer.decode(g.prompt_ids) == "<system>be brief\n<user>hello\n<assistant>"

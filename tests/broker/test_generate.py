@@ -1,0 +1,143 @@
+"""`generate` through a real broker, a real LLM actor (tiny model) and Redis: replies, transitions, bad input, deadlines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from actor_node.llm_policy import LLMPolicy, SamplingConfig
+from client import BadRequest, RequestTimeout, TooLarge
+from common import protocol as p
+from common.policy_model import ModelSpec, load_policy
+from tests.broker.test_broker import segments
+from tests.helpers import actors_ready, wait_for
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
+    return model, tokenizer
+
+
+def generating_stack(start_broker, start_actor, make_client, llm, **config: Any):
+    model, tokenizer = llm
+    broker = start_broker(**config)
+    start_actor(broker.backend, credits=8, policy=LLMPolicy(model, tokenizer, SamplingConfig(seed=1)))
+    client = make_client(broker.frontend, deadline=60, attempt_timeout=30)
+    wait_for(lambda: actors_ready(client, 1), what="the actor to register")
+    return broker, client
+
+
+def test_generate_then_feedback_stores_a_transition_with_the_tokens_and_their_logprobs(
+    start_broker, start_actor, make_client, llm, redis_client, key_prefix
+):
+    model, tokenizer = llm
+    broker, client = generating_stack(start_broker, start_actor, make_client, llm, segment_len=2)
+    task = client.attach()
+    replies = []
+    for turn in range(2):  # two turns of one task, then the segment closes by length with the third's prompt
+        reply = client.generate(task, f"turn {turn}: tell me", max_new_tokens=5, temperature=0.8, seed=turn)
+        assert reply["status"] == "ok" and reply["n_tokens"] == 5 and reply["finish_reason"] == "length"
+        assert isinstance(reply["text"], str) and reply["policy_version"] == 0
+        replies.append(reply)
+        client.feedback(task, reward=float(turn), done=False)
+    client.generate(task, "turn 2: and again", max_new_tokens=3)
+    (seg,) = wait_for(lambda: segments(redis_client, key_prefix), what="the segment to close")
+    assert seg.reason == "length" and seg.next_obs["prompt_ids"] == tokenizer("turn 2: and again")["input_ids"]
+    for turn, (t, reply) in enumerate(zip(seg.transitions, replies)):
+        assert t.mode == p.OP_GENERATE and t.reward == float(turn) and t.action == 0 and t.probs == []
+        assert t.obs["prompt_ids"] == tokenizer(f"turn {turn}: tell me")["input_ids"]
+        assert t.obs["sampling"]["temperature"] == 0.8 and t.obs["sampling"]["seed"] == turn
+        gen = t.generation
+        assert gen["finish_reason"] == "length" and len(gen["response_ids"]) == 5 and gen["temperature"] == 0.8
+        assert t.logprob == pytest.approx(reply["logprob"]) == pytest.approx(sum(gen["logprobs"]))
+        with torch.inference_mode():  # the logged log-probabilities are the model's own, at T = 0.8
+            logits = model(input_ids=torch.tensor([t.obs["prompt_ids"] + gen["response_ids"]])).logits[0].float() / 0.8
+        n = len(t.obs["prompt_ids"])
+        own = torch.log_softmax(logits, -1)[n - 1 : n - 1 + 5].gather(-1, torch.tensor(gen["response_ids"])[:, None])[:, 0]
+        assert float((own - torch.tensor(gen["logprobs"])).abs().max()) < 1e-4
+        assert t.policy is not None and t.policy["path"] == p.OP_GENERATE and t.policy["temperature"] == 0.8
+    # A retried generate (same rid) after its feedback gets the first reply and generates nothing new.
+    again = client.generate(task, "turn 3", max_new_tokens=2, rid="gen-rid-1")
+    client.feedback(task, reward=1.0)
+    assert client.generate(task, "turn 3", max_new_tokens=2, rid="gen-rid-1") == again
+
+
+def test_a_chat_request_and_a_greedy_one(start_broker, start_actor, make_client, llm):
+    model, tokenizer = llm
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    try:
+        broker, client = generating_stack(start_broker, start_actor, make_client, llm)
+        task = client.attach()
+        messages = [{"role": "user", "content": "hello"}]
+        first = client.generate(task, messages=messages, max_new_tokens=4, temperature=0)
+        client.feedback(task, reward=0.0)
+        second = client.generate(task, messages=messages, max_new_tokens=4, temperature=0)
+        assert first["text"] == second["text"] and first["logprob"] == second["logprob"] == 0.0  # greedy: probability 1
+    finally:
+        tokenizer.chat_template = None
+
+
+@pytest.mark.parametrize(
+    "fields, error, words",
+    [
+        ({"prompt": ""}, BadRequest, "`prompt` is empty"),
+        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, BadRequest, "exactly one of"),
+        ({}, BadRequest, "exactly one of"),
+        ({"messages": []}, BadRequest, "`messages` is empty"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, BadRequest, "`messages[0].role`"),
+        ({"messages": [{"role": "user", "content": "x", "name": "y"}]}, BadRequest, "unknown keys name"),
+        ({"prompt": "x", "sampling": {"max_new_tokens": 4, "beam_width": 2}}, BadRequest, "unknown `sampling` keys: beam_width"),
+        ({"prompt": "x", "sampling": {"max_new_tokens": 0}}, BadRequest, "at least 1, got 0"),
+        ({"prompt": "x", "sampling": {"max_new_tokens": 99}}, TooLarge, "max_new_tokens` is 99, the limit is 64"),
+        ({"prompt": "x", "sampling": {"temperature": 1.0}}, BadRequest, "`max_new_tokens` is missing"),
+        ({"prompt": "x", "sampling": {"max_new_tokens": 4, "temperature": -1}}, BadRequest, "`sampling.temperature`"),
+        ({"prompt": "x", "sampling": {"max_new_tokens": 4, "top_p": 0}}, BadRequest, "`sampling.top_p` must be in (0, 1], got 0"),
+        ({"prompt": "x", "sampling": {"max_new_tokens": 4, "stop": [""]}}, BadRequest, "`sampling.stop[0]`"),
+        ({"prompt": "x", "sampling": {"max_new_tokens": 4, "seed": -3}}, BadRequest, "`sampling.seed`"),
+        ({"prompt": "x", "sampling": {"max_new_tokens": True}}, BadRequest, "`max_new_tokens` must be a positive int"),
+    ],
+)
+def test_bad_generate_requests_are_refused_naming_the_value(start_broker, make_client, fields, error, words):
+    broker = start_broker(max_new_tokens=64)
+    client = make_client(broker.frontend)
+    task = client.attach()
+    body = {"task_id": task, "sampling": {"max_new_tokens": 4}, **fields}
+    with pytest.raises(error) as e:
+        client.request(p.OP_GENERATE, **body)
+    assert words in str(e.value)
+
+
+def test_a_prompt_over_the_models_context_fails_alone(start_broker, start_actor, make_client, tiny_models):
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["gpt2"], device="cpu", lora_rank=0))  # 8192 positions
+    broker = start_broker()
+    start_actor(broker.backend, policy=LLMPolicy(model, tokenizer, SamplingConfig()))
+    client = make_client(broker.frontend, deadline=60, attempt_timeout=30)
+    wait_for(lambda: actors_ready(client, 1), what="the actor")
+    a, b = client.attach(), client.attach()
+    with pytest.raises(BadRequest, match="over the model's limit of 8192"):
+        client.generate(a, "x" * 8000, max_new_tokens=400)
+    assert client.generate(b, "fine", max_new_tokens=3)["n_tokens"] == 3
+
+
+def test_a_generate_past_its_deadline_is_answered_timeout_and_leaves_no_pending_step(
+    start_broker, start_actor, make_client, llm, redis_client, key_prefix
+):
+    broker, client = generating_stack(start_broker, start_actor, make_client, llm)
+    task = client.attach()
+    with pytest.raises(RequestTimeout):
+        client.generate(task, "a long one", max_new_tokens=4000, deadline=0.3)
+    wait_for(lambda: not broker.broker.jobs, timeout=30, what="the actor to give the row up at its deadline")
+    reply = client.generate(task, "next", max_new_tokens=2)
+    assert reply["n_tokens"] == 2
+    assert broker.broker.metrics["broker/orphan_steps"] == 0  # the timed-out one never became a pending step
+
+
+def test_an_actor_without_a_model_refuses_generate(broker, start_actor, make_client):
+    start_actor(broker.backend)  # the uniform policy
+    client = make_client(broker.frontend)
+    wait_for(lambda: actors_ready(client, 1), what="the actor")
+    with pytest.raises(BadRequest, match="serves no model"):
+        client.generate(client.attach(), "hello", max_new_tokens=4)

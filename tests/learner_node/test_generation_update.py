@@ -1,0 +1,185 @@
+"""Generation-mode PPO in the learner: the packed recompute, the batch rules, and updates on on-policy and stale data.
+
+The yardstick for log-probabilities is the model's own `model(input_ids).logits`, one forward per
+sequence, written here. Updates run through `Learner.step` on a real Redis stream, with responses the
+actor's own generation engine wrote.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from actor_node.generation import GenerationEngine
+from common.policy_model import ModelSpec, load_policy
+from common.segments import Segment, Transition
+from common.shared_settings import PolicySpec, PolicyStamp
+from learner_node.generation import build_generation_batch, pack, response_logprobs, split_by_mode
+from tests.learner_node.test_async_ppo import learner_on, write_to_stream
+
+
+def own_logprobs(model: Any, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return torch.stack([logp[len(prompt) - 1 + j, t] for j, t in enumerate(response)])
+
+
+def test_pack_fills_rows_in_order_and_gives_a_long_sequence_a_row_alone() -> None:
+    assert pack([3, 4, 2, 9, 1], budget=8) == [[0, 1], [2], [3], [4]]
+    assert pack([8, 8], budget=8) == [[0], [1]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_packed_logprobs_are_the_models_own(tiny_models, arch) -> None:
+    model, _ = load_policy(ModelSpec(model=tiny_models[arch], device="cpu", lora_rank=4))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
+    responses = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 8, 1, 12, 6)]
+    temps = [1.0, 0.7, 1.3, 1.0, 2.0]
+    with torch.no_grad():
+        got, entropy = response_logprobs(model, prompts, responses, temps, budget=40)  # several sequences share rows
+    for p, r, t, lp, ent in zip(prompts, responses, temps, got, entropy):
+        assert float((own_logprobs(model, p, r, t) - lp).abs().max()) < 1e-5
+        assert lp.shape == ent.shape == (len(r),) and bool((ent > 0).all())
+
+
+def gen_transition(prompt: list[int], response: list[int], reward: float = 1.0, version: int = 1, **kw: Any) -> Transition:
+    settings = dict(done=True, truncated=False, temperature=1.0, policy=None)
+    settings.update(kw)
+    return Transition(
+        obs={"prompt_ids": prompt, "sampling": {"max_new_tokens": 8}},
+        action=0,
+        logprob=-1.0,
+        probs=[],
+        policy_version=version,
+        mode="generate",
+        reward=reward,
+        done=settings["done"],
+        truncated=settings["truncated"],
+        policy=settings["policy"],
+        generation={
+            "response_ids": response,
+            "logprobs": [-0.5] * len(response),
+            "finish_reason": "length",
+            "temperature": settings["temperature"],
+            "top_p": 1.0,
+        },
+    )
+
+
+def segment(seg_id: str, transitions: list[Transition], done: bool = False, truncated: bool = False, next_obs=None) -> Segment:
+    return Segment(seg_id, "task", 0, "x", done, truncated, next_obs, transitions)
+
+
+def test_batch_rules_bootstrap_drops_and_chains() -> None:
+    stamp = PolicyStamp(run="run-a", normalisation="token", temperature=1.0, lora_rank=4, greedy=False)
+    mine = stamp.to_wire()
+    other = {**mine, "run": "run-b"}
+    segments = [
+        segment("done", [gen_transition([1, 2], [3, 4], done=False, policy=mine), gen_transition([5], [6], policy=mine)], done=True),
+        segment("length", [gen_transition([7], [8, 9], done=False)], next_obs={"prompt_ids": [10, 11]}),
+        segment("detached", [gen_transition([12], [13], done=False), gen_transition([14], [15], done=False)], truncated=True),
+        segment(
+            "drops",
+            [
+                gen_transition([20], [21], done=False, version=0),  # lag 5: stale
+                gen_transition([22], [23], done=False, version=9),  # from a version ahead
+                gen_transition([24], [25], done=False, temperature=0.0),  # greedy
+                gen_transition([26], [27], done=False, policy=other),  # another run
+                gen_transition([28], [29], done=False),
+            ],
+            next_obs={"prompt_ids": [30]},
+        ),
+    ]
+    batch = build_generation_batch(segments, current_version=5, max_policy_lag=4, expected=stamp)
+    # stored every transition; trained: done x2, length x1, detached x1 (its last dropped), drops x1
+    assert batch.stored == 2 + 1 + 2 + 5 and len(batch) == 5
+    assert batch.dropped_truncated == 1 and batch.dropped_stale == 1 and batch.dropped_mismatched == 3
+    assert dict(batch.mismatched) == {"version_ahead": 1, "greedy": 1, "run": 1}
+    chains = [(c.samples, c.next_prompt) for c in batch.chains]
+    # done: both turns in one chain, nothing after; length: bootstraps from next_obs; detached: from the dropped turn's prompt;
+    # drops: the last turn alone, bootstrapping from next_obs
+    assert chains == [([0, 1], None), ([2], [10, 11]), ([3], [14]), ([4], [30])]
+    assert batch.prompts[4] == [28] and batch.responses[4] == [29] and batch.lags == [4, 4, 4, 4, 4]
+
+
+def test_a_segment_holding_both_kinds_is_split_where_the_kind_changes() -> None:
+    step = Transition({"prompt": "p", "question": "", "action": ["a", "b"]}, 0, -0.7, [0.5, 0.5], 0, "step", 1.0, False, False)
+    seg = segment("mixed", [step, step, gen_transition([1], [2], done=False), step], done=True)
+    scoring_parts, generate_parts = split_by_mode([seg])
+    assert [len(s.transitions) for s in scoring_parts] == [2, 1] and [len(s.transitions) for s in generate_parts] == [1]
+    assert scoring_parts[0].truncated and scoring_parts[0].next_obs is None and not scoring_parts[0].done  # cut: no successor
+    assert scoring_parts[1].done and scoring_parts[1].seg_id == "mixed/2"
+
+
+def engine_transitions(model_dir: str, n: int, version: int = 0, max_new_tokens: int = 6) -> list[Transition]:
+    """n responses the actor's own engine wrote with its own copy of the model, as the broker stores them."""
+    model, tokenizer = load_policy(ModelSpec.of(PolicySpec(model=model_dir, lora_rank=4), "cpu"))
+    engine = GenerationEngine(model, tokenizer, max_rows=4)
+    prompts = ["say yes", "a longer prompt about the weather today", "count: one two", "the end"]
+    jobs = [
+        {
+            "job": i,
+            "task_id": f"t{i}",
+            "obs": {"prompt": prompts[i % 4], "sampling": {"max_new_tokens": max_new_tokens, "temperature": [1.0, 0.8][i % 2]}},
+        }
+        for i in range(n)
+    ]
+    answers = dict((j["job"], a) for j, a in engine.add(jobs[:4]))
+    rest = jobs[4:]
+    while engine.active or rest:
+        if rest and engine.free:
+            answers.update((j["job"], a) for j, a in engine.add(rest[: engine.free]))
+            rest = rest[engine.free :]
+        answers.update((j["job"], a) for j, a in engine.step())
+    out = []
+    for i in range(n):
+        g = answers[i]
+        t = gen_transition(g.prompt_ids, g.response_ids, reward=float(len(g.text) % 2), version=version, temperature=g.temperature)
+        assert t.generation is not None
+        t.generation["logprobs"] = g.logprobs
+        out.append(t)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_on_policy_responses_give_ratio_one_through_the_learners_real_path(
+    tiny_models, arch, redis_url, redis_client, key_prefix, tmp_path
+) -> None:
+    n = 8
+    write_to_stream(redis_client, key_prefix, engine_transitions(tiny_models[arch], n))
+    learner = learner_on(tiny_models[arch], "float32", redis_url, redis_client, key_prefix, tmp_path, n, policy_minibatch=4)
+    metrics = learner.step()
+    assert metrics is not None
+    assert metrics["generation/on_policy_logprob_dev"] < 1e-4
+    assert metrics["generation/first_minibatch_ratio_dev"] < 1e-4
+    assert metrics["generation/optimizer_steps"] >= 2 and learner.version == 1
+    assert learner.counters["transitions_trained"] == n
+    assert math.isfinite(metrics["generation/value_loss"]) and metrics["generation/response_length"] == 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lag", [1, 3])
+def test_stale_responses_are_trained_with_ratio_one_against_the_learners_weights(
+    tiny_models, lag, redis_url, redis_client, key_prefix, tmp_path
+) -> None:
+    """The learner is `lag` versions ahead of the actor that wrote the responses: they are kept (within
+    max_policy_lag), clipped against its own weights (first ratio 1) and weighted by prox / behaviour."""
+    n = 8
+    learner = learner_on(tiny_models["llama"], "float32", redis_url, redis_client, key_prefix, tmp_path, n, policy_minibatch=4)
+    with torch.no_grad():  # the learner's weights moved on: a different adapter than the actor's
+        for name, p in learner.lp.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    learner.version = lag
+    write_to_stream(redis_client, key_prefix, engine_transitions(tiny_models["llama"], n))
+    metrics = learner.step()
+    assert metrics is not None and learner.counters["transitions_trained"] == n and learner.counters["dropped_stale"] == 0
+    assert metrics["generation/first_minibatch_ratio_dev"] < 1e-5
+    assert abs(metrics["generation/behaviour_weight"] - 1) > 1e-3  # the behaviour policy is not the learner's
+    assert metrics["generation/optimizer_steps"] >= 2
