@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from client.errors import RequestTimeout
 from client.retry import RetryRule, answers, check_timeouts, feedback_fields, generate_fields
 from common import protocol as p
 from common.security import KeySource, client_keys
@@ -220,6 +222,15 @@ class AsyncClient:
     async def ask(self, task_id: str) -> dict[str, Any]:
         """`{"status": "ok"}` or `{"status": "wait", "retry_after_ms": ...}`."""
         return await self.request(p.OP_ASK, task_id=task_id)
+
+    async def wait_turn(self, task_id: str, deadline: float | None = None) -> None:
+        """As Client.wait_turn: ask until `ok`, sleeping the suggested `retry_after_ms`; RequestTimeout past `deadline`."""
+        end = time.monotonic() + (self.deadline if deadline is None else deadline)
+        while (answer := await self.ask(task_id)).get("status") == "wait":
+            pause = answer.get("retry_after_ms", 100) / 1000
+            if time.monotonic() + pause > end:
+                raise RequestTimeout(f"the broker kept saying wait ({answer.get('reason', '')}) past the deadline")
+            await asyncio.sleep(pause)
 
     async def step(self, task_id: str, obs: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
         """The reply map: action, logprob, probs, policy_version."""

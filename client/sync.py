@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from client.errors import PPOZError
+from client.errors import PPOZError, RequestTimeout
 from client.retry import RETRIED_CODES, RetryRule, answers, check_timeouts, feedback_fields, generate_fields
 from common import protocol as p
 from common.security import KeySource, client_keys
@@ -140,6 +140,16 @@ class Client:
     def ask(self, task_id: str) -> dict[str, Any]:
         """`{"status": "ok"}` or `{"status": "wait", "retry_after_ms": ...}`."""
         return self.request(p.OP_ASK, task_id=task_id)
+
+    def wait_turn(self, task_id: str, deadline: float | None = None) -> None:
+        """Ask until the broker says `ok` (back-pressure: it says `wait` while the learner is behind), sleeping the
+        `retry_after_ms` it suggests; RequestTimeout after `deadline` seconds (default: the client's)."""
+        end = time.monotonic() + (self.deadline if deadline is None else deadline)
+        while (answer := self.ask(task_id)).get("status") == "wait":
+            pause = answer.get("retry_after_ms", 100) / 1000
+            if time.monotonic() + pause > end:
+                raise RequestTimeout(f"the broker kept saying wait ({answer.get('reason', '')}) past the deadline")
+            time.sleep(pause)
 
     def step(self, task_id: str, obs: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
         """The reply map: action, logprob, probs, policy_version."""

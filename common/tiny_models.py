@@ -36,7 +36,10 @@ LORA_TRAINABLE = {"llama": ("lm_head", "model.norm"), "qwen2": ("lm_head", "mode
 # and ppoz demo (all weights, 3e-4), docs/benchmarks.md.
 TINY_POLICY_LR = {"lora": 1e-3, "all_weights": 3e-4}
 MARKER = "ppoz_tiny.json"  # in a tiny model's directory: how it was built (and that its weights are random)
-TOKENIZERS = ("byte", "bpe", "sentencepiece")
+TOKENIZERS = ("byte", "bpe", "sentencepiece", "words")
+# The whole vocabulary of the `words` tokenizer: toy generation tasks (say the word the prompt names) that a
+# random tiny model can learn in minutes, where a byte-level one would first have to find each letter by chance.
+WORDS = ("say", "the", "word", "please", "now", "and", "then", "stop", "red", "green", "blue", "yellow", "black", "white", "pink", "grey")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
 # Text like what the policy reads and chooses (Kea's prompts and events, a text game's), so the
@@ -126,7 +129,26 @@ def build_sentencepiece_tokenizer(path: str | Path, vocab_size: int = 512):
     return tok
 
 
-TOKENIZER_BUILDERS = {"byte": build_byte_tokenizer, "bpe": build_bpe_tokenizer, "sentencepiece": build_sentencepiece_tokenizer}
+def build_words_tokenizer(path: str | Path):
+    """A word-level tokenizer over WORDS (whitespace-split, one token per word), saved under `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, "<unk>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+TOKENIZER_BUILDERS = {
+    "byte": build_byte_tokenizer,
+    "bpe": build_bpe_tokenizer,
+    "sentencepiece": build_sentencepiece_tokenizer,
+    "words": build_words_tokenizer,
+}
 
 
 def tiny_config(

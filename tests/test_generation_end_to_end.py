@@ -1,0 +1,90 @@
+"""Generation-mode PPO learns, through real processes: `ppoz up` runs Redis, the broker, an LLM actor and the
+learner, each its own process; client threads `generate` and `feedback` over the real protocol.
+
+The toy task is verifiable: the prompt names a colour ("say the word blue") and the reward is 1 when the
+response's first word is that colour. The tiny model (a random Llama with a word-level tokenizer of 20
+tokens, a rank-4 LoRA adapter) starts near chance (1 in 20); the run takes its whole budget of responses,
+and the reward over its last windows must stand clearly above the untrained policy's: learned, and still
+learned at the end, with the actor serving the weights the learner published.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+
+import pytest
+
+from client import Client
+from common.tiny_models import build_tiny_model
+from tests.broker.test_restart import free_port
+from tests.helpers import wait_for
+from tests.test_up import Up, status
+
+COLOURS = ["red", "green", "blue", "yellow", "black", "white"]
+BUDGET = 4000  # responses
+WINDOW = 150
+CLIENTS = 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # about 2 minutes on a quiet 2-core machine
+def test_generation_ppo_learns_to_say_the_word_through_real_processes(tmp_path):
+    model = build_tiny_model(tmp_path / "words-llama", "llama", tokenizer="words")
+    front, back, weights = free_port(), free_port(), free_port()
+    config = tmp_path / "stack.toml"
+    config.write_text(
+        f'[policy]\nmodel = "{model}"\nlora_rank = 4\n'
+        f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nsegment_len = 1\nheartbeat_ms = 200\n'
+        f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 32\npolicy_minibatch = 16\n'
+        f'checkpoint_dir = "{tmp_path / "ckpt"}"\ntensorboard_dir = ""\n'
+        "[generation]\nvalue_hidden = [64]\n"
+        "[actor]\nweights_poll_s = 1.0\nheartbeat_ms = 200\n"
+        "[up]\nactors = 1\nstop_timeout_s = 60\n"
+    )
+    up = Up(config)
+    rewards: list[tuple[float, int]] = []  # (reward, policy version that wrote the response)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def play(i: int) -> None:
+        rng = random.Random(i)
+        try:
+            with Client(f"tcp://127.0.0.1:{front}", deadline=120, attempt_timeout=60) as client:
+                task = client.attach()
+                while len(rewards) < BUDGET:
+                    colour = rng.choice(COLOURS)
+                    client.wait_turn(task)  # the broker's back-pressure: it holds clients while the learner is behind
+                    reply = client.generate(task, f"say the word {colour}", max_new_tokens=2)
+                    reward = float(reply["text"].split()[:1] == [colour])
+                    client.feedback(task, reward, done=True)
+                    with lock:
+                        rewards.append((reward, reply["policy_version"]))
+        except BaseException as e:  # noqa: BLE001 - reported by the test below
+            errors.append(e)
+
+    try:
+        wait_for(lambda: (s := status(front)) and s["actors"], timeout=300, what=f"the stack to start\n{up.text()[-3000:]}")
+        threads = [threading.Thread(target=play, args=(i,)) for i in range(CLIENTS)]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        elapsed = time.monotonic() - started
+        final = status(front)
+    finally:
+        code = up.stop()
+    assert not errors, errors[0]
+    assert code == 0, up.text()[-3000:]
+    untrained = [r for r, v in rewards if v == 0]
+    windows = [statistics.mean(r for r, _ in rewards[i : i + WINDOW]) for i in range(0, BUDGET - WINDOW + 1, WINDOW)]
+    summary = f"{len(rewards)} responses in {elapsed:.0f} s, windows of {WINDOW}: {' '.join(f'{w:.2f}' for w in windows)}"
+    summary += f"; learner {final and {k: v for k, v in final['learner'].items() if k.startswith(('counters', 'updates', 'charts'))}}"
+    assert len(untrained) >= 100 and statistics.mean(untrained) < 0.2, f"untrained {statistics.mean(untrained):.2f}; {summary}"
+    assert max(v for _, v in rewards) >= 20, f"the actor served no trained version; {summary}"  # the learner published, the actor took it
+    # learned, and still learned over the last 600 responses (measured: 0.73 to 0.84 there, from 0.07 untrained)
+    assert min(windows[-4:]) >= 0.5 and statistics.mean(windows[-4:]) >= 0.6, summary
+    assert final is not None and final["learner"].get("counters/dropped_mismatched", 0) == 0
