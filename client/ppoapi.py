@@ -13,7 +13,7 @@ What differs from the HTTP client: requests have a deadline and are retried
 under the protocol's rule (client/retry.py) instead of waiting forever, and an
 error reply raises its client.errors.PPOZError subclass where the HTTP client
 raised requests' HTTPError. Kea logs any exception and skips the step, so both
-end the same way. `generate` is not served: PPOZ scores candidate actions only.
+end the same way. `generate` asks the policy for a response (generation-mode PPO).
 """
 
 from __future__ import annotations
@@ -127,12 +127,30 @@ class PPOClient:
         reply = self.client.feedback(task_id, float(reward), done=bool(done), truncated=bool(truncated), next_obs=next_obs or None)
         return _without_header(reply)
 
-    def generate(self, prompt: str, **kwargs: Any) -> dict[str, Any]:
-        """Not served: PPOZ scores the candidate actions Kea lists (step/rag_step); it generates no text."""
-        raise NotImplementedError(
-            "PPOClient.generate: a PPOZ broker serves candidate scoring only (step/rag_step choose among obs['action']); "
-            "free-text generation is not part of the PPOZ protocol"
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+    ) -> dict[str, Any]:
+        """A response written by the policy to `prompt` (or chat `messages`): `{"task_id", "status": "ok", "text",
+        "n_tokens", "finish_reason", "logprob", "policy_version"}`. Its reward goes in with `feedback`, as a step's."""
+        reply = self.client.generate(
+            self._attached(),
+            prompt,
+            messages=messages,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
         )
+        return _without_header(reply)
 
 
 __all__ = ["PPOClient"]

@@ -16,6 +16,7 @@ class GatewayConfig:
     broker: str = option("tcp://127.0.0.1:5555", "the broker's client endpoint (its `frontend`)")
     request_deadline_s: float = option(60.0, "longest one HTTP request waits for the broker, retries included")
     attempt_timeout_s: float = option(10.0, "longest wait for one attempt's reply before the request is sent again")
+    generate_deadline_s: float = option(300.0, "POST /generate without deadline_ms: longest it waits for the response, retries included")
     max_inflight: int = option(256, "most requests forwarded at once; more wait for a free slot until their deadline")
     max_body_bytes: int = option(8 * 1024 * 1024, "largest HTTP request body accepted")
     curve_secret_key: str = option(
@@ -30,6 +31,7 @@ class GatewayConfig:
         check(0 <= self.port <= 65535, f"`port` must be 0-65535, got {self.port}")
         check(self.request_deadline_s > 0, f"`request_deadline_s` must be positive, got {self.request_deadline_s}")
         check(self.attempt_timeout_s > 0, f"`attempt_timeout_s` must be positive, got {self.attempt_timeout_s}")
+        check(self.generate_deadline_s > 0, f"`generate_deadline_s` must be positive, got {self.generate_deadline_s}")
         check(self.max_inflight >= 1, f"`max_inflight` must be at least 1, got {self.max_inflight}")
         check(self.max_body_bytes >= 1024, f"`max_body_bytes` must be at least 1024, got {self.max_body_bytes}")
         check_client_settings(self.curve_secret_key, {"curve_server_key": self.curve_server_key})

@@ -7,6 +7,8 @@ unmodified Kea builds call:
     POST /ask?task_id=T               -> {"status": "ok"} or {"status": "wait", "retry_after_ms": ...}
     POST /step     {"task_id", "obs"} -> {"task_id", "status": "ok", "action": int, ...}
     POST /rag_step {"task_id", "obs"} -> as /step
+    POST /generate {"task_id", "prompt" or "messages", "sampling", ["deadline_ms"]}
+                                      -> {"task_id", "status": "ok", "text", "n_tokens", "finish_reason", "logprob", ...}
     POST /feedback {"task_id", "reward", "done", ["next_obs"]} -> {"status": "ok", ...}
     POST /detach?task_id=T            -> {"status": "detached", ...}
     GET  /health                      -> {"status": "ok"} when the broker answers
@@ -37,6 +39,7 @@ HTTP_STATUS = {
     p.E_INTERNAL: 502,
 }
 HEADER_FIELDS = ("proto", "v", "op", "rid")
+GENERATE_FIELDS = ("task_id", "prompt", "messages", "sampling", "deadline_ms")
 
 
 class HTTPError(Exception):
@@ -69,6 +72,7 @@ ROUTES = {
     ("POST", "/ask"): "ask",
     ("POST", "/step"): "step",
     ("POST", "/rag_step"): "rag_step",
+    ("POST", "/generate"): "generate",
     ("POST", "/feedback"): "feedback",
     ("POST", "/detach"): "detach",
     ("GET", "/health"): "health",
@@ -105,6 +109,8 @@ def translate(method: str, path: str, query: str, body: bytes) -> Forward:
                 400, p.E_BAD_REQUEST, f"{path} needs `obs`, an object with prompt, question and action; got {data.get('obs')!r}"
             )
         return Forward(p.OP_STEP if name == "step" else p.OP_RAG_STEP, {"task_id": task_id, "obs": data["obs"]})
+    if name == "generate":  # the broker checks the prompt and the sampling settings and names what is wrong
+        return Forward(p.OP_GENERATE, {k: v for k, v in data.items() if k in GENERATE_FIELDS})
     fields: dict[str, Any] = {
         "task_id": task_id,
         "reward": data.get("reward"),

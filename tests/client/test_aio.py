@@ -197,3 +197,33 @@ def test_a_cancelled_request_leaves_the_client_usable(serving, zmq_context):
 def test_bad_timeouts_are_refused(deadline, attempt_timeout):
     with pytest.raises(ValueError, match="must be a positive number of seconds"):
         AsyncClient("tcp://127.0.0.1:5555", deadline=deadline, attempt_timeout=attempt_timeout)
+
+
+def test_generate_and_wait_turn(start_broker, start_actor, zmq_context, tiny_models, redis_client, key_prefix):
+    from actor_node.llm_policy import LLMPolicy, SamplingConfig
+    from common.policy_model import ModelSpec, load_policy
+
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
+    broker = start_broker(segment_len=1)
+    start_actor(broker.backend, policy=LLMPolicy(model, tokenizer, SamplingConfig()))
+
+    async def main() -> list[dict]:
+        async with AsyncClient(broker.frontend, deadline=60, attempt_timeout=30, context=zmq_context) as client:
+            tasks = [await client.attach() for _ in range(3)]
+            for task in tasks:
+                await client.wait_turn(task)
+
+            async def one(i: int, task: str) -> dict:
+                reply = await client.generate(task, f"prompt {i}", max_new_tokens=3 + i, seed=i)
+                await client.feedback(task, float(i), done=True)
+                return reply
+
+            replies = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))  # in flight together, in one batch
+            with pytest.raises(ValueError, match="exactly one of"):
+                await client.generate(tasks[0], max_new_tokens=3)
+            return replies
+
+    replies = asyncio.run(main())
+    assert [r["n_tokens"] for r in replies] == [3, 4, 5]
+    stored = wait_for(lambda: len(redis_client.xrange(f"{key_prefix}:segments")) == 3 and redis_client.xrange(f"{key_prefix}:segments"))
+    assert sorted(Segment.from_entry(f).transitions[0].reward for _, f in stored) == [0.0, 1.0, 2.0]

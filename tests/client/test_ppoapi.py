@@ -125,10 +125,22 @@ def test_a_url_without_a_scheme_is_refused():
         PPOClient(base_url="localhost:5555")
 
 
-def test_generate_is_not_served(ppo_client):
-    client = ppo_client("tcp://127.0.0.1:1")
-    with pytest.raises(NotImplementedError, match="candidate scoring only"):
-        client.generate("Describe the screen", max_new_tokens=10)
-    client.task_id = "emu-1"
-    with pytest.raises(NotImplementedError):
+def test_generate_writes_a_response_and_takes_its_reward(start_broker, start_actor, ppo_client, tiny_models, redis_client, key_prefix):
+    from actor_node.llm_policy import LLMPolicy, SamplingConfig
+    from common.policy_model import ModelSpec, load_policy
+    from tests.helpers import wait_for
+
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
+    broker = start_broker(segment_len=1)
+    start_actor(broker.backend, policy=LLMPolicy(model, tokenizer, SamplingConfig()))
+    client = ppo_client(broker.frontend)
+    with pytest.raises(ValueError, match="not attached"):
         client.generate("Describe the screen")
+    client.attach()
+    wait_for(lambda: client.ask()["status"] == "ok", timeout=30, what="the actor")
+    reply = client.generate("Describe the screen", max_new_tokens=4, temperature=0.5)
+    assert set(reply) == {"task_id", "status", "text", "n_tokens", "finish_reason", "logprob", "policy_version"}
+    assert reply["n_tokens"] == 4 and reply["finish_reason"] == "length"
+    client.feedback(np.float32(0.5), np.bool_(True))
+    (seg,) = wait_for(lambda: [Segment.from_entry(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")], what="the segment")
+    assert seg.transitions[0].mode == p.OP_GENERATE and seg.transitions[0].reward == 0.5

@@ -254,3 +254,29 @@ def test_ppoz_gateway_command_serves_and_stops_on_sigterm(start_broker, start_ac
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_generate_over_http(start_broker, start_actor, make_client, start_gateway, tiny_models):
+    from actor_node.llm_policy import LLMPolicy, SamplingConfig
+    from common.policy_model import ModelSpec, load_policy
+
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
+    broker = start_broker(max_new_tokens=32)
+    start_actor(broker.backend, policy=LLMPolicy(model, tokenizer, SamplingConfig()))
+    wait_for(lambda: actors_ready(make_client(broker.frontend), 1), what="the actor")
+    base = url(start_gateway(broker.frontend))
+    task = requests.post(f"{base}/attach", timeout=30).json()["task_id"]
+    body = {"task_id": task, "prompt": "hello there", "sampling": {"max_new_tokens": 5, "temperature": 0.9, "seed": 3}}
+    reply = requests.post(f"{base}/generate", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    out = reply.json()
+    assert out["status"] == "ok" and out["n_tokens"] == 5 and out["finish_reason"] == "length" and isinstance(out["text"], str)
+    assert out["task_id"] == task and out["logprob"] < 0 and out["policy_version"] == 0 and "rid" not in out
+    assert requests.post(f"{base}/feedback", json={"task_id": task, "reward": 1.0, "done": True}, timeout=30).status_code == 200
+    # Bad input is named with the broker's words and the right status.
+    too_long = requests.post(f"{base}/generate", json={**body, "sampling": {"max_new_tokens": 33}}, timeout=30)
+    assert too_long.status_code == 413 and "the limit is 32" in too_long.json()["error"]
+    unknown = requests.post(f"{base}/generate", json={**body, "sampling": {"max_new_tokens": 4, "n": 2}}, timeout=30)
+    assert unknown.status_code == 400 and "unknown `sampling` keys: n" in unknown.json()["error"]
+    empty = requests.post(f"{base}/generate", json={"task_id": task, "prompt": "", "sampling": {"max_new_tokens": 4}}, timeout=30)
+    assert empty.status_code == 400 and "`prompt` is empty" in empty.json()["error"]
