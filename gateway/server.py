@@ -45,8 +45,10 @@ class ClientPool:
         deadline = self.cfg.request_deadline_s
         if op == p.OP_GENERATE:  # a response takes as many forwards as it has tokens: its own deadline
             asked = fields.get("deadline_ms")
-            given = isinstance(asked, int) and not isinstance(asked, bool) and asked > 0
-            deadline = asked / 1000 if given else self.cfg.generate_deadline_s
+            if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
+                deadline = asked / 1000
+            else:
+                deadline = self.cfg.generate_deadline_s
         end = time.monotonic() + deadline
         if not self.slots.acquire(timeout=deadline):
             raise ppoapi.HTTPError(503, p.E_OVERLOADED, f"the gateway has {self.cfg.max_inflight} requests in flight; try again")
