@@ -25,6 +25,9 @@ class BrokerConfig:
         300_000, "generate: the default and the longest deadline of a request (a response takes as many forwards as it has tokens)"
     )
     max_new_tokens: int = option(4096, "generate: the largest response budget (`sampling.max_new_tokens`) a request may ask for")
+    max_stop_strings: int = option(8, "generate: most strings in `sampling.stop`")
+    max_stop_chars: int = option(256, "generate: most characters in one stop string")
+    max_messages: int = option(256, "generate: most entries in `messages`")
     heartbeat_ms: int = option(1000, "heartbeat interval towards actors")
     metrics_bind: str = option("", "HOST:PORT for a Prometheus text endpoint (GET /metrics), e.g. 127.0.0.1:9101; empty: off")
     drain_timeout_s: float = option(10.0, "on SIGTERM, how long steps in flight may take to finish before the broker exits anyway")
@@ -62,7 +65,8 @@ class BrokerConfig:
         check(self.drain_timeout_s >= 0, f"`drain_timeout_s` must be 0 or more, got {self.drain_timeout_s}")
         check(self.request_timeout_ms > 0, f"`request_timeout_ms` must be positive, got {self.request_timeout_ms}")
         check(self.generate_timeout_ms > 0, f"`generate_timeout_ms` must be positive, got {self.generate_timeout_ms}")
-        check(self.max_new_tokens > 0, f"`max_new_tokens` must be positive, got {self.max_new_tokens}")
+        for name in ("max_new_tokens", "max_stop_strings", "max_stop_chars", "max_messages"):
+            check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
         check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
         check(self.actor_job_timeout_ms > 0, f"`actor_job_timeout_ms` must be positive, got {self.actor_job_timeout_ms}")
@@ -106,4 +110,7 @@ class BrokerConfig:
             max_action_chars=self.max_action_chars,
             max_prompt_chars=self.max_prompt_chars,
             max_new_tokens=self.max_new_tokens,
+            max_stop_strings=self.max_stop_strings,
+            max_stop_chars=self.max_stop_chars,
+            max_messages=self.max_messages,
         )

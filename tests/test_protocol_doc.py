@@ -18,7 +18,7 @@ def examples():
 
 def test_doc_has_an_example_of_every_client_operation_and_error_reply():
     ops = {body["op"] for body, _ in examples()}
-    assert {"attach", "detach", "ask", "step", "feedback", "ping"} <= ops
+    assert {"attach", "detach", "ask", "step", "generate", "feedback", "ping"} <= ops
     assert any("error" in body for body, _ in examples())
 
 
@@ -38,6 +38,8 @@ def test_every_request_example_passes_the_brokers_checks():
         assert op in p.CLIENT_OPS and rid
         if "obs" in body:
             p.check_obs(body, p.Limits())
+        if op == p.OP_GENERATE:
+            p.check_generate(body, p.Limits())
 
 
 def test_doc_lists_every_error_code_and_operation():

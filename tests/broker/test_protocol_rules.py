@@ -17,6 +17,7 @@ from tests.broker.test_broker import obs, raw_request, running, segments, stack 
 from tests.helpers import OBS, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
+GENERATE_LIMITS = {"max_new_tokens": 4096, "max_stop_strings": 8, "max_stop_chars": 256, "max_messages": 256}
 DOC = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
 
 
@@ -154,14 +155,26 @@ def test_a_step_answered_timeout_is_abandoned_its_late_result_dropped_and_a_retr
 def test_status_reports_the_limits_and_every_latency_key_before_any_sample(start_broker, make_client):
     broker = start_broker(max_actions=7, max_action_chars=100, max_prompt_chars=5000, max_message_bytes=65536)
     status = make_client(broker.frontend).status()
-    assert status["limits"] == {"max_message_bytes": 65536, "max_actions": 7, "max_action_chars": 100, "max_prompt_chars": 5000}
+    assert status["limits"] == {
+        "max_message_bytes": 65536,
+        "max_actions": 7,
+        "max_action_chars": 100,
+        "max_prompt_chars": 5000,
+        **GENERATE_LIMITS,
+    }
     assert status["added_latency"] == {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
     assert all(isinstance(status["added_latency"][k], float) for k in ("p50_ms", "p99_ms", "max_ms"))
 
 
 def test_the_default_limits_are_the_documented_ones(broker, make_client):
     limits = make_client(broker.frontend).status()["limits"]
-    assert limits == {"max_message_bytes": 4 * 1024 * 1024, "max_actions": 256, "max_action_chars": 4096, "max_prompt_chars": 1_000_000}
+    assert limits == {
+        "max_message_bytes": 4 * 1024 * 1024,
+        "max_actions": 256,
+        "max_action_chars": 4096,
+        "max_prompt_chars": 1_000_000,
+        **GENERATE_LIMITS,
+    }
     for name, value in limits.items():
         assert f"| `{name}` | {value} |" in DOC, f"docs/protocol.md must give {name}'s default, {value}"
 
