@@ -3,10 +3,10 @@
 Three parts, top to bottom:
 
 - Packed forwards (`packed_hidden`, `response_logprobs`): prompts and responses of
-  different lengths go one after another in one row, position ids restarting at 0
-  for each; with no attention mask and no cache, transformers builds the
-  block-diagonal causal mask from the position ids, so each sequence sees only
-  itself, and no compute goes to padding. The LM head runs only at the positions
+  different lengths go one after another in rows as long as the longest sequence,
+  position ids restarting at 0 for each, under a block-diagonal causal 4D mask (as
+  the scoring path builds its own), so each sequence sees only itself and little
+  compute goes to padding; several rows make one forward, up to a token budget. The LM head runs only at the positions
   that predict response tokens, in float32 (common.scoring.head_logits), in chunks
   recomputed in the backward pass so a 150k vocabulary never holds every
   position's logits at once.
@@ -65,22 +65,41 @@ def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
 def packed_hidden(decoder: Any, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], budget: int) -> list[torch.Tensor]:
     """The decoder's last hidden state at `positions[i]` of each sequence i, [len(positions[i]), width].
 
-    Sequences are packed into rows of at most `budget` tokens, one forward per row. Gradients
-    flow if enabled."""
+    Sequences are packed into rows as long as the longest of them (so a row's attention costs
+    about what its longest sequence's own does: a row of many sequences under a dense mask would
+    cost its length squared), position ids restarting at 0 for each and a block-diagonal causal
+    mask keeping each to itself; as many rows as fit in `budget` tokens go through one forward.
+    Gradients flow if enabled."""
     device = next(decoder.parameters()).device
+    use_bool, dtype = scoring._mask_value(decoder)
     out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
-    for row in pack([len(s) for s in sequences], budget):
-        ids = [t for i in row for t in sequences[i]]
-        pos = [p for i in row for p in range(len(sequences[i]))]
+    rows = pack([len(s) for s in sequences], max([len(s) for s in sequences], default=1))
+    width = max([sum(len(sequences[i]) for i in row) for row in rows], default=1)
+    per_forward = max(1, budget // width)
+    for first in range(0, len(rows), per_forward):
+        group = rows[first : first + per_forward]
+        length = max(sum(len(sequences[i]) for i in row) for row in group)
+        ids = torch.zeros(len(group), length, dtype=torch.long, device=device)
+        pos = torch.zeros(len(group), length, dtype=torch.long, device=device)
+        allowed = torch.zeros(len(group), 1, length, length, dtype=torch.bool, device=device)
+        for b, row in enumerate(group):
+            start = 0
+            for i in row:
+                n = len(sequences[i])
+                ids[b, start : start + n] = torch.tensor(list(sequences[i]), device=device)
+                pos[b, start : start + n] = torch.arange(n, device=device)
+                allowed[b, 0, start : start + n, start : start + n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+                start += n
+            for pad in range(start, length):  # padding attends to itself only, so its softmax stays finite
+                allowed[b, 0, pad, pad] = True
         hidden = decoder(
-            input_ids=torch.tensor([ids], device=device),
-            position_ids=torch.tensor([pos], device=device),
-            use_cache=False,  # no cache and no mask: the mask comes from the restarting position ids
-        ).last_hidden_state[0]
-        start = 0
-        for i in row:
-            out[i] = hidden[start + torch.tensor(list(positions[i]), dtype=torch.long, device=device)]
-            start += len(sequences[i])
+            input_ids=ids, position_ids=pos, attention_mask=scoring._attention_mask(allowed, use_bool, dtype), use_cache=False
+        ).last_hidden_state
+        for b, row in enumerate(group):
+            start = 0
+            for i in row:
+                out[i] = hidden[b, start + torch.tensor(list(positions[i]), dtype=torch.long, device=device)]
+                start += len(sequences[i])
     return out
 
 

@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
     from ppoz.bench import broker as broker_bench
+    from ppoz.bench import generate as generate_bench
     from ppoz.bench import learner as learner_bench
     from ppoz.bench import learning as learning_bench
     from ppoz.bench import rag as rag_bench
@@ -158,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
             rag_bench,
             "what rag_step's retrieval adds to a step, side by side with the plain step",
             "Time step, retrieval and rag_step on simulated Kea tasks with a corpus (docs/benchmarks.md).",
+        ),
+        (
+            generate_bench,
+            "responses for many clients at once: one at a time with model.generate vs PPOZ's batching actor",
+            "Greedy responses for concurrent clients, PPOAPI's way (model.generate, one request at a time) and through a "
+            "real broker and PPOZ's actor, side by side on one model: tokens/s, p50/p99 latency, equal outputs.",
         ),
         (
             learning_bench,

@@ -25,6 +25,10 @@ from typing import Any
 import torch
 
 SHAPES = [(1024, 32), (4096, 32)]
+# The generation case: 16 responses of 64 to 512 tokens after 1k-token prompts, one token-level policy step.
+GEN_RESPONSES = 16
+GEN_PROMPT = 1024
+GEN_LENGTHS = (64, 512)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: 32000)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
     parser.add_argument("--shapes", default="", help="prompt x candidates list (default: 1024x32,4096x32)")
+    parser.add_argument(
+        "--gen-micro-tokens", type=int, default=8192, help="generation case: tokens per packed forward (default: 8192, as the learner)"
+    )
+    parser.add_argument("--no-generation", action="store_true", help="leave out the generation case")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--child", nargs=3, metavar=("METHOD", "PROMPT", "N"), help=argparse.SUPPRESS)
 
@@ -40,6 +48,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def generation_step(model: Any, method: str, vocab: int, micro_tokens: int) -> int:
+    """One token-level policy step on GEN_RESPONSES responses: the PPO surrogate at ratio 1 on every response token,
+    backward per forward (gradient accumulation), one optimizer step by the caller. Returns the tokens pushed
+    through the model (padding included). `packed`: learner_node.generation's path, rows of at most
+    `micro_tokens` real tokens; `padded`: the whole batch right-padded to its longest sequence, one forward."""
+    from common import scoring
+    from learner_node.generation import head_logprobs, response_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(GEN_LENGTHS[0], GEN_LENGTHS[1], GEN_RESPONSES).round().long().tolist()
+    prompts = [torch.randint(3, vocab, (GEN_PROMPT,), generator=gen).tolist() for _ in lengths]
+    responses = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    total = sum(len(r) for r in responses)
+    if method == "packed":
+        from learner_node.generation import pack
+
+        pushed = 0
+        for row in pack([len(p) + len(r) for p, r in zip(prompts, responses)], micro_tokens):
+            logp, _ = response_logprobs(model, [prompts[i] for i in row], [responses[i] for i in row], [1.0] * len(row), micro_tokens)
+            flat = torch.cat(logp)
+            (-(flat - flat.detach()).exp().sum() / total).backward()
+            pushed += sum(len(prompts[i]) + len(responses[i]) - 1 for i in row)
+        return pushed
+    decoder, head, post = scoring.model_parts(model)
+    device = next(model.parameters()).device
+    longest = max(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
+    ids = torch.zeros(len(lengths), longest, dtype=torch.long, device=device)
+    mask = torch.zeros(len(lengths), longest, dtype=torch.long, device=device)
+    rows, cols, targets = [], [], []
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        seq = p + r[:-1]
+        ids[b, : len(seq)] = torch.tensor(seq, device=device)
+        mask[b, : len(seq)] = 1
+        rows += [b] * len(r)
+        cols += list(range(len(p) - 1, len(p) - 1 + len(r)))
+        targets += r
+    hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    picked = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]
+    flat, _ = head_logprobs(head, post, picked, torch.tensor(targets, device=device), torch.ones(len(targets), device=device))
+    (-(flat - flat.detach()).exp().sum() / total).backward()
+    return int(ids.numel())
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,7 +107,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
     model.train()
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-    item = observation(prompt, n, args.vocab, torch.Generator().manual_seed(0))
+    item = observation(prompt, n, args.vocab, torch.Generator().manual_seed(0)) if not method.startswith("gen_") else None
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -64,11 +115,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     else:
         before = _rss_mb()
     start = time.perf_counter()
-    sums = full_sequences_scores(model, item) if method == "full_sequences" else scoring.score_packed(model, [item])[0]
-    logp = scoring.policy_logprobs(scoring.normalise(sums.float(), item, "token"), 1.0)
-    ratio = (logp[0] - logp[0].detach()).exp()
-    loss = -(ratio * 1.0) - 0.01 * -(logp.exp() * logp).sum()  # PPO surrogate at ratio 1, advantage 1, entropy bonus
-    loss.backward()
+    pushed = 0
+    if item is None:  # the generation case
+        pushed = generation_step(model, method[len("gen_") :], args.vocab, args.gen_micro_tokens)
+    else:
+        sums = full_sequences_scores(model, item) if method == "full_sequences" else scoring.score_packed(model, [item])[0]
+        logp = scoring.policy_logprobs(scoring.normalise(sums.float(), item, "token"), 1.0)
+        ratio = (logp[0] - logp[0].detach()).exp()
+        loss = -(ratio * 1.0) - 0.01 * -(logp.exp() * logp).sum()  # PPO surrogate at ratio 1, advantage 1, entropy bonus
+        loss.backward()
     opt.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -76,7 +131,27 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
     elapsed = time.perf_counter() - start
-    return {"peak_mb": round(peak, 1), "seconds": round(elapsed, 3)}
+    return {"peak_mb": round(peak, 1), "seconds": round(elapsed, 3), "tokens_pushed": pushed}
+
+
+def _in_child(args: argparse.Namespace, method: str, prompt: int, n: int, transitions: int) -> dict[str, Any]:
+    """Run one (method, shape) in a fresh process: its peak memory is its own."""
+    cmd = [sys.executable, "-m", "ppoz.bench.learner", "--hidden", str(args.hidden), "--layers", str(args.layers)]
+    cmd += ["--vocab", str(args.vocab), "--device", args.device, "--gen-micro-tokens", str(args.gen_micro_tokens)]
+    out = subprocess.run([*cmd, "--child", method, str(prompt), str(n)], capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    result = {"peak_mb": got["peak_mb"], "transitions_per_s": round(transitions / got["seconds"], 4), "seconds": got["seconds"]}
+    if got.get("tokens_pushed"):
+        result["tokens_pushed"] = got["tokens_pushed"]
+    return result
+
+
+def _compare(case: dict[str, Any], baseline: str, ours: str) -> None:
+    if "peak_mb" in case.get(baseline, {}) and "peak_mb" in case.get(ours, {}):
+        case["memory_ratio"] = round(case[baseline]["peak_mb"] / max(case[ours]["peak_mb"], 1e-6), 2)
+        case["speedup"] = round(case[ours]["transitions_per_s"] / case[baseline]["transitions_per_s"], 2)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -85,32 +160,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for prompt, n in shapes:
         case: dict[str, Any] = {"prompt_tokens": prompt, "n_actions": n}
         for method in ("full_sequences", "ppoz"):
-            cmd = [
-                sys.executable,
-                "-m",
-                "ppoz.bench.learner",
-                "--hidden",
-                str(args.hidden),
-                "--layers",
-                str(args.layers),
-                "--vocab",
-                str(args.vocab),
-                "--device",
-                args.device,
-                "--child",
-                method,
-                str(prompt),
-                str(n),
-            ]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                case[method] = {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
-                continue
-            got = json.loads(out.stdout.strip().splitlines()[-1])
-            case[method] = {"peak_mb": got["peak_mb"], "transitions_per_s": round(1 / got["seconds"], 4), "seconds": got["seconds"]}
-        if "peak_mb" in case.get("full_sequences", {}) and "peak_mb" in case.get("ppoz", {}):
-            case["memory_ratio"] = round(case["full_sequences"]["peak_mb"] / max(case["ppoz"]["peak_mb"], 1e-6), 2)
-            case["speedup"] = round(case["ppoz"]["transitions_per_s"] / case["full_sequences"]["transitions_per_s"], 2)
+            case[method] = _in_child(args, method, prompt, n, 1)
+        _compare(case, "full_sequences", "ppoz")
+        cases.append(case)
+    if not args.no_generation:
+        case = {"generation": True, "responses": GEN_RESPONSES, "prompt_tokens": GEN_PROMPT, "response_tokens": list(GEN_LENGTHS)}
+        case["micro_batch_tokens"] = args.gen_micro_tokens
+        for method in ("padded", "packed"):
+            case[method] = _in_child(args, f"gen_{method}", GEN_PROMPT, GEN_RESPONSES, GEN_RESPONSES)
+        _compare(case, "padded", "packed")
         cases.append(case)
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     return {
@@ -131,6 +189,14 @@ def main(args: argparse.Namespace) -> int:
     print(f"learner bench: one PPO policy step, llama-style {args.hidden}x{args.layers}, LoRA rank 8, {result['model']['device']}")
     for c in result["cases"]:
         parts = []
+        if c.get("generation"):
+            for method in ("padded", "packed"):
+                r = c.get(method, {})
+                done = f"{r['peak_mb']:.0f} MB, {r['transitions_per_s']:.2f} responses/s" if "peak_mb" in r else r.get("error", "?")
+                parts.append(f"{method} {done}")
+            extra = f"  memory {c['memory_ratio']}x less, {c['speedup']}x faster" if "memory_ratio" in c else ""
+            print(f"  generation, {c['responses']} responses of 64-512 tokens after {c['prompt_tokens']}: " + "; ".join(parts) + extra)
+            continue
         for method in ("full_sequences", "ppoz"):
             r = c.get(method, {})
             parts.append(f"{method} " + (f"{r['peak_mb']:.0f} MB, {r['seconds']:.2f} s" if "peak_mb" in r else r.get("error", "?")))
