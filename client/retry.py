@@ -96,8 +96,9 @@ def generate_fields(
         sampling["stop"] = list(stop)
     if seed is not None:
         sampling["seed"] = seed
-    fields: dict[str, Any] = {"task_id": task_id, "sampling": sampling}
+    fields: dict[str, Any] = {"task_id": task_id}
     fields.update({"prompt": prompt} if prompt is not None else {"messages": messages})
+    fields["sampling"] = sampling  # after the prompt: the key order of docs/protocol.md and the conformance vectors
     if deadline is not None:
         fields["deadline_ms"] = max(1, int(deadline * 1000))
     return fields

@@ -28,3 +28,23 @@ def test_python_encodes_and_decodes_every_vector_byte_for_byte():
         decoded = p.decode(data)
         assert decoded == body and list(decoded) == list(body), wire.name  # same keys, same order
         assert msgpack.unpackb(data, raw=False) == body
+
+
+def test_the_python_clients_generate_requests_are_the_vectors_byte_for_byte():
+    """What Client.generate sends (client/retry.py builds the fields) for the two documented generate requests."""
+    from client.retry import build_request, generate_fields
+
+    plain = generate_fields("qa-3", "Q: 2 + 3 = ? Answer with a number.\nA:", None, 16, 1.0, 0.9, ["\n"], 7, None)
+    chat = generate_fields(
+        "qa-3",
+        None,
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+        8,
+        0.0,
+        1.0,
+        None,
+        None,
+        20.0,
+    )
+    for name, rid, fields in (("generate-request", "g1", plain), ("generate-request-2", "g2", chat)):
+        assert p.encode(build_request(p.OP_GENERATE, rid, fields)) == (OUT / f"{name}.msgpack").read_bytes(), name

@@ -37,6 +37,7 @@ struct ppoz_client {
     unsigned long attempts;
     int has_reply;
     ppoz_reply reply;         /* the last reply whose rid matched */
+    ppoz_reply scratch;       /* the reply being read (here, not on the stack: it holds a text of PPOZ_TEXT_CAP bytes) */
     char code[32];
     char message[512];
 };
@@ -82,9 +83,12 @@ int ppoz_code_to_rc(const char *code)
 
 static const char *const OP_NAMES[] = {
     [PPOZ_OP_ATTACH] = "attach", [PPOZ_OP_DETACH] = "detach",     [PPOZ_OP_ASK] = "ask",
-    [PPOZ_OP_STEP] = "step",     [PPOZ_OP_RAG_STEP] = "rag_step", [PPOZ_OP_FEEDBACK] = "feedback",
-    [PPOZ_OP_STATUS] = "status", [PPOZ_OP_PING] = "ping",
+    [PPOZ_OP_STEP] = "step",     [PPOZ_OP_RAG_STEP] = "rag_step", [PPOZ_OP_GENERATE] = "generate",
+    [PPOZ_OP_FEEDBACK] = "feedback", [PPOZ_OP_STATUS] = "status", [PPOZ_OP_PING] = "ping",
 };
+
+/* A generate reply's finish_reason: the protocol's closed list. */
+static const char *const FINISH_REASONS[] = {"eos", "stop", "length"};
 
 const char *ppoz_op_name(ppoz_op op)
 {
@@ -173,12 +177,88 @@ static int valid_task_id(const char *s)
     return 1;
 }
 
+/* The longest prefix of s[0..len) of at most `max` bytes that ends on a UTF-8 character boundary
+ * (a cut never leaves the first bytes of a character). */
+static size_t utf8_prefix(const char *s, size_t len, size_t max)
+{
+    if (len <= max)
+        return len;
+    size_t n = max;
+    while (n > 0 && ((unsigned char)s[n] & 0xc0) == 0x80) /* s[n] continues the character before it */
+        n--;
+    return n;
+}
+
 /* --- Encoding --------------------------------------------------------------------------- */
 
 static int pack_cstr(msgpack_packer *pk, const char *s)
 {
     size_t n = strlen(s);
     return msgpack_pack_str(pk, n) != 0 || msgpack_pack_str_body(pk, s, n) != 0 ? -1 : 0;
+}
+
+/* A generate request's prompt or messages and sampling; 0 when they can be encoded, else -1 with the reason. */
+static int check_generate(const ppoz_request *req, char *why, size_t why_cap)
+{
+    int has_messages = req->roles != NULL || req->contents != NULL || req->n_messages > 0;
+    if ((req->prompt != NULL) == has_messages) {
+        say(why, why_cap, "generate needs exactly one of `prompt` and `messages` (roles and contents), got %s",
+            has_messages ? "both" : "neither");
+        return -1;
+    }
+    if (has_messages) {
+        if (req->roles == NULL || req->contents == NULL || req->n_messages == 0) {
+            say(why, why_cap, "`messages` needs n_messages >= 1 and both `roles` and `contents`, got n_messages %zu, roles %s, contents %s",
+                req->n_messages, req->roles == NULL ? "NULL" : "set", req->contents == NULL ? "NULL" : "set");
+            return -1;
+        }
+#if SIZE_MAX > UINT32_MAX
+        if (req->n_messages > UINT32_MAX) { /* a msgpack array holds at most 2^32 - 1 items */
+            say(why, why_cap, "too many messages: %zu", req->n_messages);
+            return -1;
+        }
+#endif
+        for (size_t i = 0; i < req->n_messages; i++) {
+            if (req->roles[i] == NULL || req->contents[i] == NULL) {
+                say(why, why_cap, "`messages[%zu].%s` is NULL", i, req->roles[i] == NULL ? "role" : "content");
+                return -1;
+            }
+        }
+    }
+    const ppoz_sampling *s = &req->sampling;
+    if (s->max_new_tokens < 1) {
+        say(why, why_cap, "`sampling.max_new_tokens` must be at least 1, got %d", s->max_new_tokens);
+        return -1;
+    }
+    if (!isfinite(s->temperature) || s->temperature < 0) {
+        say(why, why_cap, "`sampling.temperature` must be a finite number >= 0 (0 is greedy), got %g", s->temperature);
+        return -1;
+    }
+    if (!(s->top_p > 0 && s->top_p <= 1)) { /* NaN fails too */
+        say(why, why_cap, "`sampling.top_p` must be in (0, 1], got %g", s->top_p);
+        return -1;
+    }
+    if (s->n_stop > 0 && s->stop == NULL) {
+        say(why, why_cap, "`sampling.stop` is NULL with n_stop %zu", s->n_stop);
+        return -1;
+    }
+#if SIZE_MAX > UINT32_MAX
+    if (s->n_stop > UINT32_MAX) {
+        say(why, why_cap, "too many stop strings: %zu", s->n_stop);
+        return -1;
+    }
+#endif
+    for (size_t i = 0; i < s->n_stop; i++) {
+        if (s->stop[i] == NULL || s->stop[i][0] == '\0') {
+            say(why, why_cap, "`sampling.stop[%zu]` must be a non-empty string, got %s", i, s->stop[i] == NULL ? "NULL" : "\"\"");
+            return -1;
+        }
+    }
+    if (s->has_seed && s->seed < 0) {
+        say(why, why_cap, "`sampling.seed` must be from 0 to 2^63 - 1, got %" PRId64, s->seed);
+        return -1;
+    }
+    return 0;
 }
 
 /* Check a request's fields for its op; 0 when it can be encoded, else -1 with the reason. */
@@ -224,10 +304,12 @@ static int check_request(const ppoz_request *req, char *why, size_t why_cap)
                 return -1;
             }
         }
-        if (req->deadline_ms < 0) {
-            say(why, why_cap, "`deadline_ms` must be positive (or 0 to leave it out), got %d", req->deadline_ms);
-            return -1;
-        }
+    }
+    if (req->op == PPOZ_OP_GENERATE && check_generate(req, why, why_cap) != 0)
+        return -1;
+    if ((req->op == PPOZ_OP_STEP || req->op == PPOZ_OP_RAG_STEP || req->op == PPOZ_OP_GENERATE) && req->deadline_ms < 0) {
+        say(why, why_cap, "`deadline_ms` must be positive (or 0 to leave it out), got %d", req->deadline_ms);
+        return -1;
     }
     if (req->op == PPOZ_OP_FEEDBACK && !isfinite(req->reward)) {
         say(why, why_cap, "`reward` must be finite, got %g", req->reward);
@@ -252,6 +334,8 @@ int ppoz_encode_request(const ppoz_request *req, char **out, size_t *out_len, ch
     uint32_t n_fields = 4 + (with_task ? 1 : 0);
     if (is_step)
         n_fields += 1 + (req->deadline_ms > 0 ? 1 : 0);
+    if (req->op == PPOZ_OP_GENERATE)
+        n_fields += 2 + (req->deadline_ms > 0 ? 1 : 0); /* prompt or messages, sampling */
     if (req->op == PPOZ_OP_FEEDBACK)
         n_fields += 3;
 
@@ -276,6 +360,33 @@ int ppoz_encode_request(const ppoz_request *req, char **out, size_t *out_len, ch
         err |= pack_cstr(&pk, "action") | msgpack_pack_array(&pk, req->n_actions);
         for (size_t i = 0; i < req->n_actions; i++)
             err |= pack_cstr(&pk, req->actions[i]);
+        if (req->deadline_ms > 0)
+            err |= pack_cstr(&pk, "deadline_ms") | msgpack_pack_int(&pk, req->deadline_ms);
+    }
+    if (req->op == PPOZ_OP_GENERATE) {
+        /* the documented order: prompt or messages, sampling {max_new_tokens, temperature, top_p, stop, seed}, deadline_ms */
+        if (req->prompt != NULL) {
+            err |= pack_cstr(&pk, "prompt") | pack_cstr(&pk, req->prompt);
+        } else {
+            err |= pack_cstr(&pk, "messages") | msgpack_pack_array(&pk, req->n_messages);
+            for (size_t i = 0; i < req->n_messages; i++) {
+                err |= msgpack_pack_map(&pk, 2);
+                err |= pack_cstr(&pk, "role") | pack_cstr(&pk, req->roles[i]);
+                err |= pack_cstr(&pk, "content") | pack_cstr(&pk, req->contents[i]);
+            }
+        }
+        const ppoz_sampling *s = &req->sampling;
+        err |= pack_cstr(&pk, "sampling") | msgpack_pack_map(&pk, 3 + (s->n_stop > 0 ? 1 : 0) + (s->has_seed ? 1 : 0));
+        err |= pack_cstr(&pk, "max_new_tokens") | msgpack_pack_int(&pk, s->max_new_tokens);
+        err |= pack_cstr(&pk, "temperature") | msgpack_pack_double(&pk, s->temperature);
+        err |= pack_cstr(&pk, "top_p") | msgpack_pack_double(&pk, s->top_p);
+        if (s->n_stop > 0) {
+            err |= pack_cstr(&pk, "stop") | msgpack_pack_array(&pk, s->n_stop);
+            for (size_t i = 0; i < s->n_stop; i++)
+                err |= pack_cstr(&pk, s->stop[i]);
+        }
+        if (s->has_seed)
+            err |= pack_cstr(&pk, "seed") | msgpack_pack_int64(&pk, s->seed);
         if (req->deadline_ms > 0)
             err |= pack_cstr(&pk, "deadline_ms") | msgpack_pack_int(&pk, req->deadline_ms);
     }
@@ -463,6 +574,25 @@ static int parse_field(const msgpack_object *k, const msgpack_object *v, ppoz_re
             out->time_ms = (int64_t)t;
             out->has_time_ms = 1;
         }
+    } else if (key_is(k, "text")) {
+        if (v->type != MSGPACK_OBJECT_STR)
+            bad = "`text` is not a str";
+        else {
+            out->text_full_len = v->via.str.size;
+            out->text_len = utf8_prefix(v->via.str.ptr, v->via.str.size, sizeof out->text - 1);
+            memcpy(out->text, v->via.str.ptr, out->text_len);
+            out->text[out->text_len] = '\0';
+            out->text_truncated = out->text_len < out->text_full_len;
+            out->has_text = 1;
+        }
+    } else if (key_is(k, "n_tokens")) {
+        if (get_int(v, &out->n_tokens) != 0)
+            bad = "`n_tokens` is not an int";
+        else
+            out->has_n_tokens = 1;
+    } else if (key_is(k, "finish_reason")) {
+        if (copy_str(v, out->finish_reason, sizeof out->finish_reason) != 0)
+            bad = "`finish_reason` is not a str";
     }
     if (bad != NULL) {
         say(why, why_cap, "%s", bad);
@@ -634,15 +764,15 @@ static int attempt(ppoz_client *c, const char *rid, const char *data, size_t len
             if (!zmq_msg_more(&msg))
                 break;
         }
-        ppoz_reply reply;
-        int ok = ppoz_parse_reply(zmq_msg_data(&msg), zmq_msg_size(&msg), &reply, NULL, 0) == PPOZ_OK;
+        ppoz_reply *reply = &c->scratch;
+        int ok = ppoz_parse_reply(zmq_msg_data(&msg), zmq_msg_size(&msg), reply, NULL, 0) == PPOZ_OK;
         zmq_msg_close(&msg);
         /* Its own rid; or rid nil on an error: the broker could not read this request's rid (protocol
          * section 4), and this client has one request in flight per socket (an attempt without reply
          * replaces the socket), so that reply can only be this request's. */
-        if (ok && ((reply.has_rid && reply.rid_len == rid_len && memcmp(reply.rid, rid, rid_len) == 0) ||
-                   (!reply.has_rid && reply.is_error))) {
-            c->reply = reply;
+        if (ok && ((reply->has_rid && reply->rid_len == rid_len && memcmp(reply->rid, rid, rid_len) == 0) ||
+                   (!reply->has_rid && reply->is_error))) {
+            c->reply = *reply;
             c->has_reply = 1;
             return 1;
         }
@@ -810,6 +940,55 @@ int ppoz_step(ppoz_client *c, const char *task_id, const char *prompt, const cha
         *action = (int)c->reply.action;
     if (policy_version != NULL)
         *policy_version = (int)c->reply.policy_version;
+    return PPOZ_OK;
+}
+
+int ppoz_generate(ppoz_client *c, const char *task_id, const char *prompt, const char *const *roles,
+                  const char *const *contents, size_t n_messages, const ppoz_sampling *sampling, int deadline_ms,
+                  char *text, size_t text_cap, size_t *text_len, int *n_tokens, const char **finish_reason,
+                  int *policy_version)
+{
+    CHECK_CLIENT(c);
+    int rc = check_task_arg(c, "ppoz_generate", task_id);
+    if (rc != PPOZ_OK)
+        return rc;
+    if (sampling == NULL)
+        return fail(c, PPOZ_ERR_INVALID_ARGUMENT, NULL, "ppoz_generate: `sampling` is NULL");
+    if (text == NULL && text_cap > 0)
+        return fail(c, PPOZ_ERR_INVALID_ARGUMENT, NULL, "ppoz_generate: `text` is NULL with text_cap %zu", text_cap);
+    ppoz_request req = {.op = PPOZ_OP_GENERATE, .task_id = task_id, .prompt = prompt, .roles = roles, .contents = contents,
+                        .n_messages = n_messages, .sampling = *sampling, .deadline_ms = deadline_ms};
+    if ((rc = request(c, &req)) != PPOZ_OK)
+        return rc; /* argument errors (prompt and messages, the sampling ranges) come back from the encoder, named */
+    if ((rc = expect_status(c, "generate", "ok")) != PPOZ_OK)
+        return rc;
+    const ppoz_reply *r = &c->reply;
+    if (!r->has_text)
+        return fail(c, PPOZ_ERR_PROTOCOL, NULL, "generate reply: `text` missing");
+    if (!r->has_n_tokens || r->n_tokens < 0 || r->n_tokens > INT_MAX)
+        return fail(c, PPOZ_ERR_PROTOCOL, NULL, "generate reply: `n_tokens` missing or out of range");
+    const char *reason = NULL;
+    for (size_t i = 0; i < sizeof FINISH_REASONS / sizeof FINISH_REASONS[0]; i++)
+        if (strcmp(r->finish_reason, FINISH_REASONS[i]) == 0)
+            reason = FINISH_REASONS[i];
+    if (reason == NULL)
+        return fail(c, PPOZ_ERR_PROTOCOL, NULL, "generate reply: `finish_reason` \"%s\" is not eos, stop or length",
+                    r->finish_reason);
+    if (!r->has_policy_version || r->policy_version < INT_MIN || r->policy_version > INT_MAX)
+        return fail(c, PPOZ_ERR_PROTOCOL, NULL, "generate reply: `policy_version` missing or out of range");
+    if (text_cap > 0) {
+        size_t n = utf8_prefix(r->text, r->text_len, text_cap - 1);
+        memcpy(text, r->text, n);
+        text[n] = '\0';
+    }
+    if (text_len != NULL)
+        *text_len = r->text_full_len;
+    if (n_tokens != NULL)
+        *n_tokens = (int)r->n_tokens;
+    if (finish_reason != NULL)
+        *finish_reason = reason;
+    if (policy_version != NULL)
+        *policy_version = (int)r->policy_version;
     return PPOZ_OK;
 }
 

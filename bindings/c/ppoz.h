@@ -35,6 +35,7 @@ extern "C" {
 #define PPOZ_MAX_TASK_ID 128      /* the protocol's bound on a task_id */
 #define PPOZ_TASK_ID_CAP (PPOZ_MAX_TASK_ID + 1) /* a buffer that holds any task id */
 #define PPOZ_DEFAULT_RETRY_AFTER_MS 100 /* the wait before a retry when the reply suggests none */
+#define PPOZ_TEXT_CAP 65536       /* bytes of a generate reply's text a ppoz_reply keeps, its NUL included */
 
 /* Return codes: one per protocol error code (docs/protocol.md, section 4), then local ones. */
 enum {
@@ -95,6 +96,42 @@ int ppoz_ask(ppoz_client *c, const char *task_id, int *ready, int *retry_after_m
 int ppoz_step(ppoz_client *c, const char *task_id, const char *prompt, const char *question,
               const char *const *actions, size_t n_actions, int *action, int *policy_version);
 
+/* generate's sampling settings (docs/protocol.md, section 3), sent as the map `sampling`, keys in
+ * this order. C has no defaults here: set temperature and top_p (1.0 and 1.0 are the broker's). */
+typedef struct ppoz_sampling {
+    int max_new_tokens;        /* the response's token budget: >= 1 (at most the broker's max_new_tokens, 4096 by default) */
+    double temperature;        /* >= 0 (0 is greedy decoding; the broker allows up to 100) */
+    double top_p;              /* in (0, 1] */
+    const char *const *stop;   /* n_stop non-empty stop strings; 0: `stop` left out */
+    size_t n_stop;
+    int has_seed;              /* 1: send `seed`; 0: left out (the broker picks a fresh one) */
+    int64_t seed;              /* 0 to 2^63 - 1 */
+} ppoz_sampling;
+
+/*
+ * Ask the policy to write a response (docs/protocol.md, "generate"). The prompt is exactly one of
+ * `prompt` (a string, tokenized as it is) and the chat `messages`: n_messages >= 1 pairs
+ * roles[i] ("system", "user", "assistant" or "tool") and contents[i] (pass prompt NULL, or roles,
+ * contents NULL and n_messages 0 for the one you leave out). `sampling` must not be NULL.
+ * `deadline_ms` > 0 is sent as the request's `deadline_ms` (the broker's limit for writing the
+ * response; it caps it at its generate_timeout_ms); 0 leaves it out (the broker's default, 300 s).
+ * The call itself is bounded by the client's deadline_ms and attempt_timeout_ms, as every call:
+ * make them longer than a response takes.
+ *
+ * On success `text` (text_cap bytes; may be NULL when text_cap is 0) holds the response,
+ * NUL-terminated, cut at a UTF-8 character boundary when it does not fit, and *text_len its
+ * whole length in bytes as the broker sent it: the text was cut when *text_len >= text_cap (a
+ * buffer of PPOZ_TEXT_CAP bytes holds any text the client keeps; a longer one is cut there too,
+ * and ppoz_last_reply(c)->text_truncated is then 1). *n_tokens is the response's token count,
+ * *finish_reason "eos", "stop" or "length" (a static string), *policy_version the version of the
+ * policy that wrote it; its summed log-probability is ppoz_last_reply(c)->logprob. Any out pointer
+ * may be NULL. Its reward goes in with ppoz_feedback, as a step's. Retried as a step is.
+ */
+int ppoz_generate(ppoz_client *c, const char *task_id, const char *prompt, const char *const *roles,
+                  const char *const *contents, size_t n_messages, const ppoz_sampling *sampling, int deadline_ms,
+                  char *text, size_t text_cap, size_t *text_len, int *n_tokens, const char **finish_reason,
+                  int *policy_version);
+
 /* The reward of the pending step (finite); `done` ends the episode, `truncated` cuts it. */
 int ppoz_feedback(ppoz_client *c, const char *task_id, double reward, int done, int truncated);
 
@@ -126,6 +163,7 @@ typedef enum ppoz_op {
     PPOZ_OP_ASK,
     PPOZ_OP_STEP,
     PPOZ_OP_RAG_STEP,
+    PPOZ_OP_GENERATE,
     PPOZ_OP_FEEDBACK,
     PPOZ_OP_STATUS,
     PPOZ_OP_PING
@@ -140,11 +178,16 @@ typedef struct ppoz_request {
     const char *rid;                /* 1 to 64 bytes, unique per request */
     const char *task_id;            /* NULL: left out (allowed for attach only) */
     /* step / rag_step: the observation */
-    const char *prompt;
+    const char *prompt;             /* also generate's `prompt` (NULL: send `messages` instead) */
     const char *question;           /* NULL: left out */
     const char *const *actions;
     size_t n_actions;
-    int deadline_ms;                /* > 0: sent as `deadline_ms`; 0: left out (the broker's default) */
+    int deadline_ms;                /* step, rag_step, generate: > 0: sent as `deadline_ms`; 0: left out (the broker's default) */
+    /* generate: exactly one of `prompt` (above) and `messages`, n_messages pairs {role, content} */
+    const char *const *roles;
+    const char *const *contents;
+    size_t n_messages;
+    ppoz_sampling sampling;
     /* feedback */
     double reward;
     int done;
@@ -154,16 +197,19 @@ typedef struct ppoz_request {
 /*
  * Encode a request body as the Python side does: a msgpack map with the keys
  * proto, v, op, rid, then the op's fields in the documented order (task_id;
- * obs {prompt, question, action}, deadline_ms; reward, done, truncated), floats
- * as float64, booleans as msgpack bools. On success *out is a malloc'd buffer
- * of *out_len bytes (release it with free()). Returns PPOZ_OK,
+ * obs {prompt, question, action}, deadline_ms; prompt or messages [{role,
+ * content}], sampling {max_new_tokens, temperature, top_p, stop, seed},
+ * deadline_ms; reward, done, truncated), floats as float64, booleans as msgpack
+ * bools. On success *out is a malloc'd buffer of *out_len bytes (release it
+ * with free()). Returns PPOZ_OK,
  * PPOZ_ERR_INVALID_ARGUMENT (with a reason in `why`, which may be NULL) or
  * PPOZ_ERR_SYSTEM.
  */
 int ppoz_encode_request(const ppoz_request *req, char **out, size_t *out_len, char *why, size_t why_cap);
 
 /* The fields of a reply a client uses. Strings are NUL-terminated (the error
- * message, reason and status are cut to fit); has_* say whether a field was present. */
+ * message, reason, status and text are cut to fit); has_* say whether a field was present.
+ * It holds a generate's text (PPOZ_TEXT_CAP bytes), so it is about 66 KiB: mind the stack. */
 typedef struct ppoz_reply {
     char op[16];
     char rid[PPOZ_MAX_RID_BYTES + 1]; /* str or bin; compare with rid_len */
@@ -191,6 +237,15 @@ typedef struct ppoz_reply {
     int dropped_pending_step;
     int has_time_ms;
     int64_t time_ms;
+    /* generate (its logprob and policy_version are above) */
+    int has_text;
+    char text[PPOZ_TEXT_CAP];         /* the response, NUL-terminated; cut at a UTF-8 character boundary when longer */
+    size_t text_len;                  /* bytes held in `text`, its NUL excluded (the response may hold a NUL) */
+    size_t text_full_len;             /* bytes of the response as sent: > text_len when it was cut */
+    int text_truncated;               /* 1 when `text` holds only the first text_len of text_full_len bytes */
+    int has_n_tokens;
+    int64_t n_tokens;
+    char finish_reason[16];           /* "eos", "stop", "length"; "" when absent */
 } ppoz_reply;
 
 /*

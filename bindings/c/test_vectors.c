@@ -111,6 +111,9 @@ static int round_trip(const char *dir, const char *name)
 /* --- 2. Requests ------------------------------------------------------------------------ */
 
 static const char *const STEP_ACTIONS[] = {"0: TouchEvent(Cart)", "1: KeyEvent(BACK)"};
+static const char *const GENERATE_STOP[] = {"\n"};
+static const char *const GENERATE_ROLES[] = {"system", "user"};
+static const char *const GENERATE_CONTENTS[] = {"Be brief.", "Name a colour."};
 
 static const struct {
     const char *name;
@@ -122,6 +125,13 @@ static const struct {
     {"step-request",
      {.op = PPOZ_OP_STEP, .rid = "s1", .task_id = "emu-7", .prompt = "App: Shop. Views: [0] Cart [1] Search",
       .question = "Which action should I choose next? I shall choose No. ", .actions = STEP_ACTIONS, .n_actions = 2}},
+    {"generate-request",
+     {.op = PPOZ_OP_GENERATE, .rid = "g1", .task_id = "qa-3", .prompt = "Q: 2 + 3 = ? Answer with a number.\nA:",
+      .sampling = {.max_new_tokens = 16, .temperature = 1.0, .top_p = 0.9, .stop = GENERATE_STOP, .n_stop = 1,
+                   .has_seed = 1, .seed = 7}}},
+    {"generate-request-2",
+     {.op = PPOZ_OP_GENERATE, .rid = "g2", .task_id = "qa-3", .roles = GENERATE_ROLES, .contents = GENERATE_CONTENTS,
+      .n_messages = 2, .sampling = {.max_new_tokens = 8, .temperature = 0.0, .top_p = 1.0}, .deadline_ms = 20000}},
     {"feedback-request", {.op = PPOZ_OP_FEEDBACK, .rid = "f1", .task_id = "emu-7", .reward = 0.8, .done = 0, .truncated = 0}},
     {"detach-request", {.op = PPOZ_OP_DETACH, .rid = "d1", .task_id = "emu-7"}},
     {"ping-request", {.op = PPOZ_OP_PING, .rid = "p1"}},
@@ -156,12 +166,16 @@ typedef struct {
     const char *op, *rid, *status, *task_id, *error_code, *error_message, *reason;
     int rc;                 /* ppoz_code_to_rc(error_code) */
     int64_t action;         /* -1: absent */
+    int has_logprob;
     double logprob;
     size_t n_probs;
     int64_t policy_version; /* -1: absent */
     int64_t retry_after_ms; /* -1: absent */
     int resumed, segment_closed, dropped_pending_step;
     int64_t segments_closed;
+    const char *text;       /* generate: NULL when absent, as n_tokens then is */
+    int64_t n_tokens;
+    const char *finish_reason;
 } expected_reply;
 
 static const expected_reply REPLIES[] = {
@@ -171,8 +185,14 @@ static const expected_reply REPLIES[] = {
      .retry_after_ms = -1},
     {.name = "ask-reply-2", .op = "ask", .rid = "k1", .status = "wait", .task_id = "emu-7", .reason = "no_actor",
      .action = -1, .policy_version = -1, .retry_after_ms = 1000},
-    {.name = "step-reply", .op = "step", .rid = "s1", .status = "ok", .task_id = "emu-7", .action = 1, .logprob = -0.25,
-     .n_probs = 2, .policy_version = 12, .retry_after_ms = -1},
+    {.name = "step-reply", .op = "step", .rid = "s1", .status = "ok", .task_id = "emu-7", .action = 1, .has_logprob = 1,
+     .logprob = -0.25, .n_probs = 2, .policy_version = 12, .retry_after_ms = -1},
+    {.name = "generate-reply", .op = "generate", .rid = "g1", .status = "ok", .task_id = "qa-3", .action = -1,
+     .has_logprob = 1, .logprob = -1.5, .policy_version = 12, .retry_after_ms = -1, .text = " 5", .n_tokens = 2,
+     .finish_reason = "stop"},
+    {.name = "generate-error", .op = "generate", .rid = "g3", .status = "", .error_code = "bad_request",
+     .error_message = "unknown `sampling` keys: n; known: max_new_tokens, temperature, top_p, stop, seed",
+     .rc = PPOZ_ERR_BAD_REQUEST, .action = -1, .policy_version = -1, .retry_after_ms = -1},
     {.name = "feedback-reply", .op = "feedback", .rid = "f1", .status = "ok", .task_id = "emu-7", .action = -1,
      .policy_version = -1, .retry_after_ms = -1},
     {.name = "detach-reply", .op = "detach", .rid = "d1", .status = "detached", .task_id = "emu-7", .action = -1,
@@ -222,7 +242,7 @@ static int check_reply(const char *dir, const expected_reply *e)
     }
     EXPECT(strcmp(r.reason, e->reason != NULL ? e->reason : "") == 0, "reason");
     EXPECT(e->action < 0 ? !r.has_action : r.has_action && r.action == e->action, "action");
-    EXPECT(e->action < 0 ? !r.has_logprob : r.has_logprob && r.logprob == e->logprob, "logprob");
+    EXPECT(e->has_logprob ? r.has_logprob && r.logprob == e->logprob : !r.has_logprob, "logprob");
     EXPECT(r.n_probs == e->n_probs, "probs");
     EXPECT(e->policy_version < 0 ? !r.has_policy_version : r.has_policy_version && r.policy_version == e->policy_version,
            "policy_version");
@@ -231,6 +251,11 @@ static int check_reply(const char *dir, const expected_reply *e)
     EXPECT(r.resumed == e->resumed && r.segment_closed == e->segment_closed && r.dropped_pending_step == e->dropped_pending_step,
            "bool fields");
     EXPECT(r.segments_closed == e->segments_closed, "segments_closed");
+    EXPECT(e->text == NULL ? !r.has_text : r.has_text && r.text_len == strlen(e->text) && r.text_full_len == r.text_len &&
+                                               !r.text_truncated && strcmp(r.text, e->text) == 0,
+           "text");
+    EXPECT(e->text == NULL ? !r.has_n_tokens : r.has_n_tokens && r.n_tokens == e->n_tokens, "n_tokens");
+    EXPECT(strcmp(r.finish_reason, e->finish_reason != NULL ? e->finish_reason : "") == 0, "finish_reason");
     free(data);
     return ok;
 }

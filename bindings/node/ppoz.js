@@ -14,9 +14,10 @@
  * Numbers. JavaScript has one number type; msgpack (and the Python side) has int
  * and float. This module sends an integral number as a msgpack int and any other
  * number as float64, like Python does for int and float values. A field that the
- * protocol defines as a float even when integral (the `reward` of `feedback`) is
- * wrapped in `Float64`, which the encoder writes as float64 (0xcb) always: reward
- * 1 goes out as 1.0, exactly as Python's `float(1)` would.
+ * protocol defines as a float even when integral (the `reward` of `feedback`, the
+ * `temperature` and `top_p` of generate's `sampling`) is wrapped in `Float64`, which
+ * the encoder writes as float64 (0xcb) always: reward 1 goes out as 1.0, exactly as
+ * Python's `float(1)` would.
  */
 
 const crypto = require("node:crypto");
@@ -33,6 +34,7 @@ const OP = Object.freeze({
   ASK: "ask",
   STEP: "step",
   RAG_STEP: "rag_step",
+  GENERATE: "generate",
   FEEDBACK: "feedback",
   STATUS: "status",
   PING: "ping",
@@ -240,6 +242,87 @@ function feedbackFields(taskId, reward, { done = false, truncated = false, nextO
   const fields = { task_id: taskId, reward: new Float64(reward), done: Boolean(done), truncated: Boolean(truncated) };
   // Older Kea clients send next_obs: {}, which means "none"; leaving it out says the same in fewer bytes.
   if (nextObs && Object.keys(nextObs).length > 0) fields.next_obs = obsFields(nextObs);
+  return fields;
+}
+
+// --- generate's fields (docs/protocol.md, "generate") ---
+const GENERATE_OPTIONS = Object.freeze(["prompt", "messages", "maxNewTokens", "temperature", "topP", "stop", "seed", "deadlineMs"]);
+
+function typeName(value) {
+  if (value === null) return "null";
+  if (Array.isArray(value)) return "array";
+  return typeof value;
+}
+
+/** `messages` as the protocol has them: a non-empty array of {role, content} (that key order), strings both. */
+function messagesFields(messages) {
+  if (!Array.isArray(messages) || messages.length === 0) {
+    throw new TypeError(`\`messages\` must be a non-empty array of {role, content}, got ${Array.isArray(messages) ? "an empty array" : typeName(messages)}`);
+  }
+  return messages.map((message, i) => {
+    if (!isPlainObject(message)) throw new TypeError(`\`messages[${i}]\` must be an object {role, content}, got ${typeName(message)}`);
+    const { role, content, ...rest } = message;
+    const unknown = Object.keys(rest);
+    if (unknown.length > 0) throw new TypeError(`\`messages[${i}]\` has unknown keys ${unknown.join(", ")}; known: role, content`);
+    if (typeof role !== "string" || role === "") throw new TypeError(`\`messages[${i}].role\` must be a non-empty string (system, user, assistant or tool), got ${typeName(role)}`);
+    if (typeof content !== "string") throw new TypeError(`\`messages[${i}].content\` must be a string, got ${typeName(content)}`);
+    return { role, content };
+  });
+}
+
+/** A number option of `sampling`: a TypeError unless a number, a RangeError unless `inRange`. */
+function checkSamplingNumber(name, wire, value, inRange, range) {
+  if (typeof value !== "number") throw new TypeError(`\`${name}\` (sampling.${wire}) must be a number, got ${typeName(value)}`);
+  if (!inRange(value)) throw new RangeError(`\`${name}\` (sampling.${wire}) must be ${range}, got ${value}`);
+}
+
+/** The `sampling` map in the documented key order; temperature and top_p always float64, stop and seed only when given. */
+function samplingFields({ maxNewTokens, temperature, topP, stop, seed }) {
+  checkSamplingNumber("maxNewTokens", "max_new_tokens", maxNewTokens, (v) => Number.isSafeInteger(v) && v >= 1, "an integer >= 1");
+  checkSamplingNumber("temperature", "temperature", temperature, (v) => Number.isFinite(v) && v >= 0, "a finite number >= 0 (0 is greedy)");
+  checkSamplingNumber("topP", "top_p", topP, (v) => v > 0 && v <= 1, "in (0, 1]");
+  const sampling = { max_new_tokens: maxNewTokens, temperature: new Float64(temperature), top_p: new Float64(topP) };
+  if (stop !== undefined && stop !== null) {
+    if (!Array.isArray(stop)) throw new TypeError(`\`stop\` (sampling.stop) must be an array of non-empty strings, got ${typeName(stop)}`);
+    stop.forEach((s, i) => {
+      if (typeof s !== "string" || s === "") throw new TypeError(`\`stop[${i}]\` (sampling.stop) must be a non-empty string, got ${typeof s === "string" ? '""' : typeName(s)}`);
+    });
+    if (stop.length > 0) sampling.stop = [...stop];
+  }
+  if (seed !== undefined && seed !== null) {
+    checkSamplingNumber("seed", "seed", seed, (v) => Number.isSafeInteger(v) && v >= 0, "an integer from 0 to 2^53 - 1 (a safe integer)");
+    sampling.seed = seed;
+  }
+  return sampling;
+}
+
+/**
+ * The fields of a `generate` request, in the documented order: `task_id`, exactly one of `prompt` (a string) and
+ * `messages` (an array of {role, content}), `sampling` {max_new_tokens, temperature, top_p, stop, seed}, then
+ * `deadline_ms` when `deadlineMs` is given. Defaults as the Python client's: maxNewTokens 256, temperature 1,
+ * topP 1, no stop strings, no seed (the broker picks one). A bad or unknown option throws a TypeError or
+ * RangeError naming it.
+ */
+function generateFields(taskId, options = {}) {
+  if (!isPlainObject(options)) throw new TypeError(`generate's options must be an object {prompt | messages, maxNewTokens, ...}, got ${typeName(options)}`);
+  const unknown = Object.keys(options).filter((k) => !GENERATE_OPTIONS.includes(k));
+  if (unknown.length > 0) throw new TypeError(`unknown generate options ${unknown.join(", ")}; known: ${GENERATE_OPTIONS.join(", ")}`);
+  const { prompt, messages, maxNewTokens = 256, temperature = 1.0, topP = 1.0, stop, seed, deadlineMs } = options;
+  const hasPrompt = prompt !== undefined && prompt !== null;
+  if (hasPrompt === (messages !== undefined && messages !== null)) {
+    throw new TypeError(`generate needs exactly one of \`prompt\` (a string) and \`messages\` (an array of {role, content}), got ${hasPrompt ? "both" : "neither"}`);
+  }
+  if (hasPrompt && typeof prompt !== "string") throw new TypeError(`\`prompt\` must be a string, got ${typeName(prompt)}`);
+  const fields = { task_id: taskId };
+  if (hasPrompt) fields.prompt = prompt;
+  else fields.messages = messagesFields(messages);
+  fields.sampling = samplingFields({ maxNewTokens, temperature, topP, stop, seed });
+  if (deadlineMs !== undefined) {
+    if (!Number.isSafeInteger(deadlineMs) || deadlineMs <= 0) {
+      throw new RangeError(`\`deadlineMs\` must be a positive integer of milliseconds, got ${deadlineMs}`);
+    }
+    fields.deadline_ms = deadlineMs;
+  }
   return fields;
 }
 
@@ -491,6 +574,16 @@ class PPOZClient {
     return this.request(OP.RAG_STEP, stepFields(taskId, obs, brokerDeadlineMs), opts);
   }
 
+  /**
+   * A response written by the policy to `prompt` (a string) or chat `messages` ([{role, content}]); the reply map:
+   * text, n_tokens, finish_reason (eos, stop or length), logprob, policy_version. Options: those of generateFields
+   * (maxNewTokens, temperature, topP, stop, seed), `rid`, and `deadlineMs`, which bounds the request here and is
+   * sent as `deadline_ms` (the broker's limit for writing the response). Its reward goes in with feedback.
+   */
+  generate(taskId, { rid = undefined, ...options } = {}) {
+    return this.request(OP.GENERATE, generateFields(taskId, options), { rid, deadlineMs: options.deadlineMs });
+  }
+
   /** The reward of the pending step (always sent as float64); `nextObs` (with `truncated`) is the state to bootstrap from. */
   feedback(taskId, reward, { done = false, truncated = false, nextObs = undefined, ...opts } = {}) {
     return this.request(OP.FEEDBACK, feedbackFields(taskId, reward, { done, truncated, nextObs }), opts);
@@ -539,6 +632,7 @@ module.exports = {
   MAX_RID_BYTES,
   feedbackFields,
   stepFields,
+  generateFields,
   obsFields,
   newRid,
   RetryRule,

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from common import protocol as p
+from common.segments import Segment
 from tests.bindings.conftest import BINDINGS, require_tool
 from tests.broker.test_restart import free_port
 
@@ -72,7 +73,7 @@ def test_every_conformance_vector_byte_for_byte(c_build):
     assert n >= 10
     result = run(c_build / "test_vectors", VECTORS)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"round trip {n}/{n}, requests 7/7, replies 8/8: ok" in result.stdout, result.stdout
+    assert f"round trip {n}/{n}, requests 9/9, replies 10/10: ok" in result.stdout, result.stdout
 
 
 def test_make_test_runs_the_vectors(c_build):
@@ -107,13 +108,13 @@ def test_example_gives_up_at_its_deadline_when_nothing_listens(c_build):
 # --- The retry rule, against a scripted broker ----------------------------------------------------
 @pytest.fixture
 def scripted(zmq_context: zmq.Context, c_build: Path, processes) -> Callable[..., tuple[zmq.Socket, subprocess.Popen]]:
-    """A bare ROUTER standing in for the broker, and `test_client attach` pointed at it."""
+    """A bare ROUTER standing in for the broker, and `test_client attach` (or another command) pointed at it."""
 
-    def start(deadline_ms: int, attempt_ms: int) -> tuple[zmq.Socket, subprocess.Popen]:
+    def start(deadline_ms: int, attempt_ms: int, command: str = "attach", *extra: str) -> tuple[zmq.Socket, subprocess.Popen]:
         router = zmq_context.socket(zmq.ROUTER)
         router.linger = 0
         port = router.bind_to_random_port("tcp://127.0.0.1")
-        proc = processes(str(c_build / "test_client"), "attach", f"tcp://127.0.0.1:{port}", str(deadline_ms), str(attempt_ms))
+        proc = processes(str(c_build / "test_client"), command, f"tcp://127.0.0.1:{port}", str(deadline_ms), str(attempt_ms), *extra)
         return router, proc
 
     return start
@@ -193,6 +194,72 @@ def test_a_retried_error_whose_wait_ends_past_the_deadline_is_reported(scripted)
     assert out.strip() == "error overloaded attempts 1: storage (Redis) unavailable", out + err
 
 
+def generated(rid: Any, text: str, n_tokens: int = 3, finish_reason: str = "eos") -> dict[str, Any]:
+    body = p.header(p.OP_GENERATE, rid)
+    body.update(task_id="qa-3", status="ok", text=text, n_tokens=n_tokens, finish_reason=finish_reason, logprob=-2.25, policy_version=12)
+    return body
+
+
+def test_generate_sends_the_documented_fields_retries_as_a_step_and_returns_the_reply(scripted):
+    """ppoz_generate with chat messages, stop strings and a seed; the call with a prompt and messages both is refused
+    and sends nothing; the broker's `timeout` is retried with the same bytes, as a step's (protocol section 5)."""
+    router, proc = scripted(20_000, 5000, "generate", "4096")
+    peer, body = receive(router)  # the first request to arrive is the valid call's: the refused one sent nothing
+    request = p.decode(body)
+    assert list(request) == ["proto", "v", "op", "rid", "task_id", "messages", "sampling", "deadline_ms"], request
+    assert request["op"] == "generate" and RID.match(request["rid"]) and request["task_id"] == "qa-3", request
+    assert request["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    assert all(list(m) == ["role", "content"] for m in request["messages"]), request["messages"]
+    sampling = request["sampling"]
+    assert list(sampling) == ["max_new_tokens", "temperature", "top_p", "stop", "seed"], sampling
+    assert sampling == {"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.95, "stop": ["\n", "User:"], "seed": 42}
+    assert [type(sampling[k]) for k in sampling] == [int, float, float, list, int], sampling
+    assert type(request["deadline_ms"]) is int and request["deadline_ms"] == 20000, request
+    obs = p.check_generate(request, p.Limits())  # what the broker checks, as it would
+    assert obs["sampling"]["seed"] == 42 and len(obs["messages"]) == 2, obs
+
+    answer(router, peer, p.error_body(request["rid"], p.OP_GENERATE, p.E_TIMEOUT, "no actor answered in time"))
+    peer2, again = receive(router)
+    assert again == body and peer2 == peer, "a generate answered `timeout` is sent again, same rid, same socket"
+    text = "Blue.\nÉ bleu"  # a newline and a two-byte character
+    answer(router, peer2, generated(request["rid"], text))
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, out + err
+    refused, result, rest = out.split("\n", 2)
+    assert refused == (
+        "refused invalid_argument attempts 0: generate needs exactly one of `prompt` and `messages` (roles and contents), got both"
+    ), out
+    n_bytes = len(text.encode())
+    assert result == f"generated n_tokens 3 finish_reason eos policy_version 12 text_len {n_bytes} logprob -2.25 attempts 2", out
+    assert rest == text + "\n", out
+    assert not router.poll(300), "nothing more is sent"
+
+
+@pytest.mark.parametrize("text_cap, kept", [(100, 49), (200_000, 32_767)])
+def test_a_long_generated_text_is_cut_at_a_character_boundary(scripted, text_cap, kept):
+    """80,000 bytes of "é": a caller's 100-byte buffer gets 49 characters (98 bytes: 99 would split one, then the NUL);
+    a buffer larger than the reply's own (PPOZ_TEXT_CAP, 65,536 bytes) gets what the reply keeps, 32,767 characters.
+    Either way the call succeeds (the broker recorded the response) and text_len says how long the response was."""
+    router, proc = scripted(20_000, 5000, "generate", str(text_cap))
+    peer, body = receive(router)
+    answer(router, peer, generated(p.decode(body)["rid"], "é" * 40_000, n_tokens=4096, finish_reason="length"))
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, out + err
+    _, result, rest = out.split("\n", 2)
+    assert result == "generated n_tokens 4096 finish_reason length policy_version 12 text_len 80000 logprob -2.25 attempts 1"
+    assert rest == "é" * kept + "\n"
+
+
+def test_a_malformed_generate_reply_is_a_protocol_error(scripted):
+    router, proc = scripted(20_000, 5000, "generate", "64")
+    peer, body = receive(router)
+    answer(router, peer, generated(p.decode(body)["rid"], "Blue", finish_reason="tired"))
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 1
+    assert out.splitlines()[-1] == 'error protocol_error attempts 1: generate reply: `finish_reason` "tired" is not eos, stop or length'
+    assert not router.poll(300), "a reply with this request's rid is final"
+
+
 # --- A real broker ------------------------------------------------------------------------------
 def test_error_codes_and_fields_against_a_real_broker(c_build, broker, start_actor):
     start_actor(broker.backend)
@@ -214,6 +281,27 @@ def test_example_against_the_live_stack(c_build, live_stack, make_client):
     assert counters.get("broker/feedbacks", 0) >= 12, counters
     assert counters.get("broker/attached", 0) >= 1 and counters.get("broker/detached", 0) >= 1, counters
     assert counters.get("broker/segments_closed", 0) >= 3, counters  # one `done` per episode
+
+
+@pytest.mark.slow
+def test_generate_against_the_live_stack(c_build, live_stack, redis_client, key_prefix):
+    """ppoz_generate through the real broker to a real LLM actor (tiny model); its feedback closes the segment, whose
+    one transition is the response the C client was told about."""
+    result = run(c_build / "test_client", "generate-live", live_stack.frontend, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"test_client generate-live: (\d+)/\1 checks ok", result.stdout), result.stdout
+    m = re.search(r"^generated task (\S+) n_tokens (\d+) finish_reason (\w+) policy_version (\d+) text_len (\d+) logprob (\S+)$",
+                  result.stdout, re.M)
+    assert m, result.stdout
+    task, n_tokens, reason, logprob = m[1], int(m[2]), m[3], float(m[6])
+    segments = [Segment.from_entry(fields) for _, fields in redis_client.xrange(f"{key_prefix}:segments")]
+    mine = [s for s in segments if s.task_id == task]
+    assert [s.reason for s in mine] == ["done"], mine
+    (transition,) = mine[0].transitions
+    assert transition.mode == "generate" and transition.reward == 1.0, transition
+    assert len(transition.generation["response_ids"]) == n_tokens and transition.generation["finish_reason"] == reason
+    assert transition.logprob == logprob  # printed with 17 significant digits: the same double
+    assert transition.obs["sampling"]["seed"] == 7 and transition.obs["sampling"]["top_p"] == 0.9, transition.obs
 
 
 @pytest.mark.slow

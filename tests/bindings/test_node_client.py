@@ -41,6 +41,24 @@ const ppoz = require("./ppoz.js");
 })().catch((e) => { console.error(`${e.code}: ${e.message}`); process.exitCode = 1; });
 """
 
+# Attach, one generate (a plain prompt, top-p, a seed), its feedback (reward 1, done), detach; print the task id and the reply.
+GENERATE_SCRIPT = r"""
+const ppoz = require("./ppoz.js");
+(async () => {
+  const client = new ppoz.PPOZClient(process.argv[1], { deadlineMs: 120000, attemptTimeoutMs: 60000 });
+  try {
+    const taskId = await client.attach();
+    const reply = await client.generate(taskId, { prompt: "Q: 2 + 3 = ? Answer with a number.\nA:", maxNewTokens: 8, topP: 0.9, seed: 7,
+                                                  deadlineMs: 60000 });
+    const fb = await client.feedback(taskId, 1, { done: true });
+    await client.detach(taskId);
+    console.log(JSON.stringify({ taskId, reply, segmentClosed: fb.segment_closed }));
+  } finally {
+    client.close();
+  }
+})().catch((e) => { console.error(`${e.code}: ${e.message}`); process.exitCode = 1; });
+"""
+
 
 def run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, cwd=NODE_DIR, capture_output=True, text=True, timeout=timeout)
@@ -115,3 +133,27 @@ def test_integral_reward_goes_out_as_a_float(
     (transition,) = mine[0].transitions
     assert type(transition.reward) is float and transition.reward == 1.0, transition
     assert transition.done is True, transition
+
+
+@pytest.mark.slow
+def test_generate_against_the_live_stack(node: str, live_stack: LiveStack, redis_client: redis_py.Redis, key_prefix: str) -> None:
+    """client.generate through the real broker to a real LLM actor (tiny model); its feedback closes the segment, whose one
+    transition is the response the client was told about."""
+    proc = run([node, "-e", GENERATE_SCRIPT, live_stack.frontend], timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    reply = out["reply"]
+    assert out["segmentClosed"] is True, out
+    assert reply["status"] == "ok" and reply["task_id"] == out["taskId"], reply
+    assert isinstance(reply["text"], str) and 1 <= reply["n_tokens"] <= 8 and reply["finish_reason"] in p.FINISH_REASONS, reply
+    assert reply["logprob"] <= 0 and reply["policy_version"] >= 0, reply
+    segments = [Segment.from_entry(fields) for _, fields in redis_client.xrange(f"{key_prefix}:segments")]
+    mine = [s for s in segments if s.task_id == out["taskId"]]
+    assert [s.reason for s in mine] == ["done"], mine
+    (transition,) = mine[0].transitions
+    assert transition.mode == "generate" and transition.reward == 1.0, transition
+    assert len(transition.generation["response_ids"]) == reply["n_tokens"], transition.generation
+    assert transition.generation["finish_reason"] == reply["finish_reason"] and transition.logprob == reply["logprob"]
+    # the sampling settings the broker recorded: the client's top_p and seed, its default temperature (1)
+    assert transition.obs["sampling"]["temperature"] == 1.0 and transition.obs["sampling"]["top_p"] == 0.9, transition.obs
+    assert transition.obs["sampling"]["seed"] == 7, transition.obs

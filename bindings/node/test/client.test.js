@@ -88,6 +88,81 @@ test("other errors are not retried", async () => {
   }
 });
 
+test("generate: the documented fields go out, a `timeout` is resent as a step's, and the reply comes back", async () => {
+  const broker = await fakeBroker(({ body }, seen) => {
+    if (seen.length === 1) return [err(body, "timeout")];
+    return [ok(body, { task_id: body.task_id, text: "Blue.\nÉ bleu", n_tokens: 3, finish_reason: "eos", logprob: new ppoz.Float64(-2),
+      policy_version: 12 })];
+  });
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 2000 });
+  try {
+    const messages = [{ role: "system", content: "Be brief." }, { content: "Name a colour.", role: "user" }];
+    const reply = await client.generate("qa-3", { messages, maxNewTokens: 8, temperature: 1, topP: 0.95, stop: ["\n", "User:"], seed: 42,
+      deadlineMs: 4000 });
+    assert.equal(reply.status, "ok");
+    assert.equal(reply.text, "Blue.\nÉ bleu");
+    assert.equal(reply.n_tokens, 3);
+    assert.equal(reply.finish_reason, "eos");
+    assert.equal(reply.logprob, -2);
+    assert.equal(reply.policy_version, 12);
+    assert.equal(broker.seen.length, 2);
+    assert.equal(broker.seen[0].bytes, broker.seen[1].bytes, "the same bytes (same rid) again after `timeout`");
+    const { body, bytes } = broker.seen[0];
+    assert.deepStrictEqual(Object.keys(body), ["proto", "v", "op", "rid", "task_id", "messages", "sampling", "deadline_ms"]);
+    assert.equal(body.op, "generate");
+    assert.deepStrictEqual(body.messages, [{ role: "system", content: "Be brief." }, { role: "user", content: "Name a colour." }]);
+    assert.deepStrictEqual(body.messages.map((m) => Object.keys(m)), [["role", "content"], ["role", "content"]]);
+    assert.deepStrictEqual(body.sampling, { max_new_tokens: 8, temperature: 1, top_p: 0.95, stop: ["\n", "User:"], seed: 42 });
+    assert.deepStrictEqual(Object.keys(body.sampling), ["max_new_tokens", "temperature", "top_p", "stop", "seed"]);
+    assert.equal(body.deadline_ms, 4000);
+    // temperature 1 went out as float64 1.0, max_new_tokens and seed as ints
+    assert.ok(bytes.includes("ab74656d7065726174757265cb3ff0000000000000"), bytes);
+    assert.ok(bytes.includes("ae6d61785f6e65775f746f6b656e7308") && bytes.includes("a4736565642a"), bytes);
+  } finally {
+    client.close();
+    await broker.close();
+  }
+});
+
+test("generate: a bad argument throws, naming it, before anything is sent", async () => {
+  const broker = await fakeBroker(({ body }) => [ok(body)]);
+  const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 2000 });
+  const user = [{ role: "user", content: "Name a colour." }];
+  try {
+    const cases = [
+      [{}, TypeError, /exactly one of `prompt` .* and `messages` .*got neither/],
+      [{ prompt: "p", messages: user }, TypeError, /exactly one of .*got both/],
+      [{ prompt: 3 }, TypeError, /`prompt` must be a string, got number/],
+      [{ messages: [] }, TypeError, /`messages` must be a non-empty array/],
+      [{ messages: "hi" }, TypeError, /`messages` must be a non-empty array .*got string/],
+      [{ messages: [{ role: "user" }] }, TypeError, /`messages\[0\]\.content` must be a string, got undefined/],
+      [{ messages: [...user, { content: "x" }] }, TypeError, /`messages\[1\]\.role` must be a non-empty string/],
+      [{ messages: [{ role: "user", content: "x", name: "n" }] }, TypeError, /`messages\[0\]` has unknown keys name/],
+      [{ prompt: "p", maxNewTokens: 0 }, RangeError, /`maxNewTokens` \(sampling\.max_new_tokens\) must be an integer >= 1, got 0/],
+      [{ prompt: "p", maxNewTokens: 2.5 }, RangeError, /`maxNewTokens`/],
+      [{ prompt: "p", temperature: -0.5 }, RangeError, /`temperature` \(sampling\.temperature\) must be a finite number >= 0/],
+      [{ prompt: "p", temperature: Number.NaN }, RangeError, /`temperature`/],
+      [{ prompt: "p", temperature: "1" }, TypeError, /`temperature` .*must be a number, got string/],
+      [{ prompt: "p", topP: 0 }, RangeError, /`topP` \(sampling\.top_p\) must be in \(0, 1\], got 0/],
+      [{ prompt: "p", topP: 1.5 }, RangeError, /`topP`/],
+      [{ prompt: "p", stop: "\n" }, TypeError, /`stop` \(sampling\.stop\) must be an array of non-empty strings, got string/],
+      [{ prompt: "p", stop: ["\n", ""] }, TypeError, /`stop\[1\]` .*must be a non-empty string/],
+      [{ prompt: "p", seed: -1 }, RangeError, /`seed` \(sampling\.seed\) must be an integer from 0/],
+      [{ prompt: "p", deadlineMs: 0 }, RangeError, /`deadlineMs` must be a positive integer/],
+      [{ prompt: "p", max_new_tokens: 8 }, TypeError, /unknown generate options max_new_tokens; known: prompt, messages/],
+    ];
+    for (const [options, Cls, message] of cases) {
+      assert.throws(() => client.generate("qa-3", options), (e) => e instanceof Cls && message.test(e.message), JSON.stringify(options));
+    }
+    await new Promise((resolve) => setTimeout(resolve, 100));
+    assert.equal(client.attempts, 0);
+    assert.equal(broker.seen.length, 0, "nothing reached the broker");
+  } finally {
+    client.close();
+    await broker.close();
+  }
+});
+
 test("no reply: a fresh socket and the same bytes again", async () => {
   const broker = await fakeBroker(({ body }, seen) => (seen.length === 1 ? [] : [ok(body, { task_id: "emu-7" })]));
   const client = new ppoz.PPOZClient(broker.endpoint, { deadlineMs: 5000, attemptTimeoutMs: 300 });

@@ -25,6 +25,22 @@ function vector(name) {
 
 const hex = (b) => Buffer.from(b).toString("hex");
 
+/**
+ * A vector's JSON with the protocol's float fields wrapped in Float64, as the client sends them: JSON cannot tell
+ * 1.0 from 1 (JSON.parse gives the number 1 for both), and a float field keeps its msgpack type even when integral
+ * (the generate examples' temperature 1.0 and 0.0 and top_p 1.0 are float64 on the wire).
+ */
+function withProtocolFloats(json) {
+  const out = { ...json };
+  for (const key of ["reward", "logprob"]) if (typeof out[key] === "number") out[key] = new ppoz.Float64(out[key]);
+  if (Array.isArray(out.probs)) out.probs = out.probs.map((x) => new ppoz.Float64(x));
+  if (out.sampling !== undefined) {
+    out.sampling = { ...out.sampling };
+    for (const key of ["temperature", "top_p"]) if (typeof out.sampling[key] === "number") out.sampling[key] = new ppoz.Float64(out.sampling[key]);
+  }
+  return out;
+}
+
 test("the vectors are there", () => {
   assert.ok(NAMES.length >= 15, `expected the documented examples in ${VECTORS}, found ${NAMES.length}`);
   for (const name of NAMES) assert.ok(fs.existsSync(path.join(VECTORS, `${name}.json`)), `${name}.json is missing`);
@@ -40,17 +56,29 @@ for (const name of NAMES) {
 
   test(`${name}: encoding the JSON gives the exact bytes`, () => {
     const { json, bytes } = vector(name);
-    assert.equal(hex(ppoz.encode(json)), hex(bytes));
+    assert.equal(hex(ppoz.encode(withProtocolFloats(json))), hex(bytes));
   });
 }
 
 // The request builders, with the rids and task id of the documented examples.
 const OBS = vector("step-request").json.obs;
+const GENERATE = {
+  prompt: { prompt: "Q: 2 + 3 = ? Answer with a number.\nA:", maxNewTokens: 16, temperature: 1.0, topP: 0.9, stop: ["\n"], seed: 7 },
+  messages: {
+    messages: [{ role: "system", content: "Be brief." }, { role: "user", content: "Name a colour." }],
+    maxNewTokens: 8,
+    temperature: 0.0,
+    topP: 1.0,
+    deadlineMs: 20000,
+  },
+};
 const BUILT = {
   "attach-request": () => ppoz.buildRequest(ppoz.OP.ATTACH, {}, "a1"),
   "attach-request-2": () => ppoz.buildRequest(ppoz.OP.ATTACH, { task_id: "emu-7" }, "a2"),
   "ask-request": () => ppoz.buildRequest(ppoz.OP.ASK, { task_id: "emu-7" }, "k1"),
   "step-request": () => ppoz.buildRequest(ppoz.OP.STEP, ppoz.stepFields("emu-7", OBS), "s1"),
+  "generate-request": () => ppoz.buildRequest(ppoz.OP.GENERATE, ppoz.generateFields("qa-3", GENERATE.prompt), "g1"),
+  "generate-request-2": () => ppoz.buildRequest(ppoz.OP.GENERATE, ppoz.generateFields("qa-3", GENERATE.messages), "g2"),
   "feedback-request": () => ppoz.buildRequest(ppoz.OP.FEEDBACK, ppoz.feedbackFields("emu-7", 0.8), "f1"),
   "detach-request": () => ppoz.buildRequest(ppoz.OP.DETACH, { task_id: "emu-7" }, "d1"),
   "ping-request": () => ppoz.buildRequest(ppoz.OP.PING, {}, "p1"),
@@ -69,8 +97,10 @@ for (const [name, build] of Object.entries(BUILT)) {
 test("the client's own methods send the documented bytes (recorded, no socket)", async () => {
   const client = new ppoz.PPOZClient("tcp://127.0.0.1:1");
   const sent = [];
-  client.request = async (op, fields, { rid } = {}) => {
+  const deadlines = [];
+  client.request = async (op, fields, { rid, deadlineMs } = {}) => {
     sent.push(ppoz.encode(ppoz.buildRequest(op, fields, rid)));
+    deadlines.push(deadlineMs);
     return { task_id: "emu-7", status: "ok" };
   };
   assert.equal(await client.attach(undefined, { rid: "a1" }), "emu-7");
@@ -78,11 +108,16 @@ test("the client's own methods send the documented bytes (recorded, no socket)",
   await client.ask("emu-7", { rid: "k1" });
   // the observation's keys in another order still go out as prompt, question, action
   await client.step("emu-7", { action: OBS.action, question: OBS.question, prompt: OBS.prompt }, { rid: "s1" });
+  await client.generate("qa-3", { ...GENERATE.prompt, rid: "g1" });
+  await client.generate("qa-3", { ...GENERATE.messages, rid: "g2" });
   await client.feedback("emu-7", 0.8, { rid: "f1" });
   await client.detach("emu-7", { rid: "d1" });
   await client.ping({ rid: "p1" });
-  const names = ["attach-request", "attach-request-2", "ask-request", "step-request", "feedback-request", "detach-request", "ping-request"];
+  const names = ["attach-request", "attach-request-2", "ask-request", "step-request", "generate-request", "generate-request-2",
+    "feedback-request", "detach-request", "ping-request"];
   assert.deepStrictEqual(sent.map(hex), names.map((n) => hex(vector(n).bytes)));
+  // generate's deadlineMs is also the request's own deadline here (as the Python client's `deadline`)
+  assert.deepStrictEqual(deadlines.slice(4, 6), [undefined, 20000]);
   client.close();
 });
 
@@ -102,6 +137,41 @@ test("reward is float64 even when integral; integer fields stay ints", () => {
   assert.equal(hex(ppoz.encode({ x: new ppoz.Float64(12) })), "81a178cb4028000000000000");
   assert.throws(() => ppoz.feedbackFields("t", Number.NaN), TypeError);
   assert.throws(() => ppoz.feedbackFields("t", "1"), TypeError);
+});
+
+test("generate-reply: the fields a client reads", async () => {
+  const { json, bytes } = vector("generate-reply");
+  const reply = ppoz.decode(bytes);
+  assert.equal(reply.status, "ok");
+  assert.equal(reply.task_id, "qa-3");
+  assert.equal(reply.text, " 5");
+  assert.equal(reply.n_tokens, 2);
+  assert.equal(reply.finish_reason, "stop");
+  assert.equal(reply.logprob, -1.5);
+  assert.equal(reply.policy_version, 12);
+  // client.generate resolves to the reply map as it came
+  const client = new ppoz.PPOZClient("tcp://127.0.0.1:1");
+  client.request = async () => reply;
+  assert.deepStrictEqual(await client.generate("qa-3", { prompt: "Q: 2 + 3 = ? Answer with a number.\nA:" }), json);
+  client.close();
+  const error = ppoz.errorFromReply(vector("generate-error").json);
+  assert.ok(error instanceof ppoz.BadRequest);
+  assert.match(error.message, /unknown `sampling` keys: n/);
+});
+
+test("generate: temperature and top_p are float64 even when integral; stop and seed only when given", () => {
+  const fields = ppoz.generateFields("t", { prompt: "p", maxNewTokens: 4, temperature: 1, topP: 1, stop: [] });
+  assert.deepStrictEqual(Object.keys(fields), ["task_id", "prompt", "sampling"]);
+  assert.deepStrictEqual(Object.keys(fields.sampling), ["max_new_tokens", "temperature", "top_p"]);
+  assert.equal(hex(ppoz.encode(fields.sampling)),
+    "83ae6d61785f6e65775f746f6b656e7304ab74656d7065726174757265cb3ff0000000000000a5746f705f70cb3ff0000000000000");
+  // the Python client's defaults: 256 tokens, temperature 1, top_p 1
+  const defaults = ppoz.decode(ppoz.encode(ppoz.generateFields("t", { prompt: "p" })));
+  assert.deepStrictEqual(defaults.sampling, { max_new_tokens: 256, temperature: 1, top_p: 1 });
+  // message keys go out as role, content whatever the object's order
+  const chat = ppoz.generateFields("t", { messages: [{ content: "Hi", role: "user" }], seed: 0 });
+  assert.deepStrictEqual(Object.keys(chat.messages[0]), ["role", "content"]);
+  assert.deepStrictEqual(Object.keys(chat.sampling), ["max_new_tokens", "temperature", "top_p", "seed"]);
 });
 
 test("feedback leaves out an empty next_obs and orders a given one", () => {
