@@ -44,10 +44,20 @@ def _rank(rank: int, world: int, port: int, cfg: LearnerConfig) -> None:
 
 
 @pytest.mark.slow
-def test_two_rank_learner_matches_one_rank(tiny_models, redis_url, redis_client, key_prefix, tmp_path):
+@pytest.mark.parametrize("kind", ["candidates", "generation"])
+def test_two_rank_learner_matches_one_rank(tiny_models, redis_url, redis_client, key_prefix, tmp_path, kind):
+    """Candidate steps, or generated responses (the token-level update), trained on 2 ranks and on 1."""
     one, two = f"{key_prefix}-one", f"{key_prefix}-two"
-    write_segments(redis_client, one, 16)
-    write_segments(redis_client, two, 16)
+    if kind == "candidates":
+        write_segments(redis_client, one, 16)
+        write_segments(redis_client, two, 16)
+    else:
+        from tests.learner_node.test_async_ppo import write_to_stream
+        from tests.learner_node.test_generation_update import engine_transitions
+
+        responses = engine_transitions(tiny_models["llama"], 16)
+        write_to_stream(redis_client, one, responses)
+        write_to_stream(redis_client, two, responses)
     try:
         mp.spawn(_rank, args=(2, _free_port(), settings(tiny_models["llama"], redis_url, two, str(tmp_path / "two"))), nprocs=2, join=True)
         Learner(settings(tiny_models["llama"], redis_url, one, str(tmp_path / "one")), connect(redis_url, socket_timeout=30)).run()
