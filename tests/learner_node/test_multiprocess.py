@@ -65,8 +65,12 @@ def test_two_rank_learner_matches_one_rank(tiny_models, redis_url, redis_client,
         b = load_file(str(checkpoint.latest(tmp_path / "two") / "policy.safetensors"))
         assert a.keys() == b.keys()
         assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)  # the updates did change the adapter
+        # The same update to float rounding, which Adam's normalisation amplifies where a gradient is near its eps:
+        # summing a token-level loss over ranks in another order moved the head by 1.1e-5 (lr 1e-2: a wrong split
+        # of the minibatch, or gradients not averaged, moves weights by about one step, 1e-2).
+        bar = 1e-5 if kind == "candidates" else 1e-4
         for key in a:
-            assert (a[key] - b[key]).abs().max() < 1e-5, key
+            assert (a[key] - b[key]).abs().max() < bar, key
         assert redis_client.xlen(f"{two}:segments") == 0  # rank 0 acknowledged everything, once
     finally:
         for prefix in (one, two):
