@@ -90,6 +90,27 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them.
+
+    transformers checkpoints a layer only in training mode, and the learner computes in eval mode
+    (no dropout: its log-probabilities must be the actor's). So every dropout here is set to 0,
+    which makes training mode the same function, and the caller switches training mode on only
+    around the forwards that should checkpoint (`LearnerPolicy.checkpointing`): those run without
+    a KV cache, which checkpointing turns off."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.eval()
+
+
 def policy_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The trainable part of the policy: the adapter's weights, or all weights without an adapter."""
     if hasattr(model, "peft_config"):

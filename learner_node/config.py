@@ -122,6 +122,11 @@ class LearnerConfig(UpdateConfig):
     value_lr: float = option(1e-3, "critic (value head MLP) learning rate")
     warmup_updates: int = option(0, "first updates train only the critic")
     value_hidden: list = option([1024, 512], "hidden layer sizes of the value head MLP")
+    gradient_checkpointing: bool = option(
+        False,
+        "generate transitions: recompute each decoder layer's activations in the backward pass of the policy update "
+        "(less memory for long responses, about a third more compute)",
+    )
     # --- checkpoints, publication, logs ---
     checkpoint_dir: str = option("runs/learner/checkpoints", "where checkpoints go")
     keep_checkpoints: int = option(3, "checkpoints kept")

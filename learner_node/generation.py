@@ -387,13 +387,14 @@ def generation_update(
             mb_tokens, mb_kl = sum(sizes[i] for i in mb), 0.0
             for micro in pack([len(batch.prompts[i]) + sizes[i] for i in mine], gen.micro_batch_tokens):
                 ids = [mine[k] for k in micro]
-                logp, ent = response_logprobs(
-                    model,
-                    [batch.prompts[i] for i in ids],
-                    [batch.responses[i] for i in ids],
-                    [batch.temperatures[i] for i in ids],
-                    gen.micro_batch_tokens,
-                )
+                with lp.checkpointing():
+                    logp, ent = response_logprobs(
+                        model,
+                        [batch.prompts[i] for i in ids],
+                        [batch.responses[i] for i in ids],
+                        [batch.temperatures[i] for i in ids],
+                        gen.micro_batch_tokens,
+                    )
                 m = mask[ids]
                 new = _padded([x.cpu() for x in logp])
                 terms = tp.policy_loss(

@@ -49,6 +49,7 @@ class LearnerPolicy:
         value_hidden: Sequence[int],
         path: str = "packed",
         token_value_hidden: Sequence[int] = (256,),
+        gradient_checkpointing: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -56,6 +57,11 @@ class LearnerPolicy:
         self.temperature = temperature
         self.path = path
         self.has_adapter = hasattr(model, "peft_config")
+        self.gradient_checkpointing = gradient_checkpointing
+        if gradient_checkpointing:
+            from common.policy_model import enable_gradient_checkpointing
+
+            enable_gradient_checkpointing(model)
         self.frozen = None
         if not self.has_adapter:
             self.frozen = copy.deepcopy(model).eval()
@@ -68,6 +74,19 @@ class LearnerPolicy:
 
     def tokenize(self, obs: dict[str, Any]) -> scoring.Tokenized:
         return scoring.tokenize_observation(self.tokenizer, obs["prompt"], obs.get("question", ""), obs["action"])
+
+    @contextlib.contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """Forwards inside recompute their layers' activations in the backward pass, when the learner was started
+        with gradient_checkpointing (its dropout is 0, so this is the same function); a no-op otherwise."""
+        if not self.gradient_checkpointing:
+            yield
+            return
+        self.model.train()
+        try:
+            yield
+        finally:
+            self.model.eval()
 
     @contextlib.contextmanager
     def base(self) -> Iterator[Any]:

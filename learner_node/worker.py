@@ -96,7 +96,14 @@ class Learner:
         # The learner checks its scoring path as the actor does: every path it may use computes the model's own log-probabilities.
         path = scoring.select_path(model, cfg.policy.scoring_path)
         self.lp = LearnerPolicy(
-            model, tokenizer, cfg.policy.normalisation, cfg.policy.temperature, cfg.value_hidden, path, cfg.generation.value_hidden
+            model,
+            tokenizer,
+            cfg.policy.normalisation,
+            cfg.policy.temperature,
+            cfg.value_hidden,
+            path,
+            cfg.generation.value_hidden,
+            cfg.gradient_checkpointing,
         )
         policy_lr = cfg.resolved_policy_lr()
         log.info("policy learning rate %g%s", policy_lr, "" if cfg.policy_lr else " (by the model: [learner] policy_lr = 0)")

@@ -117,7 +117,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     pushed = 0
     if item is None:  # the generation case
-        pushed = generation_step(model, method[len("gen_") :], args.vocab, args.gen_micro_tokens)
+        layout = method[len("gen_") :]
+        if layout == "packed_checkpointed":  # the learner's gradient_checkpointing: dropout 0, layers recomputed in backward
+            from common.policy_model import enable_gradient_checkpointing
+
+            enable_gradient_checkpointing(model)
+            model.train()
+            layout = "packed"
+        pushed = generation_step(model, layout, args.vocab, args.gen_micro_tokens)
     else:
         sums = full_sequences_scores(model, item) if method == "full_sequences" else scoring.score_packed(model, [item])[0]
         logp = scoring.policy_logprobs(scoring.normalise(sums.float(), item, "token"), 1.0)
@@ -166,7 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_generation:
         case = {"generation": True, "responses": GEN_RESPONSES, "prompt_tokens": GEN_PROMPT, "response_tokens": list(GEN_LENGTHS)}
         case["micro_batch_tokens"] = args.gen_micro_tokens
-        for method in ("padded", "packed"):
+        for method in ("padded", "packed", "packed_checkpointed"):
             case[method] = _in_child(args, f"gen_{method}", GEN_PROMPT, GEN_RESPONSES, GEN_RESPONSES)
         _compare(case, "padded", "packed")
         cases.append(case)
@@ -190,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
     for c in result["cases"]:
         parts = []
         if c.get("generation"):
-            for method in ("padded", "packed"):
+            for method in ("padded", "packed", "packed_checkpointed"):
                 r = c.get(method, {})
                 done = f"{r['peak_mb']:.0f} MB, {r['transitions_per_s']:.2f} responses/s" if "peak_mb" in r else r.get("error", "?")
                 parts.append(f"{method} {done}")

@@ -183,3 +183,37 @@ def test_stale_responses_are_trained_with_ratio_one_against_the_learners_weights
     assert metrics["generation/first_minibatch_ratio_dev"] < 1e-5
     assert abs(metrics["generation/behaviour_weight"] - 1) > 1e-3  # the behaviour policy is not the learner's
     assert metrics["generation/optimizer_steps"] >= 2
+
+
+def test_gradient_checkpointing_recomputes_the_layers_and_changes_nothing_else(tiny_models) -> None:
+    """GPT-2 has dropout in its config: the learner's function stays the eval-mode one, and each decoder layer
+    runs again in the backward pass."""
+    from common import scoring
+    from learner_node.policy import LearnerPolicy
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (12, 7)]
+    responses = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 9)]
+    results = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model, tokenizer = load_policy(ModelSpec(model=tiny_models["gpt2"], device="cpu", lora_rank=4))
+        lp = LearnerPolicy(model, tokenizer, "token", 1.0, [8], gradient_checkpointing=checkpointing)
+        # a module inside the first layer: its hooks fire again when the layer is recomputed
+        layer = scoring.model_parts(model)[0].h[0].attn
+        calls: list[int] = []
+        layer.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        with lp.checkpointing():
+            logp, _ = response_logprobs(model, prompts, responses, [1.0, 1.0], budget=64)
+        forward_calls = len(calls)
+        torch.cat(logp).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[checkpointing] = (torch.cat(logp).detach(), grads, forward_calls, len(calls), model.training)
+    (lp_off, g_off, fwd_off, all_off, training_off), (lp_on, g_on, fwd_on, all_on, training_on) = results[False], results[True]
+    torch.testing.assert_close(lp_on, lp_off, atol=1e-6, rtol=0)
+    assert g_on.keys() == g_off.keys() and g_on
+    for name in g_on:
+        torch.testing.assert_close(g_on[name], g_off[name], atol=1e-6, rtol=1e-5)
+    assert (fwd_off, all_off) == (1, 1)  # one forward of the packed row, kept for the backward
+    assert (fwd_on, all_on) == (1, 2)  # and run again in the backward pass
+    assert not training_on and not training_off  # back in eval mode after the forward
