@@ -5,13 +5,14 @@ cache. Each `step()` feeds every row its last sampled token and samples the next
 a row that finishes (end-of-sequence token, a stop string, its token budget, its
 deadline) leaves the batch at once and is answered, and requests that arrived
 meanwhile join the batch with `add()` (continuous batching): a long response
-never holds a short one back, and a new request waits at most one decode step.
+never holds a short one back, and a new request waits at most one decode step
+for a free row (`max_rows`); the actor loop answers one that waited past its
+deadline `timeout`.
 
-Prefill: a new request's prompt runs through the model alone or with the other
-new prompts; a prompt whose leading tokens the prefix cache holds (the previous
-turn of a multi-turn task, or another sample of the same prompt) computes only
-the rest; several requests with the same prompt in one `add()` share one
-prefill. The prompt's KV then joins the batch's cache, left-padded to its length.
+Prefill: each new prompt runs through the model on its own; a prompt whose
+leading tokens the prefix cache holds (the previous turn of a multi-turn task,
+or another sample of the same prompt) computes only the rest; several requests
+with the same prompt in one `add()` share one prefill. The prompt's KV then joins the batch's cache, left-padded to its length.
 
 What is sampled, and logged (docs/design.md, "Generation: the behaviour policy"):
 the logits come from the decoder's last hidden state through the LM head in
@@ -115,7 +116,10 @@ def render_prompt(tokenizer: Any, obs: dict[str, Any]) -> list[int]:
     if messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise GenerationError("`messages` needs a chat template and this model's tokenizer has none; send `prompt` instead")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template's own rule (roles must alternate, no system role, ...)
+            raise GenerationError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from e
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own special tokens
     else:
         ids = tokenizer(obs["prompt"])["input_ids"]
@@ -149,7 +153,10 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         kept = torch.full_like(logp, float("-inf"))
         kept[order[keep]] = logp[order[keep]]
         logp = kept - torch.logsumexp(kept, dim=-1)
-    token = int(torch.multinomial(logp.exp().cpu(), 1, generator=generator))
+    probs = logp.exp().cpu()
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        raise GenerationError(f"the distribution at temperature {params.temperature:g} cannot be sampled (not finite)")
+    token = int(torch.multinomial(probs, 1, generator=generator))
     return token, float(logp[token])
 
 
@@ -180,6 +187,10 @@ class GenerationEngine:
     def free(self) -> int:
         return max(0, self.max_rows - len(self.rows))
 
+    def reset(self) -> None:
+        """Drop every running row (after a failure; the caller answers their requests)."""
+        self.rows, self.kv, self.width = [], [], 0
+
     def clear_cache(self) -> None:
         """Forget cached prompt KV (the weights changed)."""
         self.cache.clear()
@@ -203,7 +214,10 @@ class GenerationEngine:
         with torch.inference_mode():
             first_logits = self._prefill(new)
             for row, logits in zip(new, first_logits):
-                done = self._take(row, logits)
+                try:
+                    done: Generated | Exception | None = self._take(row, logits)
+                except GenerationError as e:
+                    done = e
                 if done is not None:
                     answered.append((row.job, done))
                     row.length = -1  # finished at once: never joins
@@ -220,7 +234,8 @@ class GenerationEngine:
                 f"{len(prompt_ids) + params.max_new_tokens} positions, over the model's limit of {self.position_limit}"
             )
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seeds))
-        deadline = now + max(1, int(job.get("deadline_ms", 60_000))) / 1000
+        # the actor loop stamps when the job arrived (`deadline_at`); without it, from now
+        deadline = job.get("deadline_at") or now + max(1, int(job.get("deadline_ms", 60_000))) / 1000
         return _Row(job, prompt_ids, params, torch.Generator().manual_seed(seed), deadline)
 
     def _prefill(self, rows: list[_Row]) -> list[torch.Tensor]:
@@ -310,7 +325,10 @@ class GenerationEngine:
             keep = []
             for b, row in enumerate(self.rows):
                 row.length += 1
-                done = self._take(row, logits[b])
+                try:
+                    done: Generated | Exception | None = self._take(row, logits[b])
+                except GenerationError as e:  # this row's distribution cannot be sampled: it fails alone
+                    done = e
                 if done is None:
                     keep.append(b)
                 else:

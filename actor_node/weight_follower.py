@@ -30,6 +30,7 @@ class WeightFollower:
         self.poll_s = poll_s
         self._next_poll = 0.0
         self.waiting: Announcement | None = None  # found by `newest`, not loaded yet (see `take`)
+        self.refused: tuple[str, int, str] | None = None  # (run, version, checksum) of a snapshot that could not be loaded
         self.sub: zmq.Socket | None = None
         if endpoint:
             self.sub = (context or zmq.Context.instance()).socket(zmq.SUB)
@@ -51,13 +52,18 @@ class WeightFollower:
             self.waiting = found
         return self.waiting
 
-    def take(self) -> None:
-        """The waiting snapshot was loaded (or could not be): forget it."""
+    def take(self, loaded: bool = True) -> None:
+        """The waiting snapshot was loaded, or could not be (`loaded` false): forget it; a refused one is not
+        offered again (a generating actor would stop admitting requests for it at every poll)."""
+        if not loaded and self.waiting is not None:
+            self.refused = (self.waiting.run, self.waiting.version, self.waiting.checksum)
         self.waiting = None
 
     def _poll(self, now: float, current: int, current_run: str) -> Announcement | None:
 
         def newer(ann: Announcement) -> bool:
+            if (ann.run, ann.version, ann.checksum) == self.refused:  # the same bytes again; a repaired one is tried
+                return False
             return ann.version > current if ann.run == current_run else bool(ann.run)
 
         best: Announcement | None = None

@@ -17,7 +17,7 @@ from common import weights
 from common.errors import BadInput
 
 if TYPE_CHECKING:
-    from actor_node.generation import Generated
+    from actor_node.generation import Generated, GenerationEngine
     from actor_node.rag import Retriever
 
 log = logging.getLogger(__name__)
@@ -30,13 +30,14 @@ def catch_up(policy: Policy, follower: WeightFollower | None) -> bool:
     ann = follower.newest(time.monotonic(), policy.policy_version, policy.policy_run)
     if ann is None:
         return False
-    follower.take()
     try:
         state = weights.fetch(follower.client, follower.prefix, ann)
         policy.set_weights(state, ann.version, ann.run)
     except Exception as e:  # a missing or corrupt snapshot, or one of another model: keep serving the current weights
         log.warning("cannot load policy version %d: %s; keeping version %d", ann.version, e, policy.policy_version)
+        follower.take(loaded=False)
         return False
+    follower.take()
     return True
 
 
@@ -60,7 +61,7 @@ def serve(
     rag_step jobs are augmented first, and their results carry the observation scored."""
     served = 0
     engine = policy.generation_engine()
-    waiting: list[dict[str, Any]] = []  # generate jobs not in the running batch yet
+    waiting: list[dict[str, Any]] = []  # generate jobs not in the running batch yet, oldest first
     while not stop.is_set():
         if tick is not None:
             tick(served)
@@ -72,23 +73,42 @@ def serve(
         link.policy_version = policy.policy_version
         jobs = link.get_jobs(max_batch, timeout=0.0 if generating or waiting else 0.1)
         scoring_jobs = [job for job in jobs if job.get("mode") != p.OP_GENERATE]
-        waiting += [job for job in jobs if job.get("mode") == p.OP_GENERATE]
+        now = time.monotonic()
+        for job in jobs:
+            if job.get("mode") == p.OP_GENERATE:  # its deadline counts from now, however long it waits for a row
+                job["deadline_at"] = now + max(1, int(job.get("deadline_ms", 60_000))) / 1000
+                waiting.append(job)
         results = _score(link, policy, scoring_jobs, retriever) if scoring_jobs else []
         if waiting and engine is None:
             no_model = "this actor serves no model: generate needs one (--model)"
             results += [link.error(job["job"], p.E_BAD_REQUEST, no_model) for job in waiting]
             waiting = []
         if engine is not None:
+            late = [job for job in waiting if job["deadline_at"] <= now]
+            waiting = [job for job in waiting if job["deadline_at"] > now]
+            results += [link.error(job["job"], p.E_TIMEOUT, "the deadline passed before a row was free") for job in late]
             swap_waiting = follower is not None and follower.waiting is not None
             if waiting and not swap_waiting and engine.free:  # join the running batch (none joins while new weights wait)
                 joining, waiting = waiting[: engine.free], waiting[engine.free :]
-                results += [_generated(link, policy, job, answer) for job, answer in engine.add(joining)]
+                results += [_generated(link, policy, job, answer) for job, answer in _guarded(engine, engine.add, joining)]
             if engine.active:
-                results += [_generated(link, policy, job, answer) for job, answer in engine.step()]
+                results += [_generated(link, policy, job, answer) for job, answer in _guarded(engine, engine.step)]
         if results:
             link.send_results(results)
             served += len(results)
     return served
+
+
+def _guarded(engine: GenerationEngine, call: Callable[..., list], *args: Any) -> list[tuple[dict[str, Any], Any]]:
+    """An engine call whose failure (out of memory, a bug) fails the requests it touched, never the actor:
+    the running rows and the joining ones are answered `internal` and the batch starts afresh."""
+    try:
+        return call(*args)
+    except Exception as e:  # noqa: BLE001 - every job gets an answer; the actor serves on
+        log.exception("generation failed; answering its %d requests", engine.active + (len(args[0]) if args else 0))
+        touched = list({id(job): job for job in [row.job for row in engine.rows] + (list(args[0]) if args else [])}.values())
+        engine.reset()
+        return [(job, RuntimeError(f"generation failed: {type(e).__name__}: {e}")) for job in touched]
 
 
 def _score(link: BrokerLink, policy: Policy, jobs: list[dict[str, Any]], retriever: Retriever | None) -> list[dict[str, Any]]:

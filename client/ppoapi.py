@@ -137,9 +137,11 @@ class PPOClient:
         top_p: float = 1.0,
         stop: list[str] | None = None,
         seed: int | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
         """A response written by the policy to `prompt` (or chat `messages`): `{"task_id", "status": "ok", "text",
-        "n_tokens", "finish_reason", "logprob", "policy_version"}`. Its reward goes in with `feedback`, as a step's."""
+        "n_tokens", "finish_reason", "logprob", "policy_version"}`. Its reward goes in with `feedback`, as a step's.
+        `deadline` (seconds, default the client's) bounds it here and at the broker."""
         reply = self.client.generate(
             self._attached(),
             prompt,
@@ -149,6 +151,7 @@ class PPOClient:
             top_p=top_p,
             stop=stop,
             seed=seed,
+            deadline=deadline,
         )
         return _without_header(reply)
 

@@ -175,8 +175,9 @@ class Client:
     ) -> dict[str, Any]:
         """A response to `prompt` (a str) or chat `messages`, written by the policy; the reply map: text,
         n_tokens, finish_reason (eos, stop or length), logprob, policy_version. Its reward goes in with
-        `feedback`, as a step's. temperature 0 is greedy decoding. `deadline` (seconds) bounds the request
-        here and at the broker; it defaults to the client's."""
+        `feedback`, as a step's. temperature 0 is greedy decoding. `deadline` (seconds, default the client's)
+        bounds the request here and, sent as `deadline_ms`, at the broker (which caps it at its generate_timeout_ms)."""
+        deadline = self.deadline if deadline is None else deadline  # the broker stops at the same time the caller does
         fields = generate_fields(task_id, prompt, messages, max_new_tokens, temperature, top_p, stop, seed, deadline)
         return self.request(p.OP_GENERATE, rid=rid, deadline=deadline, **fields)
 

@@ -97,6 +97,7 @@ SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
 FINISH_REASONS = ("eos", "stop", "length")  # why a response ended: the end-of-sequence token, a stop string, its token budget
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 1e-3  # a positive temperature below it divides the logits into infinities
 
 
 # --- Encoding -------------------------------------------------------------------------
@@ -280,9 +281,12 @@ def check_generate(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
         raise ProtocolError(E_BAD_REQUEST, f"`sampling.max_new_tokens` must be at least 1, got {budget}")
     if budget > limits.max_new_tokens:
         raise ProtocolError(E_TOO_LARGE, f"`sampling.max_new_tokens` is {budget}, the limit is {limits.max_new_tokens}")
-    temperature = float(optional(sampling, "temperature", (int, float), "a number from 0 (greedy) to 100", 1.0))
-    if not 0 <= temperature <= MAX_TEMPERATURE:
-        raise ProtocolError(E_BAD_REQUEST, f"`sampling.temperature` must be from 0 (greedy) to {MAX_TEMPERATURE:g}, got {temperature}")
+    temperature = float(optional(sampling, "temperature", (int, float), "0 (greedy) or a number from 0.001 to 100", 1.0))
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise ProtocolError(
+            E_BAD_REQUEST,
+            f"`sampling.temperature` must be 0 (greedy) or from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}, got {temperature}",
+        )
     top_p = float(optional(sampling, "top_p", (int, float), "a number in (0, 1]", 1.0))
     if not 0 < top_p <= 1:
         raise ProtocolError(E_BAD_REQUEST, f"`sampling.top_p` must be in (0, 1], got {top_p}")

@@ -55,7 +55,11 @@ class GenerationConfig:
     gae_lambda: float = option(0.95, "GAE lambda over response tokens")
     kl_coef: float = option(0.001, "coefficient of the KL to the reference (the base, adapter off), per token")
     kl_in_reward: bool = option(True, "the KL penalty goes into each token's reward (InstructGPT); off: into the loss")
-    kl_estimator: str = option("k1", "per-token KL estimator: k1 (log ratio), k2 (half its square) or k3 ((r - 1) - log r)")
+    kl_estimator: str = option(
+        "k1",
+        "per-token KL estimator: k1 (log ratio), k2 (half its square) or k3 ((r - 1) - log r); in the loss (kl_in_reward"
+        " off) k2 or k3: the gradient of k1 is the score function, zero in expectation",
+    )
     clip_low: float = option(0.2, "the ratio may fall to 1 - clip_low")
     clip_high: float = option(0.2, "the ratio may rise to 1 + clip_high (above clip_low: DAPO's clip-higher)")
     clip_ratio_c: float = option(3.0, "dual clip: a token with a negative advantage loses at most clip_ratio_c * |A|")
@@ -73,6 +77,11 @@ class GenerationConfig:
         check(
             self.loss_aggregation in LOSS_AGGREGATIONS,
             f"`loss_aggregation` must be one of {', '.join(LOSS_AGGREGATIONS)}, got {self.loss_aggregation!r}",
+        )
+        check(
+            self.kl_in_reward or self.kl_estimator != "k1" or self.kl_coef == 0,
+            "`kl_estimator` k1 in the loss (kl_in_reward off) pulls nothing towards the reference: its gradient is the"
+            " score function, zero in expectation over sampled tokens; use k2 or k3 there (or keep kl_in_reward)",
         )
         check(0 < self.clip_low < 1, f"`clip_low` must be in (0, 1), got {self.clip_low}")
         check(self.clip_high > 0, f"`clip_high` must be positive, got {self.clip_high}")

@@ -260,19 +260,28 @@ def split_by_mode(segments: list[Segment]) -> tuple[list[Segment], list[Segment]
                 runs.append([t])
         for k, run in enumerate(runs):
             last = k == len(runs) - 1
+            # The observation after the last turn bootstraps it only if it is of the same kind (a step's state
+            # cannot be valued by the token critic, nor a prompt's by the candidate critic): else, as at a change.
+            follows = seg.next_obs if last and _is_generate_obs(seg.next_obs) == (run[0].mode == "generate") else None
+            cut = not last or (seg.next_obs is not None and follows is None)
             part = Segment(
                 seg_id=seg.seg_id if len(runs) == 1 else f"{seg.seg_id}/{k}",
                 task_id=seg.task_id,
                 seq=seg.seq,
-                reason=seg.reason if last else "mode_change",
+                reason="mode_change" if cut else seg.reason,
                 done=seg.done and last,
-                truncated=seg.truncated if last else True,
-                next_obs=seg.next_obs if last else None,
+                truncated=True if cut else seg.truncated,
+                next_obs=follows,
                 transitions=run,
                 closed_ms=seg.closed_ms,
             )
             (generate_segments if run[0].mode == "generate" else scoring_segments).append(part)
     return scoring_segments, generate_segments
+
+
+def _is_generate_obs(obs: dict[str, Any] | None) -> bool | None:
+    """Whether an observation is a generate turn's ({prompt_ids, ...}); None for none."""
+    return None if obs is None else "prompt_ids" in obs
 
 
 # --- the update ------------------------------------------------------------------------------

@@ -166,3 +166,44 @@ def test_chat_messages_go_through_the_tokenizers_template(tiny_models) -> None:
     chat = {"job": 0, "task_id": "t", "obs": {"messages": messages, "sampling": {"max_new_tokens": 3}}}
     g = run(engine, [chat])[0]
     assert tokenizer.decode(g.prompt_ids) == "<system>be brief\n<user>hello\n<assistant>"
+
+
+def test_messages_a_chat_template_refuses_fail_alone(tiny_models) -> None:
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    )
+    engine = GenerationEngine(model, tokenizer)
+    refused = {"job": 0, "task_id": "t", "obs": {"messages": [{"role": "system", "content": "x"}], "sampling": {"max_new_tokens": 3}}}
+    fine = {"job": 1, "task_id": "u", "obs": {"messages": [{"role": "user", "content": "hi"}], "sampling": {"max_new_tokens": 3}}}
+    answers = run(engine, [refused, fine])
+    assert isinstance(answers[0], GenerationError) and "System role not supported" in str(answers[0])
+    assert answers[1].finish_reason == "length"
+
+
+def test_the_actor_loop_survives_a_failing_engine_and_answers_what_it_held(tiny_models, start_broker, start_actor, make_client) -> None:
+    """A generation that fails in the engine (here: out of memory, once) answers its requests `internal`, which
+    the client retries; the actor serves on."""
+    from actor_node.llm_policy import LLMPolicy, SamplingConfig
+    from tests.helpers import actors_ready, wait_for
+
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
+    policy = LLMPolicy(model, tokenizer, SamplingConfig())
+    engine = policy.generation_engine()
+    real_step, failures = engine.step, []
+
+    def step_failing_once():
+        if not failures:
+            failures.append(1)
+            raise MemoryError("out of memory (a stand-in)")
+        return real_step()
+
+    engine.step = step_failing_once  # type: ignore[method-assign]
+    broker = start_broker()
+    actor = start_actor(broker.backend, policy=policy)
+    client = make_client(broker.frontend, deadline=60, attempt_timeout=30)
+    wait_for(lambda: actors_ready(client, 1), what="the actor")
+    reply = client.generate(client.attach(), "hello", max_new_tokens=4)
+    assert failures == [1] and reply["n_tokens"] == 4  # the retry was served after the failure
+    assert actor.thread.is_alive() and engine.active == 0

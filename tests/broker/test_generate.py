@@ -122,14 +122,23 @@ def test_a_prompt_over_the_models_context_fails_alone(start_broker, start_actor,
     assert client.generate(b, "fine", max_new_tokens=3)["n_tokens"] == 3
 
 
-def test_a_generate_past_its_deadline_is_answered_timeout_and_leaves_no_pending_step(
+def test_a_generate_past_its_deadline_is_answered_timeout_and_the_actor_gives_its_row_up(
     start_broker, start_actor, make_client, llm, redis_client, key_prefix
 ):
-    broker, client = generating_stack(start_broker, start_actor, make_client, llm)
+    model, tokenizer = llm
+    policy = LLMPolicy(model, tokenizer, SamplingConfig(seed=1))
+    engine = policy.generation_engine()
+    engine.end_ids = set()  # no end-of-sequence token: the response would run its whole budget
+    broker = start_broker(max_new_tokens=8000)
+    start_actor(broker.backend, credits=8, policy=policy)
+    client = make_client(broker.frontend, deadline=60, attempt_timeout=30)
+    wait_for(lambda: actors_ready(client, 1), what="the actor to register")
     task = client.attach()
     with pytest.raises(RequestTimeout):
-        client.generate(task, "a long one", max_new_tokens=4000, deadline=0.3)
-    wait_for(lambda: not broker.broker.jobs, timeout=30, what="the actor to give the row up at its deadline")
+        client.generate(task, "a long one", max_new_tokens=8000, deadline=0.3)
+    # The actor stops writing it at its deadline: 8,000 tokens would take it many seconds more.
+    wait_for(lambda: engine.active == 0, timeout=3, what="the actor to give the row up at its deadline")
+    assert engine.tokens_out < 8000
     reply = client.generate(task, "next", max_new_tokens=2)
     assert reply["n_tokens"] == 2
     assert broker.broker.metrics["broker/orphan_steps"] == 0  # the timed-out one never became a pending step

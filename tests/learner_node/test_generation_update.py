@@ -114,6 +114,18 @@ def test_a_segment_holding_both_kinds_is_split_where_the_kind_changes() -> None:
     assert [len(s.transitions) for s in scoring_parts] == [2, 1] and [len(s.transitions) for s in generate_parts] == [1]
     assert scoring_parts[0].truncated and scoring_parts[0].next_obs is None and not scoring_parts[0].done  # cut: no successor
     assert scoring_parts[1].done and scoring_parts[1].seg_id == "mixed/2"
+    # Steps closed by length when the task's next request was a generate: its prompt cannot bootstrap a step
+    # (the candidate critic would read a `prompt` it does not have); the steps end truncated, the last dropped.
+    steps_then_generate = segment("length", [step, step], next_obs={"prompt_ids": [5, 6], "sampling": {"max_new_tokens": 2}})
+    (part,), () = split_by_mode([steps_then_generate])
+    assert part.truncated and part.next_obs is None and part.reason == "mode_change"
+    from learner_node.rollout import build_rollout
+
+    rollout = build_rollout([part], lambda observations: [0.0] * len(observations), 0.99, 0.95, 0, 8)
+    assert len(rollout) == 1 and rollout.dropped_truncated == 1
+    same_kind = segment("length", [step], next_obs=step.obs)
+    (kept,), () = split_by_mode([same_kind])
+    assert kept.next_obs is step.obs and not kept.truncated
 
 
 def engine_transitions(model_dir: str, n: int, version: int = 0, max_new_tokens: int = 6) -> list[Transition]:

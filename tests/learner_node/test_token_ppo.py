@@ -129,3 +129,12 @@ def test_entropy_from_logits() -> None:
     torch.testing.assert_close(uniform, torch.full((2,), math.log(4)))
     peaked = tp.entropy_from_logits(torch.tensor([[100.0, 0.0, 0.0]]))
     assert peaked.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_k1_in_the_loss_is_refused_with_the_reason() -> None:
+    from learner_node.config import GenerationConfig
+
+    with pytest.raises(ValueError, match="zero in expectation"):
+        GenerationConfig(kl_in_reward=False, kl_estimator="k1")
+    assert GenerationConfig(kl_in_reward=False, kl_estimator="k3").kl_estimator == "k3"
+    assert GenerationConfig(kl_in_reward=False, kl_estimator="k1", kl_coef=0.0).kl_coef == 0.0
