@@ -13,8 +13,10 @@ clients detach, the learner trains what is left, and the ledger
 (reliability/ledger.py) is read.
 
 It passes when no client saw an error, the ledger balances, every process's
-resident memory grew by at most `--rss-growth-mb` from the end of the first
-window (warm-up: model loads, allocator pools) to the end, and the latency of the
+resident memory grew by at most `--rss-growth-mb` from the end of its warm-up
+to the end (warm-up: the first window, where models load and allocator pools
+fill; for the learner, until the first window that ends after its first update,
+where the optimizer's state and the backward pass's buffers appear), and the latency of the
 second half of the run is within `--latency-drift` times that of the first half
 (p50 and p99, both after the first window).
 The exit code is 1 otherwise; `--json` prints the whole report.
@@ -41,6 +43,7 @@ from typing import Any
 import zmq.asyncio
 
 from client import AsyncClient
+from common.learner_figures import read_latest
 from common.redis_server import EmbeddedRedis, connect
 from reliability.fuzz import rss_kb
 from reliability.ledger import settle_ledger
@@ -101,6 +104,7 @@ class Window:
     p95_ms: float
     p99_ms: float
     rss_mb: dict[str, float]
+    learner_version: int = 0  # updates the learner had published by the window's end
 
 
 @dataclass
@@ -144,11 +148,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def warmed_window(windows: list[Window], process: str) -> Window:
+    """The window whose end is `process`'s memory baseline: the first, or the learner's first after an update.
+
+    A learner that has not updated before the last window is measured from the first (its
+    growth then includes its warm-up, and a failure says so by its size)."""
+    if process != "learner":
+        return windows[0]
+    for window in windows[:-1]:
+        if window.learner_version >= 1:
+            return window
+    return windows[0]
+
+
 def summarise(report: Report, latencies: list[tuple[float, float]]) -> None:
     """Memory growth after warm-up and the latency drift between the halves of the run."""
     if len(report.windows) >= 2:
-        first, last = report.windows[0].rss_mb, report.windows[-1].rss_mb
-        report.rss_growth_mb = {name: round(last[name] - first[name], 1) for name in first if name in last}
+        last = report.windows[-1].rss_mb
+        for name in report.windows[0].rss_mb:
+            if name in last:
+                report.rss_growth_mb[name] = round(last[name] - warmed_window(report.windows, name).rss_mb[name], 1)
     warm = report.windows[0].end_s if len(report.windows) >= 3 else 0.0
     half = (warm + report.seconds) / 2
     early = [ms for t, ms in latencies if warm <= t < half]
@@ -161,7 +180,8 @@ def summarise(report: Report, latencies: list[tuple[float, float]]) -> None:
 def format_report(report: Report) -> str:
     lines = [
         f"soak: {report.clients} clients for {report.seconds:.0f} s",
-        f"{'until':>7} {'steps':>7} {'steps/s':>8} {'errors':>6} {'waits':>6} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}  RSS MB",
+        f"{'until':>7} {'steps':>7} {'steps/s':>8} {'errors':>6} {'waits':>6} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
+        f"{'learner v':>9}  RSS MB",
     ]
     previous = 0.0
     for w in report.windows:
@@ -170,10 +190,10 @@ def format_report(report: Report) -> str:
         rss = " ".join(f"{k} {v:.0f}" for k, v in w.rss_mb.items())
         lines.append(
             f"{w.end_s:>6.0f}s {w.steps:>7} {rate:>8.1f} {w.errors:>6} {w.ask_waits:>6} {w.p50_ms:>8.1f} {w.p95_ms:>8.1f} "
-            f"{w.p99_ms:>8.1f}  {rss}"
+            f"{w.p99_ms:>8.1f} {w.learner_version:>9}  {rss}"
         )
     lines.append(f"steps {report.steps}, feedbacks acknowledged {report.acknowledged}, client errors {report.error_count}")
-    lines.append(f"resident memory growth after the first window (MB): {report.rss_growth_mb}")
+    lines.append(f"resident memory growth after warm-up (MB): {report.rss_growth_mb}")
     lines.append(f"step latency, second half / first half: {report.latency_ratio}")
     lines.append(f"ledger: {report.ledger} ({'balanced' if report.ledger_balanced else 'NOT balanced'})")
     failures = report.failures()
@@ -398,6 +418,7 @@ def run(clients: int, seconds: float, window_s: float, seed: int, workdir: Path,
         _wait_for_actor(stack)
         driver = Clients(stack.frontend, clients, seed)
         counted = {"steps": 0, "errors": 0, "waits": 0}
+        figures_client = connect(stack.redis_url)
 
         def on_window(end_s: float) -> None:
             stack.check_alive()
@@ -412,12 +433,16 @@ def run(clients: int, seconds: float, window_s: float, seed: int, workdir: Path,
                     round(percentile(recent, 0.95), 1),
                     round(percentile(recent, 0.99), 1),
                     stack.rss_mb(),
+                    int(read_latest(figures_client, KEY_PREFIX).get("version", 0)),
                 )
             )
             counted.update(steps=len(driver.latencies), errors=driver.error_count, waits=driver.ask_waits)
             log.info("window ending %.0f s: %d steps, p99 %.1f ms", end_s, len(recent), report.windows[-1].p99_ms)
 
-        asyncio.run(driver.run(seconds, on_window, window_s))
+        try:
+            asyncio.run(driver.run(seconds, on_window, window_s))
+        finally:
+            figures_client.close()
         report.steps, report.acknowledged = len(driver.latencies), driver.acknowledged
         report.errors, report.error_count = driver.errors, driver.error_count
         summarise(report, driver.latencies)

@@ -154,7 +154,8 @@ def test_bad_http_requests_are_named(start_broker, start_gateway):
         (requests.post(f"{base}/step", json={"obs": OBS}, timeout=30), 400, "task_id"),
         (requests.post(f"{base}/step", json={"task_id": "t", "obs": "text"}, timeout=30), 400, "`obs`"),
         (requests.post(f"{base}/feedback", json={"task_id": task, "reward": "high", "done": False}, timeout=30), 400, "reward"),
-        (requests.post(f"{base}/generate", json={}, timeout=30), 404, "/attach"),
+        (requests.post(f"{base}/generate", json={}, timeout=30), 400, "task_id"),
+        (requests.post(f"{base}/teleport", json={}, timeout=30), 404, "/attach"),
         (requests.get(f"{base}/step", timeout=30), 405, "GET"),
         (requests.post(f"{base}/step", data=b"x" * 5000, timeout=30), 413, "4096"),
     ]

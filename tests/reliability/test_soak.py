@@ -63,17 +63,24 @@ def test_the_pass_rule_names_each_failure():
 
 def test_memory_growth_and_latency_drift_leave_out_the_first_window():
     report = Report(clients=1, seconds=40, limits={"rss_growth_mb": 100.0, "latency_drift": 2.0})
+    # The learner's warm-up lasts until its first update (optimizer state, backward buffers): here in the second window.
     report.windows = [
-        Window(10, 5, 0, 0, 1, 1, 1, {"broker": 100.0}),
-        Window(20, 5, 0, 0, 1, 1, 1, {"broker": 150.0}),
-        Window(30, 5, 0, 0, 1, 1, 1, {"broker": 160.0}),
-        Window(40, 5, 0, 0, 1, 1, 1, {"broker": 170.0}),
+        Window(10, 5, 0, 0, 1, 1, 1, {"broker": 100.0, "learner": 500.0}, learner_version=0),
+        Window(20, 5, 0, 0, 1, 1, 1, {"broker": 150.0, "learner": 700.0}, learner_version=1),
+        Window(30, 5, 0, 0, 1, 1, 1, {"broker": 160.0, "learner": 710.0}, learner_version=3),
+        Window(40, 5, 0, 0, 1, 1, 1, {"broker": 170.0, "learner": 730.0}, learner_version=5),
     ]
     # Warm-up latencies (first 10 s) are slow and ignored; after it, 25-40 s is twice 10-25 s.
     latencies = [(t, 500.0) for t in range(10)] + [(t, 10.0) for t in range(10, 25)] + [(t, 20.0) for t in range(25, 40)]
     summarise(report, latencies)
-    assert report.rss_growth_mb == {"broker": 70.0}  # from the end of the first window to the end
+    assert report.rss_growth_mb == {"broker": 70.0, "learner": 30.0}  # from the end of each one's warm-up to the end
     assert report.latency_ratio == {"p50": 2.0, "p99": 2.0}
+    # A learner that never updated is measured from the first window: its growth is not hidden.
+    for window in report.windows:
+        window.learner_version = 0
+    report.rss_growth_mb = {}
+    summarise(report, latencies)
+    assert report.rss_growth_mb["learner"] == 230.0
 
 
 def test_percentile():
