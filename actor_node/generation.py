@@ -80,6 +80,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def stop_window(self) -> int:
+        """Response tokens whose text holds any stop string that ends in the newest token: a token decodes
+        to at least one byte and a character is at most 4, plus a margin for the slice's ragged start."""
+        return 4 * max((len(stop) for stop in self.stop), default=0) + 4
+
 
 @dataclass
 class Generated:
@@ -345,15 +351,20 @@ class GenerationEngine:
         self.tokens_out += 1
         if token in self.end_ids:
             return self._finish(row, FINISH_EOS)
-        if row.params.stop:
+        if row.params.stop and self._stop_in_tail(row):
             text = self._text(row)
-            for stop in row.params.stop:
-                at = text.find(stop)
-                if at >= 0:
-                    return self._finish(row, FINISH_STOP, text[:at])
+            found = [at for stop in row.params.stop if (at := text.find(stop)) >= 0]
+            if found:
+                return self._finish(row, FINISH_STOP, text[: min(found)])
         if len(row.response_ids) >= row.params.max_new_tokens:
             return self._finish(row, FINISH_LENGTH)
         return None
+
+    def _stop_in_tail(self, row: _Row) -> bool:
+        """Whether a stop string may have just appeared, read from the newest tokens only: decoding the whole
+        response at every token would cost O(n^2) over a long response. A hit is confirmed on the whole text."""
+        tail = self.tokenizer.decode(row.response_ids[-row.params.stop_window :], skip_special_tokens=True)
+        return any(stop in tail for stop in row.params.stop)
 
     def _text(self, row: _Row) -> str:
         return self.tokenizer.decode(row.response_ids, skip_special_tokens=True)

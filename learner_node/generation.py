@@ -176,12 +176,15 @@ def build_generation_batch(
     max_policy_lag: int,
     episodes: EpisodeReturns | None = None,
     expected: PolicyStamp | None = None,
+    vocab_size: int | None = None,
 ) -> GenerationBatch:
     """Generate transitions -> a batch. Bootstrap rules as the candidate rollout's: a segment closed by `done`
     ends its chain; one with a next observation bootstraps from that prompt's value; a truncated one with
     none drops its last turn (counted) and bootstraps from that turn's prompt. A turn that is stale, from
     a version ahead, greedy or from another run or adapter is dropped and counted, and cuts the chain
-    there (the part before bootstraps from the dropped turn's prompt)."""
+    there (the part before bootstraps from the dropped turn's prompt). So is a turn holding a token id
+    outside the learner's vocabulary (`vocab_size`: an actor serving another model would crash the update);
+    a next prompt holding one counts as no successor."""
     out = GenerationBatch()
     episodes = episodes if episodes is not None else EpisodeReturns()
     for seg in segments:
@@ -190,7 +193,7 @@ def build_generation_batch(
         transitions = list(seg.transitions)
         next_prompt: list[int] | None = None
         if not seg.done:
-            if seg.next_obs is not None and seg.next_obs.get("prompt_ids"):
+            if seg.next_obs is not None and seg.next_obs.get("prompt_ids") and _in_vocabulary(seg.next_obs["prompt_ids"], vocab_size):
                 next_prompt = list(seg.next_obs["prompt_ids"])
             else:  # truncated with no successor: the last turn has no observed successor
                 out.dropped_truncated += 1
@@ -199,6 +202,10 @@ def build_generation_batch(
         chain: list[int] = []
         for t in transitions:
             reason = _dropped(t, current_version, max_policy_lag, expected)
+            if reason is None and not (
+                _in_vocabulary(t.obs["prompt_ids"], vocab_size) and _in_vocabulary((t.generation or {})["response_ids"], vocab_size)
+            ):
+                reason = "token_ids"
             if reason is not None:
                 if reason == "stale":
                     out.dropped_stale += 1
@@ -221,6 +228,10 @@ def build_generation_batch(
         if chain:
             out.chains.append(Chain(chain, None if seg.done else next_prompt))
     return out
+
+
+def _in_vocabulary(ids: list[int], vocab_size: int | None) -> bool:
+    return vocab_size is None or max(ids, default=0) < vocab_size
 
 
 def _dropped(t: Transition, current_version: int, max_policy_lag: int, expected: PolicyStamp | None) -> str | None:

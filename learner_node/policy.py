@@ -68,6 +68,8 @@ class LearnerPolicy:
             self.frozen.requires_grad_(False)
         device = next(model.parameters()).device
         width = model.get_output_embeddings().weight.shape[1]
+        # token ids a transition may hold: an id past the embedding table would fail the whole update
+        self.vocab_size = min(model.get_input_embeddings().num_embeddings, model.get_output_embeddings().weight.shape[0])
         self.value_head = ValueHead(width, value_hidden).to(device)
         # generate transitions: the value of each response token, from the same frozen features (learner_node/generation.py)
         self.token_value_head = ValueHead(width, token_value_hidden).to(device)

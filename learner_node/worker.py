@@ -284,7 +284,9 @@ class Learner:
             self.episodes,
             self.stamp(),
         )
-        generated = build_generation_batch(generate_segments, self.version, self.cfg.max_policy_lag, self.episodes, self.stamp())
+        generated = build_generation_batch(
+            generate_segments, self.version, self.cfg.max_policy_lag, self.episodes, self.stamp(), self.lp.vocab_size
+        )
         train_policy = self.updates >= self.cfg.warmup_updates
         metrics: dict[str, float] = {}
         if len(rollout):

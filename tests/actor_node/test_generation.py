@@ -106,6 +106,16 @@ def test_finish_reasons_stop_strings_and_greedy(tiny_models) -> None:
     stopped = run(engine, [job(1, temperature=0.0, max_new_tokens=6, stop=[stop])])[1]
     assert stopped.finish_reason == "stop" and stopped.text == text[: text.find(stop)]
     assert tokenizer.decode(stopped.response_ids, skip_special_tokens=True).find(stop) >= 0
+    # Far into a long response (the engine reads only the newest tokens for stop strings): it stops at the
+    # first token whose prefix text holds the stop string, found here by decoding every prefix whole.
+    long = run(engine, [job(3, max_new_tokens=80)])[3]
+    text = tokenizer.decode(long.response_ids, skip_special_tokens=True)
+    at = next(j for j in range(len(text) // 2, len(text) - 3) if text.find(text[j : j + 3]) == j)
+    stop = text[at : at + 3]
+    first = next(k for k in range(1, 81) if stop in tokenizer.decode(long.response_ids[:k], skip_special_tokens=True))
+    assert first > SamplingParams(max_new_tokens=1, stop=(stop,)).stop_window  # beyond the window's reach from the start
+    stopped = run(engine, [job(3, max_new_tokens=80, stop=["never in this text", stop])])[3]
+    assert stopped.finish_reason == "stop" and stopped.response_ids == long.response_ids[:first] and stopped.text == text[:at]
     # The end-of-sequence token ends a response and is kept in its tokens (the policy learns to stop).
     engine.end_ids = {greedy.response_ids[2]}
     ended = run(engine, [job(1, temperature=0.0, max_new_tokens=6)])[1]

@@ -107,6 +107,21 @@ def test_batch_rules_bootstrap_drops_and_chains() -> None:
     assert batch.prompts[4] == [28] and batch.responses[4] == [29] and batch.lags == [4, 4, 4, 4, 4]
 
 
+def test_token_ids_outside_the_vocabulary_are_dropped_not_trained() -> None:
+    # An actor serving another model sends ids the learner's embedding table does not have: the update would fail.
+    segments = [
+        segment("ok", [gen_transition([1, 2], [3], done=False), gen_transition([4], [99], done=False)], next_obs={"prompt_ids": [5]}),
+        segment("bad-prompt", [gen_transition([70], [3], done=False)], next_obs={"prompt_ids": [7]}),
+        segment("bad-next", [gen_transition([1], [3], done=False)], next_obs={"prompt_ids": [64]}),
+    ]
+    batch = build_generation_batch(segments, current_version=5, max_policy_lag=4, vocab_size=64)
+    assert dict(batch.mismatched) == {"token_ids": 2} and batch.dropped_mismatched == 2
+    # ok: its first turn, bootstrapping from the dropped turn's prompt; bad-next: truncated, its last turn dropped
+    assert [(c.samples, c.next_prompt) for c in batch.chains] == [([0], [4])] and batch.dropped_truncated == 1
+    assert max(max(ids) for ids in batch.prompts + batch.responses) < 64
+    assert len(build_generation_batch(segments, current_version=5, max_policy_lag=4)) == 4  # no bound given: all kept
+
+
 def test_a_segment_holding_both_kinds_is_split_where_the_kind_changes() -> None:
     step = Transition({"prompt": "p", "question": "", "action": ["a", "b"]}, 0, -0.7, [0.5, 0.5], 0, "step", 1.0, False, False)
     seg = segment("mixed", [step, step, gen_transition([1], [2], done=False), step], done=True)
