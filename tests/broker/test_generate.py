@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -142,6 +143,48 @@ def test_a_generate_past_its_deadline_is_answered_timeout_and_the_actor_gives_it
     reply = client.generate(task, "next", max_new_tokens=2)
     assert reply["n_tokens"] == 2
     assert broker.broker.metrics["broker/orphan_steps"] == 0  # the timed-out one never became a pending step
+
+
+def test_a_generate_waiting_for_a_row_is_answered_timeout_at_its_deadline_never_admitted_late(start_broker, start_actor, make_client, llm):
+    """One row, held by a long response: a request behind it waits at the actor, and its deadline counts
+    from its arrival there; it is answered timeout then, not admitted when the row frees."""
+    model, tokenizer = llm
+    policy = LLMPolicy(model, tokenizer, SamplingConfig(seed=1, max_generate_rows=1))
+    engine = policy.generation_engine()
+    engine.end_ids = set()
+    admitted: list[str] = []
+    add = engine.add
+
+    def watched_add(jobs):  # the engine itself runs; this only records which requests got a row
+        admitted.extend(job["obs"]["prompt"] for job in jobs)
+        return add(jobs)
+
+    engine.add = watched_add  # type: ignore[method-assign]
+    broker = start_broker(max_new_tokens=8000)
+    start_actor(broker.backend, credits=8, policy=policy)
+    client = make_client(broker.frontend, deadline=60, attempt_timeout=30)
+    wait_for(lambda: actors_ready(client, 1), what="the actor to register")
+    other = make_client(broker.frontend, deadline=60, attempt_timeout=30)  # used by the thread below only
+    long_task, short_task = other.attach(), client.attach()
+    errors: list[BaseException] = []
+
+    def long_one() -> None:
+        try:
+            other.generate(long_task, "the long one", max_new_tokens=8000, deadline=4.0)
+        except RequestTimeout:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    holder = threading.Thread(target=long_one)
+    holder.start()
+    wait_for(lambda: engine.active == 1, timeout=10, what="the long response to take the row")
+    with pytest.raises(RequestTimeout):
+        client.generate(short_task, "the short one", max_new_tokens=2, deadline=0.5)
+    holder.join(30)
+    wait_for(lambda: engine.active == 0, timeout=10, what="the long response to end at its deadline")
+    assert not errors and admitted == ["the long one"]
+    assert client.generate(short_task, "next", max_new_tokens=2)["n_tokens"] == 2
 
 
 def test_an_actor_without_a_model_refuses_generate(broker, start_actor, make_client):
