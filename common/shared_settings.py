@@ -168,9 +168,15 @@ class PolicyStamp:
             path=str(d.get("path", "")),
         )
 
-    def disagreement(self, learner: PolicyStamp) -> str | None:
-        """The first compared field where this choice's policy differs from the learner's, else None."""
-        for name in self.COMPARED:
+    def disagreement(self, learner: PolicyStamp, version: int, fields: tuple[str, ...] = COMPARED) -> str | None:
+        """The first of `fields` where this choice's policy (scored at `version`) differs from the learner's, else None.
+
+        The base weights (run "", an actor that has loaded no snapshot yet) at version 0 are every run's
+        version 0 (a fresh adapter is the identity, trainable copies start as the base's): they agree,
+        and their lag decides whether they are trained."""
+        for name in fields:
             if getattr(self, name) != getattr(learner, name):
+                if name == "run" and self.run == "" and version == 0:
+                    continue
                 return name
         return None

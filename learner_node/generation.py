@@ -250,9 +250,8 @@ def _dropped(t: Transition, current_version: int, max_policy_lag: int, expected:
             stamp = PolicyStamp.from_wire(t.policy)
         except ValueError:
             return "stamp"
-        for name in ("run", "lora_rank"):  # temperature and top-p are the sample's own; normalisation is for candidates
-            if getattr(stamp, name) != getattr(expected, name) and not (name == "run" and stamp.run == "" and current_version == 0):
-                return name
+        # temperature and top-p are the sample's own; normalisation is for candidates
+        return stamp.disagreement(expected, t.policy_version, ("run", "lora_rank"))
     return None
 
 

@@ -143,7 +143,7 @@ def build_rollout(
         advantages, returns = ppo.gae(rewards, b_values, dones, next_value, gamma, lam)
         for t, adv, ret, v in zip(transitions, advantages.tolist(), returns.tolist(), seg_values):
             lag = current_version - t.policy_version
-            reason = "version_ahead" if lag < 0 else _disagreement(t, expected, current_version)
+            reason = "version_ahead" if lag < 0 else _disagreement(t, expected)
             if reason is not None:
                 out.dropped_mismatched += 1
                 out.mismatched[reason] += 1
@@ -164,7 +164,7 @@ def build_rollout(
     return out
 
 
-def _disagreement(t: Transition, expected: PolicyStamp | None, current_version: int) -> str | None:
+def _disagreement(t: Transition, expected: PolicyStamp | None) -> str | None:
     """Why the learner must not train on `t` (a field of its stamp that differs), or None."""
     if expected is None or t.policy is None:
         return None
@@ -172,7 +172,4 @@ def _disagreement(t: Transition, expected: PolicyStamp | None, current_version: 
         stamp = PolicyStamp.from_wire(t.policy)
     except ValueError:
         return "stamp"
-    reason = stamp.disagreement(expected)
-    if reason == "run" and stamp.run == "" and current_version == 0:
-        return None  # the actor's base weights, before it loaded a snapshot: the learner's version 0 is the same function
-    return reason
+    return stamp.disagreement(expected, t.policy_version)

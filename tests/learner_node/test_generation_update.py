@@ -105,6 +105,14 @@ def test_batch_rules_bootstrap_drops_and_chains() -> None:
     # drops: the last turn alone, bootstrapping from next_obs
     assert chains == [([0, 1], None), ([2], [10, 11]), ([3], [14]), ([4], [30])]
     assert batch.prompts[4] == [28] and batch.responses[4] == [29] and batch.lags == [4, 4, 4, 4, 4]
+    # The base weights (run "", version 0) are the run's version 0: trained within the lag, stale beyond it.
+    base = {**mine, "run": ""}
+    within = build_generation_batch([segment("b", [gen_transition([1], [2], version=0, policy=base)], done=True)], 3, 4, expected=stamp)
+    assert len(within) == 1 and within.lags == [3] and within.dropped_mismatched == 0
+    beyond = build_generation_batch([segment("b", [gen_transition([1], [2], version=0, policy=base)], done=True)], 5, 4, expected=stamp)
+    assert len(beyond) == 0 and beyond.dropped_stale == 1
+    claimed = build_generation_batch([segment("b", [gen_transition([1], [2], version=2, policy=base)], done=True)], 3, 4, expected=stamp)
+    assert dict(claimed.mismatched) == {"run": 1}  # run "" is version 0 only
 
 
 def test_token_ids_outside_the_vocabulary_are_dropped_not_trained() -> None:

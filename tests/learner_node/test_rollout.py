@@ -203,3 +203,8 @@ def test_transitions_scored_otherwise_than_the_learner_scores_are_dropped_and_co
     # The base weights are the learner's version 0 (a fresh adapter is the identity): kept then.
     base = build_rollout([stamped("s0", replace(mine, run=""), version=0)], value_of, 1.0, 1.0, 0, 0, expected=mine)
     assert len(base) == 1 and base.dropped_mismatched == 0
+    # ... whatever the learner's version now: their lag decides (an actor still on the base weights after version 1 was out).
+    base = build_rollout([stamped("s0", replace(mine, run=""), version=0)], value_of, 1.0, 1.0, 2, 4, expected=mine)
+    assert len(base) == 1 and base.lags == [2] and base.dropped_mismatched == 0
+    base = build_rollout([stamped("s0", replace(mine, run=""), version=0)], value_of, 1.0, 1.0, 5, 4, expected=mine)
+    assert len(base) == 0 and base.dropped_stale == 1 and base.dropped_mismatched == 0

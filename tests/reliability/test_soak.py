@@ -63,10 +63,10 @@ def test_the_pass_rule_names_each_failure():
 
 def test_memory_growth_and_latency_drift_leave_out_the_first_window():
     report = Report(clients=1, seconds=40, limits={"rss_growth_mb": 100.0, "latency_drift": 2.0})
-    # The learner's warm-up lasts until its first update (optimizer state, backward buffers): here in the second window.
+    # The learner's warm-up lasts until its third update (optimizer state, backward buffers, full rollouts): here the second window.
     report.windows = [
-        Window(10, 5, 0, 0, 1, 1, 1, {"broker": 100.0, "learner": 500.0}, learner_version=0),
-        Window(20, 5, 0, 0, 1, 1, 1, {"broker": 150.0, "learner": 700.0}, learner_version=1),
+        Window(10, 5, 0, 0, 1, 1, 1, {"broker": 100.0, "learner": 500.0}, learner_version=2),
+        Window(20, 5, 0, 0, 1, 1, 1, {"broker": 150.0, "learner": 700.0}, learner_version=3),
         Window(30, 5, 0, 0, 1, 1, 1, {"broker": 160.0, "learner": 710.0}, learner_version=3),
         Window(40, 5, 0, 0, 1, 1, 1, {"broker": 170.0, "learner": 730.0}, learner_version=5),
     ]
