@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,10 @@ PPOZ = [sys.executable, "-m", "ppoz.cli"]
 # These scenarios wait on progress (the ledger moving, SETTLE_STALL_S without it is a failure), not on a
 # total time; the suite-wide 300 s per test would cut a slow but moving run short on a loaded machine.
 pytestmark = pytest.mark.timeout(1800)
-LONG_OBS = dict(OBS, prompt=OBS["prompt"] + " History: " + "TouchEvent(view=Cart) -> CartActivity. " * 100)
+# About 1,200 tokens (the tiny models' byte tokenizer): an actor batch and a learner update take seconds, so
+# a fault lands while work is under way. MEDIUM_OBS (about 400) where the fault needs traffic, not slow work.
+LONG_OBS = dict(OBS, prompt=OBS["prompt"] + " History: " + "TouchEvent(view=Cart) -> CartActivity. " * 30)
+MEDIUM_OBS = dict(OBS, prompt=OBS["prompt"] + " History: " + "TouchEvent(view=Cart) -> CartActivity. " * 10)
 
 
 def start_actor_process(backend: str, tiny_model: str, name: str) -> subprocess.Popen:
@@ -59,7 +63,13 @@ def start_actor_process(backend: str, tiny_model: str, name: str) -> subprocess.
 
 
 def play_emulators(
-    frontend: str, n: int, steps: int, acknowledged: list[int], errors: list[BaseException], make_client: Callable[..., Client]
+    frontend: str,
+    n: int,
+    steps: int,
+    acknowledged: list[int],
+    errors: list[BaseException],
+    make_client: Callable[..., Client],
+    obs: dict[str, Any] = LONG_OBS,
 ) -> list[threading.Thread]:
     """n emulators, each: attach, `steps` x (step, feedback), detach; acknowledged feedbacks are counted."""
     lock = threading.Lock()
@@ -69,7 +79,7 @@ def play_emulators(
             c = make_client(frontend, deadline=120, attempt_timeout=10)
             task = c.attach()
             for _ in range(steps):
-                c.step(task, LONG_OBS)
+                c.step(task, obs)
                 c.feedback(task, 1.0)
                 with lock:
                     acknowledged[0] += 1
@@ -270,7 +280,7 @@ def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_los
     acknowledged, errors = [0], []
     try:
         wait_for(lambda: status.status()["actors"], timeout=60, what="the actor at the broker")
-        threads = play_emulators(frontend, 8, 30, acknowledged, errors, make_client)
+        threads = play_emulators(frontend, 8, 30, acknowledged, errors, make_client, MEDIUM_OBS)
         wait_for(lambda: acknowledged[0] >= 20, timeout=120, what="some feedbacks")
         redis_server.process.send_signal(signal.SIGKILL)  # no shutdown save: only the append-only file survives
         redis_server.process.wait(10)
