@@ -1,5 +1,5 @@
-"""The layering the README states: common at the bottom; broker, actor_node, learner_node and client beside each
-other; envs, gateway and reliability above the client; ppoz on top. No import goes up or sideways, and no module
+"""The layering the README states: common at the bottom; broker, actor_node, learner_node, client and rewards beside
+each other; envs, gateway, reliability and train above the client; ppoz on top. No import goes up or sideways, and no module
 imports itself back through others (function-level imports count too: they are the same dependency, later)."""
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ LAYERS = {
     "actor_node": 1,
     "learner_node": 1,
     "client": 1,
+    "rewards": 1,
     "envs": 2,
     "gateway": 2,
     "reliability": 2,
+    "train": 2,
     "ppoz": 3,
 }
 

@@ -1,0 +1,145 @@
+"""Reward functions: the built-ins against hand-written cases, verl's signature, loading by name, results checked."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+
+from rewards.functions import (
+    RewardError,
+    Score,
+    as_score,
+    builtin_for,
+    default_compute_score,
+    exact_match_score,
+    final_answer,
+    last_boxed,
+    load_reward_fn,
+    math_score,
+    parse_number,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("so x = 3 and \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("first \\boxed{1} then \\boxed{ 2 }", "2"),  # the last box
+        ("nested \\boxed{\\sqrt{4}}.", "\\sqrt{4}"),  # braces balanced
+        ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72"),  # GSM8K's marker
+        ("I think 5, no wait, it is 7.", "7"),  # the last number
+        ("no answer here", None),
+        ("unclosed \\boxed{12", "12"),  # an unclosed box is no box: the last number
+    ],
+)
+def test_final_answer(text, answer) -> None:
+    assert final_answer(text) == answer
+
+
+def test_last_boxed_and_parse_number() -> None:
+    assert last_boxed("\\fbox{3}") == "3" and last_boxed("none") is None
+    cases = {
+        "1,234": Fraction(1234),
+        "-3.5": Fraction(-7, 2),
+        "3/4": Fraction(3, 4),
+        "\\frac{3}{4}": Fraction(3, 4),
+        "-\\dfrac{1}{2}": Fraction(-1, 2),
+        "$12": Fraction(12),
+        "45\\%": Fraction(45),
+        "7 apples": Fraction(7),
+        ".5": Fraction(1, 2),
+    }
+    for text, value in cases.items():
+        assert parse_number(text) == value, text
+    assert parse_number("x") is None and parse_number("1/0") is None
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "reward"),
+    [
+        ("The answer is \\boxed{72}", "72", 1.0),
+        ("The answer is \\boxed{72}", 72, 1.0),  # a number as ground truth
+        ("#### 1,000", "1000", 1.0),
+        ("so 0.5", "\\frac{1}{2}", 1.0),
+        ("\\boxed{0.3333333333}", "1/3", 0.0),  # off by 3e-10 relative... within 1e-6: see below
+        ("\\boxed{71}", "72", 0.0),
+        ("I don't know", "72", 0.0),
+        ("\\boxed{72} and then 5", "72", 1.0),  # the box wins over a later number
+    ],
+)
+def test_math_score(response, truth, reward) -> None:
+    if response == "\\boxed{0.3333333333}":
+        assert math_score("gsm8k", response, truth) == 1.0  # 1e-10 relative: inside the default tolerance
+        assert math_score("gsm8k", "\\boxed{0.333}", truth) == 0.0  # 1e-3 relative: outside it
+        assert math_score("gsm8k", "\\boxed{0.333}", truth, {"rel_tol": 0.01}) == 1.0
+        return
+    assert math_score("gsm8k", response, truth) == reward
+
+
+def test_a_ground_truth_that_is_not_a_number_is_the_datasets_fault() -> None:
+    with pytest.raises(RewardError, match="ground truth 'seven' is not a number"):
+        math_score("gsm8k", "\\boxed{7}", "seven")
+    with pytest.raises(RewardError, match="no ground truth"):
+        math_score("gsm8k", "\\boxed{7}", None)
+    with pytest.raises(RewardError, match="no ground truth"):
+        exact_match_score("qa", "7", None)
+
+
+def test_exact_match_and_the_choice_by_data_source() -> None:
+    assert exact_match_score("qa", "  Paris ", "Paris") == 1.0
+    assert exact_match_score("qa", "paris", "Paris") == 0.0
+    assert exact_match_score("qa", "paris", "Paris", {"ignore_case": True}) == 1.0
+    assert exact_match_score("qa", "Lyon", ["Paris", "Lyon"]) == 1.0
+    assert exact_match_score("qa", "New  York", "New York") == 1.0  # inner whitespace runs collapse
+    assert [builtin_for(s) for s in ("openai/gsm8k", "lighteval/MATH", "arithmetic", "trivia_qa")] == [
+        "math",
+        "math",
+        "math",
+        "exact_match",
+    ]
+    assert default_compute_score("openai/gsm8k", "#### 4", "4") == 1.0
+    assert default_compute_score("trivia_qa", "4.0", "4") == 0.0  # exact match: the text differs
+
+
+def test_load_by_module_by_file_and_by_builtin_name(tmp_path) -> None:
+    assert load_reward_fn("math") is math_score and load_reward_fn("default") is default_compute_score
+    assert load_reward_fn("rewards.functions:exact_match_score") is exact_match_score
+    path = tmp_path / "my_reward.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float(len(solution_str) <= 5), 'length': len(solution_str)}\n"
+        "def two_args(a, b):\n    return 0.0\n"
+    )
+    fn = load_reward_fn(f"{path}:compute_score")
+    assert as_score(fn("src", "short", None), "record 1") == Score(1.0, {"length": 5.0})
+    with pytest.raises(RewardError, match="cannot be called as compute_score"):
+        load_reward_fn(f"{path}:two_args")
+    with pytest.raises(RewardError, match="has no function 'missing'"):
+        load_reward_fn(f"{path}:missing")
+    with pytest.raises(RewardError, match="no file"):
+        load_reward_fn(f"{tmp_path}/absent.py:f")
+    with pytest.raises(RewardError, match="cannot import 'no_such_module_xyz'"):
+        load_reward_fn("no_such_module_xyz:f")
+    with pytest.raises(RewardError, match="expected module:function"):
+        load_reward_fn("just_a_name")
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(RewardError, match="importing .* failed: RuntimeError: boom"):
+        load_reward_fn(f"{broken}:f")
+
+
+def test_results_that_are_not_rewards_are_named_never_a_silent_zero() -> None:
+    assert as_score(1, "r") == Score(1.0) and as_score(True, "r") == Score(1.0)
+    assert as_score({"score": 0.5, "acc": 1, "note": "x", "bad": math.nan}, "r") == Score(0.5, {"acc": 1.0})
+    for result, words in [
+        (None, "NoneType None, not a number"),
+        ("1.0", "str '1.0'"),
+        ({"reward": 1.0}, "without a 'score'"),
+        ({"score": "high"}, "'score' is str"),
+        (math.nan, "nan, not a finite number"),
+        ({"score": math.inf}, "inf, not a finite number"),
+    ]:
+        with pytest.raises(RewardError, match=words):
+            as_score(result, "train.jsonl line 3")
