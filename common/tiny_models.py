@@ -218,6 +218,41 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, token
     return path
 
 
+REWARD_ARCHITECTURES = ("deberta-v2", "llama")
+
+
+def build_tiny_reward_model(path: str | Path, arch: str = "deberta-v2", seed: int = 0) -> Path:
+    """A tiny sequence-classification model (one label: the reward) with the byte tokenizer, saved under
+    `path` and loaded as a real reward model is (`AutoModelForSequenceClassification.from_pretrained`).
+    `deberta-v2` is an encoder as OpenAssistant's DeBERTa reward models are; `llama` a decoder that
+    pools the last token, as Skywork's and most chat reward models do."""
+    from transformers import AutoModelForSequenceClassification, DebertaV2Config
+
+    if arch not in REWARD_ARCHITECTURES:
+        raise ValueError(f"unknown reward model architecture {arch!r}; known: {', '.join(REWARD_ARCHITECTURES)}")
+    path = Path(path)
+    marker = path / MARKER
+    spec = {"arch": arch, "seed": seed, "head": "reward"}
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    build_byte_tokenizer(path)
+    if arch == "deberta-v2":
+        config = DebertaV2Config(
+            vocab_size=259, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=512, pad_token_id=0, num_labels=1,
+        )  # fmt: skip
+    else:
+        config = tiny_config("llama")
+        config.num_labels = 1
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config)
+    model.save_pretrained(str(path))
+    marker.write_text(json.dumps(spec))
+    log.info("built a tiny %s reward model (%d parameters) in %s", arch, sum(p.numel() for p in model.parameters()), path)
+    return path
+
+
 def tiny_model_arch(model: str) -> str | None:
     """The architecture of a model directory PPOZ built with random weights (it holds MARKER), else None."""
     marker = Path(model) / MARKER
