@@ -240,11 +240,11 @@ def build_tiny_reward_model(path: str | Path, arch: str = "deberta-v2", seed: in
     if arch == "deberta-v2":
         config = DebertaV2Config(
             vocab_size=259, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-            max_position_embeddings=512, pad_token_id=0, num_labels=1,
+            max_position_embeddings=512, pad_token_id=0,
         )  # fmt: skip
     else:
         config = tiny_config("llama")
-        config.num_labels = 1
+    config.num_labels = 1
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(config)
     model.save_pretrained(str(path))
