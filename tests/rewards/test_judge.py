@@ -1,0 +1,112 @@
+"""The LLM judge through the official openai client against a local stand-in of the chat-completions API."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import pytest
+
+from rewards.functions import RewardError
+from rewards.judge import Judge, JudgeConfig, parse_score
+from tests.rewards.chat_api import chat_server
+
+
+def grader(body: dict[str, Any], n: int) -> str:
+    """A judge that reads the reference and the response out of the math preset's message and compares them."""
+    user = body["messages"][1]["content"]
+    reference = re.search(r"Reference answer:\n(.*?)\n\nResponse:", user, re.S).group(1)
+    response = re.search(r"Response:\n(.*?)\n\nIs the response", user, re.S).group(1)
+    return f"The reference is {reference}.\nScore: {int(response.strip().endswith(reference))}"
+
+
+def make(server, **kw: Any) -> Judge:
+    return Judge(JudgeConfig(model="judge-1", base_url=server.base_url, retries=kw.pop("retries", 0), **kw))
+
+
+def test_the_math_preset_scores_through_the_api_with_the_rendered_template_and_the_key(monkeypatch) -> None:
+    monkeypatch.setenv("MY_JUDGE_KEY", "sk-test-123")
+    with chat_server(grader) as server:
+        judge = make(server, api_key_env="MY_JUDGE_KEY")
+        items = [("2+3?", "so it is 5", "5"), ("2+2?", "it is 5", "4"), ("1+1?", "2", 2)]
+        verdicts = judge.judge_many(items)
+        judge.close()
+    assert [v.reward for v in verdicts] == [1.0, 0.0, 1.0] and [v.raw_score for v in verdicts] == [1.0, 0.0, 1.0]
+    body, headers = next((b, h) for b, h in server.requests if "2+3?" in b["messages"][1]["content"])
+    assert body["model"] == "judge-1" and body["temperature"] == 0.0 and body["max_tokens"] == 512
+    assert body["messages"][0]["role"] == "system" and "Score: N" in body["messages"][0]["content"]
+    assert "Problem:\n2+3?\n\nReference answer:\n5\n\nResponse:\nso it is 5" in body["messages"][1]["content"]
+    assert headers["authorization"] == "Bearer sk-test-123"
+
+
+def test_replies_it_cannot_read_are_counted_never_a_silent_zero() -> None:
+    replies = iter(["Looks good to me.", "Score: 7", "Score: 0.5", "**Score:** 1"])
+    with chat_server(lambda body, n: next(replies)) as server:
+        judge = make(server)
+        verdicts = [judge.judge(f"p{i}", "r", "1") for i in range(4)]
+    assert [v.reward for v in verdicts] == [None, None, 0.5, 1.0]
+    assert "no `Score: N`" in verdicts[0].error and "outside 0 to 1" in verdicts[1].error
+    assert judge.counts["unreadable"] == 2
+    assert parse_score("first Score: 3 then Score: 8", 1, 10) == (8.0, "")  # the last one counts
+
+
+def test_server_errors_are_retried_with_back_off_then_reported() -> None:
+    with chat_server(lambda body, n: (500, 0.0, "overloaded") if n <= 2 else "Score: 1") as server:
+        verdict = make(server, retries=2).judge("p", "r", "1")
+    assert verdict.reward == 1.0 and len(server.requests) == 3
+    with chat_server(lambda body, n: (503, 0.0, "down")) as server:
+        judge = make(server, retries=1)
+        verdict = judge.judge("p", "r", "1")
+    assert verdict.reward is None and "InternalServerError" in verdict.error and len(server.requests) == 2
+    assert judge.counts["failed"] == 1
+
+
+def test_a_slow_judge_times_out() -> None:
+    with chat_server(lambda body, n: (200, 3.0, "Score: 1")) as server:
+        started = time.monotonic()
+        verdict = make(server, timeout_s=0.3).judge("p", "r", "1")
+        elapsed = time.monotonic() - started
+    assert verdict.reward is None and "Timeout" in verdict.error and elapsed < 2.5
+
+
+def test_concurrency_is_limited_and_repeated_requests_come_from_the_cache() -> None:
+    with chat_server(lambda body, n: (200, 0.15, "Score: 1")) as server:
+        judge = make(server, concurrency=3)
+        items = [(f"prompt {i}", "r", "1") for i in range(12)]
+        assert all(v.reward == 1.0 for v in judge.judge_many(items))
+        assert server.most_in_flight == 3  # 12 requests, never more than 3 at once (and the limit was reached)
+        again = judge.judge_many(items[:4])
+        judge.close()
+    assert all(v.cached for v in again) and len(server.requests) == 12 and judge.counts["cache_hits"] == 4
+
+
+def test_keys_providers_and_settings_are_checked(monkeypatch) -> None:
+    for name in ("DASHSCOPE_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY", "ANTHROPIC_API_KEY", "CLAUDE_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RewardError, match="needs an API key in DASHSCOPE_API_KEY"):
+        Judge(JudgeConfig(model="qwen-plus", provider="dashscope"))
+    with pytest.raises(RewardError, match="ANTHROPIC_API_KEY or CLAUDE_API_KEY"):
+        Judge(JudgeConfig(model="claude", provider="claude"))
+    monkeypatch.setenv("GOOGLE_API_KEY", "g-key")  # the second name a provider accepts
+    with chat_server(lambda body, n: "Score: 1") as server:
+        judge = Judge(JudgeConfig(model="gemini-x", provider="gemini", base_url=server.base_url, retries=0))
+        judge.judge("p", "r")
+    assert server.requests[0][1]["authorization"] == "Bearer g-key"
+    for bad, words in [
+        (dict(model=""), "needs `model`"),
+        (dict(model="m", provider="acme"), "provider"),
+        (dict(model="m", preset="poetry"), "preset"),
+        (dict(model="m", template="{prompt} {answer}"), "only {prompt}"),
+        (dict(model="m", concurrency=0), "concurrency"),
+        (dict(model="m", score_low=5, score_high=1), "low < high"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            JudgeConfig(**bad)
+
+
+def test_a_template_of_ones_own_with_its_range() -> None:
+    with chat_server(lambda body, n: "Reasoning.\nScore: 4") as server:
+        judge = make(server, preset="dialogue", template="Q: {prompt}\nA: {response}", score_low=0, score_high=8)
+        verdict = judge.judge("hi", "hello")
+    assert verdict.reward == 0.5 and server.requests[0][0]["messages"][1]["content"] == "Q: hi\nA: hello"
