@@ -110,7 +110,9 @@ class CompositeReward:
         self.normalise, self.clip = normalise, clip
         self.moments = RunningMoments()
 
-    def score(self, items: Sequence[Item]) -> list[Scored]:
+    def score(self, items: Sequence[Item], raw: bool = False) -> list[Scored]:
+        """Each item's reward; `raw`: the weighted sum as it is, neither normalised (nor counted in the
+        running moments) nor clipped (a validation figure that reads the same across a run)."""
         components: list[dict[str, float]] = [{} for _ in items]
         extras: list[dict[str, float]] = [{} for _ in items]
         errors = [""] * len(items)
@@ -138,7 +140,7 @@ class CompositeReward:
         totals: list[float | None] = [
             None if errors[i] else sum(w * components[i][name] for name, w in self.weights.items()) for i in range(len(items))
         ]
-        rewards = self._normalised(totals)
+        rewards = totals if raw else self._normalised(totals)
         return [Scored(rewards[i], components[i], extras[i], errors[i]) for i in range(len(items))]
 
     def _normalised(self, totals: list[float | None]) -> list[float | None]:

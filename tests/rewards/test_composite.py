@@ -49,6 +49,7 @@ def test_running_normalisation_and_clipping_by_hand() -> None:
     first = [s.reward for s in reward.score([Item("p", str(v)) for v in (1, 2, 3)])]
     std = math.sqrt(2 / 3)  # population std of 1, 2, 3
     assert first == pytest.approx([-1 / std, 0.0, 1 / std])
+    assert [s.reward for s in reward.score([Item("p", "9")], raw=True)] == [9.0]  # raw: neither normalised nor counted
     second = reward.score([Item("p", "4")])[0].reward
     assert second == pytest.approx((4 - 2.5) / math.sqrt(1.25))  # over 1, 2, 3, 4: mean 2.5, variance 1.25
     clipped = CompositeReward({"rule_score": 2.0}, reward_fn=lambda s, r, t, e=None: float(r), clip=3.0)

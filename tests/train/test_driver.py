@@ -1,0 +1,92 @@
+"""Dataset drivers against a real broker, a real LLM actor (tiny model) and Redis: rewards computed in the
+driver and stored with the turn, unrewarded turns never stored, resume where a run stopped, validation not trained."""
+
+from __future__ import annotations
+
+import pytest
+
+from actor_node.llm_policy import LLMPolicy, SamplingConfig
+from common.policy_model import ModelSpec, load_policy
+from rewards.composite import CompositeReward
+from rewards.functions import RewardError
+from tests.broker.test_broker import segments
+from tests.helpers import actors_ready, wait_for
+from train.data import PromptOrder, PromptRecord
+from train.driver import BatchingScorer, Sampling, drive, validate
+
+COLOURS = ["red", "green", "blue", "yellow"]
+
+
+def first_word_is(data_source, solution_str, ground_truth, extra_info=None):
+    if ground_truth == "refuse":
+        raise RewardError("this record's reward cannot be computed")
+    return {"score": float(solution_str.split()[:1] == [ground_truth]), "length": len(solution_str.split())}
+
+
+def records(n: int, refuse_every: int = 0) -> list[PromptRecord]:
+    out = []
+    for i in range(n):
+        colour = COLOURS[i % len(COLOURS)]
+        truth = "refuse" if refuse_every and i % refuse_every == refuse_every - 1 else colour
+        out.append(PromptRecord(f"say the word {colour}", truth, "colours", {}, f"t.jsonl line {i + 1}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def words_llm(tmp_path_factory):
+    from common.tiny_models import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("words") / "llama", "llama", tokenizer="words")
+    return load_policy(ModelSpec(model=str(path), device="cpu", lora_rank=0))
+
+
+@pytest.fixture
+def stack(start_broker, start_actor, make_client, words_llm):
+    model, tokenizer = words_llm
+    broker = start_broker(segment_len=4)
+    start_actor(broker.backend, credits=8, policy=LLMPolicy(model, tokenizer, SamplingConfig(seed=1)))
+    client = make_client(broker.frontend, deadline=60)
+    wait_for(lambda: actors_ready(client, 1), what="the actor to register")
+    return broker
+
+
+def test_each_turn_is_rewarded_in_the_driver_and_stored_with_its_reward(stack, redis_client, key_prefix) -> None:
+    data = records(8, refuse_every=4)  # records 3 and 7 cannot be rewarded
+    order = PromptOrder(len(data), epochs=1, rollout_n=2, seed=0)
+    reward = CompositeReward({"rule_score": 1.0}, reward_fn=first_word_is)
+    scorer = BatchingScorer(reward, max_batch=4)
+    try:
+        progress = drive(stack.frontend, data, order, scorer, Sampling(max_new_tokens=2), workers=3)
+    finally:
+        scorer.close()
+    assert progress.done == set(range(16)) and progress.resume_from == 16
+    assert progress.rewarded == 12 and progress.unrewarded == 4  # 2 records x rollout_n 2 without a reward
+    assert progress.errors == ["this record's reward cannot be computed"] * 4
+
+    def stored_turns():
+        turns = [t for s in segments(redis_client, key_prefix) for t in s.transitions]
+        return turns if len(turns) == 12 else None
+
+    stored = wait_for(stored_turns, timeout=30, what="the 12 rewarded turns in the stream")
+    assert all(t.done and t.mode == "generate" for t in stored)
+    assert sorted(t.reward for t in stored) == sorted(r for r in progress.recent)  # the driver's rewards, as sent
+    counters = stack.broker.metrics
+    assert counters["broker/detached"] >= 4  # each unrewarded turn: its task detached, the step dropped
+
+
+def test_a_run_resumes_where_it_stopped_and_validation_is_not_trained(stack, redis_client, key_prefix) -> None:
+    data = records(6)
+    order = PromptOrder(len(data), epochs=2, rollout_n=1, seed=3)
+    reward = CompositeReward({"rule_score": 1.0}, reward_fn=first_word_is)
+    scorer = BatchingScorer(reward)
+    try:
+        first = drive(stack.frontend, data, order, scorer, Sampling(max_new_tokens=2), workers=2, limit=5)
+        assert first.done == set(range(5)) and first.resume_from == 5
+        second = drive(stack.frontend, data, order, scorer, Sampling(max_new_tokens=2), workers=2, start=first.resume_from)
+    finally:
+        scorer.close()
+    assert second.done == set(range(5, 12)) and second.rewarded + second.unrewarded == 7
+    wait_for(lambda: sum(len(s.transitions) for s in segments(redis_client, key_prefix)) == 12, timeout=30, what="12 turns stored")
+    result = validate(stack.frontend, data, reward, max_new_tokens=2, workers=2)
+    assert result["scored"] == 6 and result["unscored"] == 0 and 0.0 <= result["mean_reward"] <= 1.0
+    assert sum(len(s.transitions) for s in segments(redis_client, key_prefix)) == 12  # validation stored nothing

@@ -1,0 +1,283 @@
+"""Dataset drivers: clients that turn a prompt dataset into generate turns with rewards.
+
+`drive` runs `workers` threads against a broker, each with its own client and task. A worker takes
+the next position of the order of work (train/data.py `PromptOrder`), asks for a response with
+`generate`, has it scored, and sends the reward with `feedback(done=True)`: one turn is one
+episode. Rewards are computed here, in the driver, never in the learner: the workers hand their
+responses to one scorer thread that scores them in batches (a reward model batches, a judge runs
+its requests concurrently), so a slow judge holds back the drivers that wait for it and, through
+the broker's back-pressure (`wait_turn`), nothing else.
+
+A response that gets no reward (its reward function refused it, the judge could not be read) is
+not trained on: the worker detaches its task, which drops the step without a transition (the
+broker's rule for a pending step at detach), counts it in `unrewarded`, and attaches anew.
+
+`DriverProgress` keeps the positions done; `resume_from` is the first position not yet done, so a
+run that stops can start again there without repeating or skipping a prompt (positions after it
+that were done are done again: at most `workers` of them).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from client import Client, PPOZError
+from rewards.composite import CompositeReward, Item, Scored, prompt_text
+from train.data import PromptOrder, PromptRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+
+
+def generate(client: Client, task: str, record: PromptRecord, sampling: Sampling, seed: int | None = None) -> dict[str, Any]:
+    """The policy's response to `record`'s prompt (text, or chat messages for the actor's chat template)."""
+    text, messages = (record.prompt, None) if isinstance(record.prompt, str) else (None, list(record.prompt))
+    return client.generate(
+        task,
+        text,
+        messages=messages,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        stop=list(sampling.stop) or None,
+        seed=seed,
+    )
+
+
+def item_for(record: PromptRecord, response: str) -> Item:
+    return Item(prompt_text(record.prompt), response, record.ground_truth, record.data_source, record.extra_info, record.where)
+
+
+class BatchingScorer:
+    """One thread scoring responses in batches of up to `max_batch`, gathered for at most `wait_s`."""
+
+    def __init__(self, reward: CompositeReward, max_batch: int = 16, wait_s: float = 0.02) -> None:
+        self.reward = reward
+        self.max_batch = max_batch
+        self.wait_s = wait_s
+        self._queue: queue.Queue[tuple[Item, Future[Scored]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="reward-scorer", daemon=True)
+        self._thread.start()
+
+    def submit(self, item: Item) -> Future[Scored]:
+        future: Future[Scored] = Future()
+        self._queue.put((item, future))
+        return future
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            until = time.monotonic() + self.wait_s
+            stopping = False
+            while len(batch) < self.max_batch:
+                try:
+                    more = self._queue.get(timeout=max(0.0, until - time.monotonic()))
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                batch.append(more)
+            try:
+                scored = self.reward.score([item for item, _ in batch])
+            except Exception as e:  # noqa: BLE001 - a reward model out of memory, say: these responses get no reward
+                log.exception("scoring %d responses failed", len(batch))
+                scored = [Scored(None, {}, error=f"scoring failed: {type(e).__name__}: {e}") for _ in batch]
+            for (_, future), result in zip(batch, scored):
+                future.set_result(result)
+            if stopping:
+                return
+
+
+@dataclass
+class DriverProgress:
+    """Positions done (rewarded, or left without a reward), and the figures of the responses."""
+
+    start: int = 0
+    done: set[int] = field(default_factory=set)
+    rewarded: int = 0
+    unrewarded: int = 0
+    reward_sum: float = 0.0
+    response_tokens: int = 0
+    errors: list[str] = field(default_factory=list)  # the first few reasons a response went unrewarded
+    recent: list[float] = field(default_factory=list)  # the last rewards, for a moving mean
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def resume_from(self) -> int:
+        """The first position not yet done."""
+        position = self.start
+        while position in self.done:
+            position += 1
+        return position
+
+    def record(self, position: int, scored: Scored | None, tokens: int) -> None:
+        with self.lock:
+            self.done.add(position)
+            self.response_tokens += tokens
+            if scored is None or scored.reward is None:
+                self.unrewarded += 1
+                if scored is not None and len(self.errors) < 10:
+                    self.errors.append(scored.error)
+                return
+            self.rewarded += 1
+            self.reward_sum += scored.reward
+            self.recent.append(scored.reward)
+            del self.recent[:-200]
+
+    def compact(self) -> None:
+        """Forget the positions below the resume point (they are summed up by it)."""
+        with self.lock:
+            resume = self.resume_from
+            self.done = {p for p in self.done if p >= resume}
+            self.start = resume
+
+
+def drive(
+    frontend: str,
+    records: Sequence[PromptRecord],
+    order: PromptOrder,
+    scorer: BatchingScorer,
+    sampling: Sampling,
+    workers: int = 4,
+    start: int = 0,
+    stop: threading.Event | None = None,
+    limit: int | None = None,
+    deadline_s: float = 300.0,
+    progress: DriverProgress | None = None,
+    seed: int = 0,
+    make_client: Callable[..., Client] = Client,
+) -> DriverProgress:
+    """Drive `records` in `order` from position `start` until the order ends, `limit` positions were
+    taken or `stop` is set; the progress. Errors of the broker other than a deadline stop the worker
+    that met them (logged, counted in `progress.errors`); the others go on."""
+    stop = stop or threading.Event()
+    progress = progress or DriverProgress(start=start)
+    positions = order.positions(start)
+    taken = [0]
+    take_lock = threading.Lock()
+
+    def next_position() -> tuple[int, int] | None:
+        with take_lock:
+            if stop.is_set() or (limit is not None and taken[0] >= limit):
+                return None
+            try:
+                position, _epoch, index, _sample = next(positions)
+            except StopIteration:
+                return None
+            taken[0] += 1
+            return position, index
+
+    def work(worker: int) -> None:
+        client = make_client(frontend, deadline=deadline_s)
+        task: str | None = None
+        try:
+            task = client.attach()
+            while (got := next_position()) is not None:
+                position, index = got
+                record = records[index]
+                client.wait_turn(task)
+                reply = generate(client, task, record, sampling, seed=seed * 1_000_003 + position)  # a run samples the same way again
+                scored = scorer.submit(item_for(record, reply["text"])).result()
+                if scored.reward is None:
+                    client.detach(task)  # the step is dropped without a transition: no made-up reward is trained on
+                    task = client.attach()
+                else:
+                    client.feedback(task, scored.reward, done=True)
+                progress.record(position, scored, int(reply.get("n_tokens", 0)))
+        except PPOZError as e:
+            log.error("driver worker %d stopped: %s", worker, e)
+            with progress.lock:
+                progress.errors.append(f"worker {worker}: {type(e).__name__}: {e}")
+        finally:
+            if task is not None:
+                try:
+                    client.detach(task)
+                except PPOZError:
+                    pass
+            client.close()
+
+    threads = [threading.Thread(target=work, args=(i,), name=f"driver-{i}", daemon=True) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return progress
+
+
+def validate(
+    frontend: str,
+    records: Sequence[PromptRecord],
+    reward: CompositeReward,
+    max_new_tokens: int,
+    workers: int = 4,
+    deadline_s: float = 300.0,
+    make_client: Callable[..., Client] = Client,
+) -> dict[str, Any]:
+    """Greedy responses to every record, scored, and never trained on (each task is detached with its
+    step pending, which the broker drops); the mean reward and how many could not be scored."""
+    answers: list[tuple[int, str]] = []
+    lock = threading.Lock()
+    indices = iter(range(len(records)))
+    errors: list[str] = []
+
+    def work() -> None:
+        client = make_client(frontend, deadline=deadline_s)
+        try:
+            while True:
+                with lock:
+                    i = next(indices, None)
+                if i is None:
+                    return
+                record = records[i]
+                task = client.attach()
+                try:
+                    reply = generate(client, task, record, Sampling(max_new_tokens=max_new_tokens, temperature=0.0))
+                finally:
+                    client.detach(task)
+                with lock:
+                    answers.append((i, reply["text"]))
+        except PPOZError as e:
+            with lock:
+                errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"validation failed: {errors[0]}")
+    answers.sort()
+    items = [item_for(records[i], text) for i, text in answers]
+    scored = reward.score(items, raw=True)
+    rewards = [s.reward for s in scored if s.reward is not None]
+    return {
+        "mean_reward": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "scored": len(rewards),
+        "unscored": len(scored) - len(rewards),
+        "responses": [text for _, text in answers[:5]],
+    }
