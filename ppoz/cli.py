@@ -116,6 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, UpConfig)
     p.set_defaults(func=up.main)
 
+    from ppoz import train as train_command
+
+    p = sub.add_parser(
+        "train",
+        help="PPO on a prompt dataset with a reward function, reward model or LLM judge (docs/train.md)",
+        description="Generation-mode PPO on a dataset of prompts: starts a stack here (as `ppoz up`) or, with "
+        "--broker, drives a farm; validates before and after, shows progress, writes the run's figures "
+        "under [train] output_dir. See docs/train.md.",
+    )
+    train_command.add_arguments(p)
+    p.set_defaults(func=train_command.main)
+
     from ppoz import play
 
     p = sub.add_parser(

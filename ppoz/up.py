@@ -13,11 +13,13 @@ everyone to the same Redis (embedded unless a URL is given).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,19 +74,34 @@ def connect_address(bind: str) -> str:
     return bind
 
 
-def main(args: argparse.Namespace) -> int:
+@dataclass
+class Stack:
+    """What `started_stack` runs: where clients reach the broker, the Redis URL, and the supervisor."""
+
+    client_broker: str
+    redis_url: str
+    key_prefix: str
+    supervisor: Any
+
+
+@contextlib.contextmanager
+def started_stack(up: UpConfig, config_file: str | None, log_level: str, model: str = "") -> Iterator[Stack]:
+    """Start what `up` says (the embedded Redis first, then broker, learner, actors, environment clients),
+    each component reading `config_file` (`model`, if given, overrides [policy] model for actors and
+    learner); stop everything on leaving. The caller watches the supervisor (`Stack.supervisor.watch()`)."""
     from actor_node.config import ActorConfig
     from broker.config import BrokerConfig
     from common.redis_server import EmbeddedRedis
     from learner_node.config import LearnerConfig
     from ppoz.supervisor import Supervisor
 
-    up = load(UpConfig, args.config, args)
-    broker = load(BrokerConfig, args.config)
-    actor = load(ActorConfig, args.config)
+    policy_flags = {"policy.model": model} if model else {}
+    model_args = ["--model", model] if model else []
+    broker = load(BrokerConfig, config_file)
+    actor = load(ActorConfig, config_file, policy_flags)
     # The embedded Redis's URL is known only once it runs; validate with a stand-in.
-    stand_in = {"redis_url": up.redis_url or "redis://embedded"}
-    learner = load(LearnerConfig, args.config, stand_in) if up.learner else None
+    stand_in = {"redis_url": up.redis_url or "redis://embedded", **policy_flags}
+    learner = load(LearnerConfig, config_file, stand_in) if up.learner else None
     for name, endpoint in (
         ("broker.frontend", broker.frontend),
         ("broker.backend", broker.backend),
@@ -106,14 +123,14 @@ def main(args: argparse.Namespace) -> int:
         embedded = EmbeddedRedis(appendonly=bool(up.redis_data_dir), data_dir=up.redis_data_dir or None).start()
         redis_url = embedded.url
         log.info("embedded redis-server at %s", redis_url)
-    common = [sys.executable, "-m", "ppoz.cli", "--log-level", args.log_level]
+    common = [sys.executable, "-m", "ppoz.cli", "--log-level", log_level]
     torch_env = thread_env(up.cpu_threads, up.actors + int(up.learner))
-    config = ["--config", args.config] if args.config else []
+    config = ["--config", config_file] if config_file else []
     sup = Supervisor(up.on_failure, up.max_restarts, up.stop_timeout_s, up.log_lines)
     if up.broker:
         sup.add("broker", [*common, "broker", *config, "--redis-url", redis_url])
     if up.learner:
-        sup.add("learner", [*common, "learner", *config, "--redis-url", redis_url, "--resume"], torch_env)
+        sup.add("learner", [*common, "learner", *config, "--redis-url", redis_url, "--resume", *model_args], torch_env)
     for i in range(up.actors):
         device = up.actor_devices[i % len(up.actor_devices)] if up.actor_devices else ""
         argv = [
@@ -130,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
             actor_broker,
             "--weights",
             actor_weights,
+            *model_args,
         ]
         sup.add(f"actor-{i}", argv + (["--device", device] if device else []), torch_env)
     if up.env:
@@ -137,20 +155,27 @@ def main(args: argparse.Namespace) -> int:
             "clients",
             [*common, "play", "--env", up.env, "--clients", str(up.env_clients), "--broker", client_broker, "--report-every", "30"],
         )
-
-    def on_signal(signum: int, frame: Any) -> None:
-        log.info("%s received: stopping every component", signal.Signals(signum).name)
-        sup.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
         sup.start_all(lambda c: _wait_ready(c.name, client_broker, up.ready_timeout_s, sup))
-        code = sup.watch()
+        yield Stack(client_broker, redis_url, broker.key_prefix, sup)
     finally:
         sup.stop_all()
         if embedded is not None:
             embedded.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    up = load(UpConfig, args.config, args)
+    with started_stack(up, args.config, args.log_level) as stack:
+        sup = stack.supervisor
+
+        def on_signal(signum: int, frame: Any) -> None:
+            log.info("%s received: stopping every component", signal.Signals(signum).name)
+            sup.stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        code = sup.watch()
     if sup.failed:
         print(f"ppoz up: stopped because {sup.failed} died", file=sys.stderr)
     return code

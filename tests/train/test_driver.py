@@ -3,14 +3,10 @@ driver and stored with the turn, unrewarded turns never stored, resume where a r
 
 from __future__ import annotations
 
-import pytest
-
-from actor_node.llm_policy import LLMPolicy, SamplingConfig
-from common.policy_model import ModelSpec, load_policy
 from rewards.composite import CompositeReward
 from rewards.functions import RewardError
 from tests.broker.test_broker import segments
-from tests.helpers import actors_ready, wait_for
+from tests.helpers import wait_for
 from train.data import PromptOrder, PromptRecord
 from train.driver import BatchingScorer, Sampling, drive, validate
 
@@ -30,24 +26,6 @@ def records(n: int, refuse_every: int = 0) -> list[PromptRecord]:
         truth = "refuse" if refuse_every and i % refuse_every == refuse_every - 1 else colour
         out.append(PromptRecord(f"say the word {colour}", truth, "colours", {}, f"t.jsonl line {i + 1}"))
     return out
-
-
-@pytest.fixture(scope="module")
-def words_llm(tmp_path_factory):
-    from common.tiny_models import build_tiny_model
-
-    path = build_tiny_model(tmp_path_factory.mktemp("words") / "llama", "llama", tokenizer="words")
-    return load_policy(ModelSpec(model=str(path), device="cpu", lora_rank=0))
-
-
-@pytest.fixture
-def stack(start_broker, start_actor, make_client, words_llm):
-    model, tokenizer = words_llm
-    broker = start_broker(segment_len=4)
-    start_actor(broker.backend, credits=8, policy=LLMPolicy(model, tokenizer, SamplingConfig(seed=1)))
-    client = make_client(broker.frontend, deadline=60)
-    wait_for(lambda: actors_ready(client, 1), what="the actor to register")
-    return broker
 
 
 def test_each_turn_is_rewarded_in_the_driver_and_stored_with_its_reward(stack, redis_client, key_prefix) -> None:

@@ -1,0 +1,91 @@
+"""`ppoz train`: generation-mode PPO on a prompt dataset, on this machine or against a farm.
+
+Without `--broker` it starts a stack here as `ppoz up` does (embedded Redis, broker, actors, learner;
+`[up]` says how many, the config file's tables configure them, `--model` sets `[policy] model` for
+actors and learner) and drives it; with `--broker` it drives an existing farm's broker (the learner's
+figures come from `--redis-url`, the farm's Redis, if given). The drivers, rewards and validation: train/run.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from common.config import add_flags, load
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from train.config import TrainConfig
+
+    parser.add_argument("--config", metavar="FILE", help="TOML config file: [train], and the stack's tables; flags override it")
+    parser.add_argument("--model", default="", help="the policy model directory (sets [policy] model for the actors and the learner)")
+    parser.add_argument("--broker", default="", help="drive this farm's broker (its client endpoint) instead of starting a stack here")
+    parser.add_argument("--key-prefix", default="ppoz", help="with --broker: the farm's Redis key prefix (default: ppoz)")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object, last")
+    parser.add_argument("--redis-url", default="", help="with --broker: the farm's Redis, for the learner's figures in the progress line")
+    add_flags(parser, TrainConfig)  # the stack's own settings ([up], [learner], ...) come from the config file
+
+
+def main(args: argparse.Namespace) -> int:
+    from train.config import TrainConfig
+    from train.data import DatasetError
+    from train.run import run_training
+
+    cfg = load(TrainConfig, args.config, args)
+    if not cfg.data:
+        raise SystemExit("ppoz train: no training prompts; give --data FILE (or [train] data)")
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("%s received: the drivers finish their turns and the run stops", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        if args.broker:
+            summary = run_training(cfg, args.broker, _figures(args.redis_url, args.key_prefix), stop)
+        else:
+            summary = _on_this_machine(args, cfg, stop)
+    except (DatasetError, ValueError) as e:
+        print(f"ppoz train: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def _on_this_machine(args: argparse.Namespace, cfg: Any, stop: threading.Event) -> dict[str, Any]:
+    from ppoz.up import UpConfig, started_stack
+    from train.run import run_training
+
+    up = load(UpConfig, args.config)
+    with started_stack(up, args.config, args.log_level, args.model) as stack:
+
+        def watch() -> None:  # a component that dies for good stops the run
+            stack.supervisor.watch()
+            stop.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+        summary = run_training(cfg, stack.client_broker, _figures(stack.redis_url, stack.key_prefix), stop)
+        if stack.supervisor.failed:
+            raise RuntimeError(f"the stack stopped because {stack.supervisor.failed} died")
+        return summary
+
+
+def _figures(redis_url: str, key_prefix: str) -> Any:
+    """A reader of the learner's latest figures (empty without a Redis URL)."""
+    if not redis_url:
+        return dict
+    from common.learner_figures import read_latest
+    from common.redis_server import connect
+
+    client = connect(redis_url)
+    return lambda: read_latest(client, key_prefix)

@@ -1,0 +1,27 @@
+"""The stack the driver tests drive: a real broker, an LLM actor serving a tiny words model, Redis."""
+
+from __future__ import annotations
+
+import pytest
+
+from actor_node.llm_policy import LLMPolicy, SamplingConfig
+from common.policy_model import ModelSpec, load_policy
+from tests.helpers import actors_ready, wait_for
+
+
+@pytest.fixture(scope="module")
+def words_llm(tmp_path_factory):
+    from common.tiny_models import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("words") / "llama", "llama", tokenizer="words")
+    return load_policy(ModelSpec(model=str(path), device="cpu", lora_rank=0))
+
+
+@pytest.fixture
+def stack(start_broker, start_actor, make_client, words_llm):
+    model, tokenizer = words_llm
+    broker = start_broker(segment_len=4)
+    start_actor(broker.backend, credits=8, policy=LLMPolicy(model, tokenizer, SamplingConfig(seed=1)))
+    client = make_client(broker.frontend, deadline=60)
+    wait_for(lambda: actors_ready(client, 1), what="the actor to register")
+    return broker

@@ -1,0 +1,79 @@
+"""A training run's driver side against a real broker, LLM actor and Redis: validation before and after,
+the figures written, the resume state honoured, and the reward sources built from [train]."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.rewards.chat_api import chat_server
+from tests.train.test_driver import COLOURS
+from train.config import TrainConfig
+from train.run import build_reward, run_training
+
+
+def write_dataset(path, n: int) -> None:
+    lines = [{"prompt": f"say the word {COLOURS[i % 4]}", "ground_truth": COLOURS[i % 4], "data_source": "colours"} for i in range(n)]
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+
+
+def first_word(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str.split()[:1] == [ground_truth])
+
+
+def test_a_run_validates_trains_writes_its_figures_and_resumes(stack, tmp_path) -> None:
+    write_dataset(tmp_path / "train.jsonl", 6)
+    write_dataset(tmp_path / "val.jsonl", 4)
+    cfg = TrainConfig(
+        data=str(tmp_path / "train.jsonl"),
+        val=str(tmp_path / "val.jsonl"),
+        epochs=2,
+        rollout_n=2,
+        max_samples=10,
+        workers=2,
+        max_new_tokens=2,
+        reward_fn="tests.train.test_run:first_word",
+        output_dir=str(tmp_path / "out"),
+        report_every_s=0.5,
+    )
+    lines: list[str] = []
+    summary = run_training(cfg, stack.frontend, echo=lines.append)
+    assert summary["samples"] == 10 and summary["rewarded"] == 10 and summary["resume_from"] == 10
+    assert 0.0 <= summary["val_before"] <= 1.0 and 0.0 <= summary["val_after"] <= 1.0
+    assert any(line.startswith("samples ") and "reward_mean" in line for line in lines)
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["samples"] == 10
+    assert json.loads((tmp_path / "out" / "driver_state.json").read_text())["resume_from"] == 10
+    assert (tmp_path / "out" / "progress.jsonl").read_text().count("\n") >= 1
+    # The next run with the same output directory goes on at sample 10, to the order's end (2 epochs x 6 x 2 = 24).
+    again = run_training(TrainConfig(**{**cfg.__dict__, "max_samples": 0}), stack.frontend, echo=lines.append)
+    assert again["start"] == 10 and again["samples"] == 14 and again["resume_from"] == 24
+    assert "ppoz train: resuming at sample 10" in lines
+    # Another order (another seed) does not take that state: it starts again.
+    other = run_training(TrainConfig(**{**cfg.__dict__, "seed": 5, "val": ""}), stack.frontend, echo=lines.append)
+    assert other["start"] == 0 and other["samples"] == 10
+
+
+def test_the_reward_sources_come_from_train_settings(tmp_path) -> None:
+    from common.tiny_models import build_tiny_reward_model
+
+    rm = build_tiny_reward_model(tmp_path / "rm")
+    with chat_server(lambda body, n: "Score: 1") as server:
+        cfg = TrainConfig(
+            data="x.jsonl",
+            reward_fn="math",
+            reward_model=str(rm),
+            judge_model="judge",
+            judge_base_url=server.base_url,
+            weights={"rule_score": 0.5, "rm_score": 0.25, "judge_score": 0.25},
+        )
+        reward = build_reward(cfg)
+        from rewards.composite import Item
+
+        (scored,) = reward.score([Item("What is 1+1?", "\\boxed{2}", "2", "math")])
+    assert set(scored.components) == {"rule_score", "rm_score", "judge_score"}
+    assert scored.reward == pytest.approx(0.5 + 0.25 * scored.components["rm_score"] + 0.25)
+    assert TrainConfig(data="x", reward_model="m").reward_weights() == {"rule_score": 1.0, "rm_score": 1.0}
+    for bad, words in [(dict(rollout_n=0), "rollout_n"), (dict(temperature=0.0), "sampled"), (dict(weights={"rm_score": "a"}), "a number")]:
+        with pytest.raises(ValueError, match=words):
+            TrainConfig(data="x", **bad)

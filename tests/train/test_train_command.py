@@ -1,0 +1,52 @@
+"""`ppoz train` on one machine: it starts the stack as processes (embedded Redis, broker, actor, learner),
+drives it with the dataset, validates before and after, and ends with the summary as JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common.tiny_models import build_tiny_model
+from tests.broker.test_restart import free_port
+from tests.train.test_run import write_dataset
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
+    model = build_tiny_model(tmp_path / "words-llama", "llama", tokenizer="words")
+    write_dataset(tmp_path / "train.jsonl", 8)
+    write_dataset(tmp_path / "val.jsonl", 8)
+    (tmp_path / "reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(solution_str.split()[:1] == [ground_truth])\n"
+    )
+    front, back, weights = free_port(), free_port(), free_port()
+    config = tmp_path / "train.toml"
+    config.write_text(
+        f"[policy]\nlora_rank = 4\n"
+        f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nsegment_len = 1\n'
+        f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 16\npolicy_minibatch = 16\n'
+        f'checkpoint_dir = "{tmp_path / "ckpt"}"\ntensorboard_dir = ""\n'
+        "[generation]\nvalue_hidden = [64]\n"
+        "[actor]\nweights_poll_s = 1.0\n"
+        "[up]\nactors = 1\nstop_timeout_s = 60\n"
+        f'[train]\nworkers = 4\nmax_new_tokens = 2\nreport_every_s = 5\noutput_dir = "{tmp_path / "out"}"\n'
+    )
+    run = subprocess.run(
+        [
+            sys.executable, "-m", "ppoz.cli", "train", "--config", str(config), "--model", str(model),
+            "--data", str(tmp_path / "train.jsonl"), "--val", str(tmp_path / "val.jsonl"),
+            "--reward-fn", f"{tmp_path / 'reward.py'}:compute_score", "--epochs", "0", "--max-samples", "96", "--json",
+        ],
+        capture_output=True, text=True, timeout=540, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == 96 and summary["rewarded"] == 96 and summary["unrewarded"] == 0
+    assert 0.0 <= summary["val_before"] <= 1.0 and 0.0 <= summary["val_after"] <= 1.0
+    assert summary["learner"].get("version", 0) >= 1, summary  # the learner trained on what the drivers sent
+    assert "validation reward before" in run.stdout and "samples " in run.stdout

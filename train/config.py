@@ -1,0 +1,69 @@
+"""`[train]`: what `ppoz train` reads (the dataset, the rewards, the drivers); the PPO settings stay in
+`[learner]` and `[generation]` (their names against verl's: docs/train.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import check, option, section
+
+
+@section("train")
+@dataclass
+class TrainConfig:
+    data: str = option("", "the training prompts: JSON, JSONL or Parquet records {prompt, ground_truth, data_source, extra_info}")
+    val: str = option("", "validation prompts in the same format (empty: no validation)")
+    val_size: int = option(0, "validate on the first N validation records (0: all of them)")
+    strict: bool = option(False, "a bad record stops the run (default: skipped, counted and named)")
+    epochs: int = option(1, "passes over the training prompts (0: until stopped)")
+    rollout_n: int = option(1, "responses sampled per prompt, one after the other (verl's rollout.n)")
+    shuffle: bool = option(True, "each epoch in its own seeded order (false: file order)")
+    seed: int = option(0, "the order of the prompts and the sampling seeds")
+    max_samples: int = option(0, "stop after this many responses (0: when the epochs end)")
+    resume: bool = option(True, "start where the last run with this output directory stopped")
+    workers: int = option(8, "driver threads, each one client and one task (keep [actor] max_generate_rows >= this)")
+    max_new_tokens: int = option(256, "response budget in tokens (verl's response_length)")
+    temperature: float = option(1.0, "sampling temperature of the responses trained on (validation is greedy)")
+    top_p: float = option(1.0, "nucleus sampling of the responses trained on")
+    stop: list = option([], "stop strings of the responses")
+    reward_fn: str = option("default", "module:function, path/file.py:function, or a built-in: default (by data_source), math, exact_match")
+    reward_model: str = option("", "a local AutoModelForSequenceClassification directory (rm_score)")
+    reward_model_device: str = option("cpu", "the reward model's device")
+    judge_model: str = option("", "the LLM judge's model name (judge_score); empty: no judge")
+    judge_provider: str = option("openai", "dashscope, openai, gemini or claude (keys from their usual variables)")
+    judge_base_url: str = option("", "an OpenAI-compatible endpoint of your own (overrides the provider's)")
+    judge_preset: str = option("math", "math, code, dialogue or safety")
+    judge_concurrency: int = option(8, "judge requests in flight at once")
+    judge_timeout_s: float = option(60.0, "one judge request's timeout")
+    weights: dict = option({}, "reward component weights (TOML only), e.g. {rule_score = 0.3, rm_score = 0.7}; empty: 1.0 each", cli=False)
+    reward_normalise: str = option("none", "none, or running: (r - mean) / std over the rewards so far")
+    reward_clip: float = option(0.0, "|reward| <= this after normalisation (0: no clipping)")
+    output_dir: str = option("outputs", "where the run's state, figures, curve and final adapter go")
+    deadline_s: float = option(300.0, "longest wait for one response, retries included")
+    report_every_s: float = option(10.0, "seconds between progress lines")
+
+    def __post_init__(self) -> None:
+        check(self.epochs >= 0, f"[train] epochs = {self.epochs}: must be 0 (until stopped) or more")
+        check(self.rollout_n >= 1, f"[train] rollout_n = {self.rollout_n}: must be at least 1")
+        check(self.workers >= 1, f"[train] workers = {self.workers}: must be at least 1")
+        check(self.max_new_tokens >= 1, f"[train] max_new_tokens = {self.max_new_tokens}: must be at least 1")
+        check(self.max_samples >= 0 and self.val_size >= 0, "[train] max_samples and val_size must be 0 or more")
+        check(self.temperature > 0, f"[train] temperature = {self.temperature}: responses trained on must be sampled (> 0)")
+        check(0 < self.top_p <= 1, f"[train] top_p = {self.top_p}: must be in (0, 1]")
+        check(self.reward_normalise in ("none", "running"), f"[train] reward_normalise = {self.reward_normalise!r}: none or running")
+        check(self.reward_clip >= 0, f"[train] reward_clip = {self.reward_clip}: must be 0 (none) or more")
+        check(self.deadline_s > 0 and self.report_every_s > 0, "[train] deadline_s and report_every_s must be positive")
+        check(all(isinstance(s, str) and s for s in self.stop), f"[train] stop = {self.stop!r}: non-empty strings")
+        for name, weight in self.weights.items():
+            check(isinstance(weight, (int, float)) and not isinstance(weight, bool), f"[train] weights.{name} = {weight!r}: a number")
+
+    def reward_weights(self) -> dict[str, float]:
+        """The weights given, or 1.0 for each configured source (the function always is)."""
+        if self.weights:
+            return {k: float(v) for k, v in self.weights.items()}
+        out = {"rule_score": 1.0}
+        if self.reward_model:
+            out["rm_score"] = 1.0
+        if self.judge_model:
+            out["judge_score"] = 1.0
+        return out
