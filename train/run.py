@@ -138,7 +138,8 @@ def run_training(
     summary: dict[str, Any] = {"data": cfg.data, "records": len(records), "val_records": len(val), "start": start}
     if val:
         echo(f"ppoz train: validating on {len(val)} prompts (greedy) before training")
-        summary["val_before"] = validate(frontend, val, reward, cfg.max_new_tokens, cfg.workers, cfg.deadline_s)["mean_reward"]
+        before = validate(frontend, val, reward, cfg.max_new_tokens, cfg.workers, cfg.deadline_s)
+        summary["val_before"], summary["val_examples_before"] = before["mean_reward"], before["responses"][:3]
         echo(f"ppoz train: validation reward before: {summary['val_before']:.4f}")
     total = order.total if not cfg.max_samples else min(order.total or cfg.max_samples, start + cfg.max_samples)
     progress = DriverProgress(start=start)
@@ -190,7 +191,8 @@ def run_training(
         learner={k: v for k, v in _safe(learner_figures).items() if k in LEARNER_FIGURES.values()},
     )
     if val:
-        summary["val_after"] = validate(frontend, val, reward, cfg.max_new_tokens, cfg.workers, cfg.deadline_s)["mean_reward"]
+        after = validate(frontend, val, reward, cfg.max_new_tokens, cfg.workers, cfg.deadline_s)
+        summary["val_after"], summary["val_examples_after"] = after["mean_reward"], after["responses"][:3]
         echo(f"ppoz train: validation reward after: {summary['val_after']:.4f} (before: {summary['val_before']:.4f})")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
