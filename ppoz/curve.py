@@ -47,3 +47,36 @@ def write_learning_curve(
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+VALIDATION_COLOUR = "#2ca02c"
+
+
+def write_training_curve(path: str | Path, rows: Sequence[dict[str, Any]], val_before: float | None, val_after: float | None) -> Path:
+    """`ppoz train`'s curve: the drivers' reward mean over time (progress.jsonl's rows: time in s,
+    reward_mean) and the validation reward before (at 0) and after (at the end) training."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    points = [(row["time"] / 60, row["reward_mean"]) for row in rows if row.get("reward_mean") is not None]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    if points:
+        ax.plot([m for m, _ in points], [r for _, r in points], color=CURVE_COLOUR, linewidth=2.5, label="reward (mean of the last 100)")
+    end = points[-1][0] if points else 1.0
+    marks = [(m, v) for m, v in ((0.0, val_before), (end, val_after)) if v is not None]
+    if marks:
+        minutes, values = [m for m, _ in marks], [v for _, v in marks]
+        ax.plot(minutes, values, "o--", color=VALIDATION_COLOUR, markersize=9, label="validation reward (greedy)")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("reward")
+    ax.set_title("ppoz train")
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

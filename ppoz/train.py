@@ -57,9 +57,21 @@ def main(args: argparse.Namespace) -> int:
     except (DatasetError, ValueError) as e:
         print(f"ppoz train: {e}", file=sys.stderr)
         return 2
+    summary["curve"] = str(_curve(cfg, summary))
+    print(f"ppoz train: {summary['samples']} responses, reward curve in {summary['curve']}", flush=True)
     if args.json:
         print(json.dumps(summary))
     return 0
+
+
+def _curve(cfg: Any, summary: dict[str, Any]) -> Any:
+    from pathlib import Path
+
+    from ppoz.curve import write_training_curve
+
+    out = Path(cfg.output_dir)
+    rows = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines() if line.strip()]
+    return write_training_curve(out / "reward_curve.png", rows, summary.get("val_before"), summary.get("val_after"))
 
 
 def _on_this_machine(args: argparse.Namespace, cfg: Any, stop: threading.Event) -> dict[str, Any]:

@@ -50,3 +50,12 @@ def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
     assert 0.0 <= summary["val_before"] <= 1.0 and 0.0 <= summary["val_after"] <= 1.0
     assert summary["learner"].get("version", 0) >= 1, summary  # the learner trained on what the drivers sent
     assert "validation reward before" in run.stdout and "samples " in run.stdout
+    from PIL import Image
+
+    from ppoz.curve import CURVE_COLOUR, VALIDATION_COLOUR
+
+    with Image.open(summary["curve"]) as image:  # the reward over time and the two validation points
+        assert image.format == "PNG"
+        counts = {colour: n for n, colour in image.convert("RGB").getcolors(maxcolors=1 << 24)}
+        for colour in (CURVE_COLOUR, VALIDATION_COLOUR):
+            assert counts.get(tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5)), 0) > 50, f"nothing drawn in {colour}"
