@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from common.config import add_flags, load
@@ -65,8 +66,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _curve(cfg: Any, summary: dict[str, Any]) -> Any:
-    from pathlib import Path
-
     from ppoz.curve import write_training_curve
 
     out = Path(cfg.output_dir)
@@ -79,7 +78,12 @@ def _on_this_machine(args: argparse.Namespace, cfg: Any, stop: threading.Event) 
     from train.run import run_training
 
     up = load(UpConfig, args.config)
-    with started_stack(up, args.config, args.log_level, args.model) as stack:
+    from common.config import read_toml
+
+    learner_table = read_toml(args.config).get("learner", {}) if args.config else {}
+    # the learner's checkpoints (each with the adapter in peft's format) go under the run's outputs, unless the file says where
+    checkpoints = "" if "checkpoint_dir" in learner_table else str(Path(cfg.output_dir) / "checkpoints")
+    with started_stack(up, args.config, args.log_level, args.model, checkpoints) as stack:
 
         def watch() -> None:  # a component that dies for good stops the run
             stack.supervisor.watch()
@@ -89,7 +93,9 @@ def _on_this_machine(args: argparse.Namespace, cfg: Any, stop: threading.Event) 
         summary = run_training(cfg, stack.client_broker, _figures(stack.redis_url, stack.key_prefix), stop)
         if stack.supervisor.failed:
             raise RuntimeError(f"the stack stopped because {stack.supervisor.failed} died")
-        return summary
+    adapters = sorted(Path(checkpoints or learner_table["checkpoint_dir"]).glob("ckpt-*/adapter"))
+    summary["adapter"] = str(adapters[-1]) if adapters else None  # the learner's last (it checkpoints as it stops)
+    return summary
 
 
 def _figures(redis_url: str, key_prefix: str) -> Any:

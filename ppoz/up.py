@@ -85,10 +85,11 @@ class Stack:
 
 
 @contextlib.contextmanager
-def started_stack(up: UpConfig, config_file: str | None, log_level: str, model: str = "") -> Iterator[Stack]:
+def started_stack(up: UpConfig, config_file: str | None, log_level: str, model: str = "", checkpoint_dir: str = "") -> Iterator[Stack]:
     """Start what `up` says (the embedded Redis first, then broker, learner, actors, environment clients),
     each component reading `config_file` (`model`, if given, overrides [policy] model for actors and
-    learner); stop everything on leaving. The caller watches the supervisor (`Stack.supervisor.watch()`)."""
+    learner; `checkpoint_dir` the learner's); stop everything on leaving. The caller watches the
+    supervisor (`Stack.supervisor.watch()`)."""
     from actor_node.config import ActorConfig
     from broker.config import BrokerConfig
     from common.redis_server import EmbeddedRedis
@@ -97,6 +98,7 @@ def started_stack(up: UpConfig, config_file: str | None, log_level: str, model: 
 
     policy_flags = {"policy.model": model} if model else {}
     model_args = ["--model", model] if model else []
+    learner_args = [*model_args, *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else [])]
     broker = load(BrokerConfig, config_file)
     actor = load(ActorConfig, config_file, policy_flags)
     # The embedded Redis's URL is known only once it runs; validate with a stand-in.
@@ -130,7 +132,7 @@ def started_stack(up: UpConfig, config_file: str | None, log_level: str, model: 
     if up.broker:
         sup.add("broker", [*common, "broker", *config, "--redis-url", redis_url])
     if up.learner:
-        sup.add("learner", [*common, "learner", *config, "--redis-url", redis_url, "--resume", *model_args], torch_env)
+        sup.add("learner", [*common, "learner", *config, "--redis-url", redis_url, "--resume", *learner_args], torch_env)
     for i in range(up.actors):
         device = up.actor_devices[i % len(up.actor_devices)] if up.actor_devices else ""
         argv = [

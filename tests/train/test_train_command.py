@@ -30,7 +30,7 @@ def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
         f"[policy]\nlora_rank = 4\n"
         f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nsegment_len = 1\n'
         f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 16\npolicy_minibatch = 16\n'
-        f'checkpoint_dir = "{tmp_path / "ckpt"}"\ntensorboard_dir = ""\n'
+        'tensorboard_dir = ""\n'
         "[generation]\nvalue_hidden = [64]\n"
         "[actor]\nweights_poll_s = 1.0\n"
         "[up]\nactors = 1\nstop_timeout_s = 60\n"
@@ -50,6 +50,11 @@ def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
     assert 0.0 <= summary["val_before"] <= 1.0 and 0.0 <= summary["val_after"] <= 1.0
     assert summary["learner"].get("version", 0) >= 1, summary  # the learner trained on what the drivers sent
     assert "validation reward before" in run.stdout and "samples " in run.stdout
+    # the learner's last checkpoint under the run's outputs, its adapter in peft's format
+    assert summary["adapter"].startswith(str(tmp_path / "out" / "checkpoints"))
+    from peft import PeftConfig
+
+    assert PeftConfig.from_pretrained(summary["adapter"]).r == 4
     from PIL import Image
 
     from ppoz.curve import CURVE_COLOUR, VALIDATION_COLOUR
