@@ -14,6 +14,7 @@ class TrainConfig:
     data: str = option("", "the training prompts: JSON, JSONL or Parquet records {prompt, ground_truth, data_source, extra_info}")
     val: str = option("", "validation prompts in the same format (empty: no validation)")
     val_size: int = option(0, "validate on the first N validation records (0: all of them)")
+    chat_template: bool = option(False, "send plain-text prompts as a user message through the model's chat template")
     strict: bool = option(False, "a bad record stops the run (default: skipped, counted and named)")
     epochs: int = option(1, "passes over the training prompts (0: until stopped)")
     rollout_n: int = option(1, "responses sampled per prompt, one after the other (verl's rollout.n)")

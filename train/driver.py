@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from client import Client, PPOZError
+from client import BadRequest, Client, PPOZError, RequestTimeout, TooLarge, UnknownTask
 from rewards.composite import CompositeReward, Item, Scored, prompt_text
 from train.data import PromptOrder, PromptRecord
 
@@ -41,11 +41,15 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
+    chat_template: bool = False  # a plain-text prompt goes as one user message, through the model's chat template
 
 
 def generate(client: Client, task: str, record: PromptRecord, sampling: Sampling, seed: int | None = None) -> dict[str, Any]:
     """The policy's response to `record`'s prompt (text, or chat messages for the actor's chat template)."""
-    text, messages = (record.prompt, None) if isinstance(record.prompt, str) else (None, list(record.prompt))
+    if isinstance(record.prompt, str):
+        text, messages = (None, [{"role": "user", "content": record.prompt}]) if sampling.chat_template else (record.prompt, None)
+    else:
+        text, messages = None, list(record.prompt)
     return client.generate(
         task,
         text,
@@ -170,8 +174,10 @@ def drive(
     make_client: Callable[..., Client] = Client,
 ) -> DriverProgress:
     """Drive `records` in `order` from position `start` until the order ends, `limit` positions were
-    taken or `stop` is set; the progress. Errors of the broker other than a deadline stop the worker
-    that met them (logged, counted in `progress.errors`); the others go on."""
+    taken or `stop` is set; the progress. A record the broker or actor refuses (a prompt over the
+    model's context, messages its chat template refuses) or whose response missed its deadline is
+    counted unrewarded with the reason, and the worker goes on; other errors stop the worker that
+    met them (logged, in `progress.errors`), and the others go on."""
     stop = stop or threading.Event()
     progress = progress or DriverProgress(start=start)
     positions = order.positions(start)
@@ -198,11 +204,16 @@ def drive(
                 position, index = got
                 record = records[index]
                 client.wait_turn(task)
-                reply = generate(client, task, record, sampling, seed=seed * 1_000_003 + position)  # a run samples the same way again
+                try:
+                    reply = generate(client, task, record, sampling, seed=seed * 1_000_003 + position)  # a run samples the same way again
+                except (BadRequest, TooLarge, RequestTimeout, UnknownTask) as e:  # this record's turn fails alone
+                    progress.record(position, Scored(None, {}, error=f"{record.where}: {type(e).__name__}: {e}"), 0)
+                    if isinstance(e, (RequestTimeout, UnknownTask)):  # the session may be gone: start a fresh one
+                        task = _reattach(client, task)
+                    continue
                 scored = scorer.submit(item_for(record, reply["text"])).result()
-                if scored.reward is None:
-                    client.detach(task)  # the step is dropped without a transition: no made-up reward is trained on
-                    task = client.attach()
+                if scored.reward is None:  # the step is dropped without a transition: no made-up reward is trained on
+                    task = _reattach(client, task)
                 else:
                     client.feedback(task, scored.reward, done=True)
                 progress.record(position, scored, int(reply.get("n_tokens", 0)))
@@ -226,11 +237,21 @@ def drive(
     return progress
 
 
+def _reattach(client: Client, task: str) -> str:
+    """Detach `task` (a pending step is dropped, never stored) and attach a fresh one."""
+    try:
+        client.detach(task)
+    except UnknownTask:
+        pass  # already gone (expired)
+    return client.attach()
+
+
 def validate(
     frontend: str,
     records: Sequence[PromptRecord],
     reward: CompositeReward,
     max_new_tokens: int,
+    chat_template: bool = False,
     workers: int = 4,
     deadline_s: float = 300.0,
     make_client: Callable[..., Client] = Client,
@@ -253,7 +274,8 @@ def validate(
                 record = records[i]
                 task = client.attach()
                 try:
-                    reply = generate(client, task, record, Sampling(max_new_tokens=max_new_tokens, temperature=0.0))
+                    greedy = Sampling(max_new_tokens=max_new_tokens, temperature=0.0, chat_template=chat_template)
+                    reply = generate(client, task, record, greedy)
                 finally:
                     client.detach(task)
                 with lock:

@@ -138,13 +138,13 @@ def run_training(
     summary: dict[str, Any] = {"data": cfg.data, "records": len(records), "val_records": len(val), "start": start}
     if val:
         echo(f"ppoz train: validating on {len(val)} prompts (greedy) before training")
-        before = validate(frontend, val, reward, cfg.max_new_tokens, cfg.workers, cfg.deadline_s)
+        before = validate(frontend, val, reward, cfg.max_new_tokens, cfg.chat_template, cfg.workers, cfg.deadline_s)
         summary["val_before"], summary["val_examples_before"] = before["mean_reward"], before["responses"][:3]
         echo(f"ppoz train: validation reward before: {summary['val_before']:.4f}")
     total = order.total if not cfg.max_samples else min(order.total or cfg.max_samples, start + cfg.max_samples)
     progress = DriverProgress(start=start)
     scorer = BatchingScorer(reward, max_batch=max(cfg.workers, 1))
-    sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, tuple(cfg.stop))
+    sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, tuple(cfg.stop), cfg.chat_template)
     started = time.monotonic()
     driving = threading.Thread(
         target=drive,
@@ -191,7 +191,7 @@ def run_training(
         learner={k: v for k, v in _safe(learner_figures).items() if k in LEARNER_FIGURES.values()},
     )
     if val:
-        after = validate(frontend, val, reward, cfg.max_new_tokens, cfg.workers, cfg.deadline_s)
+        after = validate(frontend, val, reward, cfg.max_new_tokens, cfg.chat_template, cfg.workers, cfg.deadline_s)
         summary["val_after"], summary["val_examples_after"] = after["mean_reward"], after["responses"][:3]
         echo(f"ppoz train: validation reward after: {summary['val_after']:.4f} (before: {summary['val_before']:.4f})")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -3,6 +3,8 @@ driver and stored with the turn, unrewarded turns never stored, resume where a r
 
 from __future__ import annotations
 
+import pytest
+
 from rewards.composite import CompositeReward
 from rewards.functions import RewardError
 from tests.broker.test_broker import segments
@@ -52,6 +54,18 @@ def test_each_turn_is_rewarded_in_the_driver_and_stored_with_its_reward(stack, r
     assert counters["broker/detached"] >= 4  # each unrewarded turn: its task detached, the step dropped
 
 
+def test_a_record_the_actor_refuses_fails_alone(stack) -> None:
+    data = records(4)
+    data[1] = PromptRecord("say the word " + "red " * 9000, "red", "colours", {}, "t.jsonl line 2")  # over the model's context
+    scorer = BatchingScorer(CompositeReward({"rule_score": 1.0}, reward_fn=first_word_is))
+    try:
+        progress = drive(stack.frontend, data, PromptOrder(4, shuffle=False), scorer, Sampling(max_new_tokens=2), workers=1)
+    finally:
+        scorer.close()
+    assert progress.done == {0, 1, 2, 3} and progress.rewarded == 3 and progress.unrewarded == 1
+    assert progress.errors[0].startswith("t.jsonl line 2: BadRequest") and "limit" in progress.errors[0]
+
+
 def test_a_run_resumes_where_it_stopped_and_validation_is_not_trained(stack, redis_client, key_prefix) -> None:
     data = records(6)
     order = PromptOrder(len(data), epochs=2, rollout_n=1, seed=3)
@@ -66,5 +80,8 @@ def test_a_run_resumes_where_it_stopped_and_validation_is_not_trained(stack, red
     assert second.done == set(range(5, 12)) and second.rewarded + second.unrewarded == 7
     wait_for(lambda: sum(len(s.transitions) for s in segments(redis_client, key_prefix)) == 12, timeout=30, what="12 turns stored")
     result = validate(stack.frontend, data, reward, max_new_tokens=2, workers=2)
+    # --chat-template: the prompt goes as a user message; this model's tokenizer has no template, and says so
+    with pytest.raises(RuntimeError, match="chat template"):
+        validate(stack.frontend, data[:1], reward, max_new_tokens=2, chat_template=True, workers=1)
     assert result["scored"] == 6 and result["unscored"] == 0 and 0.0 <= result["mean_reward"] <= 1.0
     assert sum(len(s.transitions) for s in segments(redis_client, key_prefix)) == 12  # validation stored nothing
