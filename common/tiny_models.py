@@ -36,10 +36,12 @@ LORA_TRAINABLE = {"llama": ("lm_head", "model.norm"), "qwen2": ("lm_head", "mode
 # and ppoz demo (all weights, 3e-4), docs/benchmarks.md.
 TINY_POLICY_LR = {"lora": 1e-3, "all_weights": 3e-4}
 MARKER = "ppoz_tiny.json"  # in a tiny model's directory: how it was built (and that its weights are random)
-TOKENIZERS = ("byte", "bpe", "sentencepiece", "words")
+TOKENIZERS = ("byte", "bpe", "sentencepiece", "words", "numbers")
 # The whole vocabulary of the `words` tokenizer: toy generation tasks (say the word the prompt names) that a
 # random tiny model can learn in minutes, where a byte-level one would first have to find each letter by chance.
 WORDS = ("say", "the", "word", "please", "now", "and", "then", "stop", "red", "green", "blue", "yellow", "black", "white", "pink", "grey")
+# The `numbers` tokenizer's vocabulary: "what is two plus three" -> "five", the arithmetic demo's task.
+NUMBER_WORDS = ("what", "is", "plus", "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
 # Text like what the policy reads and chooses (Kea's prompts and events, a text game's), so the
@@ -129,12 +131,12 @@ def build_sentencepiece_tokenizer(path: str | Path, vocab_size: int = 512):
     return tok
 
 
-def build_words_tokenizer(path: str | Path):
-    """A word-level tokenizer over WORDS (whitespace-split, one token per word), saved under `path`."""
+def build_words_tokenizer(path: str | Path, words: tuple[str, ...] = WORDS):
+    """A word-level tokenizer over `words` (whitespace-split, one token per word), saved under `path`."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, "<unk>", *WORDS])}
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, "<unk>", *words])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
@@ -143,11 +145,17 @@ def build_words_tokenizer(path: str | Path):
     return fast
 
 
+def build_numbers_tokenizer(path: str | Path):
+    """A word-level tokenizer over NUMBER_WORDS: sums in words for the arithmetic demo."""
+    return build_words_tokenizer(path, NUMBER_WORDS)
+
+
 TOKENIZER_BUILDERS = {
     "byte": build_byte_tokenizer,
     "bpe": build_bpe_tokenizer,
     "sentencepiece": build_sentencepiece_tokenizer,
     "words": build_words_tokenizer,
+    "numbers": build_numbers_tokenizer,
 }
 
 

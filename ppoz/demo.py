@@ -40,6 +40,14 @@ machines use `ppoz up` or the separate commands (docs/farm.md).
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--task",
+        default="kea",
+        choices=("kea", "arithmetic"),
+        help="kea: choose among candidate actions exploring an app; arithmetic: write the sum in words, "
+        "ppoz train on a generated dataset (default: kea)",
+    )
+    parser.add_argument("--json", action="store_true", help="arithmetic: print the summary (val_before, val_after, ...) as JSON, last")
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to train (default: 5)")
     parser.add_argument("--clients", type=int, default=4, help="simulated Kea clients (default: 4)")
     parser.add_argument("--model", default="", help="a local model directory or Hugging Face id (default: a tiny model built locally)")
@@ -52,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.task == "arithmetic":
+        from ppoz import demo_arithmetic
+
+        return demo_arithmetic.main(args)
     import redis
 
     from actor_node.config import ActorConfig

@@ -54,13 +54,21 @@ def main(args: argparse.Namespace) -> int:
         if args.broker:
             summary = run_training(cfg, args.broker, _figures(args.redis_url, args.key_prefix), stop)
         else:
-            summary = _on_this_machine(args, cfg, stop)
+            summary = on_this_machine(args, cfg, stop)
     except (DatasetError, ValueError) as e:
         print(f"ppoz train: {e}", file=sys.stderr)
         return 2
+    return finish(cfg, summary, args.json)
+
+
+def finish(cfg: Any, summary: dict[str, Any], as_json: bool) -> int:
+    """The reward curve, the closing line, and the summary as JSON (last) if asked."""
     summary["curve"] = str(_curve(cfg, summary))
-    print(f"ppoz train: {summary['samples']} responses, reward curve in {summary['curve']}", flush=True)
-    if args.json:
+    line = f"ppoz train: {summary['samples']} responses, reward curve in {summary['curve']}"
+    if "val_after" in summary:
+        line += f"; validation reward {summary['val_before']:.3f} before, {summary['val_after']:.3f} after"
+    print(line, flush=True)
+    if as_json:
         print(json.dumps(summary))
     return 0
 
@@ -73,7 +81,7 @@ def _curve(cfg: Any, summary: dict[str, Any]) -> Any:
     return write_training_curve(out / "reward_curve.png", rows, summary.get("val_before"), summary.get("val_after"))
 
 
-def _on_this_machine(args: argparse.Namespace, cfg: Any, stop: threading.Event) -> dict[str, Any]:
+def on_this_machine(args: argparse.Namespace, cfg: Any, stop: threading.Event) -> dict[str, Any]:
     from ppoz.up import UpConfig, started_stack
     from train.run import run_training
 

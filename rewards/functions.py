@@ -14,6 +14,7 @@ Built-ins, chosen by `data_source` when no function is named (`builtin_for`):
   relative tolerance (integers, decimals, thousands separators, fractions `a/b`, `\\frac{a}{b}`,
   a trailing `%` or unit is left out); 1.0 or 0.0.
 - `exact_match`: the response, stripped (and case-folded where asked), equals the ground truth; 1.0 or 0.0.
+- `first_word` (by name only): the response's first word is the ground truth; 1.0 or 0.0.
 """
 
 from __future__ import annotations
@@ -136,7 +137,14 @@ def exact_match_score(data_source: str, solution_str: str, ground_truth: Any, ex
     return 1.0 if any(norm(solution_str) == norm(t) for t in truths) else 0.0
 
 
-BUILTINS: dict[str, RewardFn] = {"math": math_score, "exact_match": exact_match_score}
+def first_word_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
+    """1.0 when the response's first word is the ground truth (a one-word answer followed by anything), else 0.0."""
+    if ground_truth is None:
+        raise RewardError("first-word reward: the record has no ground truth")
+    return 1.0 if solution_str.split()[:1] == [str(ground_truth).strip()] else 0.0
+
+
+BUILTINS: dict[str, RewardFn] = {"math": math_score, "exact_match": exact_match_score, "first_word": first_word_score}
 
 
 def builtin_for(data_source: str) -> str:

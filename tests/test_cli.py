@@ -134,7 +134,7 @@ def test_status_without_a_broker_fails_clearly():
 def test_demo_shows_progress_and_writes_a_learning_curve(tmp_path):
     # Learning itself is asserted in tests/test_end_to_end.py; this is the demo's display and files.
     out = tmp_path / "demo"
-    result = run("demo", "--minutes", "1", "--report-every", "10", "--clients", "3", "--out", str(out), timeout=600)
+    result = run("demo", "--minutes", "0.5", "--report-every", "5", "--clients", "3", "--out", str(out), timeout=600)
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
     progress = [line for line in result.stdout.splitlines() if "steps" in line and "policy v" in line and "entropy" in line]
     assert len(progress) >= 3, result.stdout

@@ -1,0 +1,89 @@
+"""`ppoz demo --task arithmetic`: `ppoz train` on a generated dataset of sums, on this machine, no GPU.
+
+The task: "what is two plus three" -> "five", for every pair of numbers from zero to four (25 sums),
+said in words. The policy is a tiny Llama-style model built locally with a word-level tokenizer of
+the number words (common/tiny_models.py `numbers`), so its first word is a number word and the
+reward is verifiable: 1 when the response's first word is the sum, else 0 (chance: 1 in 17 tokens).
+All its weights train (`lora_rank = 0`): on this task a rank-4 adapter learned slower (validation
+0.24 against 0.40 after 90 s on the CPU VM, and it collapsed onto one answer first).
+`ppoz train` starts the stack as processes (embedded Redis, broker, one actor, the learner), validates
+greedily on the 25 sums, trains for `--minutes`, and validates again. The validation set is the
+training set: a model this size learns the table, it does not generalise addition; the figure shows
+what PPO taught it. With `--json` the last line is the summary (`val_before`, `val_after`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+REWARD_FN = "first_word"
+
+
+def sums() -> list[dict[str, Any]]:
+    return [
+        {"prompt": f"what is {NUMBERS[a]} plus {NUMBERS[b]}", "ground_truth": NUMBERS[a + b], "data_source": "arithmetic_words"}
+        for a in range(5)
+        for b in range(5)
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stack_config(out: Path) -> str:
+    """The stack's settings: small rollouts and a one-transition segment per response (each turn ends its episode)."""
+    front, back, weights = _free_port(), _free_port(), _free_port()
+    return (
+        "[policy]\nlora_rank = 0\n"
+        f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nsegment_len = 1\n'
+        f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 32\npolicy_minibatch = 16\n'
+        f'tensorboard_dir = "{out / "tensorboard"}"\n'
+        "[generation]\nvalue_hidden = [64]\n"
+        "[actor]\nweights_poll_s = 1.0\n"
+        "[up]\nactors = 1\nstop_timeout_s = 60\n"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from common.tiny_models import build_tiny_model
+    from ppoz.train import finish, on_this_machine
+    from train.config import TrainConfig
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sums.jsonl").write_text("\n".join(json.dumps(row) for row in sums()) + "\n")
+    config = out / "stack.toml"
+    config.write_text(stack_config(out))
+    model = args.model or str(build_tiny_model(Path.home() / ".cache" / "ppoz" / "numbers-llama", "llama", tokenizer="numbers"))
+    cfg = TrainConfig(
+        data=str(out / "sums.jsonl"),
+        val=str(out / "sums.jsonl"),
+        epochs=0,
+        resume=False,
+        workers=8,
+        max_new_tokens=2,
+        reward_fn=REWARD_FN,
+        output_dir=str(out / "train"),
+        report_every_s=args.report_every,
+    )
+    print(f"ppoz demo: arithmetic in words on {model}, {args.minutes:g} minutes; outputs in {out}", flush=True)
+    stop = threading.Event()
+    timer = threading.Timer(args.minutes * 60, stop.set)
+    timer.daemon = True
+    timer.start()
+    run = argparse.Namespace(config=str(config), log_level=args.log_level, model=model)
+    summary = on_this_machine(run, cfg, stop)
+    timer.cancel()
+    return finish(cfg, summary, args.json)
