@@ -41,6 +41,7 @@ class TrainConfig:
     reward_clip: float = option(0.0, "|reward| <= this after normalisation (0: no clipping)")
     output_dir: str = option("outputs", "where the run's state, figures, curve and final adapter go")
     deadline_s: float = option(300.0, "longest wait for one response, retries included")
+    reward_timeout_s: float = option(600.0, "longest wait for one response's reward (a judge's retries included); past it: unrewarded")
     report_every_s: float = option(10.0, "seconds between progress lines")
 
     def __post_init__(self) -> None:
@@ -53,7 +54,10 @@ class TrainConfig:
         check(0 < self.top_p <= 1, f"[train] top_p = {self.top_p}: must be in (0, 1]")
         check(self.reward_normalise in ("none", "running"), f"[train] reward_normalise = {self.reward_normalise!r}: none or running")
         check(self.reward_clip >= 0, f"[train] reward_clip = {self.reward_clip}: must be 0 (none) or more")
-        check(self.deadline_s > 0 and self.report_every_s > 0, "[train] deadline_s and report_every_s must be positive")
+        check(
+            self.deadline_s > 0 and self.report_every_s > 0 and self.reward_timeout_s > 0,
+            "[train] deadline_s, reward_timeout_s and report_every_s must be positive",
+        )
         check(all(isinstance(s, str) and s for s in self.stop), f"[train] stop = {self.stop!r}: non-empty strings")
         for name, weight in self.weights.items():
             check(isinstance(weight, (int, float)) and not isinstance(weight, bool), f"[train] weights.{name} = {weight!r}: a number")

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +173,7 @@ def drive(
     progress: DriverProgress | None = None,
     seed: int = 0,
     make_client: Callable[..., Client] = Client,
+    reward_timeout_s: float = 600.0,
 ) -> DriverProgress:
     """Drive `records` in `order` from position `start` until the order ends, `limit` positions were
     taken or `stop` is set; the progress. A record the broker or actor refuses (a prompt over the
@@ -211,7 +213,10 @@ def drive(
                     if isinstance(e, (RequestTimeout, UnknownTask)):  # the session may be gone: start a fresh one
                         task = _reattach(client, task)
                     continue
-                scored = scorer.submit(item_for(record, reply["text"])).result()
+                try:
+                    scored = scorer.submit(item_for(record, reply["text"])).result(timeout=reward_timeout_s)
+                except FutureTimeout:
+                    scored = Scored(None, {}, error=f"{record.where}: no reward within {reward_timeout_s:g} s")
                 if scored.reward is None:  # the step is dropped without a transition: no made-up reward is trained on
                     task = _reattach(client, task)
                 else:

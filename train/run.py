@@ -161,6 +161,7 @@ def run_training(
             deadline_s=cfg.deadline_s,
             progress=progress,
             seed=cfg.seed,
+            reward_timeout_s=cfg.reward_timeout_s,
         ),
         name="drivers",
         daemon=True,
@@ -171,7 +172,7 @@ def run_training(
             driving.join(cfg.report_every_s)
             elapsed = time.monotonic() - started
             figures = _safe(learner_figures)
-            done = start + len(progress.done) - len([p for p in progress.done if p < start])
+            done = start + len(progress.done)  # positions from `start` on
             echo(progress_line(done, total, progress, elapsed, figures))
             recent = progress.recent[-100:]
             lines.write(json.dumps({"time": elapsed, "samples": done, "reward_mean": sum(recent) / len(recent) if recent else None,

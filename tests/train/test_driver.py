@@ -66,6 +66,23 @@ def test_a_record_the_actor_refuses_fails_alone(stack) -> None:
     assert progress.errors[0].startswith("t.jsonl line 2: BadRequest") and "limit" in progress.errors[0]
 
 
+def test_a_reward_that_does_not_come_in_time_leaves_the_turn_unrewarded(stack) -> None:
+    import time
+
+    def slow(data_source, solution_str, ground_truth, extra_info=None):
+        time.sleep(1.5)
+        return 1.0
+
+    scorer = BatchingScorer(CompositeReward({"rule_score": 1.0}, reward_fn=slow), max_batch=1)
+    try:
+        progress = drive(
+            stack.frontend, records(2), PromptOrder(2, shuffle=False), scorer, Sampling(max_new_tokens=2), workers=1, reward_timeout_s=0.3
+        )
+    finally:
+        scorer.close()
+    assert progress.done == {0, 1} and progress.unrewarded == 2 and progress.errors[0] == "t.jsonl line 1: no reward within 0.3 s"
+
+
 def test_a_run_resumes_where_it_stopped_and_validation_is_not_trained(stack, redis_client, key_prefix) -> None:
     data = records(6)
     order = PromptOrder(len(data), epochs=2, rollout_n=1, seed=3)
