@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -68,9 +69,23 @@ def finish(cfg: Any, summary: dict[str, Any], as_json: bool) -> int:
     if "val_after" in summary:
         line += f"; validation reward {summary['val_before']:.3f} before, {summary['val_after']:.3f} after"
     print(line, flush=True)
+    stopped = summary.get("stopped_workers") or []
+    if stopped:
+        print(f"ppoz train: {len(stopped)} of {cfg.workers} driver workers stopped; first: {stopped[0]}", file=sys.stderr)
     if as_json:
-        print(json.dumps(summary))
-    return 0
+        print(json.dumps(_finite(summary)))
+    return 1 if len(stopped) >= cfg.workers else 0  # every worker stopped: the run did not end as asked
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities as null: the summary stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _curve(cfg: Any, summary: dict[str, Any]) -> Any:

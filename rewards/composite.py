@@ -54,6 +54,11 @@ def prompt_text(prompt: str | Sequence[Mapping[str, str]]) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
 
 
+def _named(item: Item, error: str) -> str:
+    """The error with the record it concerns, once."""
+    return error if not item.where or error.startswith(item.where) else f"{item.where}: {error}"
+
+
 class RunningMoments:
     """Mean and variance of every value seen (Chan et al.'s parallel update, batch by batch)."""
 
@@ -118,11 +123,19 @@ class CompositeReward:
         errors = [""] * len(items)
         if "rule_score" in self.weights:
             for i, item in enumerate(items):
-                try:
-                    result = self.reward_fn(item.data_source, item.response, item.ground_truth, dict(item.extra_info))  # type: ignore[misc]
+                try:  # by keyword, as verl calls it
+                    result = self.reward_fn(  # type: ignore[misc]
+                        data_source=item.data_source,
+                        solution_str=item.response,
+                        ground_truth=item.ground_truth,
+                        extra_info=dict(item.extra_info),
+                    )
                     score = as_score(result, item.where or "reward function")
                 except RewardError as e:
-                    errors[i] = str(e)
+                    errors[i] = _named(item, str(e))
+                    continue
+                except Exception as e:  # noqa: BLE001 - a user's function failing on one record fails that record alone
+                    errors[i] = _named(item, f"the reward function raised {type(e).__name__}: {e}")
                     continue
                 components[i]["rule_score"], extras[i] = score.reward, score.extra
         if "rm_score" in self.weights:
@@ -134,7 +147,7 @@ class CompositeReward:
             verdicts = self.judge.judge_many([(items[i].prompt, items[i].response, items[i].ground_truth) for i in todo])
             for i, verdict in zip(todo, verdicts):
                 if verdict.reward is None:
-                    errors[i] = verdict.error
+                    errors[i] = _named(items[i], verdict.error)
                 else:
                     components[i]["judge_score"] = verdict.reward
         totals: list[float | None] = [

@@ -203,18 +203,20 @@ def _check_signature(spec: str, fn: RewardFn) -> None:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # a builtin or C function: called as it is
-    try:
-        signature.bind("source", "solution", "truth", None)
+    try:  # verl passes the four by keyword
+        signature.bind(data_source="source", solution_str="solution", ground_truth="truth", extra_info=None)
     except TypeError as e:
         raise RewardError(
             f"--reward-fn {spec!r}: {getattr(fn, '__name__', fn)}{signature} cannot be called as "
-            f"compute_score(data_source, solution_str, ground_truth, extra_info): {e}"
+            f"compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...): {e}"
         ) from e
 
 
 def as_score(result: Any, where: str) -> Score:
     """A reward function's result as a Score: a finite number, or a dict with a finite numeric
     "score" (its other numeric entries kept as figures). Anything else is a RewardError naming `where`."""
+    if not isinstance(result, (Mapping, str, bytes)) and hasattr(result, "item") and callable(result.item):
+        result = result.item()  # a numpy or torch scalar
     if isinstance(result, bool):
         return Score(float(result))
     if isinstance(result, (int, float)):
@@ -224,6 +226,8 @@ def as_score(result: Any, where: str) -> Score:
         if "score" not in result:
             raise RewardError(f"{where}: the reward function returned a dict without a 'score': keys {sorted(result)[:8]}")
         score = result["score"]
+        if not isinstance(score, (str, bytes)) and hasattr(score, "item") and callable(score.item):
+            score = score.item()
         if isinstance(score, bool) or not isinstance(score, (int, float)):
             raise RewardError(f"{where}: the reward function's 'score' is {type(score).__name__} {score!r}, not a number")
         reward = float(score)

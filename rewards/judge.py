@@ -11,7 +11,8 @@ Providers (OpenAI-compatible endpoints; the key is read from the first variable 
     openai     OPENAI_API_KEY
     gemini     GEMINI_API_KEY, GOOGLE_API_KEY
     claude     ANTHROPIC_API_KEY, CLAUDE_API_KEY
-or any server with `base_url` (a vLLM or SGLang judge of your own; `api_key_env` names its key).
+or any server with `base_url` (a vLLM or SGLang judge of your own; `api_key_env` names its key: a
+provider's key is never sent to a `base_url` unless `api_key_env` names it).
 
 Requests go through the official `openai` client (its timeouts, and its retries with exponential
 back-off on connection errors, 408, 409, 429 and 5xx). At most `concurrency` requests are in flight
@@ -30,7 +31,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +159,22 @@ def parse_score(reply: str, low: float, high: float) -> tuple[float | None, str]
     return value, ""
 
 
+def api_key(cfg: JudgeConfig, environ: Mapping[str, str] | None = None) -> str:
+    """The key to send: from `api_key_env`, else the provider's variables (the first one set). With a
+    `base_url` of one's own and no `api_key_env`, none ("none"): a provider's key never goes to another server."""
+    environ = os.environ if environ is None else environ
+    if cfg.api_key_env:
+        names: tuple[str, ...] = (cfg.api_key_env,)
+    elif cfg.base_url:
+        return "none"
+    else:
+        names = PROVIDERS[cfg.provider][1]
+    key = next((environ[name] for name in names if environ.get(name)), None)
+    if key is None:
+        raise RewardError(f"the {cfg.provider} judge needs an API key in {' or '.join(names)}; none is set")
+    return key
+
+
 class Judge:
     """Scores (prompt, response, ground truth) triples through the chat-completions API."""
 
@@ -167,16 +184,8 @@ class Judge:
         except ImportError as e:
             raise RewardError("the LLM judge needs the `openai` package: pip install 'ppoz[judge]'") from e
         self.cfg = cfg
-        base_url, key_vars = PROVIDERS.get(cfg.provider, ("", ()))
-        base_url = cfg.base_url or base_url
-        if cfg.api_key_env:
-            key_vars = (cfg.api_key_env,)
-        key = next((os.environ[v] for v in key_vars if os.environ.get(v)), None)
-        if key is None:
-            if cfg.base_url and not cfg.api_key_env:
-                key = "none"  # a server of your own may need no key
-            else:
-                raise RewardError(f"the {cfg.provider} judge needs an API key in {' or '.join(key_vars)}; none is set")
+        base_url = cfg.base_url or PROVIDERS.get(cfg.provider, ("", ()))[0]
+        key = api_key(cfg)
         self._errors = openai
         self.client = openai.OpenAI(api_key=key, base_url=base_url, timeout=cfg.timeout_s, max_retries=cfg.retries)
         preset = PRESETS[cfg.preset]

@@ -27,12 +27,17 @@ class TrainConfig:
     temperature: float = option(1.0, "sampling temperature of the responses trained on (validation is greedy)")
     top_p: float = option(1.0, "nucleus sampling of the responses trained on")
     stop: list = option([], "stop strings of the responses")
-    reward_fn: str = option("default", "module:function, path/file.py:function, or a built-in: default (by data_source), math, exact_match")
+    reward_fn: str = option(
+        "",
+        "module:function, path/file.py:function, or a built-in: default (by data_source), math, exact_match, first_word;"
+        " empty: `default` unless a reward model or judge is set",
+    )
     reward_model: str = option("", "a local AutoModelForSequenceClassification directory (rm_score)")
     reward_model_device: str = option("cpu", "the reward model's device")
     judge_model: str = option("", "the LLM judge's model name (judge_score); empty: no judge")
     judge_provider: str = option("openai", "dashscope, openai, gemini or claude (keys from their usual variables)")
     judge_base_url: str = option("", "an OpenAI-compatible endpoint of your own (overrides the provider's)")
+    judge_api_key_env: str = option("", "the variable holding the judge's key (default: the provider's; with judge_base_url: none)")
     judge_preset: str = option("math", "math, code, dialogue or safety")
     judge_concurrency: int = option(8, "judge requests in flight at once")
     judge_timeout_s: float = option(60.0, "one judge request's timeout")
@@ -41,7 +46,10 @@ class TrainConfig:
     reward_clip: float = option(0.0, "|reward| <= this after normalisation (0: no clipping)")
     output_dir: str = option("outputs", "where the run's state, figures, curve and final adapter go")
     deadline_s: float = option(300.0, "longest wait for one response, retries included")
-    reward_timeout_s: float = option(600.0, "longest wait for one response's reward (a judge's retries included); past it: unrewarded")
+    reward_timeout_s: float = option(
+        300.0,
+        "longest wait for one response's reward (a judge's retries included); past it: unrewarded (keep it below [broker] session_ttl_s)",
+    )
     report_every_s: float = option(10.0, "seconds between progress lines")
 
     def __post_init__(self) -> None:
@@ -63,12 +71,14 @@ class TrainConfig:
             check(isinstance(weight, (int, float)) and not isinstance(weight, bool), f"[train] weights.{name} = {weight!r}: a number")
 
     def reward_weights(self) -> dict[str, float]:
-        """The weights given, or 1.0 for each configured source (the function always is)."""
+        """The weights given, or 1.0 for each configured source (the built-in function when none is)."""
         if self.weights:
             return {k: float(v) for k, v in self.weights.items()}
-        out = {"rule_score": 1.0}
+        out = {}
+        if self.reward_fn:
+            out["rule_score"] = 1.0
         if self.reward_model:
             out["rm_score"] = 1.0
         if self.judge_model:
             out["judge_score"] = 1.0
-        return out
+        return out or {"rule_score": 1.0}  # nothing set: the built-in reward `data_source` picks

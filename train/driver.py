@@ -29,7 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from client import BadRequest, Client, PPOZError, RequestTimeout, TooLarge, UnknownTask
+from client import BadRequest, Client, Overloaded, PPOZError, RequestTimeout, TooLarge, UnknownTask
 from rewards.composite import CompositeReward, Item, Scored, prompt_text
 from train.data import PromptOrder, PromptRecord
 
@@ -126,6 +126,7 @@ class DriverProgress:
     reward_sum: float = 0.0
     response_tokens: int = 0
     errors: list[str] = field(default_factory=list)  # the first few reasons a response went unrewarded
+    stopped_workers: list[str] = field(default_factory=list)  # workers that met an error they cannot go on from, and why
     recent: list[float] = field(default_factory=list)  # the last rewards, for a moving mean
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -177,9 +178,10 @@ def drive(
 ) -> DriverProgress:
     """Drive `records` in `order` from position `start` until the order ends, `limit` positions were
     taken or `stop` is set; the progress. A record the broker or actor refuses (a prompt over the
-    model's context, messages its chat template refuses) or whose response missed its deadline is
-    counted unrewarded with the reason, and the worker goes on; other errors stop the worker that
-    met them (logged, in `progress.errors`), and the others go on."""
+    model's context, messages its chat template refuses), whose response or turn missed its deadline,
+    or whose session went away is counted unrewarded with the reason, and the worker goes on with a
+    fresh task; any other error stops the worker that met them (its position counted unrewarded, the
+    reason in `progress.stopped_workers`), and the others go on."""
     stop = stop or threading.Event()
     progress = progress or DriverProgress(start=start)
     positions = order.positions(start)
@@ -197,35 +199,43 @@ def drive(
             taken[0] += 1
             return position, index
 
+    def turn(client: Client, task: str, position: int, record: PromptRecord) -> str:
+        """One position: a response, its reward, the feedback (or the turn dropped); the task to go on with."""
+        client.wait_turn(task)
+        reply = generate(client, task, record, sampling, seed=seed * 1_000_003 + position)  # a run samples the same way again
+        try:
+            scored = scorer.submit(item_for(record, reply["text"])).result(timeout=reward_timeout_s)
+        except FutureTimeout:
+            scored = Scored(None, {}, error=f"{record.where}: no reward within {reward_timeout_s:g} s")
+        if scored.reward is None:  # the step is dropped without a transition: no made-up reward is trained on
+            task = _reattach(client, task)
+        else:
+            client.feedback(task, scored.reward, done=True)
+        progress.record(position, scored, int(reply.get("n_tokens", 0)))
+        return task
+
     def work(worker: int) -> None:
         client = make_client(frontend, deadline=deadline_s)
         task: str | None = None
+        position: int | None = None
         try:
             task = client.attach()
             while (got := next_position()) is not None:
                 position, index = got
                 record = records[index]
-                client.wait_turn(task)
                 try:
-                    reply = generate(client, task, record, sampling, seed=seed * 1_000_003 + position)  # a run samples the same way again
-                except (BadRequest, TooLarge, RequestTimeout, UnknownTask) as e:  # this record's turn fails alone
+                    task = turn(client, task, position, record)
+                except RECORD_ERRORS as e:  # this record's turn fails alone: counted, named, and the worker goes on
                     progress.record(position, Scored(None, {}, error=f"{record.where}: {type(e).__name__}: {e}"), 0)
-                    if isinstance(e, (RequestTimeout, UnknownTask)):  # the session may be gone: start a fresh one
-                        task = _reattach(client, task)
-                    continue
-                try:
-                    scored = scorer.submit(item_for(record, reply["text"])).result(timeout=reward_timeout_s)
-                except FutureTimeout:
-                    scored = Scored(None, {}, error=f"{record.where}: no reward within {reward_timeout_s:g} s")
-                if scored.reward is None:  # the step is dropped without a transition: no made-up reward is trained on
-                    task = _reattach(client, task)
-                else:
-                    client.feedback(task, scored.reward, done=True)
-                progress.record(position, scored, int(reply.get("n_tokens", 0)))
+                    position = None
+                    task = _reattach(client, task)  # the session may be gone, or hold a pending step: start afresh
+                position = None
         except PPOZError as e:
             log.error("driver worker %d stopped: %s", worker, e)
+            if position is not None:  # taken but not done: counted, so the resume point moves past it
+                progress.record(position, Scored(None, {}, error=f"worker {worker} stopped: {type(e).__name__}: {e}"), 0)
             with progress.lock:
-                progress.errors.append(f"worker {worker}: {type(e).__name__}: {e}")
+                progress.stopped_workers.append(f"worker {worker}: {type(e).__name__}: {e}")
         finally:
             if task is not None:
                 try:
@@ -240,6 +250,11 @@ def drive(
     for t in threads:
         t.join()
     return progress
+
+
+# Errors that concern one record's turn (the broker or actor refused it, its deadline passed, its
+# session is gone, the broker is briefly full): the turn fails alone and the worker goes on.
+RECORD_ERRORS = (BadRequest, TooLarge, RequestTimeout, UnknownTask, Overloaded)
 
 
 def _reattach(client: Client, task: str) -> str:

@@ -41,7 +41,7 @@ LEARNER_FIGURES = {
 def build_reward(cfg: TrainConfig) -> CompositeReward:
     """The composite reward `cfg` describes; each source loaded once."""
     weights = cfg.reward_weights()
-    reward_fn = load_reward_fn(cfg.reward_fn) if weights.get("rule_score") else None
+    reward_fn = load_reward_fn(cfg.reward_fn or "default") if weights.get("rule_score") else None
     reward_model = judge = None
     if weights.get("rm_score"):
         from rewards.reward_model import RewardModel, RewardModelConfig
@@ -55,6 +55,7 @@ def build_reward(cfg: TrainConfig) -> CompositeReward:
                 model=cfg.judge_model,
                 provider=cfg.judge_provider,
                 base_url=cfg.judge_base_url,
+                api_key_env=cfg.judge_api_key_env,
                 preset=cfg.judge_preset,
                 concurrency=cfg.judge_concurrency,
                 timeout_s=cfg.judge_timeout_s,
@@ -79,7 +80,14 @@ def read_state(path: Path, order: PromptOrder, data: str) -> int:
     except (OSError, ValueError):
         log.warning("%s cannot be read: starting from the first prompt", path)
         return 0
-    same = {"data": data, "n_records": order.n_records, "epochs": order.epochs, "rollout_n": order.rollout_n, "seed": order.seed}
+    same = {
+        "data": data,
+        "n_records": order.n_records,
+        "epochs": order.epochs,
+        "rollout_n": order.rollout_n,
+        "seed": order.seed,
+        "shuffle": order.shuffle,
+    }
     if {k: state.get(k) for k in same} != same:
         print(f"ppoz train: {path} is for another dataset or order: starting from the first prompt", flush=True)
         return 0
@@ -93,6 +101,7 @@ def write_state(path: Path, order: PromptOrder, data: str, progress: DriverProgr
         "epochs": order.epochs,
         "rollout_n": order.rollout_n,
         "seed": order.seed,
+        "shuffle": order.shuffle,
         "resume_from": progress.resume_from,
         "time": time.time(),
     }
@@ -186,6 +195,7 @@ def run_training(
         rewarded=progress.rewarded,
         unrewarded=progress.unrewarded,
         unrewarded_reasons=progress.errors[:5],
+        stopped_workers=progress.stopped_workers,
         reward_mean=progress.reward_sum / progress.rewarded if progress.rewarded else None,
         resume_from=progress.resume_from,
         seconds=round(time.monotonic() - started, 1),

@@ -44,15 +44,19 @@ def test_a_component_that_fails_leaves_the_response_without_a_reward() -> None:
     assert len(server.requests) == 2  # the judge was not asked about a response the rule had already failed
 
 
+def as_number(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str)
+
+
 def test_running_normalisation_and_clipping_by_hand() -> None:
-    reward = CompositeReward({"rule_score": 1.0}, reward_fn=lambda s, r, t, e=None: float(r), normalise="running")
+    reward = CompositeReward({"rule_score": 1.0}, reward_fn=as_number, normalise="running")
     first = [s.reward for s in reward.score([Item("p", str(v)) for v in (1, 2, 3)])]
     std = math.sqrt(2 / 3)  # population std of 1, 2, 3
     assert first == pytest.approx([-1 / std, 0.0, 1 / std])
     assert [s.reward for s in reward.score([Item("p", "9")], raw=True)] == [9.0]  # raw: neither normalised nor counted
     second = reward.score([Item("p", "4")])[0].reward
     assert second == pytest.approx((4 - 2.5) / math.sqrt(1.25))  # over 1, 2, 3, 4: mean 2.5, variance 1.25
-    clipped = CompositeReward({"rule_score": 2.0}, reward_fn=lambda s, r, t, e=None: float(r), clip=3.0)
+    clipped = CompositeReward({"rule_score": 2.0}, reward_fn=as_number, clip=3.0)
     assert [s.reward for s in clipped.score([Item("p", v) for v in ("-5", "1", "5")])] == [-3.0, 2.0, 3.0]
 
 

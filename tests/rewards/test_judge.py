@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rewards.functions import RewardError
-from rewards.judge import Judge, JudgeConfig, parse_score
+from rewards.judge import Judge, JudgeConfig, api_key, parse_score
 from tests.rewards.chat_api import chat_server
 
 
@@ -89,10 +89,12 @@ def test_keys_providers_and_settings_are_checked(monkeypatch) -> None:
     with pytest.raises(RewardError, match="ANTHROPIC_API_KEY or CLAUDE_API_KEY"):
         Judge(JudgeConfig(model="claude", provider="claude"))
     monkeypatch.setenv("GOOGLE_API_KEY", "g-key")  # the second name a provider accepts
-    with chat_server(lambda body, n: "Score: 1") as server:
-        judge = Judge(JudgeConfig(model="gemini-x", provider="gemini", base_url=server.base_url, retries=0))
-        judge.judge("p", "r")
-    assert server.requests[0][1]["authorization"] == "Bearer g-key"
+    assert api_key(JudgeConfig(model="gemini-x", provider="gemini")) == "g-key"
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    with chat_server(lambda body, n: "Score: 1") as server:  # a server of one's own: the provider's key is not sent to it
+        Judge(JudgeConfig(model="m", base_url=server.base_url, retries=0)).judge("p", "r")
+        Judge(JudgeConfig(model="m", base_url=server.base_url, api_key_env="GOOGLE_API_KEY", retries=0)).judge("q", "r")
+    assert [h["authorization"] for _, h in server.requests] == ["Bearer none", "Bearer g-key"]
     for bad, words in [
         (dict(model=""), "needs `model`"),
         (dict(model="m", provider="acme"), "provider"),

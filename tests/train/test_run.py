@@ -73,7 +73,10 @@ def test_the_reward_sources_come_from_train_settings(tmp_path) -> None:
         (scored,) = reward.score([Item("What is 1+1?", "\\boxed{2}", "2", "math")])
     assert set(scored.components) == {"rule_score", "rm_score", "judge_score"}
     assert scored.reward == pytest.approx(0.5 + 0.25 * scored.components["rm_score"] + 0.25)
-    assert TrainConfig(data="x", reward_model="m").reward_weights() == {"rule_score": 1.0, "rm_score": 1.0}
+    # a reward model alone is the reward (its records may have no ground truth); a named function joins it
+    assert TrainConfig(data="x", reward_model="m").reward_weights() == {"rm_score": 1.0}
+    assert TrainConfig(data="x", reward_model="m", reward_fn="math").reward_weights() == {"rule_score": 1.0, "rm_score": 1.0}
+    assert TrainConfig(data="x").reward_weights() == {"rule_score": 1.0}  # nothing set: the built-in by data_source
     for bad, words in [(dict(rollout_n=0), "rollout_n"), (dict(temperature=0.0), "sampled"), (dict(weights={"rm_score": "a"}), "a number")]:
         with pytest.raises(ValueError, match=words):
             TrainConfig(data="x", **bad)
