@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from train.config import TrainConfig
     from train.data import DatasetError
+    from train.driver import ValidationError
     from train.run import run_training
 
     cfg = load(TrainConfig, args.config, args)
@@ -56,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
             summary = run_training(cfg, args.broker, _figures(args.redis_url, args.key_prefix), stop)
         else:
             summary = on_this_machine(args, cfg, stop)
-    except (DatasetError, ValueError) as e:
+    except (DatasetError, ValueError, ValidationError) as e:
         print(f"ppoz train: {e}", file=sys.stderr)
         return 2
     return finish(cfg, summary, args.json)

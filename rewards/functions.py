@@ -51,8 +51,15 @@ class Score:
 
 
 # --- the built-ins -------------------------------------------------------------------------------
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+# A number as written: digits with thousands separators done right (1,234,567) or none, a decimal
+# part, an exponent. The last number of a response is found with _NUMBER_IN_TEXT; an answer must be
+# one number (or fraction) as a whole (parse_number).
+_NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?"
+_NUMBER_IN_TEXT = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?(?:[eE][+-]?\d+)?|\.\d+)")
+_WHOLE = re.compile(rf"(-)?\(?(-?(?:{_NUM}))\)?(?:/\(?(-?(?:{_NUM}))\)?)?")
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
+_FRAC_SHORT = re.compile(r"\\[dt]?frac(\d)(\d)")  # \frac12
+_UNIT = re.compile(r"\s*(?:\\(?:text|mbox|mathrm)\{[^{}]*\}|[A-Za-z][A-Za-z ]*)$")  # "7 apples", "5 \text{cm}"
 
 
 def last_boxed(text: str) -> str | None:
@@ -80,29 +87,35 @@ def final_answer(text: str) -> str | None:
         return boxed.strip()
     if "####" in text:
         return text.rsplit("####", 1)[1].strip()
-    numbers = _NUMBER.findall(text)
+    numbers = _NUMBER_IN_TEXT.findall(text)
     return numbers[-1] if numbers else None
 
 
-def parse_number(text: str) -> Fraction | float | None:
-    """A number written as people and LaTeX write them, or None: `1,234`, `-3.5`, `3/4`, `\\frac{3}{4}`,
-    `$12`, `45%`, `7 apples` (the first number-like token after the LaTeX fraction is read)."""
-    text = _FRAC.sub(lambda m: f"{m.group(1).strip()}/{m.group(2).strip()}", text.strip())
-    text = text.replace("\\!", "").replace("\\,", "").replace("$", "").replace("\\%", "%")
-    match = _NUMBER.search(text)
+def parse_number(text: str) -> Fraction | None:
+    """The number an answer states, or None. The whole answer must be one number or fraction: `1,234`,
+    `-3.5`, `1.5e-3`, `3/4`, `\\frac{3}{4}`, `-\\frac{-1}{2}`, `\\frac12`, `$12`, `45%`, `7 apples` (a trailing
+    unit word is left out). An expression (`\\sqrt{2}`, `2^{10}`, `\\frac{1}{2}\\pi`, `1,2,3`) is no number."""
+    t = text.strip().replace("\u2212", "-")  # the minus sign
+    for mark in ("\\!", "\\,", "\\;", "\\ ", "$", "\\%", "%", "\\left", "\\right"):
+        t = t.replace(mark, "")
+    t = _FRAC.sub(lambda m: f"({m.group(1).strip()})/({m.group(2).strip()})", t)
+    t = _FRAC_SHORT.sub(r"\1/\2", t)
+    t = _UNIT.sub("", t.strip().rstrip(".").strip())
+    t = re.sub(r"^[A-Za-z]\s*=\s*", "", t)  # "x = 5"
+    match = _WHOLE.fullmatch(t.replace(" ", ""))
     if match is None:
         return None
-    token = match.group(0).replace(",", "")
+    sign, numerator, denominator = match.groups()
     try:
-        if "/" in token:
-            numerator, denominator = token.split("/")
-            return Fraction(Fraction(numerator), Fraction(denominator)) if Fraction(denominator) != 0 else None
-        return Fraction(token)
+        value = Fraction(numerator.replace(",", ""))
+        if denominator is not None:
+            value /= Fraction(denominator.replace(",", ""))
     except (ValueError, ZeroDivisionError):
         return None
+    return -value if sign else value
 
 
-def numbers_equal(a: Fraction | float, b: Fraction | float, rel_tol: float = DEFAULT_RELATIVE_TOLERANCE) -> bool:
+def numbers_equal(a: Fraction, b: Fraction, rel_tol: float = DEFAULT_RELATIVE_TOLERANCE) -> bool:
     return a == b or math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=0.0)
 
 

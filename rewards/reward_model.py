@@ -10,8 +10,9 @@ Two ways to show it a pair, as reward models are trained:
 The reward is the model's logit for `label_index` (0, the only one, for a one-label reward head).
 Pairs are scored in batches on the model's own device; a batch is padded, and an item's score does
 not depend on the others in its batch (tested against one-at-a-time scoring). A pair longer than the
-model's limit is cut, counted in `truncated`: a text pair by the tokenizer's longest-first rule (the
-longer text loses its end first), a chat by shortening the prompt's text until the whole fits.
+model's limit is cut, counted in `truncated`: a text pair by the tokenizer's longest-first rule, the
+longer text losing its start (a response keeps its end, where its answer is), a chat by shortening
+the prompt's text until the whole fits.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class RewardModel:
         if getattr(self.model.config, "pad_token_id", None) is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.tokenizer.padding_side = "right"
+        self.tokenizer.truncation_side = "left"  # a cut text loses its start: a response keeps its end, where the answer is
         self.format = cfg.format
         if self.format == "auto":
             self.format = "chat" if getattr(self.tokenizer, "chat_template", None) else "pair"

@@ -88,11 +88,16 @@ def load_dataset(path: str | Path, strict: bool = False) -> tuple[list[PromptRec
 def _raw_records(path: Path, suffix: str, report: DatasetReport) -> Iterator[tuple[str, Any]]:
     name = path.name
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
+        with path.open("rb") as f:  # decoded line by line: one line of bad UTF-8 is that record's fault alone
+            for number, raw_line in enumerate(f, start=1):
+                where = f"{name} line {number}"
+                try:
+                    line = raw_line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield where, _Unreadable(f"not valid UTF-8 at byte {e.start}")
+                    continue
                 if not line.strip():
                     continue
-                where = f"{name} line {number}"
                 try:
                     yield where, json.loads(line)
                 except json.JSONDecodeError as e:

@@ -277,11 +277,14 @@ def validate(
     make_client: Callable[..., Client] = Client,
 ) -> dict[str, Any]:
     """Greedy responses to every record, scored, and never trained on (each task is detached with its
-    step pending, which the broker drops); the mean reward and how many could not be scored."""
+    step pending, which the broker drops); the mean reward and how many could not be scored, with
+    the first reasons. A record the actor refuses is not scored; an error no record causes raises
+    ValidationError."""
     answers: list[tuple[int, str]] = []
     lock = threading.Lock()
     indices = iter(range(len(records)))
-    errors: list[str] = []
+    errors: list[str] = []  # errors that stopped a validation worker
+    failed: list[str] = []  # records that could not be answered
 
     def work() -> None:
         client = make_client(frontend, deadline=deadline_s)
@@ -296,8 +299,12 @@ def validate(
                 try:
                     greedy = Sampling(max_new_tokens=max_new_tokens, temperature=0.0, chat_template=chat_template)
                     reply = generate(client, task, record, greedy)
+                except RECORD_ERRORS as e:  # this record is not scored; the others are
+                    with lock:
+                        failed.append(f"{record.where}: {type(e).__name__}: {e}")
+                    continue
                 finally:
-                    client.detach(task)
+                    _detach_quietly(client, task)
                 with lock:
                     answers.append((i, reply["text"]))
         except PPOZError as e:
@@ -312,7 +319,7 @@ def validate(
     for t in threads:
         t.join()
     if errors:
-        raise RuntimeError(f"validation failed: {errors[0]}")
+        raise ValidationError(f"validation stopped: {errors[0]}")
     answers.sort()
     items = [item_for(records[i], text) for i, text in answers]
     scored = reward.score(items, raw=True)
@@ -320,6 +327,18 @@ def validate(
     return {
         "mean_reward": sum(rewards) / len(rewards) if rewards else float("nan"),
         "scored": len(rewards),
-        "unscored": len(scored) - len(rewards),
+        "unscored": len(scored) - len(rewards) + len(failed),
+        "unscored_reasons": (failed + [s.error for s in scored if s.reward is None])[:5],
         "responses": [text for _, text in answers[:5]],
     }
+
+
+class ValidationError(RuntimeError):
+    """A validation pass that could not go on (the broker unreachable, say)."""
+
+
+def _detach_quietly(client: Client, task: str) -> None:
+    try:
+        client.detach(task)
+    except UnknownTask:
+        pass

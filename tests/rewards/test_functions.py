@@ -50,10 +50,23 @@ def test_last_boxed_and_parse_number() -> None:
         "45\\%": Fraction(45),
         "7 apples": Fraction(7),
         ".5": Fraction(1, 2),
+        "1.5e-3": Fraction(3, 2000),
+        "-\\frac{-1}{2}": Fraction(1, 2),
+        "\\frac{1}{-2}": Fraction(-1, 2),
+        "\\frac12": Fraction(1, 2),
+        "\u22123": Fraction(-3),  # the minus sign
+        "$1,000.50": Fraction(2001, 2),
+        "5 \\text{cm}": Fraction(5),
+        "x = 5": Fraction(5),
+        "3.14.": Fraction(157, 50),  # a sentence's full stop
     }
     for text, value in cases.items():
         assert parse_number(text) == value, text
-    assert parse_number("x") is None and parse_number("1/0") is None
+    # Not one number: an expression, a list, separators in the wrong places. None, so never a false 1.0.
+    for text in ("x", "1/0", "\\sqrt{2}", "2^{10}", "\\frac{1}{2}\\pi", "1,2,3", "1,23", "3 + 4"):
+        assert parse_number(text) is None, text
+    assert math_score("m", "\\boxed{\\sqrt{2}}", "2") == 0.0 and math_score("m", "\\boxed{2^{10}}", "2") == 0.0
+    assert math_score("m", "so 0.6666667", "2/3") == 1.0  # within the relative tolerance
 
 
 @pytest.mark.parametrize(
@@ -63,19 +76,19 @@ def test_last_boxed_and_parse_number() -> None:
         ("The answer is \\boxed{72}", 72, 1.0),  # a number as ground truth
         ("#### 1,000", "1000", 1.0),
         ("so 0.5", "\\frac{1}{2}", 1.0),
-        ("\\boxed{0.3333333333}", "1/3", 0.0),  # off by 3e-10 relative... within 1e-6: see below
+        ("\\boxed{0.3333333333}", "1/3", 1.0),  # 1e-10 relative: inside the default tolerance of 1e-6
         ("\\boxed{71}", "72", 0.0),
         ("I don't know", "72", 0.0),
         ("\\boxed{72} and then 5", "72", 1.0),  # the box wins over a later number
     ],
 )
 def test_math_score(response, truth, reward) -> None:
-    if response == "\\boxed{0.3333333333}":
-        assert math_score("gsm8k", response, truth) == 1.0  # 1e-10 relative: inside the default tolerance
-        assert math_score("gsm8k", "\\boxed{0.333}", truth) == 0.0  # 1e-3 relative: outside it
-        assert math_score("gsm8k", "\\boxed{0.333}", truth, {"rel_tol": 0.01}) == 1.0
-        return
     assert math_score("gsm8k", response, truth) == reward
+
+
+def test_the_tolerance_is_relative_and_can_be_set() -> None:
+    assert math_score("gsm8k", "\\boxed{0.333}", "1/3") == 0.0  # 1e-3 relative: outside the default
+    assert math_score("gsm8k", "\\boxed{0.333}", "1/3", {"rel_tol": 0.01}) == 1.0
 
 
 def test_a_ground_truth_that_is_not_a_number_is_the_datasets_fault() -> None:

@@ -69,6 +69,11 @@ def test_bad_records_are_named_by_file_line_and_field_then_skipped_and_counted_o
     ]
     with pytest.raises(DatasetError, match="mixed.jsonl line 2: not valid JSON"):
         load_dataset(path, strict=True)
+    # A line of bad UTF-8 is that record's fault alone.
+    raw = tmp_path / "bytes.jsonl"
+    raw.write_bytes(json.dumps(GOOD[0]).encode() + b'\n{"prompt": "caf\xe9", "ground_truth": "x"}\n' + json.dumps(GOOD[0]).encode())
+    records, report = load_dataset(raw)
+    assert len(records) == 2 and report.reasons == ["bytes.jsonl line 2: not valid UTF-8 at byte 15"]
 
 
 def test_files_that_cannot_be_datasets(tmp_path) -> None:

@@ -52,6 +52,8 @@ def test_a_run_validates_trains_writes_its_figures_and_resumes(stack, tmp_path) 
     # Another order (another seed) does not take that state: it starts again.
     other = run_training(TrainConfig(**{**cfg.__dict__, "seed": 5, "val": ""}), stack.frontend, echo=lines.append)
     assert other["start"] == 0 and other["samples"] == 10
+    in_file_order = run_training(TrainConfig(**{**cfg.__dict__, "seed": 5, "val": "", "shuffle": False}), stack.frontend, echo=lines.append)
+    assert in_file_order["start"] == 0  # nor does the same seed in file order
 
 
 def test_the_reward_sources_come_from_train_settings(tmp_path) -> None:
