@@ -152,13 +152,6 @@ class DriverProgress:
             self.recent.append(scored.reward)
             del self.recent[:-200]
 
-    def compact(self) -> None:
-        """Forget the positions below the resume point (they are summed up by it)."""
-        with self.lock:
-            resume = self.resume_from
-            self.done = {p for p in self.done if p >= resume}
-            self.start = resume
-
 
 def drive(
     frontend: str,

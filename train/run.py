@@ -144,6 +144,8 @@ def run_training(
     start = read_state(state_path, order, cfg.data) if cfg.resume else 0
     if start:
         echo(f"ppoz train: resuming at sample {start}")
+    if order.total is not None and start >= order.total:
+        echo(f"ppoz train: the last run with {out} finished all {order.total} samples; --no-resume starts again")
     summary: dict[str, Any] = {"data": cfg.data, "records": len(records), "val_records": len(val), "start": start}
     if val:
         echo(f"ppoz train: validating on {len(val)} prompts (greedy) before training")
