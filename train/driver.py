@@ -152,6 +152,11 @@ class DriverProgress:
             self.recent.append(scored.reward)
             del self.recent[:-200]
 
+    def recent_mean(self, n: int = 100) -> float | None:
+        """The mean of the last `n` rewards; None before the first."""
+        recent = self.recent[-n:]
+        return sum(recent) / len(recent) if recent else None
+
 
 def drive(
     frontend: str,
@@ -252,10 +257,7 @@ RECORD_ERRORS = (BadRequest, TooLarge, RequestTimeout, UnknownTask, Overloaded)
 
 def _reattach(client: Client, task: str) -> str:
     """Detach `task` (a pending step is dropped, never stored) and attach a fresh one."""
-    try:
-        client.detach(task)
-    except UnknownTask:
-        pass  # already gone (expired)
+    _detach_quietly(client, task)
     return client.attach()
 
 
@@ -331,6 +333,7 @@ class ValidationError(RuntimeError):
 
 
 def _detach_quietly(client: Client, task: str) -> None:
+    """Detach `task`; one already gone (expired) is fine."""
     try:
         client.detach(task)
     except UnknownTask:

@@ -71,6 +71,18 @@ def load_records(path: str, strict: bool, limit: int = 0) -> list[PromptRecord]:
     return records[:limit] if limit else records
 
 
+def order_identity(order: PromptOrder, data: str) -> dict[str, Any]:
+    """What a resume point belongs to: the dataset and the order of work over it."""
+    return {
+        "data": data,
+        "n_records": order.n_records,
+        "epochs": order.epochs,
+        "rollout_n": order.rollout_n,
+        "seed": order.seed,
+        "shuffle": order.shuffle,
+    }
+
+
 def read_state(path: Path, order: PromptOrder, data: str) -> int:
     """The resume point a previous run left for this dataset and order, else 0."""
     if not path.is_file():
@@ -80,14 +92,7 @@ def read_state(path: Path, order: PromptOrder, data: str) -> int:
     except (OSError, ValueError):
         log.warning("%s cannot be read: starting from the first prompt", path)
         return 0
-    same = {
-        "data": data,
-        "n_records": order.n_records,
-        "epochs": order.epochs,
-        "rollout_n": order.rollout_n,
-        "seed": order.seed,
-        "shuffle": order.shuffle,
-    }
+    same = order_identity(order, data)
     if {k: state.get(k) for k in same} != same:
         print(f"ppoz train: {path} is for another dataset or order: starting from the first prompt", flush=True)
         return 0
@@ -95,24 +100,15 @@ def read_state(path: Path, order: PromptOrder, data: str) -> int:
 
 
 def write_state(path: Path, order: PromptOrder, data: str, progress: DriverProgress) -> None:
-    state = {
-        "data": data,
-        "n_records": order.n_records,
-        "epochs": order.epochs,
-        "rollout_n": order.rollout_n,
-        "seed": order.seed,
-        "shuffle": order.shuffle,
-        "resume_from": progress.resume_from,
-        "time": time.time(),
-    }
+    state = {**order_identity(order, data), "resume_from": progress.resume_from, "time": time.time()}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state))
     tmp.replace(path)  # a crash mid-write leaves the previous state, never half of one
 
 
 def progress_line(done: int, total: int | None, progress: DriverProgress, elapsed: float, learner: dict[str, float]) -> str:
-    recent = progress.recent[-100:]
-    reward = sum(recent) / len(recent) if recent else math.nan
+    reward = progress.recent_mean()
+    reward = math.nan if reward is None else reward
     shown = f"{done}/{total}" if total else str(done)
     parts = [
         f"samples {shown}",
@@ -147,11 +143,15 @@ def run_training(
     if order.total is not None and start >= order.total:
         echo(f"ppoz train: the last run with {out} finished all {order.total} samples; --no-resume starts again")
     summary: dict[str, Any] = {"data": cfg.data, "records": len(records), "val_records": len(val), "start": start}
+
+    def validation(when: str) -> None:  # `before` or `after`: the mean reward and the first responses into the summary
+        result = validate(frontend, val, reward, cfg.max_new_tokens, cfg.chat_template, cfg.workers, cfg.deadline_s)
+        summary[f"val_{when}"], summary[f"val_examples_{when}"] = result["mean_reward"], result["responses"][:3]
+        echo(f"ppoz train: validation reward {when}: {result['mean_reward']:.4f}")
+
     if val:
         echo(f"ppoz train: validating on {len(val)} prompts (greedy) before training")
-        before = validate(frontend, val, reward, cfg.max_new_tokens, cfg.chat_template, cfg.workers, cfg.deadline_s)
-        summary["val_before"], summary["val_examples_before"] = before["mean_reward"], before["responses"][:3]
-        echo(f"ppoz train: validation reward before: {summary['val_before']:.4f}")
+        validation("before")
     total = order.total if not cfg.max_samples else min(order.total or cfg.max_samples, start + cfg.max_samples)
     progress = DriverProgress(start=start)
     scorer = BatchingScorer(reward, max_batch=max(cfg.workers, 1))
@@ -185,9 +185,8 @@ def run_training(
             figures = _safe(learner_figures)
             done = start + len(progress.done)  # positions from `start` on
             echo(progress_line(done, total, progress, elapsed, figures))
-            recent = progress.recent[-100:]
-            lines.write(json.dumps({"time": elapsed, "samples": done, "reward_mean": sum(recent) / len(recent) if recent else None,
-                                    **{k: figures.get(v) for k, v in LEARNER_FIGURES.items()}}) + "\n")  # fmt: skip
+            row = {"time": elapsed, "samples": done, "reward_mean": progress.recent_mean()}
+            lines.write(json.dumps({**row, **{k: figures.get(v) for k, v in LEARNER_FIGURES.items()}}) + "\n")
             lines.flush()
             write_state(state_path, order, cfg.data, progress)
     scorer.close()
@@ -204,9 +203,7 @@ def run_training(
         learner={k: v for k, v in _safe(learner_figures).items() if k in LEARNER_FIGURES.values()},
     )
     if val:
-        after = validate(frontend, val, reward, cfg.max_new_tokens, cfg.chat_template, cfg.workers, cfg.deadline_s)
-        summary["val_after"], summary["val_examples_after"] = after["mean_reward"], after["responses"][:3]
-        echo(f"ppoz train: validation reward after: {summary['val_after']:.4f} (before: {summary['val_before']:.4f})")
+        validation("after")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
