@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import check, nested, option, section
-from common.options import KL_ESTIMATORS, LOSS_AGGREGATIONS, OBJECTIVES
+from common.options import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OBJECTIVES
 from common.security import check_server_settings
 from common.shared_settings import PolicySpec
 
@@ -51,6 +51,14 @@ class UpdateConfig:
 class GenerationConfig:
     """token-level PPO on generated responses (generate transitions)"""
 
+    advantage: str = option(
+        "gae",
+        "gae: a token critic and GAE; grpo: no critic, each response's reward is its group-relative advantage,"
+        " computed by the drivers over the rollout_n responses to one prompt (`ppoz train`; docs/train.md)",
+    )
+    grpo_scale_by_std: bool = option(
+        True, "grpo: divide by the group's reward std (verl's norm_adv_by_std_in_grpo; off: Dr. GRPO's centring only)"
+    )
     gamma: float = option(1.0, "discount per response token")
     gae_lambda: float = option(0.95, "GAE lambda over response tokens")
     kl_coef: float = option(0.001, "coefficient of the KL to the reference (the base, adapter off), per token")
@@ -73,6 +81,15 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         check(0 < self.gamma <= 1, f"`gamma` must be in (0, 1], got {self.gamma}")
         check(0 <= self.gae_lambda <= 1, f"`gae_lambda` must be in [0, 1], got {self.gae_lambda}")
+        check(
+            self.advantage in ADVANTAGE_ESTIMATORS,
+            f"`advantage` must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {self.advantage!r}",
+        )
+        check(
+            self.advantage != "grpo" or not self.kl_in_reward or self.kl_coef == 0,
+            "`advantage` grpo takes the KL to the reference in the loss, as GRPO does: set kl_in_reward = false"
+            " (with kl_estimator k3), or kl_coef = 0; `ppoz train --advantage grpo` sets both",
+        )
         check(self.kl_estimator in KL_ESTIMATORS, f"`kl_estimator` must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         check(
             self.loss_aggregation in LOSS_AGGREGATIONS,

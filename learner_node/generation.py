@@ -308,82 +308,39 @@ def generation_update(
     """One token-level PPO update on a generation batch; metrics under `generation/...`.
 
     The policy is `lp.model` (adapter on), the reference `lp.base()` (adapter off, or the frozen
-    copy), and `lp.token_value_head` maps the base's hidden state before each response token to
-    that token's value (its optimizer is `value_opt`). With several processes each rank takes its
-    share of every minibatch and gradients are averaged before each step, as in ppo_update."""
+    copy). With `gen.advantage` gae, `lp.token_value_head` maps the base's hidden state before each
+    response token to that token's value (its optimizer is `value_opt`) and `train_policy` off trains
+    only it (the critic's warm-up); with grpo each response's reward is its advantage and there is no
+    critic. With several processes each rank takes its share of every minibatch and gradients are
+    averaged before each step, as in ppo_update."""
     rank, world = _world()
-    model, value_head = lp.model, lp.token_value_head
+    model = lp.model
     gen_rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + update_index)
     n = len(batch)
-    device = next(value_head.parameters()).device
     sizes = [len(r) for r in batch.responses]
     metrics: dict[str, float] = {}
 
-    # --- with no gradient: proximal and reference log-probabilities, the critic's features and values ---
+    grpo = gen.advantage == "grpo"
+    # --- with no gradient: proximal and reference log-probabilities ---
     with torch.no_grad():
         prox, _ = response_logprobs(model, batch.prompts, batch.responses, batch.temperatures, gen.micro_batch_tokens)
-        sequences = [p + r[:-1] for p, r in zip(batch.prompts, batch.responses)]
-        positions = [range(len(p) - 1, len(p) - 1 + len(r)) for p, r in zip(batch.prompts, batch.responses)]
-        boot_prompts = [c.next_prompt for c in batch.chains if c.next_prompt is not None]
-        with lp.base() as base:  # adapter off: the reference policy and the critic's frozen features
+        with lp.base() as base:  # adapter off: the reference policy
             ref, _ = response_logprobs(base, batch.prompts, batch.responses, batch.temperatures, gen.micro_batch_tokens)
-            decoder = scoring.model_parts(base)[0]
-            features = [h.float() for h in packed_hidden(decoder, sequences, positions, gen.micro_batch_tokens)]
-            boot_features = packed_hidden(decoder, boot_prompts, [[len(p) - 1] for p in boot_prompts], gen.micro_batch_tokens)
-        values = [value_head(f) for f in features]
-        boot_values = iter([float(value_head(f.float())[0]) for f in boot_features])
-
-        # --- per-token rewards (KL to the reference in the reward) and GAE over each chain's tokens ---
         kls = [tp.kl_estimate(p, r, gen.kl_estimator) for p, r in zip(prox, ref)]
-        advantages: list[torch.Tensor] = [torch.empty(0)] * n
-        returns: list[torch.Tensor] = [torch.empty(0)] * n
-        for chain in batch.chains:
-            rewards, dones = [], []
-            for i in chain.samples:
-                r = -gen.kl_coef * kls[i] if gen.kl_in_reward else torch.zeros(sizes[i])
-                r = r.clone()
-                r[-1] += batch.rewards[i]
-                d = torch.zeros(sizes[i], dtype=torch.bool)
-                d[-1] = batch.dones[i]
-                rewards.append(r)
-                dones.append(d)
-            chain_values = torch.cat([values[i].cpu() for i in chain.samples])
-            next_value = next(boot_values) if chain.next_prompt is not None else 0.0
-            adv, ret = ppo.gae(torch.cat(rewards), chain_values, torch.cat(dones), next_value, gen.gamma, gen.gae_lambda)
-            for i, a, r in zip(chain.samples, adv.split([sizes[i] for i in chain.samples]), ret.split([sizes[i] for i in chain.samples])):
-                advantages[i], returns[i] = a, r
     mask = _padded([torch.ones(s) for s in sizes])
-    b_adv = tp.masked_whiten(_padded(advantages), mask)
-    b_ret, b_values = _padded(returns), _padded([v.cpu() for v in values])
-    metrics["generation/explained_variance"] = ppo.explained_variance(b_values[mask.bool()], b_ret[mask.bool()])
     metrics["generation/kl_ref"] = float(torch.cat(kls).mean()) if n else math.nan
     metrics["generation/response_length"] = sum(sizes) / max(n, 1)
     metrics["generation/reward_mean"] = sum(batch.rewards) / max(n, 1)
     metrics["generation/tokens"] = float(sum(sizes))
-
-    # --- critic: value epochs on the cached features ---
-    value_params = list(value_head.parameters())
-    v_losses = []
-    for _ in range(cfg.value_epochs):
-        perm = torch.randperm(n, generator=gen_rng)
-        for start in range(0, n, cfg.value_minibatch):
-            mb = perm[start : start + cfg.value_minibatch].tolist()
-            idx = mb[rank::world]
-            value_opt.zero_grad()
-            loss = torch.zeros(())
-            if idx:
-                new_values = _padded([value_head(features[i].to(device)).cpu() for i in idx])
-                loss = tp.value_loss(
-                    new_values, b_values[idx], b_ret[idx], mask[idx], gen.value_clip, gen.value_huber_delta, gen.loss_aggregation
-                )
-                (cfg.vf_coef * loss * _share(mask, idx, mb, gen.loss_aggregation)).backward()
-            _average_gradients(value_params)
-            torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
-            value_opt.step()
-            v_losses.append(_mean_over_ranks(float(loss.detach()) * _share(mask, idx, mb, gen.loss_aggregation)))
-    metrics["generation/value_loss"] = _mean(v_losses)
-    if not train_policy:
-        return metrics
+    metrics["generation/group_relative"] = float(grpo)
+    if grpo:
+        # GRPO: the driver reported each response's group-relative advantage as its reward (rewards/group.py);
+        # every token of the response gets it as it is: no critic, no GAE, no whitening over the batch
+        b_adv = _padded([torch.full((s,), r) for s, r in zip(sizes, batch.rewards)])
+    else:
+        b_adv = _critic(lp, value_opt, batch, cfg, gen, kls, mask, gen_rng, metrics)
+        if not train_policy:
+            return metrics
 
     # --- policy: epochs over minibatches of responses, micro-batches packed by tokens ---
     b_prox, b_behav, b_ref = _padded(prox), _padded([torch.tensor(b) for b in batch.behaviour]), _padded(ref)
@@ -461,6 +418,82 @@ def generation_update(
     metrics["generation/optimizer_steps"] = float(steps)
     metrics["generation/early_stop"] = float(stopped)
     return metrics
+
+
+def _critic(
+    lp: LearnerPolicy,
+    value_opt: torch.optim.Optimizer,
+    batch: GenerationBatch,
+    cfg: UpdateConfig,
+    gen: GenerationConfig,
+    kls: list[torch.Tensor],
+    mask: torch.Tensor,
+    gen_rng: torch.Generator,
+    metrics: dict[str, float],
+) -> torch.Tensor:
+    """GAE's part of an update: the critic's token values on the frozen base's features, per-token rewards
+    (the KL to the reference in them if so set), GAE over each chain's tokens, then the critic's epochs on the
+    cached features; the whitened advantages [B, T]."""
+    rank, world = _world()
+    value_head = lp.token_value_head
+    device = next(value_head.parameters()).device
+    n = len(batch)
+    sizes = [len(r) for r in batch.responses]
+    with torch.no_grad():
+        sequences = [p + r[:-1] for p, r in zip(batch.prompts, batch.responses)]
+        positions = [range(len(p) - 1, len(p) - 1 + len(r)) for p, r in zip(batch.prompts, batch.responses)]
+        boot_prompts = [c.next_prompt for c in batch.chains if c.next_prompt is not None]
+        with lp.base() as base:  # adapter off: the critic's frozen features
+            decoder = scoring.model_parts(base)[0]
+            features = [h.float() for h in packed_hidden(decoder, sequences, positions, gen.micro_batch_tokens)]
+            boot_features = packed_hidden(decoder, boot_prompts, [[len(p) - 1] for p in boot_prompts], gen.micro_batch_tokens)
+        values = [value_head(f) for f in features]
+        boot_values = iter([float(value_head(f.float())[0]) for f in boot_features])
+
+        # --- per-token rewards (KL to the reference in the reward) and GAE over each chain's tokens ---
+        advantages: list[torch.Tensor] = [torch.empty(0)] * n
+        returns: list[torch.Tensor] = [torch.empty(0)] * n
+        for chain in batch.chains:
+            rewards, dones = [], []
+            for i in chain.samples:
+                r = -gen.kl_coef * kls[i] if gen.kl_in_reward else torch.zeros(sizes[i])
+                r = r.clone()
+                r[-1] += batch.rewards[i]
+                d = torch.zeros(sizes[i], dtype=torch.bool)
+                d[-1] = batch.dones[i]
+                rewards.append(r)
+                dones.append(d)
+            chain_values = torch.cat([values[i].cpu() for i in chain.samples])
+            next_value = next(boot_values) if chain.next_prompt is not None else 0.0
+            adv, ret = ppo.gae(torch.cat(rewards), chain_values, torch.cat(dones), next_value, gen.gamma, gen.gae_lambda)
+            for i, a, r in zip(chain.samples, adv.split([sizes[i] for i in chain.samples]), ret.split([sizes[i] for i in chain.samples])):
+                advantages[i], returns[i] = a, r
+    b_adv = tp.masked_whiten(_padded(advantages), mask)
+    b_ret, b_values = _padded(returns), _padded([v.cpu() for v in values])
+    metrics["generation/explained_variance"] = ppo.explained_variance(b_values[mask.bool()], b_ret[mask.bool()])
+
+    # --- critic: value epochs on the cached features ---
+    value_params = list(value_head.parameters())
+    v_losses = []
+    for _ in range(cfg.value_epochs):
+        perm = torch.randperm(n, generator=gen_rng)
+        for start in range(0, n, cfg.value_minibatch):
+            mb = perm[start : start + cfg.value_minibatch].tolist()
+            idx = mb[rank::world]
+            value_opt.zero_grad()
+            loss = torch.zeros(())
+            if idx:
+                new_values = _padded([value_head(features[i].to(device)).cpu() for i in idx])
+                loss = tp.value_loss(
+                    new_values, b_values[idx], b_ret[idx], mask[idx], gen.value_clip, gen.value_huber_delta, gen.loss_aggregation
+                )
+                (cfg.vf_coef * loss * _share(mask, idx, mb, gen.loss_aggregation)).backward()
+            _average_gradients(value_params)
+            torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
+            value_opt.step()
+            v_losses.append(_mean_over_ranks(float(loss.detach()) * _share(mask, idx, mb, gen.loss_aggregation)))
+    metrics["generation/value_loss"] = _mean(v_losses)
+    return b_adv
 
 
 def _share(mask: torch.Tensor, ids: list[int], minibatch: list[int], aggregation: str) -> float:

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,10 +85,18 @@ class Stack:
 
 
 @contextlib.contextmanager
-def started_stack(up: UpConfig, config_file: str | None, log_level: str, model: str = "", checkpoint_dir: str = "") -> Iterator[Stack]:
+def started_stack(
+    up: UpConfig,
+    config_file: str | None,
+    log_level: str,
+    model: str = "",
+    checkpoint_dir: str = "",
+    learner_flags: Sequence[str] = (),
+) -> Iterator[Stack]:
     """Start what `up` says (the embedded Redis first, then broker, learner, actors, environment clients),
     each component reading `config_file` (`model`, if given, overrides [policy] model for actors and
-    learner; `checkpoint_dir` the learner's); stop everything on leaving. The caller watches the
+    learner; `checkpoint_dir` the learner's; `learner_flags` are more of `ppoz learner`'s flags, which
+    override the file); stop everything on leaving. The caller watches the
     supervisor (`Stack.supervisor.watch()`)."""
     from actor_node.config import ActorConfig
     from broker.config import BrokerConfig
@@ -98,7 +106,7 @@ def started_stack(up: UpConfig, config_file: str | None, log_level: str, model: 
 
     policy_flags = {"policy.model": model} if model else {}
     model_args = ["--model", model] if model else []
-    learner_args = [*model_args, *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else [])]
+    learner_args = [*model_args, *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []), *learner_flags]
     broker = load(BrokerConfig, config_file)
     actor = load(ActorConfig, config_file, policy_flags)
     # The embedded Redis's URL is known only once it runs; validate with a stand-in.
