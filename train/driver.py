@@ -31,6 +31,7 @@ from typing import Any
 
 from client import BadRequest, Client, Overloaded, PPOZError, RequestTimeout, TooLarge, UnknownTask
 from rewards.composite import CompositeReward, Item, Scored, prompt_text
+from rewards.group import GroupAdvantage
 from train.data import PromptOrder, PromptRecord
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,9 @@ class DriverProgress:
     response_tokens: int = 0
     errors: list[str] = field(default_factory=list)  # the first few reasons a response went unrewarded
     stopped_workers: list[str] = field(default_factory=list)  # workers that met an error they cannot go on from, and why
+    groups: int = 0  # GRPO: groups settled
+    uniform_groups: int = 0  # GRPO: groups whose rewarded responses all scored the same (advantages all 0: nothing to learn)
+    lone: int = 0  # GRPO: rewarded responses not trained on, the only rewarded one of their group
     recent: list[float] = field(default_factory=list)  # the last rewards, for a moving mean
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -152,6 +156,15 @@ class DriverProgress:
             self.recent.append(scored.reward)
             del self.recent[:-200]
 
+    def count_group(self, rewards: Sequence[float]) -> None:
+        """A GRPO group settled, with the rewards of its rewarded responses."""
+        with self.lock:
+            self.groups += 1
+            if len(rewards) == 1:
+                self.lone += 1
+            elif len(rewards) >= 2 and max(rewards) == min(rewards):
+                self.uniform_groups += 1
+
     def recent_mean(self, n: int = 100) -> float | None:
         """The mean of the last `n` rewards; None before the first."""
         recent = self.recent[-n:]
@@ -173,69 +186,110 @@ def drive(
     seed: int = 0,
     make_client: Callable[..., Client] = Client,
     reward_timeout_s: float = 600.0,
+    grouping: GroupAdvantage | None = None,
 ) -> DriverProgress:
     """Drive `records` in `order` from position `start` until the order ends, `limit` positions were
     taken or `stop` is set; the progress. A record the broker or actor refuses (a prompt over the
     model's context, messages its chat template refuses), whose response or turn missed its deadline,
     or whose session went away is counted unrewarded with the reason, and the worker goes on with a
-    fresh task; any other error stops the worker that met them (its position counted unrewarded, the
-    reason in `progress.stopped_workers`), and the others go on."""
+    fresh task; any other error stops the worker that met them (its positions counted unrewarded, the
+    reason in `progress.stopped_workers`), and the others go on.
+
+    With `grouping` (GRPO), a worker takes the order's samples of one prompt together (one task each),
+    and sends each response's group-relative advantage over the group's rewards instead of its reward;
+    a group with fewer than two rewarded responses is not trained on (counted in `progress.lone`)."""
     stop = stop or threading.Event()
     progress = progress or DriverProgress(start=start)
     positions = order.positions(start)
     taken = [0]
     take_lock = threading.Lock()
+    held: list[tuple[int, int, int, int]] = []  # a position read past the end of a group, for the next one
 
-    def next_position() -> tuple[int, int] | None:
+    def next_group() -> list[tuple[int, PromptRecord]]:
+        """The next position, or with `grouping` the next positions of one prompt; [] at the end."""
         with take_lock:
-            if stop.is_set() or (limit is not None and taken[0] >= limit):
-                return None
-            try:
-                position, _epoch, index, _sample = next(positions)
-            except StopIteration:
-                return None
-            taken[0] += 1
-            return position, index
+            group: list[tuple[int, PromptRecord]] = []
+            prompt: tuple[int, int] | None = None  # (epoch, record index) of the group's prompt
+            while not stop.is_set() and (limit is None or taken[0] < limit):
+                following = held.pop() if held else next(positions, None)
+                if following is None:
+                    break
+                position, epoch, index, _sample = following
+                if group and (grouping is None or (epoch, index) != prompt):
+                    held.append(following)
+                    break
+                prompt = (epoch, index)
+                taken[0] += 1
+                group.append((position, records[index]))
+                if grouping is None:
+                    break
+            return group
 
-    def turn(client: Client, task: str, position: int, record: PromptRecord) -> str:
-        """One position: a response, its reward, the feedback (or the turn dropped); the task to go on with."""
-        client.wait_turn(task)
-        reply = generate(client, task, record, sampling, seed=seed * 1_000_003 + position)  # a run samples the same way again
+    def respond(client: Client, task: str, position: int, record: PromptRecord) -> tuple[str, dict[str, Any] | None]:
+        """The policy's response to one position (None if the record's turn failed, counted); the task to go on with."""
         try:
-            scored = scorer.submit(item_for(record, reply["text"])).result(timeout=reward_timeout_s)
+            client.wait_turn(task)
+            return task, generate(client, task, record, sampling, seed=seed * 1_000_003 + position)  # a run samples alike again
+        except RECORD_ERRORS as e:  # this record's turn fails alone: counted, named, and the worker goes on
+            progress.record(position, Scored(None, {}, error=f"{record.where}: {type(e).__name__}: {e}"), 0)
+            return _reattach(client, task), None  # the session may be gone, or hold a pending step: start afresh
+
+    def reward_of(record: PromptRecord, future: Future[Scored]) -> Scored:
+        try:
+            return future.result(timeout=reward_timeout_s)
         except FutureTimeout:
-            scored = Scored(None, {}, error=f"{record.where}: no reward within {reward_timeout_s:g} s")
-        if scored.reward is None:  # the step is dropped without a transition: no made-up reward is trained on
-            task = _reattach(client, task)
-        else:
-            client.feedback(task, scored.reward, done=True)
-        progress.record(position, scored, int(reply.get("n_tokens", 0)))
-        return task
+            return Scored(None, {}, error=f"{record.where}: no reward within {reward_timeout_s:g} s")
+
+    def play(client: Client, tasks: list[str], group: list[tuple[int, PromptRecord]], pending: set[int]) -> None:
+        """One group's turns (one position without `grouping`): responses, their rewards (all asked for
+        before any is awaited, so a reward model batches them and a judge runs them at once), the feedback;
+        a turn with no reward (or alone in its group) is dropped without a transition, never trained on a
+        made-up reward. Positions leave `pending` as they are counted."""
+        replies: dict[int, dict[str, Any]] = {}  # by member, those that got a response
+        for k, (position, record) in enumerate(group):
+            tasks[k], reply = respond(client, tasks[k], position, record)
+            if reply is None:
+                pending.discard(position)
+            else:
+                replies[k] = reply
+        futures = {k: scorer.submit(item_for(group[k][1], reply["text"])) for k, reply in replies.items()}
+        scored = {k: reward_of(group[k][1], future) for k, future in futures.items()}
+        rewards = {k: s.reward for k, s in scored.items() if s.reward is not None}
+        sent = rewards
+        if grouping is not None:
+            sent = dict(zip(rewards, grouping(list(rewards.values())))) if len(rewards) >= 2 else {}
+            progress.count_group(list(rewards.values()))
+        for k, reply in replies.items():
+            position, record = group[k]
+            try:
+                if k in sent:
+                    client.feedback(tasks[k], sent[k], done=True)
+                else:  # the step is dropped without a transition
+                    tasks[k] = _reattach(client, tasks[k])
+                progress.record(position, scored[k], int(reply.get("n_tokens", 0)))
+            except RECORD_ERRORS as e:
+                progress.record(position, Scored(None, {}, error=f"{record.where}: {type(e).__name__}: {e}"), 0)
+                tasks[k] = _reattach(client, tasks[k])
+            pending.discard(position)
 
     def work(worker: int) -> None:
         client = make_client(frontend, deadline=deadline_s)
-        task: str | None = None
-        position: int | None = None
+        tasks: list[str] = []
+        pending: set[int] = set()  # positions taken and not yet counted
         try:
-            task = client.attach()
-            while (got := next_position()) is not None:
-                position, index = got
-                record = records[index]
-                try:
-                    task = turn(client, task, position, record)
-                except RECORD_ERRORS as e:  # this record's turn fails alone: counted, named, and the worker goes on
-                    progress.record(position, Scored(None, {}, error=f"{record.where}: {type(e).__name__}: {e}"), 0)
-                    position = None
-                    task = _reattach(client, task)  # the session may be gone, or hold a pending step: start afresh
-                position = None
+            while group := next_group():
+                pending = {position for position, _ in group}
+                while len(tasks) < len(group):  # one task per response of a group: each holds one step
+                    tasks.append(client.attach())
+                play(client, tasks, group, pending)
         except PPOZError as e:
             log.error("driver worker %d stopped: %s", worker, e)
-            if position is not None:  # taken but not done: counted, so the resume point moves past it
+            for position in sorted(pending):  # taken but not done: counted, so the resume point moves past them
                 progress.record(position, Scored(None, {}, error=f"worker {worker} stopped: {type(e).__name__}: {e}"), 0)
             with progress.lock:
                 progress.stopped_workers.append(f"worker {worker}: {type(e).__name__}: {e}")
         finally:
-            if task is not None:
+            for task in tasks:
                 try:
                     client.detach(task)
                 except PPOZError:

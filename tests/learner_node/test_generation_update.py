@@ -252,3 +252,43 @@ def test_gradient_checkpointing_recomputes_the_layers_and_changes_nothing_else(t
     assert (fwd_off, all_off) == (1, 1)  # one forward of the packed row, kept for the backward
     assert (fwd_on, all_on) == (1, 2)  # and run again in the backward pass
     assert not training_on and not training_off  # back in eval mode after the forward
+
+
+@pytest.mark.slow
+def test_grpo_trains_each_response_on_its_reported_advantage_with_no_critic(
+    tiny_models, redis_url, redis_client, key_prefix, tmp_path
+) -> None:
+    """[generation] advantage = grpo: every token of response i has advantage A_i = the reward the driver sent
+    (its group-relative advantage), not whitened over the batch; no critic is trained. On-policy, at the first
+    minibatch the ratio is 1, so the token-mean policy loss is -sum_i A_i L_i / sum_i L_i (L_i: length of i)."""
+    from learner_node.config import GenerationConfig
+
+    n = 4
+    transitions = engine_transitions(tiny_models["llama"], n)
+    advantages = [1.0, 0.5, -0.25, 0.75]  # mean 0.5: whitening over the batch would make the loss about 0
+    for t, a in zip(transitions, advantages):
+        t.reward = a
+    write_to_stream(redis_client, key_prefix, transitions)
+    gen = GenerationConfig(advantage="grpo", kl_in_reward=False, kl_estimator="k3")
+    learner = learner_on(
+        tiny_models["llama"], "float32", redis_url, redis_client, key_prefix, tmp_path, n, policy_minibatch=n, generation=gen
+    )
+    critic_before = [p.detach().clone() for p in learner.lp.token_value_head.parameters()]
+    metrics = learner.step()
+    assert metrics is not None and learner.counters["transitions_trained"] == n
+    lengths = [len(t.generation["response_ids"]) for t in transitions]  # type: ignore[index]
+    expected = -sum(a * n_tokens for a, n_tokens in zip(advantages, lengths)) / sum(lengths)
+    assert metrics["generation/optimizer_steps"] == 1 and metrics["generation/first_minibatch_ratio_dev"] < 1e-4
+    assert metrics["generation/policy_loss"] == pytest.approx(expected, abs=1e-4)
+    assert metrics["generation/group_relative"] == 1.0 and "generation/value_loss" not in metrics
+    assert all(torch.equal(a, b) for a, b in zip(critic_before, learner.lp.token_value_head.parameters()))
+
+
+def test_grpo_takes_its_kl_penalty_in_the_loss() -> None:
+    from learner_node.config import GenerationConfig
+
+    with pytest.raises(ValueError, match="grpo takes the KL to the reference in the loss"):
+        GenerationConfig(advantage="grpo")  # kl_in_reward is on by default
+    assert GenerationConfig(advantage="grpo", kl_coef=0.0).advantage == "grpo"
+    with pytest.raises(ValueError, match="`advantage` must be one of gae, grpo"):
+        GenerationConfig(advantage="rloo")

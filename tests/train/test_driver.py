@@ -3,6 +3,8 @@ driver and stored with the turn, unrewarded turns never stored, resume where a r
 
 from __future__ import annotations
 
+import pytest
+
 from rewards.composite import CompositeReward
 from rewards.functions import RewardError
 from tests.broker.test_broker import segments
@@ -100,3 +102,54 @@ def test_a_run_resumes_where_it_stopped_and_validation_is_not_trained(stack, red
     assert refused["scored"] == 0 and refused["unscored"] == 2 and "chat template" in refused["unscored_reasons"][0]
     assert result["scored"] == 6 and result["unscored"] == 0 and 0.0 <= result["mean_reward"] <= 1.0
     assert sum(len(s.transitions) for s in segments(redis_client, key_prefix)) == 12  # validation stored nothing
+
+
+def test_grpo_sends_each_groups_advantages_and_skips_groups_that_cannot_be_compared(stack, redis_client, key_prefix) -> None:
+    """rollout_n responses to one prompt are a group: each is sent with (r - mean) / (std + eps) over its group's
+    rewards (rewards/group.py). A group whose responses all scored alike is sent with advantages 0; one with a
+    single rewarded response is not trained on at all."""
+    import collections
+    import threading
+
+    from rewards.group import GroupAdvantage
+
+    calls: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+
+    def reward_fn(data_source, solution_str, ground_truth, extra_info=None):
+        with lock:
+            calls[ground_truth] += 1
+            if ground_truth == "lone" and calls[ground_truth] > 1:
+                raise RewardError("only the first response of this prompt is rewarded")
+            return 1.0 if ground_truth in ("same", "lone") else float(calls[ground_truth])  # 1, 2, 3 in a group
+
+    data = [
+        PromptRecord(f"say the word {c}", c, "colours", {}, f"t.jsonl line {i + 1}") for i, c in enumerate(["red", "green", "same", "lone"])
+    ]
+    scorer = BatchingScorer(CompositeReward({"rule_score": 1.0}, reward_fn=reward_fn), max_batch=8)
+    try:
+        progress = drive(
+            stack.frontend,
+            data,
+            PromptOrder(4, rollout_n=3, seed=1),
+            scorer,
+            Sampling(max_new_tokens=4),
+            workers=2,
+            grouping=GroupAdvantage(),
+        )
+    finally:
+        scorer.close()
+    assert progress.done == set(range(12)) and progress.rewarded == 10 and progress.unrewarded == 2
+    assert (progress.groups, progress.uniform_groups, progress.lone) == (4, 1, 1)
+
+    def stored_turns():
+        turns = [t for s in segments(redis_client, key_prefix) for t in s.transitions]
+        return turns if len(turns) == 9 else None  # the lone prompt's 3 responses are not stored
+
+    by_prompt: dict[tuple[int, ...], list[float]] = collections.defaultdict(list)
+    for t in wait_for(stored_turns, timeout=30, what="3 groups of 3 turns in the stream"):
+        by_prompt[tuple(t.obs["prompt_ids"])].append(t.reward)
+    assert len(by_prompt) == 3 and all(len(v) == 3 for v in by_prompt.values())
+    # rewards 1, 2, 3: mean 2, sample std 1, advantages -1, 0, 1 (over 1 + eps); the group that scored alike: 0s
+    got = sorted(sorted(v) for v in by_prompt.values())
+    assert got[0] == pytest.approx([-1 / (1 + 1e-6), 0.0, 1 / (1 + 1e-6)]) and got[1] == got[0] and got[2] == [0.0, 0.0, 0.0]
