@@ -563,6 +563,9 @@ class Learner:
                 if not (isinstance(value, float) and math.isnan(value)):
                     self.writer.add_scalar(key, value, self.updates)
             self.writer.flush()
+        def loss(name: str) -> float:  # the candidate update's figure, else the generation update's
+            return metrics.get(f"losses/{name}", metrics.get(f"generation/{name}", math.nan))
+
         log.info(
             "update %d: version %d, %d transitions, return %.3f, policy_loss %.4f, value_loss %.4f, entropy %.3f, "
             "approx_kl %.4f, kl_ref %.4f, clipfrac %.3f, lag %.2f, %.1f transitions/s",
@@ -570,12 +573,12 @@ class Learner:
             self.version,
             n,
             metrics.get("charts/episodic_return", math.nan),
-            metrics.get("losses/policy_loss", math.nan),
-            metrics.get("losses/value_loss", math.nan),
-            metrics.get("losses/entropy", math.nan),
-            metrics.get("losses/approx_kl", math.nan),
-            metrics.get("losses/kl_ref", math.nan),
-            metrics.get("losses/clipfrac", math.nan),
+            loss("policy_loss"),
+            loss("value_loss"),
+            loss("entropy"),
+            loss("approx_kl"),
+            loss("kl_ref"),
+            loss("clipfrac"),
             metrics.get("charts/policy_lag", math.nan),
             metrics.get("charts/SPS", 0.0),
         )

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "ppoz train on a generated dataset (default: kea)",
     )
     parser.add_argument("--json", action="store_true", help="arithmetic: print the summary (val_before, val_after, ...) as JSON, last")
+    parser.add_argument(
+        "--advantage",
+        default="gae",
+        choices=("gae", "grpo"),
+        help="arithmetic: gae (a critic) or grpo (critic-free, 4 responses per sum compared with each other) (default: gae)",
+    )
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to train (default: 5)")
     parser.add_argument("--clients", type=int, default=4, help="simulated Kea clients (default: 4)")
     parser.add_argument("--model", default="", help="a local model directory or Hugging Face id (default: a tiny model built locally)")

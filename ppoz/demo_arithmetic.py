@@ -9,7 +9,8 @@ All its weights train (`lora_rank = 0`): on this task a rank-4 adapter learned s
 `ppoz train` starts the stack as processes (embedded Redis, broker, one actor, the learner), validates
 greedily on the 25 sums, trains for `--minutes`, and validates again. The validation set is the
 training set: a model this size learns the table, it does not generalise addition; the figure shows
-what PPO taught it. With `--json` the last line is the summary (`val_before`, `val_after`, ...).
+what PPO taught it. `--advantage grpo` trains critic-free on groups of 4 responses per sum.
+With `--json` the last line is the summary (`val_before`, `val_after`, ...).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 REWARD_FN = "first_word"
+GRPO_GROUP = 4  # --advantage grpo: responses per sum, compared with each other
 
 
 def sums() -> list[dict[str, Any]]:
@@ -58,7 +60,7 @@ def stack_config(out: Path) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from common.tiny_models import build_tiny_model
-    from ppoz.train import finish, on_this_machine
+    from ppoz.train import advantage_settings, finish, on_this_machine
     from train.config import TrainConfig
 
     out = Path(args.out)
@@ -71,6 +73,7 @@ def main(args: argparse.Namespace) -> int:
         data=str(out / "sums.jsonl"),
         val=str(out / "sums.jsonl"),
         epochs=0,
+        rollout_n=GRPO_GROUP if args.advantage == "grpo" else 1,
         resume=False,
         workers=8,
         max_new_tokens=2,
@@ -84,6 +87,6 @@ def main(args: argparse.Namespace) -> int:
     timer.daemon = True
     timer.start()
     run = argparse.Namespace(config=str(config), log_level=args.log_level, model=model)
-    summary = on_this_machine(run, cfg, stop)
+    summary = on_this_machine(run, cfg, stop, *advantage_settings(str(config), args.advantage))
     timer.cancel()
     return finish(cfg, summary, args.json)

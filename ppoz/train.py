@@ -18,7 +18,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from common.config import add_flags, load
+from common.config import add_flags, load, read_toml
+from common.options import ADVANTAGE_ESTIMATORS
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-prefix", default="ppoz", help="with --broker: the farm's Redis key prefix (default: ppoz)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object, last")
     parser.add_argument("--redis-url", default="", help="with --broker: the farm's Redis, for the learner's figures in the progress line")
+    parser.add_argument(
+        "--advantage",
+        choices=ADVANTAGE_ESTIMATORS,
+        help="gae: a critic and GAE (default); grpo: critic-free, each response against the other rollout_n responses to its"
+        " prompt, the KL in the loss (k3). Sets [generation] advantage for the learner started here; with --broker the"
+        " farm's learner needs the same in its [generation] table (docs/train.md)",
+    )
     add_flags(parser, TrainConfig)  # the stack's own settings ([up], [learner], ...) come from the config file
 
 
@@ -44,6 +52,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = load(TrainConfig, args.config, args)
     if not cfg.data:
         raise SystemExit("ppoz train: no training prompts; give --data FILE (or [train] data)")
+    grouping, learner_flags = advantage_settings(args.config, args.advantage)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -54,13 +63,35 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         if args.broker:
-            summary = run_training(cfg, args.broker, _figures(args.redis_url, args.key_prefix), stop)
+            summary = run_training(cfg, args.broker, _figures(args.redis_url, args.key_prefix), stop, grouping=grouping)
         else:
-            summary = on_this_machine(args, cfg, stop)
+            summary = on_this_machine(args, cfg, stop, grouping, learner_flags)
     except (DatasetError, ValueError, ValidationError) as e:
         print(f"ppoz train: {e}", file=sys.stderr)
         return 2
     return finish(cfg, summary, args.json)
+
+
+def advantage_settings(config_file: str | None, advantage: str | None) -> tuple[Any, list[str]]:
+    """From the [generation] table (and --advantage over it): the drivers' grouping (None: they send rewards,
+    for GAE) and the `ppoz learner` flags that carry --advantage to a learner started here. The learner's
+    settings are validated now, before anything starts."""
+    from learner_node.config import GenerationConfig
+    from rewards.group import GroupAdvantage
+
+    table = read_toml(config_file).get("generation", {}) if config_file else {}
+    given: dict[str, Any] = {}
+    if advantage:
+        given["advantage"] = advantage
+        if advantage == "grpo":  # GRPO's KL penalty is in the loss, as k3 (Shao et al. 2024), unless the file says otherwise
+            given.update({k: v for k, v in (("kl_in_reward", False), ("kl_estimator", "k3")) if k not in table})
+    gen = load(GenerationConfig, config_file, given)
+    learner_flags: list[str] = []
+    for key, value in given.items():  # `ppoz learner` names [generation]'s flags --gen-KEY (--no-gen-KEY for false)
+        flag = "gen-" + key.replace("_", "-")
+        learner_flags += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+    grouping = GroupAdvantage(gen.grpo_scale_by_std) if gen.advantage == "grpo" else None
+    return grouping, learner_flags
 
 
 def finish(cfg: Any, summary: dict[str, Any], as_json: bool) -> int:
@@ -97,24 +128,22 @@ def _curve(cfg: Any, summary: dict[str, Any]) -> Any:
     return write_training_curve(out / "reward_curve.png", rows, summary.get("val_before"), summary.get("val_after"))
 
 
-def on_this_machine(args: argparse.Namespace, cfg: Any, stop: threading.Event) -> dict[str, Any]:
+def on_this_machine(args: argparse.Namespace, cfg: Any, stop: threading.Event, grouping: Any, learner_flags: list[str]) -> dict[str, Any]:
     from ppoz.up import UpConfig, started_stack
     from train.run import run_training
 
     up = load(UpConfig, args.config)
-    from common.config import read_toml
-
     learner_table = read_toml(args.config).get("learner", {}) if args.config else {}
     # the learner's checkpoints (each with the adapter in peft's format) go under the run's outputs, unless the file says where
     checkpoints = "" if "checkpoint_dir" in learner_table else str(Path(cfg.output_dir) / "checkpoints")
-    with started_stack(up, args.config, args.log_level, args.model, checkpoints) as stack:
+    with started_stack(up, args.config, args.log_level, args.model, checkpoints, learner_flags) as stack:
 
         def watch() -> None:  # a component that dies for good stops the run
             stack.supervisor.watch()
             stop.set()
 
         threading.Thread(target=watch, daemon=True).start()
-        summary = run_training(cfg, stack.client_broker, _figures(stack.redis_url, stack.key_prefix), stop)
+        summary = run_training(cfg, stack.client_broker, _figures(stack.redis_url, stack.key_prefix), stop, grouping=grouping)
         if stack.supervisor.failed:
             raise RuntimeError(f"the stack stopped because {stack.supervisor.failed} died")
     adapters = sorted(Path(checkpoints or learner_table["checkpoint_dir"]).glob("ckpt-*/adapter"))

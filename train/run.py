@@ -21,6 +21,7 @@ from typing import Any
 
 from rewards.composite import CompositeReward
 from rewards.functions import load_reward_fn
+from rewards.group import GroupAdvantage
 from train.config import TrainConfig
 from train.data import PromptOrder, PromptRecord, load_dataset
 from train.driver import BatchingScorer, DriverProgress, Sampling, drive, validate
@@ -39,29 +40,45 @@ LEARNER_FIGURES = {
 
 
 def build_reward(cfg: TrainConfig) -> CompositeReward:
-    """The composite reward `cfg` describes; each source loaded once."""
-    weights = cfg.reward_weights()
+    """The composite reward `cfg` describes; each source loaded once here, or asked of the reward service."""
+    if cfg.reward_service:
+        weights, reward_model, judge = _service_sources(cfg)
+    else:
+        weights = cfg.reward_weights()
+        reward_model = judge = None
+        if weights.get("rm_score"):
+            from rewards.reward_model import RewardModel
+
+            reward_model = RewardModel(cfg.reward_model_config())
+        if weights.get("judge_score"):
+            from rewards.judge import Judge
+
+            judge = Judge(cfg.judge_config())
     reward_fn = load_reward_fn(cfg.reward_fn or "default") if weights.get("rule_score") else None
-    reward_model = judge = None
-    if weights.get("rm_score"):
-        from rewards.reward_model import RewardModel, RewardModelConfig
-
-        reward_model = RewardModel(RewardModelConfig(cfg.reward_model, device=cfg.reward_model_device))
-    if weights.get("judge_score"):
-        from rewards.judge import Judge, JudgeConfig
-
-        judge = Judge(
-            JudgeConfig(
-                model=cfg.judge_model,
-                provider=cfg.judge_provider,
-                base_url=cfg.judge_base_url,
-                api_key_env=cfg.judge_api_key_env,
-                preset=cfg.judge_preset,
-                concurrency=cfg.judge_concurrency,
-                timeout_s=cfg.judge_timeout_s,
-            )
-        )
     return CompositeReward(weights, reward_fn, reward_model, judge, cfg.reward_normalise, cfg.reward_clip)
+
+
+def _service_sources(cfg: TrainConfig) -> tuple[dict[str, float], Any, Any]:
+    """The weights, and clients of the reward service at `cfg.reward_service` for rm_score and judge_score
+    (what it hosts counts 1.0 each unless `weights` says otherwise); a weight it cannot serve stops the run at start."""
+    from rewards.service import RemoteJudge, RemoteRewardModel, RewardServiceClient
+
+    endpoint, timeout, retries = cfg.reward_service, cfg.reward_service_timeout_s, cfg.reward_service_retries
+    probe = RewardServiceClient(endpoint, timeout, retries)
+    try:
+        hosted = probe.components()
+    finally:
+        probe.close()
+    log.info("the reward service at %s hosts %s", endpoint, ", ".join(hosted))
+    weights = cfg.reward_weights(hosted)
+    clients: dict[str, Any] = {}
+    for component, client_class in (("rm_score", RemoteRewardModel), ("judge_score", RemoteJudge)):
+        if not weights.get(component):
+            continue
+        if component not in hosted:
+            raise ValueError(f"reward weight {component} is set but the reward service at {endpoint} hosts only {', '.join(hosted)}")
+        clients[component] = client_class(endpoint, timeout, retries)
+    return weights, clients.get("rm_score"), clients.get("judge_score")
 
 
 def load_records(path: str, strict: bool, limit: int = 0) -> list[PromptRecord]:
@@ -107,6 +124,7 @@ def write_state(path: Path, order: PromptOrder, data: str, progress: DriverProgr
 
 
 def progress_line(done: int, total: int | None, progress: DriverProgress, elapsed: float, learner: dict[str, float]) -> str:
+    """One progress report: samples, the drivers' reward figures, and the learner's latest."""
     reward = progress.recent_mean()
     reward = math.nan if reward is None else reward
     shown = f"{done}/{total}" if total else str(done)
@@ -116,6 +134,8 @@ def progress_line(done: int, total: int | None, progress: DriverProgress, elapse
         f"unrewarded {progress.unrewarded}",
         f"tokens/s {progress.response_tokens / max(elapsed, 1e-9):.1f}",
     ]
+    if progress.groups:  # GRPO: groups whose responses all scored alike teach nothing (advantages 0)
+        parts.append(f"uniform_groups {progress.uniform_groups / progress.groups:.0%}")
     parts += [f"{name} {learner[key]:.4g}" for name, key in LEARNER_FIGURES.items() if key in learner and math.isfinite(learner[key])]
     return "  ".join(parts)
 
@@ -126,9 +146,14 @@ def run_training(
     learner_figures: Callable[[], dict[str, float]] = dict,
     stop: threading.Event | None = None,
     echo: Callable[[str], None] = lambda line: print(line, flush=True),
+    grouping: GroupAdvantage | None = None,
 ) -> dict[str, Any]:
     """Validation, the drivers until the order of work ends (or `max_samples`, or `stop`), validation
-    again; the summary (also written to output_dir/summary.json)."""
+    again; the summary (also written to output_dir/summary.json). With `grouping` (GRPO: the learner's
+    [generation] advantage = grpo) the drivers send group-relative advantages over each prompt's
+    rollout_n responses (train/driver.py)."""
+    if grouping is not None and cfg.rollout_n < 2:
+        raise ValueError(f"[train] rollout_n = {cfg.rollout_n}: GRPO compares the responses to one prompt, so it needs 2 or more")
     stop = stop or threading.Event()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -143,6 +168,19 @@ def run_training(
     if order.total is not None and start >= order.total:
         echo(f"ppoz train: the last run with {out} finished all {order.total} samples; --no-resume starts again")
     summary: dict[str, Any] = {"data": cfg.data, "records": len(records), "val_records": len(val), "start": start}
+
+    warned: list[bool] = []  # the learner's advantage against the drivers', said once
+
+    def check_learner(figures: dict[str, float]) -> None:
+        learner_grpo = figures.get("generation/group_relative")
+        if learner_grpo is not None and bool(learner_grpo) != (grouping is not None) and not warned:
+            warned.append(True)
+            mode = "grpo" if learner_grpo else "gae"
+            log.error(
+                "the learner trains with [generation] advantage = %s but these drivers send %s: give both the same setting",
+                mode,
+                "group-relative advantages (grpo)" if grouping else "rewards (gae)",
+            )
 
     def validation(when: str) -> None:  # `before` or `after`: the mean reward and the first responses into the summary
         result = validate(frontend, val, reward, cfg.max_new_tokens, cfg.chat_template, cfg.workers, cfg.deadline_s)
@@ -173,6 +211,7 @@ def run_training(
             progress=progress,
             seed=cfg.seed,
             reward_timeout_s=cfg.reward_timeout_s,
+            grouping=grouping,
         ),
         name="drivers",
         daemon=True,
@@ -183,6 +222,7 @@ def run_training(
             driving.join(cfg.report_every_s)
             elapsed = time.monotonic() - started
             figures = _safe(learner_figures)
+            check_learner(figures)
             done = start + len(progress.done)  # positions from `start` on
             echo(progress_line(done, total, progress, elapsed, figures))
             row = {"time": elapsed, "samples": done, "reward_mean": progress.recent_mean()}
@@ -196,6 +236,7 @@ def run_training(
         rewarded=progress.rewarded,
         unrewarded=progress.unrewarded,
         unrewarded_reasons=progress.errors[:5],
+        **({"groups": progress.groups, "uniform_groups": progress.uniform_groups, "lone": progress.lone} if grouping else {}),
         stopped_workers=progress.stopped_workers,
         reward_mean=progress.reward_sum / progress.rewarded if progress.rewarded else None,
         resume_from=progress.resume_from,

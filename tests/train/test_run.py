@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.rewards.chat_api import chat_server
+from ppoz.bench.judge_stand_in import chat_server
 from tests.train.test_driver import COLOURS
 from train.config import TrainConfig
 from train.run import build_reward, run_training
@@ -82,3 +82,39 @@ def test_the_reward_sources_come_from_train_settings(tmp_path) -> None:
     for bad, words in [(dict(rollout_n=0), "rollout_n"), (dict(temperature=0.0), "sampled"), (dict(weights={"rm_score": "a"}), "a number")]:
         with pytest.raises(ValueError, match=words):
             TrainConfig(data="x", **bad)
+
+
+def test_grpo_runs_whole_groups_and_says_when_the_learner_disagrees(stack, tmp_path, caplog) -> None:
+    from ppoz.train import advantage_settings
+    from rewards.group import GroupAdvantage
+
+    write_dataset(tmp_path / "train.jsonl", 4)
+    cfg = TrainConfig(
+        data=str(tmp_path / "train.jsonl"),
+        rollout_n=3,
+        max_samples=12,
+        workers=2,
+        max_new_tokens=2,
+        reward_fn="tests.train.test_run:first_word",
+        output_dir=str(tmp_path / "out"),
+        report_every_s=0.5,
+    )
+    lines: list[str] = []
+    learner_on_gae = {"generation/group_relative": 0.0}  # a learner that was not told: it would fit a critic to advantages
+    with caplog.at_level("ERROR", logger="train.run"):
+        summary = run_training(cfg, stack.frontend, lambda: learner_on_gae, echo=lines.append, grouping=GroupAdvantage())
+    assert summary["samples"] == 12 and summary["groups"] == 4 and summary["uniform_groups"] + summary["lone"] <= 4
+    assert any("uniform_groups" in line for line in lines if line.startswith("samples "))
+    assert [r.message for r in caplog.records].count(
+        "the learner trains with [generation] advantage = gae but these drivers send group-relative advantages (grpo):"
+        " give both the same setting"
+    ) == 1
+    with pytest.raises(ValueError, match="rollout_n = 1: GRPO compares the responses to one prompt"):
+        run_training(TrainConfig(**{**cfg.__dict__, "rollout_n": 1}), stack.frontend, grouping=GroupAdvantage())
+    # `ppoz train --advantage grpo`: the drivers group, and the learner started here is told, KL in the loss as k3
+    grouping, flags = advantage_settings(None, "grpo")
+    assert grouping == GroupAdvantage() and flags == ["--gen-advantage", "grpo", "--no-gen-kl-in-reward", "--gen-kl-estimator", "k3"]
+    (tmp_path / "k2.toml").write_text("[generation]\nkl_estimator = 'k2'\ngrpo_scale_by_std = false\n")
+    grouping, flags = advantage_settings(str(tmp_path / "k2.toml"), "grpo")  # the file's own choices stand
+    assert grouping == GroupAdvantage(scale_by_std=False) and flags == ["--gen-advantage", "grpo", "--no-gen-kl-in-reward"]
+    assert advantage_settings(str(tmp_path / "k2.toml"), None) == (None, [])

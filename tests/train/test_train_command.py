@@ -1,5 +1,6 @@
 """`ppoz train` on one machine: it starts the stack as processes (embedded Redis, broker, actor, learner),
-drives it with the dataset, validates before and after, and ends with the summary as JSON."""
+drives it with the dataset, validates before and after, and ends with the summary as JSON. It runs GRPO
+(`--advantage grpo`): the demo's test runs the default, GAE, through the same path."""
 
 from __future__ import annotations
 
@@ -41,12 +42,16 @@ def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
             sys.executable, "-m", "ppoz.cli", "train", "--config", str(config), "--model", str(model),
             "--data", str(tmp_path / "train.jsonl"), "--val", str(tmp_path / "val.jsonl"),
             "--reward-fn", f"{tmp_path / 'reward.py'}:compute_score", "--epochs", "0", "--max-samples", "96", "--json",
+            "--advantage", "grpo", "--rollout-n", "2",
         ],
         capture_output=True, text=True, timeout=540, cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 96 and summary["rewarded"] == 96 and summary["unrewarded"] == 0
+    assert summary["groups"] == 48 and "uniform_groups" in run.stdout
+    # the learner started here was told: it trains without a critic (no value loss) and does not disagree
+    assert "give both the same setting" not in run.stderr and "value_loss" not in summary["learner"], summary["learner"]
     assert 0.0 <= summary["val_before"] <= 1.0 and 0.0 <= summary["val_after"] <= 1.0
     assert summary["learner"].get("version", 0) >= 1, summary  # the learner trained on what the drivers sent
     assert "validation reward before" in run.stdout and "samples " in run.stdout
