@@ -189,11 +189,12 @@ def drive(
     grouping: GroupAdvantage | None = None,
 ) -> DriverProgress:
     """Drive `records` in `order` from position `start` until the order ends, `limit` positions were
-    taken or `stop` is set; the progress. A record the broker or actor refuses (a prompt over the
-    model's context, messages its chat template refuses), whose response or turn missed its deadline,
-    or whose session went away is counted unrewarded with the reason, and the worker goes on with a
-    fresh task; any other error stops the worker that met them (its positions counted unrewarded, the
-    reason in `progress.stopped_workers`), and the others go on.
+    taken (with `grouping`, the group that reaches it is finished) or `stop` is set; the progress. A
+    record the broker or actor refuses (a prompt over the model's context, messages its chat template
+    refuses), whose response or turn missed its deadline, or whose session went away is counted
+    unrewarded with the reason, and the worker goes on with a fresh task; any other error stops the
+    worker that met them (its positions counted unrewarded, the reason in `progress.stopped_workers`),
+    and the others go on.
 
     With `grouping` (GRPO), a worker takes the order's samples of one prompt together (one task each),
     and sends each response's group-relative advantage over the group's rewards instead of its reward;
@@ -210,7 +211,7 @@ def drive(
         with take_lock:
             group: list[tuple[int, PromptRecord]] = []
             prompt: tuple[int, int] | None = None  # (epoch, record index) of the group's prompt
-            while not stop.is_set() and (limit is None or taken[0] < limit):
+            while group or (not stop.is_set() and (limit is None or taken[0] < limit)):  # a group is taken whole
                 following = held.pop() if held else next(positions, None)
                 if following is None:
                     break

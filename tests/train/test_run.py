@@ -109,6 +109,9 @@ def test_grpo_runs_whole_groups_and_says_when_the_learner_disagrees(stack, tmp_p
         "the learner trains with [generation] advantage = gae but these drivers send group-relative advantages (grpo):"
         " give both the same setting"
     ) == 1
+    # a limit that falls inside a group finishes that group: a group is never cut short
+    cut = run_training(TrainConfig(**{**cfg.__dict__, "max_samples": 4, "resume": False}), stack.frontend, grouping=GroupAdvantage())
+    assert cut["samples"] == 6 and cut["groups"] == 2
     with pytest.raises(ValueError, match="rollout_n = 1: GRPO compares the responses to one prompt"):
         run_training(TrainConfig(**{**cfg.__dict__, "rollout_n": 1}), stack.frontend, grouping=GroupAdvantage())
     # `ppoz train --advantage grpo`: the drivers group, and the learner started here is told, KL in the loss as k3
