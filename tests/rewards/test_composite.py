@@ -9,11 +9,11 @@ import statistics
 import pytest
 
 from common.tiny_models import build_tiny_reward_model
+from ppoz.bench.judge_stand_in import chat_server
 from rewards.composite import CompositeReward, Item, RunningMoments, prompt_text
 from rewards.functions import default_compute_score, math_score
 from rewards.judge import Judge, JudgeConfig
 from rewards.reward_model import RewardModel, RewardModelConfig
-from tests.rewards.chat_api import chat_server
 
 
 def test_a_weighted_sum_of_a_rule_and_a_reward_model(tmp_path) -> None:

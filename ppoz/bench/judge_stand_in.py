@@ -1,13 +1,17 @@
-"""A stand-in for a remote judge: a local HTTP server speaking the chat-completions API (loopback, random port).
+"""A stand-in for a remote LLM judge: a local HTTP server speaking the chat-completions API (loopback, random port).
 
-`answer(request_json, n)` decides each reply (n counts requests from 1): a string (the assistant's
-message), or (status, seconds to wait first, message or error text). The server records every request
-(body, and headers with lower-case names) and the most requests it held at once.
+`ppoz bench drivers` scores responses against it, and the tests of the judge use it too, so there
+is one stand-in. `answer(request_json, n)` decides each reply (n counts requests from 1): a string
+(the assistant's message), or (status, seconds to wait first, message or error text);
+`scoring(latency_s)` is the judge a benchmark wants: every reply after `latency_s`, ending with
+`Score: 1`. The server records every request (body, and headers with lower-case names) and the most
+requests it held at once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +19,24 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 Answer = str | tuple[int, float, str]
+
+
+def scoring(latency_s: float, reply: str = "The response answers the question. Score: 1") -> Callable[[dict[str, Any], int], Answer]:
+    """An answer that replies `reply` (a verdict ending in `Score: N`) after `latency_s`, like a remote LLM."""
+    if latency_s < 0:
+        raise ValueError(f"`latency_s` must be >= 0, got {latency_s}")
+    return lambda body, n: (200, latency_s, reply)
+
+
+class _Server(ThreadingHTTPServer):
+    # socketserver's listen backlog is 5: with more judge requests than that connecting at once, the
+    # kernel drops the extra SYNs and the client resends them a second later, a latency the stand-in
+    # would add and a real judge's endpoint does not.
+    request_queue_size = 1024
+    daemon_threads = True
 
 
 class ChatServer:
@@ -73,8 +94,7 @@ class ChatServer:
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
                     pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
 
@@ -83,6 +103,7 @@ def chat_server(answer: Callable[[dict[str, Any], int], Answer]) -> Iterator[Cha
     server = ChatServer(answer)
     thread = threading.Thread(target=server.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
+    log.debug("chat-completions stand-in at %s", server.base_url)
     try:
         yield server
     finally:
