@@ -131,6 +131,7 @@ class DriverProgress:
     groups: int = 0  # GRPO: groups settled
     uniform_groups: int = 0  # GRPO: groups whose rewarded responses all scored the same (advantages all 0: nothing to learn)
     lone: int = 0  # GRPO: rewarded responses not trained on, the only rewarded one of their group
+    recent_uniform: list[bool] = field(default_factory=list)  # GRPO: whether each of the last groups scored alike
     recent: list[float] = field(default_factory=list)  # the last rewards, for a moving mean
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -162,8 +163,11 @@ class DriverProgress:
             self.groups += 1
             if len(rewards) == 1:
                 self.lone += 1
-            elif len(rewards) >= 2 and max(rewards) == min(rewards):
-                self.uniform_groups += 1
+            elif len(rewards) >= 2:
+                uniform = max(rewards) == min(rewards)
+                self.uniform_groups += uniform
+                self.recent_uniform.append(uniform)
+                del self.recent_uniform[:-100]
 
     def recent_mean(self, n: int = 100) -> float | None:
         """The mean of the last `n` rewards; None before the first."""

@@ -134,8 +134,9 @@ def progress_line(done: int, total: int | None, progress: DriverProgress, elapse
         f"unrewarded {progress.unrewarded}",
         f"tokens/s {progress.response_tokens / max(elapsed, 1e-9):.1f}",
     ]
-    if progress.groups:  # GRPO: groups whose responses all scored alike teach nothing (advantages 0)
-        parts.append(f"uniform_groups {progress.uniform_groups / progress.groups:.0%}")
+    recent = progress.recent_uniform[-100:]
+    if recent:  # GRPO: the share of the last 100 groups whose responses all scored alike (advantages 0: nothing learned)
+        parts.append(f"uniform_groups {sum(recent) / len(recent):.0%}")
     parts += [f"{name} {learner[key]:.4g}" for name, key in LEARNER_FIGURES.items() if key in learner and math.isfinite(learner[key])]
     return "  ".join(parts)
 
