@@ -43,7 +43,7 @@ from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
 from common.segments import RedisKeys
 from common.shared_settings import PolicyStamp
-from common.zmqio import bound, recv_frames, send_frames
+from common.zmqio import bound, recv_frames, send_frames, split_envelope
 
 log = logging.getLogger(__name__)
 
@@ -297,14 +297,11 @@ class Broker:
     def on_client_frames(self, frames: list[bytes]) -> None:
         """Split the envelope, decode, check, and hand the request to its handler."""
         self.metrics["broker/requests"] += 1  # every message, well framed or not
-        if len(frames) == 3 and frames[1] == b"":
-            envelope: tuple[bytes, ...] = (frames[0], b"")
-            body = frames[2]  # the client sent [empty, body] (DEALER) or REQ added the empty frame
-        elif len(frames) == 2:
-            envelope, body = (frames[0],), frames[1]  # the client sent [body] alone
-        else:
+        split = split_envelope(frames)
+        if split is None:
             self.metrics["dropped/malformed_frames"] += 1
             return
+        envelope, body = split
         msg: dict[str, Any] = {}
         try:
             if len(body) > self.limits.max_message_bytes:

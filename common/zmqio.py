@@ -28,6 +28,16 @@ def bound(sock: zmq.Socket | None, what: str) -> zmq.Socket:
     return sock
 
 
+def split_envelope(frames: list[bytes]) -> tuple[tuple[bytes, ...], bytes] | None:
+    """A ROUTER's request as (envelope, body): the peer sent [empty, body] (a DEALER, or a REQ that added
+    the empty frame) or [body] alone; None for any other framing. A reply goes out as [*envelope, body]."""
+    if len(frames) == 3 and frames[1] == b"":
+        return (frames[0], b""), frames[2]
+    if len(frames) == 2:
+        return (frames[0],), frames[1]
+    return None
+
+
 def send_frames(sock: zmq.Socket, frames: list[bytes] | tuple[bytes, ...]) -> None:
     """Send a multipart message without blocking."""
     last = len(frames) - 1

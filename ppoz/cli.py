@@ -128,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     train_command.add_arguments(p)
     p.set_defaults(func=train_command.main)
 
+    from ppoz import reward_server
+
+    p = sub.add_parser(
+        "reward-server",
+        help="serve a reward model and/or LLM judge to every driver of a farm (docs/train.md)",
+        description="Load the [reward_service] table's reward model and/or judge once and serve rm_score and judge "
+        "requests over ZeroMQ to every `ppoz train` driver whose [train] reward_service points here. See docs/train.md.",
+    )
+    reward_server.add_arguments(p)
+    p.set_defaults(func=reward_server.main)
+
     from ppoz import play
 
     p = sub.add_parser(

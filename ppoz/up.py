@@ -1,10 +1,11 @@
 """`ppoz up`: a whole stack on one machine from one config file.
 
 The file is the one each component reads on its own ([broker], [actor],
-[learner] tables, top-level keys for all), plus an [up] table saying what to
-start here. Each component runs as its own `ppoz broker|actor|learner|play`
-process with `--config FILE`, so a farm that outgrows one machine moves a
-component elsewhere by running that same command there (docs/farm.md).
+[learner], [reward_service] tables, top-level keys for all), plus an [up] table
+saying what to start here. Each component runs as its own `ppoz broker|actor|
+learner|play|reward-server` process with `--config FILE`, so a farm that
+outgrows one machine moves a component elsewhere by running that same command
+there (docs/farm.md).
 Addresses are wired here: the actors connect to the broker's back end and the
 learner's weight endpoint, the environment clients to the broker's front end,
 everyone to the same Redis (embedded unless a URL is given).
@@ -19,11 +20,11 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import check, load, option, section
+from common.config import check, load, option, read_toml, section
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,14 @@ class UpConfig:
     env: str = option("", "environment clients to start as well: kea, frozenlake, cliffwalking or taxi (empty: none)")
     env_clients: int = option(4, "environment clients (threads of one `ppoz play` process)")
     env_broker: str = option("", "the broker's client endpoint for the environment clients when the broker runs elsewhere")
+    reward_service: bool = option(
+        False, "start `ppoz reward-server` here: the [reward_service] table's reward model and/or judge, for every driver of the farm"
+    )
     on_failure: str = option("restart", "a component that dies is restarted (`restart`) or stops the whole stack (`stop`)")
     max_restarts: int = option(5, "restarts of one component before the whole stack stops")
     stop_timeout_s: float = option(30.0, "how long a component may take to stop after SIGTERM before it is killed")
     log_lines: int = option(20, "last log lines shown when a component dies")
-    ready_timeout_s: float = option(300.0, "longest wait for the broker to answer after start")
+    ready_timeout_s: float = option(300.0, "longest wait for the broker (and the reward service) to answer after start")
     cpu_threads: int = option(
         0,
         "CPU threads of each actor and of the learner (OMP_NUM_THREADS); 0: this machine's cores shared among them,"
@@ -93,16 +97,17 @@ def started_stack(
     checkpoint_dir: str = "",
     learner_flags: Sequence[str] = (),
 ) -> Iterator[Stack]:
-    """Start what `up` says (the embedded Redis first, then broker, learner, actors, environment clients),
-    each component reading `config_file` (`model`, if given, overrides [policy] model for actors and
-    learner; `checkpoint_dir` the learner's; `learner_flags` are more of `ppoz learner`'s flags, which
-    override the file); stop everything on leaving. The caller watches the
+    """Start what `up` says (the embedded Redis first, then the reward service, broker, learner, actors,
+    environment clients), each component reading `config_file` (`model`, if given, overrides [policy]
+    model for actors and learner; `checkpoint_dir` the learner's; `learner_flags` are more of `ppoz
+    learner`'s flags, which override the file); stop everything on leaving. The caller watches the
     supervisor (`Stack.supervisor.watch()`)."""
     from actor_node.config import ActorConfig
     from broker.config import BrokerConfig
     from common.redis_server import EmbeddedRedis
     from learner_node.config import LearnerConfig
     from ppoz.supervisor import Supervisor
+    from rewards.config import RewardServiceConfig
 
     policy_flags = {"policy.model": model} if model else {}
     model_args = ["--model", model] if model else []
@@ -112,10 +117,12 @@ def started_stack(
     # The embedded Redis's URL is known only once it runs; validate with a stand-in.
     stand_in = {"redis_url": up.redis_url or "redis://embedded", **policy_flags}
     learner = load(LearnerConfig, config_file, stand_in) if up.learner else None
+    rewards = load(RewardServiceConfig, config_file) if up.reward_service else None
     for name, endpoint in (
         ("broker.frontend", broker.frontend),
         ("broker.backend", broker.backend),
         ("learner.weights_bind", learner.weights_bind if learner else ""),
+        ("reward_service.bind", rewards.bind if rewards else ""),
     ):
         check(not endpoint.endswith(":*"), f"{name} = {endpoint!r}: `ppoz up` needs fixed ports to wire components together")
     if up.actors and not actor.policy.model:
@@ -134,9 +141,12 @@ def started_stack(
         redis_url = embedded.url
         log.info("embedded redis-server at %s", redis_url)
     common = [sys.executable, "-m", "ppoz.cli", "--log-level", log_level]
-    torch_env = thread_env(up.cpu_threads, up.actors + int(up.learner))
+    torch_env = thread_env(up.cpu_threads, up.actors + int(up.learner) + int(bool(rewards and rewards.reward_model)))
     config = ["--config", config_file] if config_file else []
     sup = Supervisor(up.on_failure, up.max_restarts, up.stop_timeout_s, up.log_lines)
+    if rewards:  # first: its model loads while the others start, and it stops last, after every driver's broker
+        sup.add("reward-server", [*common, "reward-server", *config], torch_env)
+        _warn_if_unused(config_file, rewards.bind)
     if up.broker:
         sup.add("broker", [*common, "broker", *config, "--redis-url", redis_url])
     if up.learner:
@@ -167,6 +177,8 @@ def started_stack(
         )
     try:
         sup.start_all(lambda c: _wait_ready(c.name, client_broker, up.ready_timeout_s, sup))
+        if rewards:
+            _wait_answering("reward-server", connect_address(rewards.bind), _reward_service_answers, up.ready_timeout_s, sup)
         yield Stack(client_broker, redis_url, broker.key_prefix, sup)
     finally:
         sup.stop_all()
@@ -203,19 +215,53 @@ def thread_env(cpu_threads: int, torch_processes: int) -> dict[str, str]:
 
 def _wait_ready(name: str, frontend: str, timeout: float, sup: Any) -> None:
     """After the broker starts, wait until it answers, so that the others find it there."""
-    if name != "broker":
-        return
+    if name == "broker":
+        _wait_answering("broker", frontend, _broker_answers, timeout, sup)
+
+
+def _wait_answering(name: str, address: str, answers: Callable[[str], bool], timeout: float, sup: Any) -> None:
+    """Ask `answers(address)` (one try of about a second) until it is true, `timeout` passes, or the stack stops."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not sup.stop_event.is_set():
+        if answers(address):
+            return
+        sup.check()  # a component that dies at start is reported now, not after the timeout
+    if not sup.stop_event.is_set():
+        log.error("the %s did not answer at %s within %.0f s", name, address, timeout)
+        sup.failed = name
+        sup.stop()
+
+
+def _broker_answers(frontend: str) -> bool:
     from client import Client, PPOZError
 
-    end = time.monotonic() + timeout
     with Client(frontend, deadline=1.0, attempt_timeout=1.0) as c:
-        while time.monotonic() < end and not sup.stop_event.is_set():
-            try:
-                c.ping()
-                return
-            except PPOZError:
-                sup.check()  # a broker that dies at start is reported now, not after the timeout
-    if not sup.stop_event.is_set():
-        log.error("the broker did not answer at %s within %.0f s", frontend, timeout)
-        sup.failed = "broker"
-        sup.stop()
+        try:
+            c.ping()
+            return True
+        except PPOZError:
+            return False
+
+
+def _reward_service_answers(endpoint: str) -> bool:
+    from rewards.service import RewardServiceClient, RewardServiceError
+
+    client = RewardServiceClient(endpoint, timeout_s=1.0, retries=0)
+    try:
+        client.ping()
+        return True
+    except RewardServiceError:
+        return False
+    finally:
+        client.close()
+
+
+def _warn_if_unused(config_file: str | None, bind: str) -> None:
+    """`ppoz train`'s drivers use the service only through [train] reward_service: say so when the file forgets it."""
+    train = read_toml(config_file).get("train") if config_file else None
+    if isinstance(train, dict) and not train.get("reward_service"):
+        log.warning(
+            "[up] reward_service starts the reward service but [train] reward_service is empty: ppoz train's drivers"
+            ' will not use it (set [train] reward_service = "%s")',
+            connect_address(bind),
+        )

@@ -2,17 +2,17 @@
 
 Components, each named as in the config table:
     rule_score   the reward function (rewards/functions.py)
-    rm_score     the local reward model (rewards/reward_model.py)
-    judge_score  the LLM judge (rewards/judge.py), in [0, 1]
+    rm_score     the local reward model (rewards/reward_model.py), or a reward service's (rewards/service.py)
+    judge_score  the LLM judge (rewards/judge.py), or a reward service's, in [0, 1]
 
     [train.reward]
     weights = { rm_score = 0.7, rule_score = 0.3 }
     normalise = "running"   # none | running: (r - mean) / std over every reward so far
     clip = 5.0              # |r| <= clip after normalisation; 0: no clipping
 
-A response whose component cannot be computed (the reward function raised RewardError, the judge's
-reply was unreadable or its request failed) gets no reward: `Scored.reward` is None and `error` says
-why. The driver then leaves that turn out of training; it never becomes a 0.
+A response whose component cannot be computed (the reward function or the reward model raised
+RewardError, the judge's reply was unreadable or its request failed) gets no reward: `Scored.reward`
+is None and `error` says why. The driver then leaves that turn out of training; it never becomes a 0.
 """
 
 from __future__ import annotations
@@ -140,7 +140,13 @@ class CompositeReward:
                 components[i]["rule_score"], extras[i] = score.reward, score.extra
         if "rm_score" in self.weights:
             todo = [i for i in range(len(items)) if not errors[i]]  # a response already without a reward costs nothing more
-            for i, value in zip(todo, self.reward_model.score([(items[i].prompt, items[i].response) for i in todo])):
+            try:
+                values = self.reward_model.score([(items[i].prompt, items[i].response) for i in todo])
+            except RewardError as e:  # a reward service that does not answer, a response over the model's limit
+                values = []
+                for i in todo:
+                    errors[i] = _named(items[i], str(e))
+            for i, value in zip(todo, values):
                 components[i]["rm_score"] = float(value)
         if "judge_score" in self.weights:
             todo = [i for i in range(len(items)) if not errors[i]]

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from common.config import check, option, section
+from rewards.config import RewardSources
 
 
 @section("train")
 @dataclass
-class TrainConfig:
+class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/config.py, shared with [reward_service]
     data: str = option("", "the training prompts: JSON, JSONL or Parquet records {prompt, ground_truth, data_source, extra_info}")
     val: str = option("", "validation prompts in the same format (empty: no validation)")
     val_size: int = option(0, "validate on the first N validation records (0: all of them)")
@@ -32,15 +34,13 @@ class TrainConfig:
         "module:function, path/file.py:function, or a built-in: default (by data_source), math, exact_match, first_word;"
         " empty: `default` unless a reward model or judge is set",
     )
-    reward_model: str = option("", "a local AutoModelForSequenceClassification directory (rm_score)")
-    reward_model_device: str = option("cpu", "the reward model's device")
-    judge_model: str = option("", "the LLM judge's model name (judge_score); empty: no judge")
-    judge_provider: str = option("openai", "dashscope, openai, gemini or claude (keys from their usual variables)")
-    judge_base_url: str = option("", "an OpenAI-compatible endpoint of your own (overrides the provider's)")
-    judge_api_key_env: str = option("", "the variable holding the judge's key (default: the provider's; with judge_base_url: none)")
-    judge_preset: str = option("math", "math, code, dialogue or safety")
-    judge_concurrency: int = option(8, "judge requests in flight at once")
-    judge_timeout_s: float = option(60.0, "one judge request's timeout")
+    reward_service: str = option(
+        "",
+        "a `ppoz reward-server` endpoint (e.g. tcp://rewards-host:5560): rm_score and judge_score come from it, and"
+        " reward_model and judge_model stay empty here",
+    )
+    reward_service_timeout_s: float = option(60.0, "longest wait for one answer of the reward service before the request is sent again")
+    reward_service_retries: int = option(2, "times an unanswered request to the reward service is sent again (then: unrewarded)")
     weights: dict = option({}, "reward component weights (TOML only), e.g. {rule_score = 0.3, rm_score = 0.7}; empty: 1.0 each", cli=False)
     reward_normalise: str = option("none", "none, or running: (r - mean) / std over the rewards so far")
     reward_clip: float = option(0.0, "|reward| <= this after normalisation (0: no clipping)")
@@ -53,6 +53,7 @@ class TrainConfig:
     report_every_s: float = option(10.0, "seconds between progress lines")
 
     def __post_init__(self) -> None:
+        self.check_reward_sources()
         check(self.epochs >= 0, f"[train] epochs = {self.epochs}: must be 0 (until stopped) or more")
         check(self.rollout_n >= 1, f"[train] rollout_n = {self.rollout_n}: must be at least 1")
         check(self.workers >= 1, f"[train] workers = {self.workers}: must be at least 1")
@@ -69,16 +70,27 @@ class TrainConfig:
         check(all(isinstance(s, str) and s for s in self.stop), f"[train] stop = {self.stop!r}: non-empty strings")
         for name, weight in self.weights.items():
             check(isinstance(weight, (int, float)) and not isinstance(weight, bool), f"[train] weights.{name} = {weight!r}: a number")
+        if self.reward_service:
+            for name in ("reward_model", "judge_model"):
+                check(
+                    not getattr(self, name),
+                    f"[train] {name} = {getattr(self, name)!r} and reward_service = {self.reward_service!r}: the service hosts the"
+                    f" reward model and the judge ([reward_service] {name}); leave [train] {name} empty",
+                )
+            timeout, retries = self.reward_service_timeout_s, self.reward_service_retries
+            check(timeout > 0, f"[train] reward_service_timeout_s = {timeout}: must be positive")
+            check(retries >= 0, f"[train] reward_service_retries = {retries}: must be 0 or more")
 
-    def reward_weights(self) -> dict[str, float]:
-        """The weights given, or 1.0 for each configured source (the built-in function when none is)."""
+    def reward_weights(self, service_components: Collection[str] = ()) -> dict[str, float]:
+        """The weights given, or 1.0 for each configured source (the built-in function when none is);
+        `service_components`: what the reward service hosts (rm_score, judge_score), when one is used."""
         if self.weights:
             return {k: float(v) for k, v in self.weights.items()}
         out = {}
         if self.reward_fn:
             out["rule_score"] = 1.0
-        if self.reward_model:
+        if self.reward_model or "rm_score" in service_components:
             out["rm_score"] = 1.0
-        if self.judge_model:
+        if self.judge_model or "judge_score" in service_components:
             out["judge_score"] = 1.0
         return out or {"rule_score": 1.0}  # nothing set: the built-in reward `data_source` picks

@@ -1,0 +1,552 @@
+"""One reward model and/or LLM judge that every driver of a farm calls over ZeroMQ (`ppoz reward-server`).
+
+Why a service: a driver that loads a reward model itself holds a copy per driver process, and each
+driver keeps its own limit on the judge's requests. One service holds the model once, scores the
+pairs of several drivers in one batch, and keeps one limit on the judge for the whole farm.
+
+The contract (docs/train.md, "A shared reward service"). Every message is one msgpack map; a client's
+DEALER socket sends [empty frame, request] and gets [empty frame, reply]:
+
+    request                                                   reply
+    {op: "ping", rid}                                         {op, rid, components, reward_model, judge_model, max_items}
+    {op: "rm_score", rid, pairs: [[prompt, response], ...]}   {op, rid, scores: [float, ...]}          (in order)
+    {op: "judge", rid, items: [[prompt, response, ground_truth], ...]}
+                                                              {op, rid, verdicts: [{reward, raw_score, reply, error, cached}, ...]}
+    any refused request                                       {op, rid, error: {code, message}}
+
+`rid` is the client's request id (1 to 64 bytes), echoed in the reply. A request sent again with the
+same rid while the first is still being scored joins it rather than being scored twice (a client that
+timed out and retried). `components` names what the service hosts, as CompositeReward names them
+(rm_score, judge_score). A verdict's `reward` is in [0, 1], or nil with `error` saying why (the judge's
+reply was unreadable, its request failed): that response gets no reward, never a 0. `ground_truth` is
+any msgpack value; the clients here send its text, which is what the judge's template makes of it.
+
+Error codes (`ERROR_CODES`): bad_request, unknown_op, not_hosted, too_large, overloaded (retry after
+`retry_after_ms`), timeout (the request waited past `queue_timeout_s`), scoring_failed, internal.
+
+Threads of the server: the socket's loop (reads, checks, answers `ping` at once, sends every reply);
+one reward-model thread (batches the queued `rm_score` requests of all drivers); `judge_workers`
+threads for `judge` requests, so a slow judge never holds up a reward-model request or a ping. The
+scoring itself is the RewardModel's and the Judge's (rewards/reward_model.py, rewards/judge.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+
+from common import protocol as p
+from common.sd_notify import Notifier
+from common.zmqio import bound, recv_frames, send_frames, split_envelope
+from rewards.config import RewardServiceConfig
+from rewards.functions import RewardError
+from rewards.judge import Verdict
+
+log = logging.getLogger(__name__)
+
+# --- The contract ------------------------------------------------------------------------------
+OP_PING = "ping"
+OP_RM_SCORE = "rm_score"
+OP_JUDGE = "judge"
+OPS = (OP_PING, OP_RM_SCORE, OP_JUDGE)
+COMPONENT_OF_OP = {OP_RM_SCORE: "rm_score", OP_JUDGE: "judge_score"}  # CompositeReward's names
+E_NOT_HOSTED = "not_hosted"
+E_SCORING_FAILED = "scoring_failed"
+ERROR_CODES: dict[str, str] = {
+    p.E_BAD_REQUEST: "not a msgpack map, a missing field, or a field of the wrong type; the message names it",
+    p.E_UNKNOWN_OP: "`op` is none of ping, rm_score, judge",
+    E_NOT_HOSTED: "the service hosts no reward model (rm_score) or no judge (judge); `ping` says what it hosts",
+    p.E_TOO_LARGE: "the request is over `max_request_bytes`, or has more than `max_items` pairs or items",
+    p.E_OVERLOADED: "too many requests in progress, or the service is stopping; send it again after `retry_after_ms`",
+    p.E_TIMEOUT: "the request waited longer than the service's `queue_timeout_s` to be scored",
+    E_SCORING_FAILED: "the reward model or the judge failed on this request; the message says why",
+    p.E_INTERNAL: "the service failed while handling the request; see its log",
+}
+RETRIED_CODES = frozenset({p.E_OVERLOADED, p.E_TIMEOUT})  # sent again by the clients; the others are final
+CLIENT_CHUNK = 256  # pairs or items per request from the clients here (below the service's default max_items)
+VERDICT_FIELDS = ("reward", "raw_score", "reply", "error", "cached")
+
+
+def verdict_to_wire(verdict: Verdict) -> dict[str, Any]:
+    return {name: getattr(verdict, name) for name in VERDICT_FIELDS}
+
+
+def verdict_from_wire(body: Any, where: str) -> Verdict:
+    """A verdict as the service sent it; one that is not a map of the contract's fields is the service's fault, named."""
+    if not isinstance(body, dict) or any(name not in body for name in VERDICT_FIELDS):
+        raise RewardServiceError(f"{where}: a verdict must be a map of {', '.join(VERDICT_FIELDS)}, got {body!r:.120}")
+    number = (int, float, type(None))
+    if not isinstance(body["reward"], number) or not isinstance(body["raw_score"], number):
+        raise RewardServiceError(f"{where}: a verdict's reward and raw_score must be numbers or nil, got {body!r:.120}")
+    reward, raw = body["reward"], body["raw_score"]
+    return Verdict(
+        None if reward is None else float(reward),
+        None if raw is None else float(raw),
+        str(body["reply"]),
+        str(body["error"]),
+        bool(body["cached"]),
+    )
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_request_bytes: int
+    max_items: int
+
+
+def check_rows(body: dict[str, Any], name: str, columns: tuple[str, ...], limits: Limits) -> list[tuple[Any, ...]]:
+    """`body[name]`: an array of rows [prompt, response(, ground_truth)]; prompt and response are str.
+    Raises bad_request or too_large naming the field (`pairs[3][1]`, the response)."""
+    shape = "[" + ", ".join(columns) + "]"
+    rows = p.require(body, name, list, f"an array of {shape} arrays")
+    if len(rows) > limits.max_items:
+        raise p.ProtocolError(p.E_TOO_LARGE, f"`{name}` has {len(rows)} entries, the limit is {limits.max_items}")
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != len(columns):
+            got = f"an array of {len(row)}" if isinstance(row, list) else type(row).__name__
+            raise p.ProtocolError(p.E_BAD_REQUEST, f"`{name}[{i}]` must be an array {shape}, got {got}")
+        for j, column in enumerate(columns[:2]):  # prompt and response; a ground truth may be any value
+            if not isinstance(row[j], str):
+                raise p.ProtocolError(p.E_BAD_REQUEST, f"`{name}[{i}][{j}]` ({column}) must be a str, got {type(row[j]).__name__}")
+    return [tuple(row) for row in rows]
+
+
+def split(values: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
+    """`values` cut into consecutive runs of `sizes` (one batch's scores, back to the requests it joined)."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(values[start : start + size]))
+        start += size
+    return out
+
+
+# --- The server ----------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """One request being scored; `envelopes`: where its reply goes (more than one when a retry joined it)."""
+
+    op: str
+    rid: Any
+    rows: list[tuple[Any, ...]]
+    envelopes: list[tuple[bytes, ...]]
+    received: float = field(default_factory=time.monotonic)
+
+
+class RewardService:
+    """Serves `ping`, `rm_score` and `judge` on one ROUTER socket until stop(); the models are given built."""
+
+    def __init__(self, cfg: RewardServiceConfig, reward_model: Any = None, judge: Any = None, context: zmq.Context | None = None) -> None:
+        if reward_model is None and judge is None:
+            raise ValueError("a reward service needs a reward model, a judge or both")
+        self.cfg = cfg
+        self.reward_model = reward_model  # rewards.reward_model.RewardModel: score(pairs) -> list[float]
+        self.judge = judge  # rewards.judge.Judge: judge_many(items) -> list[Verdict]
+        self.components = [name for name, source in (("rm_score", reward_model), ("judge_score", judge)) if source is not None]
+        self.limits = Limits(cfg.max_request_bytes, cfg.max_items)
+        self.ctx = context or zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self.endpoint = ""
+        self.counts: Counter[str] = Counter()  # through _count: the workers add to it too
+        self._counts_lock = threading.Lock()
+        self.notifier = Notifier()
+        self._stopping = threading.Event()
+        self._in_progress: dict[tuple[str, Any], Job] = {}  # the loop's own: only its thread reads or writes it
+        self._finished: queue.SimpleQueue[tuple[Job, dict[str, Any]]] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()  # a worker's finished job wakes the loop's poll
+        os.set_blocking(self._wake_write, False)
+        self._wake_lock = threading.Lock()  # a late worker must never write to a closed (and maybe reused) descriptor
+        self._closed = False
+        self._rm_queue: queue.Queue[Job | None] = queue.Queue()
+        self._rm_thread: threading.Thread | None = None
+        self._judge_pool = ThreadPoolExecutor(max_workers=cfg.judge_workers, thread_name_prefix="judge-request")
+
+    def start(self) -> None:
+        """Bind the socket (an endpoint ending in `:*` takes a free port: `endpoint` says which) and start the workers."""
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a client gone since is an error we count, not a silent drop
+        # Requests far over the limit are refused by libzmq itself, so they never fill memory; those a little
+        # over it get `too_large`.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.cfg.max_request_bytes + 65536)
+        sock.bind(self.cfg.bind)
+        self.sock = sock
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.reward_model is not None:
+            self._rm_thread = threading.Thread(target=self._reward_model_loop, name="reward-model", daemon=True)
+            self._rm_thread.start()
+        self.notifier.ready(f"rewards on {self.endpoint}: {', '.join(self.components)}")
+
+    def stop(self) -> None:
+        """Stop taking requests and finish those in progress (up to drain_timeout_s). Safe from a signal handler."""
+        self._stopping.set()
+
+    def run(self) -> None:
+        """Serve until stop(), then drain."""
+        sock = bound(self.sock, "the reward service's socket")
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        drain_until: float | None = None
+        while True:
+            now = time.monotonic()
+            if self._stopping.is_set() and drain_until is None:
+                drain_until = now + self.cfg.drain_timeout_s
+                log.info("stopping: finishing %d requests in progress (up to %.0f s)", len(self._in_progress), self.cfg.drain_timeout_s)
+                self.notifier.stopping(f"finishing {len(self._in_progress)} requests")
+            if drain_until is not None and (not self._in_progress or now >= drain_until):
+                break
+            events = dict(poller.poll(200))
+            if self._wake_read in events:
+                os.read(self._wake_read, 4096)
+            self._send_finished(sock)
+            if sock in events:
+                for _ in range(256):  # a turn's share, so the finished replies go out between floods of requests
+                    try:
+                        frames = recv_frames(sock)
+                    except zmq.Again:
+                        break
+                    self.on_frames(sock, frames)
+            self.notifier.watchdog(now)
+        if self._in_progress:
+            log.warning("%d requests unanswered after drain_timeout_s; their drivers will retry elsewhere", len(self._in_progress))
+
+    def close(self) -> None:
+        """After run() returned: stop the workers, close the socket. A second call does nothing."""
+        with self._wake_lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+        self._stopping.set()
+        self._rm_queue.put(None)
+        if self._rm_thread is not None:
+            self._rm_thread.join(self.cfg.drain_timeout_s + 5)
+        self._judge_pool.shutdown(wait=False, cancel_futures=True)
+        if self.sock is not None and not self.sock.closed:
+            self.sock.close(linger=0)
+        self.notifier.close()
+
+    def summary(self) -> str:
+        with self._counts_lock:
+            return ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items())) or "no requests"
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self.counts[key] += n
+
+    # --- the loop's side -------------------------------------------------------------------------
+    def on_frames(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        """Split the envelope, decode, check, and answer (ping) or hand the request to its workers."""
+        self._count("requests")
+        split = split_envelope(frames)
+        if split is None:
+            self._count("dropped/malformed_frames")
+            return
+        envelope, body = split
+        msg: dict[str, Any] = {}
+        try:
+            if len(body) > self.limits.max_request_bytes:
+                raise p.ProtocolError(p.E_TOO_LARGE, f"the request is {len(body)} bytes, the limit is {self.limits.max_request_bytes}")
+            msg = p.decode(body)
+            p.check_rid(msg.get("rid"))
+            op = p.require(msg, "op", str, f"a str: {', '.join(OPS)}")
+            if op == OP_PING:
+                self._send(sock, [envelope], self.ping_reply(msg["rid"]))
+            elif op in COMPONENT_OF_OP:
+                self._admit(op, msg, envelope)
+            else:
+                raise p.ProtocolError(p.E_UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(OPS)}")
+        except p.ProtocolError as e:
+            self._count(f"errors/{e.code}")
+            header = msg or p.read_header(body)  # unread (too large, undecodable): its rid, if one can be read
+            self._send(sock, [envelope], error_reply(header.get("op"), header.get("rid"), e))
+        except Exception:
+            log.exception("internal error on a %r request", msg.get("op"))
+            self._count(f"errors/{p.E_INTERNAL}")
+            self._send(sock, [envelope], error_reply(msg.get("op"), msg.get("rid"), p.ProtocolError(p.E_INTERNAL, "see the service's log")))
+
+    def ping_reply(self, rid: Any) -> dict[str, Any]:
+        return {
+            "op": OP_PING,
+            "rid": rid,
+            "components": self.components,
+            "reward_model": self.cfg.reward_model if self.reward_model is not None else "",
+            "judge_model": self.cfg.judge_model if self.judge is not None else "",
+            "max_items": self.limits.max_items,
+        }
+
+    def _admit(self, op: str, msg: dict[str, Any], envelope: tuple[bytes, ...]) -> None:
+        """Queue a scoring request (a retry of one in progress joins it), or raise why it is refused."""
+        key = (op, msg["rid"])
+        if key in self._in_progress:  # only this thread touches it: a worker's finished job is popped here too
+            self._in_progress[key].envelopes.append(envelope)
+            self._count("retries_joined")
+            return
+        if (op == OP_RM_SCORE and self.reward_model is None) or (op == OP_JUDGE and self.judge is None):
+            what = "reward model" if op == OP_RM_SCORE else "judge"
+            raise p.ProtocolError(E_NOT_HOSTED, f"this service hosts no {what}; it hosts: {', '.join(self.components)}")
+        if op == OP_RM_SCORE:
+            rows = check_rows(msg, "pairs", ("prompt", "response"), self.limits)
+        else:
+            rows = check_rows(msg, "items", ("prompt", "response", "ground_truth"), self.limits)
+        if self._stopping.is_set():
+            raise p.ProtocolError(p.E_OVERLOADED, "the service is stopping", retry_after_ms=self.cfg.retry_after_ms)
+        if len(self._in_progress) >= self.cfg.max_pending:
+            raise p.ProtocolError(
+                p.E_OVERLOADED, f"{len(self._in_progress)} requests in progress, the limit", retry_after_ms=self.cfg.retry_after_ms
+            )
+        job = Job(op, msg["rid"], rows, [envelope])
+        self._in_progress[key] = job
+        if op == OP_RM_SCORE:
+            self._rm_queue.put(job)
+        else:
+            self._judge_pool.submit(self._judge_request, job)
+
+    def _send_finished(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                job, reply = self._finished.get_nowait()
+            except queue.Empty:
+                return
+            self._in_progress.pop((job.op, job.rid), None)
+            self._count(f"answered/{job.op}")
+            self._send(sock, job.envelopes, reply)
+
+    def _send(self, sock: zmq.Socket, envelopes: list[tuple[bytes, ...]], reply: dict[str, Any]) -> None:
+        data = p.encode(reply)
+        for envelope in envelopes:
+            try:
+                send_frames(sock, [*envelope, data])
+            except zmq.ZMQError:  # the client is gone (it retried on a new socket) or is not reading: it will retry
+                self._count("dropped/replies")
+
+    # --- the workers' side ------------------------------------------------------------------------
+    def _finish(self, job: Job, fields: dict[str, Any]) -> None:
+        self._finished.put((job, {"op": job.op, "rid": job.rid, **fields}))
+        with self._wake_lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._wake_write, b"x")
+            except BlockingIOError:  # the pipe is full: the loop wakes anyway
+                pass
+
+    def _fail(self, job: Job, code: str, message: str) -> None:
+        self._count(f"errors/{code}")
+        self._finish(job, {"error": {"code": code, "message": message}})
+
+    def _expired(self, job: Job) -> bool:
+        if time.monotonic() - job.received <= self.cfg.queue_timeout_s:
+            return False
+        self._fail(job, p.E_TIMEOUT, f"waited more than queue_timeout_s ({self.cfg.queue_timeout_s:g} s) to be scored")
+        return True
+
+    def _reward_model_loop(self) -> None:
+        """Take the queued requests of every driver, up to batch_size pairs (waiting batch_wait_ms for more), score them together."""
+        closing = False
+        while not closing:
+            first = self._rm_queue.get()
+            if first is None:
+                return
+            batch, pairs = [first], len(first.rows)
+            until = time.monotonic() + self.cfg.batch_wait_ms / 1000
+            while pairs < self.cfg.batch_size:
+                try:
+                    more = self._rm_queue.get(timeout=max(0.0, until - time.monotonic()))
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                    break
+                batch.append(more)
+                pairs += len(more.rows)
+            self._score_batch([job for job in batch if not self._expired(job)])
+
+    def _score_batch(self, jobs: list[Job]) -> None:
+        if not jobs:
+            return
+        try:
+            scores = self.reward_model.score([(prompt, response) for job in jobs for prompt, response in job.rows])
+        except Exception as e:  # noqa: BLE001 - one request's pair the model cannot take fails that request alone
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._score_batch([job])
+                return
+            log.warning("the reward model failed on a request of %d pairs: %s: %s", len(jobs[0].rows), type(e).__name__, e)
+            self._fail(jobs[0], E_SCORING_FAILED, f"the reward model failed: {type(e).__name__}: {e}")
+            return
+        self._count("rm/batches")
+        self._count("rm/pairs", len(scores))
+        for job, part in zip(jobs, split(scores, [len(job.rows) for job in jobs])):
+            self._finish(job, {"scores": [float(s) for s in part]})
+
+    def _judge_request(self, job: Job) -> None:
+        try:
+            if self._expired(job):
+                return
+            verdicts = self.judge.judge_many(job.rows)
+            self._count("judge/items", len(verdicts))
+            self._finish(job, {"verdicts": [verdict_to_wire(v) for v in verdicts]})
+        except Exception as e:  # noqa: BLE001 - a worker that dies without an answer would leave its driver waiting
+            log.exception("the judge failed on a request of %d items", len(job.rows))
+            self._fail(job, E_SCORING_FAILED, f"the judge failed: {type(e).__name__}: {e}")
+
+
+def error_reply(op: Any, rid: Any, e: p.ProtocolError) -> dict[str, Any]:
+    """`{op, rid, error: {code, message}}`; an rid or op that cannot be read goes back as nil."""
+    return {
+        "op": op if isinstance(op, str) else None,
+        "rid": rid if p.readable_rid(rid) else None,
+        "error": {"code": e.code, "message": e.message},
+        **e.extra,
+    }
+
+
+# --- The clients -------------------------------------------------------------------------------------
+class RewardServiceError(RewardError):
+    """The reward service did not answer in time, or refused a request: the responses concerned get no reward."""
+
+
+class RewardServiceClient:
+    """Requests to a reward service over one DEALER socket, one at a time (a lock; the drivers' scorer is one thread).
+
+    Each attempt waits up to `timeout_s` for its reply; one that gets none replaces the socket (whose queue
+    to a dead service would otherwise be delivered to the next one) and the same request, with the same
+    rid, is sent again, `retries` times. `overloaded` and `timeout` are sent again after `retry_after_ms`.
+    Past the last attempt, or on any other error, RewardServiceError names the service and why."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 60.0, retries: int = 2, context: zmq.Context | None = None) -> None:
+        if timeout_s <= 0 or retries < 0:
+            raise ValueError(f"a reward service client needs timeout_s > 0 and retries >= 0, got {timeout_s} and {retries}")
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.ctx = context or zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self.attempts = 0  # sends, retries included
+        self._lock = threading.Lock()
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """The service's reply to one request (without its error: that raises RewardServiceError)."""
+        rid = uuid.uuid4().hex
+        data = msgpack.packb({"op": op, "rid": rid, **fields}, use_bin_type=True)
+        tries = self.retries + 1
+        why = ""
+        with self._lock:
+            for attempt in range(tries):
+                reply = self._attempt(data, rid)
+                if reply is None:
+                    why = f"no answer within {self.timeout_s:g} s"
+                    continue
+                error = reply.get("error")
+                if not error:
+                    return reply
+                code, message = (error.get("code"), error.get("message")) if isinstance(error, dict) else (None, error)
+                if code not in RETRIED_CODES:
+                    raise RewardServiceError(f"the reward service at {self.endpoint} refused `{op}`: {code}: {message}")
+                why = f"{code}: {message}"
+                if attempt + 1 < tries:
+                    time.sleep(min(float(reply.get("retry_after_ms") or 0) / 1000, self.timeout_s))
+        raise RewardServiceError(
+            f"the reward service at {self.endpoint} did not answer `{op}` after {tries} attempts ({why});"
+            " is `ppoz reward-server` running there?"
+        )
+
+    def _attempt(self, data: bytes, rid: str) -> dict[str, Any] | None:
+        if self.sock is None:
+            self.sock = self.ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(self.endpoint)
+        sock = self.sock
+        self.attempts += 1
+        try:
+            sock.send_multipart([b"", data], flags=zmq.NOBLOCK)
+        except zmq.Again:  # its queue is full: nothing reads it
+            self._reset()
+            return None
+        end = time.monotonic() + self.timeout_s
+        while (left := end - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000) + 1):
+                break
+            try:
+                reply = p.decode(sock.recv_multipart()[-1])
+            except p.ProtocolError:
+                continue
+            # One request is in flight on this socket, so a reply with rid nil is this one's: the service could not read it.
+            if reply.get("rid") in (rid, None):
+                return reply
+        self._reset()  # a lost connection, or a service gone: the next attempt starts on a fresh socket
+        return None
+
+    def _reset(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+
+    def ping(self) -> dict[str, Any]:
+        return self.request(OP_PING)
+
+    def components(self) -> list[str]:
+        """What the service hosts: rm_score, judge_score."""
+        reply = self.ping()
+        hosted = reply.get("components")
+        if not isinstance(hosted, list) or not all(c in COMPONENT_OF_OP.values() for c in hosted):
+            raise RewardServiceError(f"the reward service at {self.endpoint} answered ping without its components: {reply!r:.200}")
+        return hosted
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+
+
+def chunks(rows: list[list[Any]]) -> list[list[list[Any]]]:
+    """Rows in requests of at most CLIENT_CHUNK (a validation pass scores every record at once)."""
+    return [rows[start : start + CLIENT_CHUNK] for start in range(0, len(rows), CLIENT_CHUNK)]
+
+
+class RemoteRewardModel(RewardServiceClient):
+    """A RewardModel's `score(pairs)` answered by the service's reward model."""
+
+    def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        out: list[float] = []
+        for chunk in chunks([[prompt, response] for prompt, response in pairs]):
+            scores = self.request(OP_RM_SCORE, pairs=chunk).get("scores")
+            if not isinstance(scores, list) or len(scores) != len(chunk) or not all(isinstance(s, (int, float)) for s in scores):
+                raise RewardServiceError(f"the reward service at {self.endpoint} answered rm_score without {len(chunk)} scores")
+            out += [float(s) for s in scores]
+        return out
+
+
+class RemoteJudge(RewardServiceClient):
+    """A Judge's `judge_many(items)` answered by the service's judge. A request the service does not answer
+    leaves its items without a verdict's reward (the error says why), as a local judge's failed request does."""
+
+    def judge(self, prompt: str, response: str, ground_truth: Any = None) -> Verdict:
+        return self.judge_many([(prompt, response, ground_truth)])[0]
+
+    def judge_many(self, items: Sequence[tuple[str, str, Any]]) -> list[Verdict]:
+        out: list[Verdict] = []
+        # the ground truth as its text: what the judge's template makes of it, for any type msgpack cannot carry too
+        rows = [[prompt, response, None if truth is None else str(truth)] for prompt, response, truth in items]
+        for chunk in chunks(rows):
+            try:
+                verdicts = self.request(OP_JUDGE, items=chunk).get("verdicts")
+                if not isinstance(verdicts, list) or len(verdicts) != len(chunk):
+                    raise RewardServiceError(f"the reward service at {self.endpoint} answered judge without {len(chunk)} verdicts")
+                out += [verdict_from_wire(v, f"the reward service at {self.endpoint}") for v in verdicts]
+            except RewardServiceError as e:
+                out += [Verdict(None, None, "", error=str(e)) for _ in chunk]
+        return out

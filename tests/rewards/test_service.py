@@ -1,0 +1,258 @@
+"""The shared reward service on loopback: a real tiny reward model and the judge stand-in behind a real
+ROUTER socket, called by the remote clients (and raw DEALER sockets for what a client would never send)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+from transformers import AutoTokenizer
+
+from common.tiny_models import build_tiny_reward_model
+from ppoz.bench.judge_stand_in import chat_server
+from rewards.composite import CompositeReward, Item
+from rewards.config import RewardServiceConfig
+from rewards.judge import Judge, JudgeConfig
+from rewards.reward_model import RewardModel, RewardModelConfig
+from rewards.service import RemoteJudge, RemoteRewardModel, RewardService, RewardServiceClient, RewardServiceError
+from tests.broker.test_restart import free_port
+from tests.rewards.test_judge import grader
+from tests.rewards.test_reward_model import PAIRS
+
+
+@contextmanager
+def serving(reward_model: Any = None, judge: Any = None, **settings: Any) -> Iterator[RewardService]:
+    """A reward service on a random loopback port (or `bind`), its loop in a thread; stopped and closed on leaving."""
+    settings.setdefault("bind", "tcp://127.0.0.1:*")
+    names = {"reward_model": "tiny-rm" if reward_model is not None else "", "judge_model": "judge-1" if judge is not None else ""}
+    service = RewardService(RewardServiceConfig(**names, **settings), reward_model, judge)
+    service.start()
+    thread = threading.Thread(target=service.run, name="reward-service", daemon=True)
+    thread.start()
+    try:
+        yield service
+    finally:
+        service.stop()
+        thread.join(30)
+        service.close()
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory) -> str:
+    return str(build_tiny_reward_model(tmp_path_factory.mktemp("rm") / "deberta"))
+
+
+def local_judge(base_url: str) -> Judge:
+    return Judge(JudgeConfig(model="judge-1", base_url=base_url, retries=0))
+
+
+def judge_or_refuse(body: dict[str, Any], n: int) -> str:
+    """The grader, except for prompts that ask for an unreadable reply."""
+    return "I cannot tell." if "unreadable" in body["messages"][1]["content"] else grader(body, n)
+
+
+@contextmanager
+def dealer(endpoint: str) -> Iterator[zmq.Socket]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close(linger=0)
+
+
+def ask(sock: zmq.Socket, body: Any, raw: bytes | None = None) -> dict[str, Any]:
+    sock.send_multipart([b"", raw if raw is not None else msgpack.packb(body)])
+    assert sock.poll(10_000), "no reply within 10 s"
+    return msgpack.unpackb(sock.recv_multipart()[-1])
+
+
+def test_reward_model_scores_through_the_service_equal_the_local_models(rm_dir) -> None:
+    local = RewardModel(RewardModelConfig(rm_dir)).score(PAIRS)
+    with serving(RewardModel(RewardModelConfig(rm_dir, batch_size=32))) as service:
+        remote = RemoteRewardModel(service.endpoint, timeout_s=30)
+        assert remote.components() == ["rm_score"]
+        assert remote.score(PAIRS) == pytest.approx(local, abs=1e-5)
+        assert remote.score([]) == []
+        remote.close()
+
+
+def test_a_judge_through_the_service_gives_the_local_judges_verdicts() -> None:
+    items = [("2+3?", "so it is 5", "5"), ("2+2?", "it is 5", "4"), ("1+1?", "2", 2), ("unreadable?", "x", "1"), ("3?", "3", None)]
+    with chat_server(judge_or_refuse) as api:
+        local = local_judge(api.base_url).judge_many(items)
+        with serving(judge=local_judge(api.base_url)) as service:
+            remote = RemoteJudge(service.endpoint, timeout_s=30)
+            verdicts = remote.judge_many(items)
+            remote.close()
+    assert [v.reward for v in local] == [1.0, 0.0, 1.0, None, 1.0]  # no ground truth: an empty reference, which "3" ends with
+    fields = [(v.reward, v.raw_score, v.reply, v.error) for v in verdicts]
+    assert fields == [(v.reward, v.raw_score, v.reply, v.error) for v in local]
+    assert "no `Score: N`" in verdicts[3].error
+
+
+def test_many_drivers_at_once_and_a_slow_judge_holds_up_neither_the_reward_model_nor_a_ping(rm_dir) -> None:
+    local = RewardModel(RewardModelConfig(rm_dir)).score(PAIRS)
+    results: dict[str, Any] = {}
+
+    def rm_driver(i: int) -> None:
+        client = RemoteRewardModel(service.endpoint, timeout_s=30)
+        started = time.monotonic()
+        results[f"rm{i}"] = (client.score(PAIRS[i:] + PAIRS[:i]), time.monotonic() - started)
+        client.close()
+
+    def judge_driver(i: int) -> None:
+        client = RemoteJudge(service.endpoint, timeout_s=30)
+        started = time.monotonic()
+        results[f"judge{i}"] = (client.judge_many([(f"{i}+0?", f"it is {i}", str(i))]), time.monotonic() - started)
+        client.close()
+
+    with chat_server(lambda body, n: (200, 1.5, grader(body, n))) as api:
+        judge = local_judge(api.base_url)
+        with serving(RewardModel(RewardModelConfig(rm_dir, batch_size=32)), judge, batch_wait_ms=300, judge_workers=4) as service:
+            judges = [threading.Thread(target=judge_driver, args=(i,)) for i in range(3)]
+            for t in judges:
+                t.start()
+            time.sleep(0.2)  # the judge requests are in flight, each waiting 1.5 s for the stand-in
+            pinged = time.monotonic()
+            RewardServiceClient(service.endpoint, timeout_s=5, retries=0).ping()
+            ping_s = time.monotonic() - pinged
+            drivers = [threading.Thread(target=rm_driver, args=(i,)) for i in range(4)]
+            for t in drivers:
+                t.start()
+            for t in drivers + judges:
+                t.join(30)
+            batches, requests = service.counts["rm/batches"], service.counts["answered/rm_score"]
+    assert ping_s < 1.0
+    for i in range(4):
+        scores, elapsed = results[f"rm{i}"]
+        assert scores == pytest.approx(local[i:] + local[:i], abs=1e-5)
+        assert elapsed < 1.3, "a reward-model request waited for the judge"
+    for i in range(3):
+        (verdict,), elapsed = results[f"judge{i}"]
+        assert verdict.reward == 1.0 and elapsed < 2.9  # the three ran at once, not one after the other (4.5 s)
+    assert requests == 4 and batches < 4  # drivers' requests scored together
+
+
+def test_bad_requests_get_named_errors_and_the_service_goes_on(rm_dir) -> None:
+    with serving(RewardModel(RewardModelConfig(rm_dir)), max_items=4, max_request_bytes=4096) as service, dealer(service.endpoint) as sock:
+        cases = [
+            (None, b"\xc1 not msgpack", "bad_request", "not valid msgpack"),
+            ({"op": "rm_score", "pairs": [["p", "r"]]}, None, "bad_request", "`rid`"),
+            ({"op": "score_it", "rid": "a"}, None, "unknown_op", "ping, rm_score, judge"),
+            ({"op": 7, "rid": "b"}, None, "bad_request", "`op` must be a str"),
+            ({"op": "rm_score", "rid": "c"}, None, "bad_request", "`pairs` is missing"),
+            ({"op": "rm_score", "rid": "d", "pairs": "p"}, None, "bad_request", "`pairs` must be an array"),
+            (
+                {"op": "rm_score", "rid": "e", "pairs": [["p", "r"], ["p", 3]]},
+                None,
+                "bad_request",
+                "`pairs[1][1]` (response) must be a str",
+            ),
+            ({"op": "rm_score", "rid": "f", "pairs": [["p"]]}, None, "bad_request", "`pairs[0]` must be an array [prompt, response]"),
+            ({"op": "rm_score", "rid": "g", "pairs": [["p", "r"]] * 5}, None, "too_large", "5 entries, the limit is 4"),
+            ({"op": "rm_score", "rid": "h", "pairs": [["p" * 5000, "r"]]}, None, "too_large", "the limit is 4096"),
+            ({"op": "judge", "rid": "i", "items": [["p", "r", "1"]]}, None, "not_hosted", "hosts no judge"),
+        ]
+        for body, raw, code, words in cases:
+            reply = ask(sock, body, raw)
+            assert reply["error"]["code"] == code and words in reply["error"]["message"], (body, reply)
+            if isinstance(body, dict) and isinstance(body.get("rid"), str):
+                assert reply["rid"] == body["rid"]
+        assert ask(sock, {"op": "rm_score", "rid": "ok", "pairs": [["p", "r"]]})["scores"][0] == pytest.approx(
+            RewardModel(RewardModelConfig(rm_dir)).score([("p", "r")])[0], abs=1e-5
+        )
+        with pytest.raises(RewardServiceError, match=r"refused `judge`: not_hosted"):
+            RemoteJudge(service.endpoint, timeout_s=5).request("judge", items=[["p", "r", "1"]])
+        assert service.counts["errors/bad_request"] == 7 and service.counts["errors/too_large"] == 2
+
+
+def test_a_pair_the_model_cannot_take_fails_its_own_request_alone_not_the_batch_it_shared(tmp_path) -> None:
+    path = build_tiny_reward_model(tmp_path / "chat-rm", "llama")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(path)
+    model = RewardModel(RewardModelConfig(str(path), max_length=64))  # a chat whose response alone is over 64 tokens cannot be scored
+    good = [PAIRS[0], PAIRS[2]]
+    expected = RewardModel(RewardModelConfig(str(path), max_length=64)).score(good)
+    with serving(model, batch_wait_ms=300) as service:
+        results: dict[str, Any] = {}
+
+        def driver(name: str, pairs: list[tuple[str, str]]) -> None:
+            try:
+                results[name] = RemoteRewardModel(service.endpoint, timeout_s=30).score(pairs)
+            except RewardServiceError as e:
+                results[name] = e
+
+        threads = [threading.Thread(target=driver, args=("good", good)), threading.Thread(target=driver, args=("bad", [("p", "x" * 400)]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert service.counts["errors/scoring_failed"] == 1
+    assert results["good"] == pytest.approx(expected, abs=1e-5)
+    assert isinstance(results["bad"], RewardServiceError)
+    assert "refused `rm_score`: scoring_failed: the reward model failed: RewardError: a response alone is longer" in str(results["bad"])
+
+
+def test_a_service_that_is_down_times_out_clearly_and_its_responses_go_unrewarded() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    remote = RemoteRewardModel(endpoint, timeout_s=0.3, retries=1)
+    started = time.monotonic()
+    with pytest.raises(RewardServiceError, match=re.escape(f"the reward service at {endpoint} did not answer `rm_score` after 2 attempts")):
+        remote.score(PAIRS[:1])
+    assert time.monotonic() - started < 2.0
+    reward = CompositeReward(
+        {"rm_score": 0.5, "judge_score": 0.5}, reward_model=remote, judge=RemoteJudge(endpoint, timeout_s=0.3, retries=0)
+    )
+    (scored,) = reward.score([Item("What is 2+3?", "5", "5", where="val.jsonl line 1")])
+    assert scored.reward is None and scored.components == {}
+    assert scored.error.startswith("val.jsonl line 1: the reward service at") and "did not answer" in scored.error
+    judged = CompositeReward({"judge_score": 1.0}, judge=RemoteJudge(endpoint, timeout_s=0.3, retries=0)).score([Item("p", "r", "1")])
+    assert judged[0].reward is None and "did not answer `judge`" in judged[0].error
+
+
+def test_a_client_retries_on_a_fresh_socket_until_the_service_comes_up(rm_dir) -> None:
+    port = free_port()
+    remote = RemoteRewardModel(f"tcp://127.0.0.1:{port}", timeout_s=0.5, retries=20)
+    got: list[Any] = []
+    caller = threading.Thread(target=lambda: got.append(remote.score(PAIRS[:2])))
+    caller.start()
+    time.sleep(1.2)  # two attempts have gone unanswered
+    with serving(RewardModel(RewardModelConfig(rm_dir)), bind=f"tcp://127.0.0.1:{port}") as service:
+        caller.join(30)
+        assert got and got[0] == pytest.approx(RewardModel(RewardModelConfig(rm_dir)).score(PAIRS[:2]), abs=1e-5)
+        assert remote.attempts >= 3 and service.counts["answered/rm_score"] == 1
+
+
+def test_a_retried_request_joins_the_one_in_progress_and_is_judged_once() -> None:
+    with chat_server(lambda body, n: (200, 0.8, "Score: 1")) as api:
+        with serving(judge=local_judge(api.base_url)) as service, dealer(service.endpoint) as first, dealer(service.endpoint) as second:
+            body = {"op": "judge", "rid": uuid.uuid4().hex, "items": [["p", "r", "1"]]}
+            first.send_multipart([b"", msgpack.packb(body)])
+            time.sleep(0.2)
+            again = ask(second, body)  # the same rid from a new socket, as a client that timed out sends it
+            assert first.poll(5000)
+            replies = [again, msgpack.unpackb(first.recv_multipart()[-1])]
+    assert [r["verdicts"][0]["reward"] for r in replies] == [1.0, 1.0]
+    assert len(api.requests) == 1 and service.counts["retries_joined"] == 1
+
+
+def test_the_service_config_is_checked_at_start() -> None:
+    for bad, words in [
+        ({}, "hosts nothing"),
+        ({"reward_model": "m", "batch_size": 0}, "batch_size"),
+        ({"judge_model": "j", "judge_concurrency": 0}, r"\[reward_service\] judge_concurrency"),
+        ({"reward_model": "m", "queue_timeout_s": 0}, "queue_timeout_s"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            RewardServiceConfig(**bad)
