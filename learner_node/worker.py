@@ -563,6 +563,7 @@ class Learner:
                 if not (isinstance(value, float) and math.isnan(value)):
                     self.writer.add_scalar(key, value, self.updates)
             self.writer.flush()
+
         def loss(name: str) -> float:  # the candidate update's figure, else the generation update's
             return metrics.get(f"losses/{name}", metrics.get(f"generation/{name}", math.nan))
 

@@ -28,13 +28,16 @@ from learner_node.worker import Learner
 from tests.helpers import actors_ready, wait_for
 
 APP = SimConfig(screens=5, links_per_screen=2, external_links=1, horizon=6, history_limit=1, event_hashes=False)
-MAX_STEPS = 2000  # the run's fixed budget of environment steps
+# The run's fixed budget of environment steps. A probe run (2026-11-24, the CPU VM, not quiet) had the
+# last-60-episode mean at 2.48 after 700 steps, 2.87 to 3.00 from 1,000 to 1,500, 3.23 at 2,000;
+# random is 1.04, the bar 1.84. 1,200 keeps a margin of 1.0 over the bar and saves 90 s of CI.
+MAX_STEPS = 1200
 MARGIN = 0.8  # return units above the random policy's mean (an episode can earn at most 4)
 WINDOW = 60  # episodes the trained policy's mean is taken over
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the budget takes 3 to 4 minutes on a quiet 2-core machine
+@pytest.mark.timeout(900)  # the budget takes 2 to 3 minutes on a quiet 2-core machine
 def test_a_lora_policy_beats_random_at_the_end_of_its_budget(start_broker, make_client, tiny_models, redis_url, key_prefix, tmp_path):
     """A rank-4 LoRA adapter on every linear layer, the random tiny model's head and final norm trained
     beside it (`lora_trainable`); all-weights training of the same loop is covered by the bandit test."""
