@@ -9,6 +9,7 @@ figures come from `--redis-url`, the farm's Redis, if given). The drivers, rewar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -143,6 +144,8 @@ def on_this_machine(args: argparse.Namespace, cfg: Any, stop: threading.Event, g
             stop.set()
 
         threading.Thread(target=watch, daemon=True).start()
+        if stack.reward_service and not cfg.reward_service:  # the drivers use the reward service this stack started
+            cfg = dataclasses.replace(cfg, reward_service=stack.reward_service)
         summary = run_training(cfg, stack.client_broker, _figures(stack.redis_url, stack.key_prefix), stop, grouping=grouping)
         if stack.supervisor.failed:
             raise RuntimeError(f"the stack stopped because {stack.supervisor.failed} died")

@@ -80,12 +80,14 @@ def connect_address(bind: str) -> str:
 
 @dataclass
 class Stack:
-    """What `started_stack` runs: where clients reach the broker, the Redis URL, and the supervisor."""
+    """What `started_stack` runs: where clients reach the broker, the Redis URL, the supervisor, and where
+    drivers reach the reward service started here ("" if none is)."""
 
     client_broker: str
     redis_url: str
     key_prefix: str
     supervisor: Any
+    reward_service: str = ""
 
 
 @contextlib.contextmanager
@@ -146,7 +148,6 @@ def started_stack(
     sup = Supervisor(up.on_failure, up.max_restarts, up.stop_timeout_s, up.log_lines)
     if rewards:  # first: its model loads while the others start, and it stops last, after every driver's broker
         sup.add("reward-server", [*common, "reward-server", *config], torch_env)
-        _warn_if_unused(config_file, rewards.bind)
     if up.broker:
         sup.add("broker", [*common, "broker", *config, "--redis-url", redis_url])
     if up.learner:
@@ -179,7 +180,7 @@ def started_stack(
         sup.start_all(lambda c: _wait_ready(c.name, client_broker, up.ready_timeout_s, sup))
         if rewards:
             _wait_answering("reward-server", connect_address(rewards.bind), _reward_service_answers, up.ready_timeout_s, sup)
-        yield Stack(client_broker, redis_url, broker.key_prefix, sup)
+        yield Stack(client_broker, redis_url, broker.key_prefix, sup, connect_address(rewards.bind) if rewards else "")
     finally:
         sup.stop_all()
         if embedded is not None:
@@ -190,6 +191,8 @@ def main(args: argparse.Namespace) -> int:
     up = load(UpConfig, args.config, args)
     with started_stack(up, args.config, args.log_level) as stack:
         sup = stack.supervisor
+        if stack.reward_service:
+            _warn_if_unused(args.config, stack.reward_service)
 
         def on_signal(signum: int, frame: Any) -> None:
             log.info("%s received: stopping every component", signal.Signals(signum).name)
@@ -257,7 +260,8 @@ def _reward_service_answers(endpoint: str) -> bool:
 
 
 def _warn_if_unused(config_file: str | None, bind: str) -> None:
-    """`ppoz train`'s drivers use the service only through [train] reward_service: say so when the file forgets it."""
+    """Drivers that `ppoz train --broker` runs against this stack use the service only through [train]
+    reward_service: say so when the file forgets it (`ppoz train` on one machine fills it in itself)."""
     train = read_toml(config_file).get("train") if config_file else None
     if isinstance(train, dict) and not train.get("reward_service"):
         log.warning(

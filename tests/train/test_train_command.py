@@ -1,6 +1,7 @@
 """`ppoz train` on one machine: it starts the stack as processes (embedded Redis, broker, actor, learner),
 drives it with the dataset, validates before and after, and ends with the summary as JSON. It runs GRPO
-(`--advantage grpo`): the demo's test runs the default, GAE, through the same path."""
+(`--advantage grpo`): the demo's test runs the default, GAE, through the same path. A judge (a local
+stand-in of the chat-completions API) is served by the stack's own reward service, which the drivers call."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ from tests.train.test_run import write_dataset
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
+    import contextlib
+
+    from ppoz.bench.judge_stand_in import chat_server
+
+    judged: list[int] = []
+    stack = contextlib.ExitStack()
     model = build_tiny_model(tmp_path / "words-llama", "llama", tokenizer="words")
     write_dataset(tmp_path / "train.jsonl", 8)
     write_dataset(tmp_path / "val.jsonl", 8)
@@ -25,8 +32,9 @@ def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return float(solution_str.split()[:1] == [ground_truth])\n"
     )
-    front, back, weights = free_port(), free_port(), free_port()
+    front, back, weights, rewards = free_port(), free_port(), free_port(), free_port()
     config = tmp_path / "train.toml"
+    api = stack.enter_context(chat_server(lambda body, n: judged.append(n) or "Score: 0"))  # type: ignore[func-returns-value]
     config.write_text(
         f"[policy]\nlora_rank = 4\n"
         f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nsegment_len = 1\n'
@@ -34,22 +42,27 @@ def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
         'tensorboard_dir = ""\n'
         "[generation]\nvalue_hidden = [64]\n"
         "[actor]\nweights_poll_s = 1.0\n"
-        "[up]\nactors = 1\nstop_timeout_s = 60\n"
+        "[up]\nactors = 1\nstop_timeout_s = 60\nreward_service = true\n"
+        f'[reward_service]\nbind = "tcp://127.0.0.1:{rewards}"\njudge_model = "judge-1"\njudge_base_url = "{api.base_url}"\n'
         f'[train]\nworkers = 4\nmax_new_tokens = 2\nreport_every_s = 5\noutput_dir = "{tmp_path / "out"}"\n'
+        "weights = {rule_score = 1.0, judge_score = 1.0}\n"
     )
-    run = subprocess.run(
-        [
-            sys.executable, "-m", "ppoz.cli", "train", "--config", str(config), "--model", str(model),
-            "--data", str(tmp_path / "train.jsonl"), "--val", str(tmp_path / "val.jsonl"),
-            "--reward-fn", f"{tmp_path / 'reward.py'}:compute_score", "--epochs", "0", "--max-samples", "96", "--json",
-            "--advantage", "grpo", "--rollout-n", "2",
-        ],
-        capture_output=True, text=True, timeout=540, cwd=tmp_path,
-    )  # fmt: skip
+    with stack:
+        run = subprocess.run(
+            [
+                sys.executable, "-m", "ppoz.cli", "train", "--config", str(config), "--model", str(model),
+                "--data", str(tmp_path / "train.jsonl"), "--val", str(tmp_path / "val.jsonl"),
+                "--reward-fn", f"{tmp_path / 'reward.py'}:compute_score", "--epochs", "0", "--max-samples", "96", "--json",
+                "--advantage", "grpo", "--rollout-n", "2",
+            ],
+            capture_output=True, text=True, timeout=540, cwd=tmp_path,
+        )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 96 and summary["rewarded"] == 96 and summary["unrewarded"] == 0
     assert summary["groups"] == 48 and "uniform_groups" in run.stdout
+    # the judge was asked through the reward service the stack started, which ppoz train's drivers called
+    assert len(judged) >= 96 and "reward service ready on" in run.stdout + run.stderr
     # the learner started here was told: it trains without a critic (no value loss) and does not disagree
     assert "give both the same setting" not in run.stderr and "value_loss" not in summary["learner"], summary["learner"]
     assert 0.0 <= summary["val_before"] <= 1.0 and 0.0 <= summary["val_after"] <= 1.0
