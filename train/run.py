@@ -5,7 +5,8 @@ starts one on this machine (ppoz/train.py) or drives a farm's broker.
 Files under `output_dir`:
     driver_state.json   where the prompts stand (resume point), written every progress line and at the end
     summary.json        the run's figures: validation before and after, rewards, counts
-    progress.jsonl      one line per progress report: time, samples, reward mean, the learner's figures
+    progress.jsonl      one line per progress report: time, samples, reward mean, the learner's figures; a resumed
+                        run goes on with its times after the last run's, a run from the start writes it anew
 """
 
 from __future__ import annotations
@@ -218,7 +219,9 @@ def run_training(
         daemon=True,
     )
     driving.start()
-    with (out / "progress.jsonl").open("a") as lines:
+    progress_path = out / "progress.jsonl"
+    before = _last_time(progress_path) if start else 0.0  # the curve of a resumed run goes on where the last one ended
+    with progress_path.open("a" if start else "w") as lines:
         while driving.is_alive():
             driving.join(cfg.report_every_s)
             elapsed = time.monotonic() - started
@@ -226,7 +229,7 @@ def run_training(
             check_learner(figures)
             done = start + len(progress.done)  # positions from `start` on
             echo(progress_line(done, total, progress, elapsed, figures))
-            row = {"time": elapsed, "samples": done, "reward_mean": progress.recent_mean()}
+            row = {"time": before + elapsed, "samples": done, "reward_mean": progress.recent_mean()}
             lines.write(json.dumps({**row, **{k: figures.get(v) for k, v in LEARNER_FIGURES.items()}}) + "\n")
             lines.flush()
             write_state(state_path, order, cfg.data, progress)
@@ -248,6 +251,20 @@ def run_training(
         validation("after")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _last_time(path: Path) -> float:
+    """The time of the last readable row of a progress file (0 if none)."""
+    try:
+        rows = path.read_text().splitlines()
+    except OSError:
+        return 0.0
+    for line in reversed(rows):
+        try:
+            return float(json.loads(line)["time"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0.0
 
 
 def _safe(figures: Callable[[], dict[str, float]]) -> dict[str, float]:

@@ -49,9 +49,13 @@ def test_a_run_validates_trains_writes_its_figures_and_resumes(stack, tmp_path) 
     again = run_training(TrainConfig(**{**cfg.__dict__, "max_samples": 0}), stack.frontend, echo=lines.append)
     assert again["start"] == 10 and again["samples"] == 14 and again["resume_from"] == 24
     assert "ppoz train: resuming at sample 10" in lines
+    times = [json.loads(line)["time"] for line in (tmp_path / "out" / "progress.jsonl").read_text().splitlines()]
+    assert times == sorted(times) and len(times) >= 2  # the resumed run's rows go on after the first run's
     # Another order (another seed) does not take that state: it starts again.
     other = run_training(TrainConfig(**{**cfg.__dict__, "seed": 5, "val": ""}), stack.frontend, echo=lines.append)
     assert other["start"] == 0 and other["samples"] == 10
+    rows = [json.loads(line) for line in (tmp_path / "out" / "progress.jsonl").read_text().splitlines()]
+    assert rows[0]["time"] < times[-1] and max(r["samples"] for r in rows) <= 10  # a run from the start writes it anew
     in_file_order = run_training(TrainConfig(**{**cfg.__dict__, "seed": 5, "val": "", "shuffle": False}), stack.frontend, echo=lines.append)
     assert in_file_order["start"] == 0  # nor does the same seed in file order
 
