@@ -82,3 +82,35 @@ def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
         counts = {colour: n for n, colour in image.convert("RGB").getcolors(maxcolors=1 << 24)}
         for colour in (CURVE_COLOUR, VALIDATION_COLOUR):
             assert counts.get(tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5)), 0) > 50, f"nothing drawn in {colour}"
+
+
+def test_ppoz_train_drives_a_farms_broker(stack, redis_url, redis_client, key_prefix, tmp_path) -> None:
+    """`--broker`: nothing is started; the drivers feed the farm's broker (here one in this process, with an actor),
+    and the learner's figures are read from the farm's Redis (here written as a learner would)."""
+    from common.learner_figures import write_latest
+    from tests.broker.test_broker import segments
+
+    write_dataset(tmp_path / "train.jsonl", 4)
+    write_latest(redis_client, key_prefix, {"version": 7.0, "generation/kl_ref": 0.002, "generation/group_relative": 0.0})
+    run = subprocess.run(
+        [
+            sys.executable, "-m", "ppoz.cli", "train", "--broker", stack.frontend, "--redis-url", redis_url,
+            "--key-prefix", key_prefix, "--data", str(tmp_path / "train.jsonl"), "--reward-fn", "first_word",
+            "--max-samples", "8", "--epochs", "0", "--workers", "2", "--max-new-tokens", "2", "--report-every-s", "0.5",
+            "--output-dir", str(tmp_path / "out"), "--json",
+        ],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == 8 and summary["rewarded"] == 8 and summary["learner"]["version"] == 7.0
+    assert "version 7" in run.stdout and "kl 0.002" in run.stdout  # the farm learner's figures in the progress line
+    assert sum(len(s.transitions) for s in segments(redis_client, key_prefix)) == 8  # the turns went to the farm's stream
+    assert "give both the same setting" not in run.stderr
+    # GRPO drivers against this (GAE) learner: said, naming both settings
+    grpo = subprocess.run(
+        [*run.args[:-1], "--advantage", "grpo", "--rollout-n", "2", "--no-resume", "--json"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )  # fmt: skip
+    assert grpo.returncode == 0, grpo.stdout[-3000:] + grpo.stderr[-3000:]
+    assert "advantage = gae but these drivers send group-relative advantages (grpo)" in grpo.stderr
