@@ -156,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
     from ppoz.bench import broker as broker_bench
+    from ppoz.bench import drivers as drivers_bench
     from ppoz.bench import generate as generate_bench
     from ppoz.bench import learner as learner_bench
     from ppoz.bench import learning as learning_bench
@@ -194,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
             "PPO under policy lag: sync, dropping stale samples, and the decoupled objective, side by side",
             "Train a contextual bandit with the actor's and learner's own code three ways under the same budget and "
             "seeds: no lag, lag with stale samples dropped, lag with the decoupled objective (docs/benchmarks.md).",
+        ),
+        (
+            drivers_bench,
+            "the dataset drivers' responses rewarded per second with an LLM judge stand-in, by judge_concurrency",
+            "Responses rewarded per second and the wait from response to reward for ppoz train's drivers, with a rule reward and "
+            "with an LLM judge (a local chat-completions stand-in with a set latency) at several judge_concurrency settings, "
+            "end to end against a real stack and through the scoring path alone (docs/benchmarks.md).",
         ),
     ):
         b = benches.add_parser(module.__name__.rsplit(".", 1)[1], help=help_text, description=description)

@@ -1,0 +1,49 @@
+"""`ppoz bench drivers` run as users run it, with tiny settings: its figures obey what a judge's latency allows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+LATENCY = 0.2
+WORKERS = 4
+
+
+def run(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ppoz.cli", "bench", "drivers", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_judge_bounds_throughput_and_concurrency_lifts_it() -> None:
+    result = run(
+        *("--latency", str(LATENCY), "--workers", str(WORKERS), "--concurrency", "1,4"),
+        *("--seconds", "2", "--scoring-seconds", "1.5", "--repeats", "1", "--json"),
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.splitlines()[-1])  # the stack's processes may print above it
+    assert figures["setup"]["workers"] == WORKERS and figures["setup"]["concurrency"] == [1, 4]
+    for kind in ("scoring_only", "end_to_end"):
+        rule, serial, parallel = (figures[kind][name] for name in ("rule", "judge_c1", "judge_c4"))
+        for f in (rule, serial, parallel):
+            assert f["unrewarded"] == 0 and f["cache_hits"] == 0  # every response rewarded, every one asked of the judge
+        # One request at a time, each taking LATENCY: no more than 1 / LATENCY rewards a second, and none
+        # sooner than LATENCY after its response.
+        assert 0 < serial["rewarded_per_s"] <= 1.1 / LATENCY, (kind, serial)
+        assert serial["p50_ms"] >= LATENCY * 1000 and serial["most_in_flight"] == 1
+        assert parallel["rewarded_per_s"] <= 1.1 * WORKERS / LATENCY and parallel["most_in_flight"] <= 4
+        assert rule["rewarded_per_s"] > serial["rewarded_per_s"]  # the rule reward is the ceiling
+    alone, driven = figures["scoring_only"], figures["end_to_end"]
+    # Alone, 4 requests in flight reward about 4 times as fast; driven, generation takes its share.
+    assert alone["judge_c4"]["rewarded_per_s"] > 2.5 * alone["judge_c1"]["rewarded_per_s"], alone
+    assert alone["judge_c4"]["most_in_flight"] == 4
+    assert driven["judge_c4"]["rewarded_per_s"] > 1.2 * driven["judge_c1"]["rewarded_per_s"], driven
+    assert figures["ratios_scoring_only"]["judge_c4/judge_c1"] > 2.5
+
+
+def test_help_explains_every_flag_and_nonsense_is_refused() -> None:
+    help_text = run("--help", timeout=60).stdout
+    for flag in ("--latency", "--concurrency", "--workers", "--seconds", "--scoring-seconds", "--repeats", "--new-tokens", "--json"):
+        assert flag in help_text
+    refused = run("--concurrency", "0,8", "--scoring-only", timeout=60)
+    assert refused.returncode != 0 and "must be positive" in refused.stderr
