@@ -18,6 +18,7 @@ is None and `error` says why. The driver then leaves that turn out of training; 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,10 @@ class CompositeReward:
         self.reward_fn, self.reward_model, self.judge = reward_fn, reward_model, judge
         self.normalise, self.clip = normalise, clip
         self.moments = RunningMoments()
+        # Batches may be scored from several threads at once (train/driver.py BatchingScorer) so that a judge's
+        # requests overlap; the reward function (a user's, maybe not thread-safe), the reward model and the
+        # running moments take one batch at a time.
+        self._serial = threading.Lock()
 
     def score(self, items: Sequence[Item], raw: bool = False) -> list[Scored]:
         """Each item's reward; `raw`: the weighted sum as it is, neither normalised (nor counted in the
@@ -121,33 +126,34 @@ class CompositeReward:
         components: list[dict[str, float]] = [{} for _ in items]
         extras: list[dict[str, float]] = [{} for _ in items]
         errors = [""] * len(items)
-        if "rule_score" in self.weights:
-            for i, item in enumerate(items):
-                try:  # by keyword, as verl calls it
-                    result = self.reward_fn(  # type: ignore[misc]
-                        data_source=item.data_source,
-                        solution_str=item.response,
-                        ground_truth=item.ground_truth,
-                        extra_info=dict(item.extra_info),
-                    )
-                    score = as_score(result, item.where or "reward function")
-                except RewardError as e:
-                    errors[i] = _named(item, str(e))
-                    continue
-                except Exception as e:  # noqa: BLE001 - a user's function failing on one record fails that record alone
-                    errors[i] = _named(item, f"the reward function raised {type(e).__name__}: {e}")
-                    continue
-                components[i]["rule_score"], extras[i] = score.reward, score.extra
-        if "rm_score" in self.weights:
-            todo = [i for i in range(len(items)) if not errors[i]]  # a response already without a reward costs nothing more
-            try:
-                values = self.reward_model.score([(items[i].prompt, items[i].response) for i in todo])
-            except RewardError as e:  # a reward service that does not answer, a response over the model's limit
-                values = []
-                for i in todo:
-                    errors[i] = _named(items[i], str(e))
-            for i, value in zip(todo, values):
-                components[i]["rm_score"] = float(value)
+        with self._serial:  # one batch at a time (see __init__); the judge's requests overlap
+            if "rule_score" in self.weights:
+                for i, item in enumerate(items):
+                    try:  # by keyword, as verl calls it
+                        result = self.reward_fn(  # type: ignore[misc]
+                            data_source=item.data_source,
+                            solution_str=item.response,
+                            ground_truth=item.ground_truth,
+                            extra_info=dict(item.extra_info),
+                        )
+                        score = as_score(result, item.where or "reward function")
+                    except RewardError as e:
+                        errors[i] = _named(item, str(e))
+                        continue
+                    except Exception as e:  # noqa: BLE001 - a user's function failing on one record fails that record alone
+                        errors[i] = _named(item, f"the reward function raised {type(e).__name__}: {e}")
+                        continue
+                    components[i]["rule_score"], extras[i] = score.reward, score.extra
+            if "rm_score" in self.weights:
+                todo = [i for i in range(len(items)) if not errors[i]]  # a response already without a reward costs nothing more
+                try:
+                    values = self.reward_model.score([(items[i].prompt, items[i].response) for i in todo])
+                except RewardError as e:  # a reward service that does not answer, a response over the model's limit
+                    values = []
+                    for i in todo:
+                        errors[i] = _named(items[i], str(e))
+                for i, value in zip(todo, values):
+                    components[i]["rm_score"] = float(value)
         if "judge_score" in self.weights:
             todo = [i for i in range(len(items)) if not errors[i]]
             verdicts = self.judge.judge_many([(items[i].prompt, items[i].response, items[i].ground_truth) for i in todo])
@@ -164,8 +170,10 @@ class CompositeReward:
 
     def _normalised(self, totals: list[float | None]) -> list[float | None]:
         if self.normalise == "running":
-            self.moments.update([t for t in totals if t is not None])
-            totals = [None if t is None else (t - self.moments.mean) / (self.moments.std + 1e-8) for t in totals]
+            with self._serial:
+                self.moments.update([t for t in totals if t is not None])
+                mean, std = self.moments.mean, self.moments.std
+            totals = [None if t is None else (t - mean) / (std + 1e-8) for t in totals]
         if self.clip:
             totals = [None if t is None else max(-self.clip, min(self.clip, t)) for t in totals]
         return totals

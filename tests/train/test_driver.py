@@ -153,3 +153,53 @@ def test_grpo_sends_each_groups_advantages_and_skips_groups_that_cannot_be_compa
     # rewards 1, 2, 3: mean 2, sample std 1, advantages -1, 0, 1 (over 1 + eps); the group that scored alike: 0s
     got = sorted(sorted(v) for v in by_prompt.values())
     assert got[0] == pytest.approx([-1 / (1 + 1e-6), 0.0, 1 / (1 + 1e-6)]) and got[1] == got[0] and got[2] == [0.0, 0.0, 0.0]
+
+
+def test_the_scorer_overlaps_batches_at_a_slow_judge_but_runs_the_reward_function_one_batch_at_a_time() -> None:
+    """A judge answers in seconds: a batch that arrives while another is at the judge goes to the judge too
+    (up to `batches_in_flight`), instead of waiting for the first batch's slowest answer. The reward function
+    (a user's, maybe not thread-safe) never runs in two threads at once."""
+    import threading
+    import time
+
+    from rewards.composite import Item
+    from rewards.judge import Verdict
+
+    release = threading.Event()
+    lock = threading.Lock()
+    waiting: list[int] = []  # judge calls waiting for `release`
+    rule_now, rule_peak = [0], [0]
+
+    class HeldJudge:  # a stand-in for the remote judge: answers when released
+        def judge_many(self, items):
+            with lock:
+                waiting.append(len(items))
+            release.wait(30)
+            return [Verdict(1.0, 10.0, "Score: 10") for _ in items]
+
+    def rule(data_source, solution_str, ground_truth, extra_info=None):
+        with lock:
+            rule_now[0] += 1
+            rule_peak[0] = max(rule_peak[0], rule_now[0])
+        time.sleep(0.01)
+        with lock:
+            rule_now[0] -= 1
+        return 1.0
+
+    for in_flight, overlapping in ((3, True), (1, False)):
+        release.clear()
+        waiting.clear()
+        reward = CompositeReward({"rule_score": 1.0, "judge_score": 1.0}, reward_fn=rule, judge=HeldJudge())
+        scorer = BatchingScorer(reward, max_batch=4, wait_s=0.0, batches_in_flight=in_flight)
+        first = scorer.submit(Item("p", "r0", "t"))
+        wait_for(lambda: len(waiting) == 1, timeout=10, what="the first batch at the judge")
+        later = [scorer.submit(Item("p", f"r{i}", "t")) for i in range(1, 9)]
+        if overlapping:  # the later responses reach the judge while the first batch is still there
+            wait_for(lambda: sum(waiting) == 9, timeout=10, what="every response at the judge at once")
+        else:
+            time.sleep(0.3)
+            assert waiting == [1], "one batch at a time: the others wait for the first"
+        release.set()
+        assert [f.result(timeout=10).reward for f in [first, *later]] == [2.0] * 9
+        scorer.close()
+    assert rule_peak[0] == 1
