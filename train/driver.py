@@ -68,6 +68,9 @@ def item_for(record: PromptRecord, response: str) -> Item:
     return Item(prompt_text(record.prompt), response, record.ground_truth, record.data_source, record.extra_info, record.where)
 
 
+BATCHES_IN_FLIGHT = 4  # batches a scorer has at the reward sources at once (see BatchingScorer)
+
+
 class BatchingScorer:
     """Scores responses in batches of up to `max_batch`, gathered for at most `wait_s`, with up to
     `batches_in_flight` batches being scored at once.
@@ -80,7 +83,9 @@ class BatchingScorer:
     at a time (CompositeReward's lock), so a user's function need not be thread-safe. While every
     slot is busy the responses queue up, and the next batch takes as many as `max_batch` allows."""
 
-    def __init__(self, reward: CompositeReward, max_batch: int = 16, wait_s: float = 0.02, batches_in_flight: int = 4) -> None:
+    def __init__(
+        self, reward: CompositeReward, max_batch: int = 16, wait_s: float = 0.02, batches_in_flight: int = BATCHES_IN_FLIGHT
+    ) -> None:
         if max_batch < 1 or batches_in_flight < 1:
             raise ValueError(f"max_batch and batches_in_flight must be at least 1, got {max_batch} and {batches_in_flight}")
         self.reward = reward

@@ -50,7 +50,7 @@ from typing import Any
 from common.stats import percentiles
 from rewards.composite import CompositeReward, Item, Scored
 from train.data import PromptOrder, PromptRecord
-from train.driver import BatchingScorer, DriverProgress, Sampling, drive, item_for
+from train.driver import BATCHES_IN_FLIGHT, BatchingScorer, DriverProgress, Sampling, drive, item_for
 
 log = logging.getLogger(__name__)
 
@@ -98,24 +98,27 @@ class BenchError(RuntimeError):
 @dataclass(frozen=True)
 class Setting:
     concurrency: int  # judge requests in flight at once; 0: the rule reward, no judge
+    batches_in_flight: int = BATCHES_IN_FLIGHT  # the scorer's; 1: one batch at a time, as before 3f5aa48
 
     @property
     def name(self) -> str:
-        return f"judge_c{self.concurrency}" if self.concurrency else "rule"
+        one_batch = "_one_batch" if self.batches_in_flight == 1 else ""
+        return (f"judge_c{self.concurrency}" if self.concurrency else "rule") + one_batch
 
     @property
     def label(self) -> str:
-        return f"judge, concurrency {self.concurrency}" if self.concurrency else "rule reward (no judge)"
+        one_batch = ", 1 batch" if self.batches_in_flight == 1 else ""
+        return (f"judge, concurrency {self.concurrency}" if self.concurrency else "rule reward (no judge)") + one_batch
 
 
 class TimedScorer(BatchingScorer):
     """The drivers' scorer, also timing each response from its hand-over to its reward."""
 
-    def __init__(self, reward: CompositeReward, max_batch: int) -> None:
+    def __init__(self, reward: CompositeReward, max_batch: int, batches_in_flight: int) -> None:
         self._lock = threading.Lock()
         self.timings: list[tuple[float, float]] = []  # (handed over, rewarded) per rewarded response
         self.unrewarded = 0
-        super().__init__(reward, max_batch=max_batch)
+        super().__init__(reward, max_batch=max_batch, batches_in_flight=batches_in_flight)
 
     def submit(self, item: Item) -> Future[Scored]:
         handed = time.perf_counter()
@@ -189,7 +192,7 @@ def measure(setting: Setting, args: argparse.Namespace, load: Load, seconds: flo
 
     with chat_server(scoring(args.latency)) as server:
         reward = reward_for(setting, server.base_url, args.workers, args.latency)
-        scorer = TimedScorer(reward, max_batch=max(args.workers, 1))  # as ppoz train sets it (train/run.py)
+        scorer = TimedScorer(reward, max(args.workers, 1), setting.batches_in_flight)  # as ppoz train sets it (train/run.py)
         stop = threading.Event()
         timer = threading.Timer(seconds, stop.set)
         timer.daemon = True
@@ -327,13 +330,18 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def ratios(figures: dict[str, dict[str, Any]], settings: list[Setting]) -> dict[str, float]:
-    """Each judge setting's throughput against the first (lowest) concurrency's, and against the rule reward's."""
-    judged = [s for s in settings if s.concurrency]
+    """Each judge setting's throughput against the first (lowest) concurrency's, and against the rule reward's;
+    the scorer with its batches in flight against one batch at a time."""
+    judged = [s for s in settings if s.concurrency and s.batches_in_flight != 1]
     out: dict[str, float] = {}
     for s in judged[1:]:
         out[f"{s.name}/{judged[0].name}"] = figures[s.name]["rewarded_per_s"] / figures[judged[0].name]["rewarded_per_s"]
     for s in judged:
         out[f"{s.name}/rule"] = figures[s.name]["rewarded_per_s"] / figures["rule"]["rewarded_per_s"]
+    for s in settings:
+        if s.batches_in_flight == 1:
+            pooled = Setting(s.concurrency).name
+            out[f"{pooled}/{s.name}"] = figures[pooled]["rewarded_per_s"] / figures[s.name]["rewarded_per_s"]
     return out
 
 
@@ -395,7 +403,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("ppoz bench drivers: --seconds and --scoring-seconds must be positive, --latency 0 or more")
     for noisy in ("httpx", "httpx2", "openai", "train", "client", "ppoz.up", "ppoz.supervisor", "common"):
         logging.getLogger(noisy).setLevel(logging.WARNING)  # the openai client's httpx logs every request at info
-    settings = [Setting(0), *(Setting(c) for c in levels)]
+    # and the largest concurrency with the scorer taking one batch at a time (the drivers' scorer before 3f5aa48)
+    settings = [Setting(0), *(Setting(c) for c in levels), Setting(levels[-1], batches_in_flight=1)]
     started = time.monotonic()
     try:
         result = run_all(args, settings)
