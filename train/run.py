@@ -128,7 +128,13 @@ def progress_line(done: int, total: int | None, progress: DriverProgress, elapse
     """One progress report: samples, the drivers' reward figures, and the learner's latest."""
     reward = progress.recent_mean()
     reward = math.nan if reward is None else reward
-    shown = f"{done}/{total}" if total else str(done)
+    shown = str(done)
+    this_run = len(progress.done)  # positions done since this run's start
+    if total:
+        shown = f"{done}/{total} ({done / total:.0%}"
+        if this_run and done < total:  # the rest at this run's pace so far
+            shown += f", eta {_duration((total - done) * elapsed / this_run)}"
+        shown += ")"
     parts = [
         f"samples {shown}",
         f"reward_mean {reward:.3f}",
@@ -140,6 +146,16 @@ def progress_line(done: int, total: int | None, progress: DriverProgress, elapse
         parts.append(f"uniform_groups {sum(recent) / len(recent):.0%}")
     parts += [f"{name} {learner[key]:.4g}" for name, key in LEARNER_FIGURES.items() if key in learner and math.isfinite(learner[key])]
     return "  ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    """42s, 7m05s, 3h12m."""
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def run_training(

@@ -42,6 +42,7 @@ def test_a_run_validates_trains_writes_its_figures_and_resumes(stack, tmp_path) 
     assert summary["samples"] == 10 and summary["rewarded"] == 10 and summary["resume_from"] == 10
     assert 0.0 <= summary["val_before"] <= 1.0 and 0.0 <= summary["val_after"] <= 1.0
     assert any(line.startswith("samples ") and "reward_mean" in line for line in lines)
+    assert any(line.startswith("samples 10/10 (100%)") for line in lines)
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["samples"] == 10
     assert json.loads((tmp_path / "out" / "driver_state.json").read_text())["resume_from"] == 10
     assert (tmp_path / "out" / "progress.jsonl").read_text().count("\n") >= 1
@@ -125,3 +126,13 @@ def test_grpo_runs_whole_groups_and_says_when_the_learner_disagrees(stack, tmp_p
     grouping, flags = advantage_settings(str(tmp_path / "k2.toml"), "grpo")  # the file's own choices stand
     assert grouping == GroupAdvantage(scale_by_std=False) and flags == ["--gen-advantage", "grpo", "--no-gen-kl-in-reward"]
     assert advantage_settings(str(tmp_path / "k2.toml"), None) == (None, [])
+
+
+def test_the_progress_line_shows_the_share_done_and_the_time_left_at_this_runs_pace() -> None:
+    from train.driver import DriverProgress
+    from train.run import progress_line
+
+    resumed = DriverProgress(start=100, done={100, 101, 102})  # 3 positions in 30 s: 10 s each
+    assert progress_line(103, 112, resumed, 30.0, {}).startswith("samples 103/112 (92%, eta 1m30s)  reward_mean nan")
+    assert progress_line(103, None, resumed, 30.0, {}).startswith("samples 103  ")  # epochs 0: no end to count to
+    assert progress_line(100, 112, DriverProgress(start=100), 5.0, {}).startswith("samples 100/112 (89%)  ")  # no pace yet
