@@ -17,10 +17,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.config import add_flags, load, read_toml
 from common.options import ADVANTAGE_ESTIMATORS
+
+if TYPE_CHECKING:
+    from rewards.group import GroupAdvantage
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     return finish(cfg, summary, args.json)
 
 
-def advantage_settings(config_file: str | None, advantage: str | None) -> tuple[Any, list[str]]:
+def advantage_settings(config_file: str | None, advantage: str | None) -> tuple[GroupAdvantage | None, list[str]]:
     """From the [generation] table (and --advantage over it): the drivers' grouping (None: they send rewards,
     for GAE) and the `ppoz learner` flags that carry --advantage to a learner started here. The learner's
     settings are validated now, before anything starts."""
@@ -129,7 +132,9 @@ def _curve(cfg: Any, summary: dict[str, Any]) -> Any:
     return write_training_curve(out / "reward_curve.png", rows, summary.get("val_before"), summary.get("val_after"))
 
 
-def on_this_machine(args: argparse.Namespace, cfg: Any, stop: threading.Event, grouping: Any, learner_flags: list[str]) -> dict[str, Any]:
+def on_this_machine(
+    args: argparse.Namespace, cfg: Any, stop: threading.Event, grouping: GroupAdvantage | None, learner_flags: list[str]
+) -> dict[str, Any]:
     from ppoz.up import UpConfig, started_stack
     from train.run import run_training
 

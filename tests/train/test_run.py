@@ -22,21 +22,16 @@ def first_word(data_source, solution_str, ground_truth, extra_info=None):
     return float(solution_str.split()[:1] == [ground_truth])
 
 
+def small_run(tmp_path, records: int, **settings) -> TrainConfig:
+    """A short run on `records` colour prompts (train.jsonl), 2 workers, 2-token responses, the first-word reward."""
+    write_dataset(tmp_path / "train.jsonl", records)
+    defaults = dict(workers=2, max_new_tokens=2, reward_fn="tests.train.test_run:first_word", report_every_s=0.5)
+    return TrainConfig(data=str(tmp_path / "train.jsonl"), output_dir=str(tmp_path / "out"), **{**defaults, **settings})
+
+
 def test_a_run_validates_trains_writes_its_figures_and_resumes(stack, tmp_path) -> None:
-    write_dataset(tmp_path / "train.jsonl", 6)
     write_dataset(tmp_path / "val.jsonl", 4)
-    cfg = TrainConfig(
-        data=str(tmp_path / "train.jsonl"),
-        val=str(tmp_path / "val.jsonl"),
-        epochs=2,
-        rollout_n=2,
-        max_samples=10,
-        workers=2,
-        max_new_tokens=2,
-        reward_fn="tests.train.test_run:first_word",
-        output_dir=str(tmp_path / "out"),
-        report_every_s=0.5,
-    )
+    cfg = small_run(tmp_path, 6, val=str(tmp_path / "val.jsonl"), epochs=2, rollout_n=2, max_samples=10)
     lines: list[str] = []
     summary = run_training(cfg, stack.frontend, echo=lines.append)
     assert summary["samples"] == 10 and summary["rewarded"] == 10 and summary["resume_from"] == 10
@@ -93,17 +88,7 @@ def test_grpo_runs_whole_groups_and_says_when_the_learner_disagrees(stack, tmp_p
     from ppoz.train import advantage_settings
     from rewards.group import GroupAdvantage
 
-    write_dataset(tmp_path / "train.jsonl", 4)
-    cfg = TrainConfig(
-        data=str(tmp_path / "train.jsonl"),
-        rollout_n=3,
-        max_samples=12,
-        workers=2,
-        max_new_tokens=2,
-        reward_fn="tests.train.test_run:first_word",
-        output_dir=str(tmp_path / "out"),
-        report_every_s=0.5,
-    )
+    cfg = small_run(tmp_path, 4, rollout_n=3, max_samples=12)
     lines: list[str] = []
     learner_on_gae = {"generation/group_relative": 0.0}  # a learner that was not told: it would fit a critic to advantages
     with caplog.at_level("ERROR", logger="train.run"):
