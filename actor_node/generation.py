@@ -40,6 +40,7 @@ import torch
 from actor_node.prefix_cache import PrefixCache
 from common import scoring
 from common.errors import BadInput
+from common.kv_cache import cache_kwargs, returned_cache
 
 log = logging.getLogger(__name__)
 
@@ -269,8 +270,8 @@ class GenerationEngine:
         cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv]) if kv is not None else DynamicCache()
         rest = torch.tensor([ids[m:]], device=self.device)
         positions = torch.arange(m, len(ids), device=self.device).unsqueeze(0)
-        out = self.decoder(input_ids=rest, position_ids=positions, past_key_values=cache, use_cache=True)
-        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        out = self.decoder(input_ids=rest, position_ids=positions, **cache_kwargs(self.decoder, cache))
+        layers = [(layer.keys, layer.values) for layer in returned_cache(out).layers]
         return out.last_hidden_state[0, -1], layers
 
     def _join(self, rows: list[_Row]) -> None:
@@ -323,8 +324,8 @@ class GenerationEngine:
             tokens = torch.tensor([[row.response_ids[-1]] for row in self.rows], device=self.device)
             positions = torch.tensor([[row.length] for row in self.rows], device=self.device)
             cache = DynamicCache(ddp_cache_data=self.kv)
-            out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-            self.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+            out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, **cache_kwargs(self.decoder, cache))
+            self.kv = [(layer.keys, layer.values) for layer in returned_cache(out).layers]
             self.width = width
             logits = self.post(scoring.head_logits(self.head, out.last_hidden_state[:, -1]))
             self.steps += 1

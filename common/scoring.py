@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from common.errors import BadInput
+from common.kv_cache import cache_kwargs, returned_cache
 from common.options import NORMALISATIONS
 from common.options import SCORING_PATHS as PATHS
 
@@ -307,8 +308,7 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=keep_cache or cache is not None,
+        **cache_kwargs(decoder, cache, use_cache=keep_cache or cache is not None),
     )
     hidden = out.last_hidden_state
     # Gather the scored positions of the whole batch and apply the LM head once.
@@ -326,7 +326,7 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
         head, post, hidden[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)], torch.tensor(targets, device=device)
     )
     results = _sum_per_candidate(items, logp)
-    return results, (out.past_key_values if keep_cache else None)
+    return results, (returned_cache(out) if keep_cache else None)
 
 
 def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, keep_cache: bool = False):
@@ -360,7 +360,7 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
         ctx_mask[b, m : m + n_ctx[b]] = 1
     ctx_pos = (m + torch.arange(width, device=device)).expand(batch, width)
     cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv]) if kv is not None else DynamicCache()
-    out = decoder(input_ids=ctx_ids, attention_mask=ctx_mask, position_ids=ctx_pos, past_key_values=cache, use_cache=True)
+    out = decoder(input_ids=ctx_ids, attention_mask=ctx_mask, position_ids=ctx_pos, **cache_kwargs(decoder, cache))
     last_ctx = out.last_hidden_state[torch.arange(batch, device=device), torch.tensor(n_ctx, device=device) - 1]
 
     # Pass 2: the candidates, each after its own context.
@@ -396,9 +396,7 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
                 allowed[b, 0, pad, :] = False
                 allowed[b, 0, pad, past + pad] = True
         mask = _attention_mask(allowed, use_bool, dtype)
-        hidden = decoder(
-            input_ids=cand_ids, attention_mask=mask, position_ids=cand_pos, past_key_values=cache, use_cache=True
-        ).last_hidden_state
+        hidden = decoder(input_ids=cand_ids, attention_mask=mask, position_ids=cand_pos, **cache_kwargs(decoder, cache)).last_hidden_state
 
     # Gather the hidden state before every scored token and apply the LM head once.
     states: list[torch.Tensor] = []
@@ -431,7 +429,7 @@ def score_kv_batch(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]
         if longest == 1:
             results.append(first_lp)
             continue
-        layers = [(layer.keys.repeat_interleave(k, 0), layer.values.repeat_interleave(k, 0)) for layer in out.past_key_values.layers]
+        layers = [(layer.keys.repeat_interleave(k, 0), layer.values.repeat_interleave(k, 0)) for layer in returned_cache(out).layers]
         cache = DynamicCache(ddp_cache_data=layers)
         n = longest - 1  # the last token of each candidate predicts nothing we score
         ids = torch.zeros(k, n, dtype=torch.long, device=device)
@@ -441,7 +439,7 @@ def score_kv_batch(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]
             ids[j, : len(a) - 1] = torch.tensor(a[:-1], device=device)
             attn[j, c : c + len(a) - 1] = 1
         pos = (c + torch.arange(n, device=device)).expand(k, n)
-        hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
+        hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos, **cache_kwargs(decoder, cache)).last_hidden_state
         sums = first_lp.clone()
         for j, a in enumerate(item.actions):
             if len(a) > 1:

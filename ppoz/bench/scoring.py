@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from common.kv_cache import cache_kwargs, returned_cache
+
 log = logging.getLogger(__name__)
 
 SHAPES = [(1024, 3), (1024, 11), (1024, 32), (4096, 3), (4096, 11), (4096, 32)]
@@ -140,8 +142,7 @@ def kv_per_action(model: Any, item: Any) -> torch.Tensor:
             logits = model(
                 input_ids=torch.tensor([a[:-1]], device=device),
                 position_ids=pos,
-                past_key_values=copy.deepcopy(out.past_key_values),
-                use_cache=True,
+                **cache_kwargs(model, copy.deepcopy(returned_cache(out))),
             ).logits[0]
             lp = lp + torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(a[1:], device=device)[:, None]).sum()
         sums.append(lp)
@@ -157,14 +158,14 @@ def kv_per_action_lean(model: Any, item: Any) -> torch.Tensor:
     device = next(model.parameters()).device
     c = len(item.context)
     out = decoder(input_ids=torch.tensor([item.context], device=device), use_cache=True)
-    cache, last = out.past_key_values, out.last_hidden_state[:, -1]
+    cache, last = returned_cache(out), out.last_hidden_state[:, -1]
     sums = []
     for a in item.actions:
         lp = token_logprobs(head, cap, last, torch.tensor(a[:1], device=device)).sum()
         if len(a) > 1:
             pos = torch.arange(c, c + len(a) - 1, device=device)[None]
             h = decoder(
-                input_ids=torch.tensor([a[:-1]], device=device), position_ids=pos, past_key_values=cache, use_cache=True
+                input_ids=torch.tensor([a[:-1]], device=device), position_ids=pos, **cache_kwargs(decoder, cache)
             ).last_hidden_state[0]
             cache.crop(-(len(a) - 1))  # back to the prompt alone for the next candidate
             lp = lp + token_logprobs(head, cap, h, torch.tensor(a[1:], device=device)).sum()
