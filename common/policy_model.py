@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,14 +82,23 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
         )
         # peft keeps adapter weights in float32 even over a bf16 base (autocast_adapter_dtype):
         # a 1e-6 update would round away in 16 bits.
-        with warnings.catch_warnings():
-            # A tied head (GPT-2, Qwen2) in modules_to_save: peft warns that its trained copy unties it from
-            # the input embedding. That is what is meant (the embedding stays the base's); PPOZ never merges.
-            warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*tied layer is part of the adapter")
+        with peft_warnings_silenced():
             model = get_peft_model(model, config)
     model.to(spec.resolved_device()).eval()
     log.info("loaded %s on %s (%s), LoRA rank %d", spec.model, spec.resolved_device(), spec.resolved_dtype(), spec.lora_rank)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def peft_warnings_silenced() -> Iterator[None]:
+    """Around get_peft_model: the warnings it gives that are nobody's to act on."""
+    with warnings.catch_warnings():
+        # A tied head (GPT-2, Qwen2) in modules_to_save: peft warns that its trained copy unties it from
+        # the input embedding. That is what is meant (the embedding stays the base's); PPOZ never merges.
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*tied layer is part of the adapter")
+        # peft (0.21) reads transformers' deprecated `is_gradient_checkpointing`: theirs to change, not the user's.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def enable_gradient_checkpointing(model: Any) -> None:

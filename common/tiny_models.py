@@ -16,8 +16,10 @@ The model gets random weights from its config.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,20 @@ CORPUS = [
     "You are in a dark room. There is a door to the north and a key on the table.",
     "take key, open door, go north, go south, look, inventory, drop key",
 ]
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers draws a progress bar for writing even a 1 MB model: noise in the output of `ppoz demo`."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def build_byte_tokenizer(path: str | Path):
@@ -220,7 +236,8 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, token
         config_overrides.setdefault("vocab_size", len(tok))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **config_overrides))
-    model.save_pretrained(str(path))
+    with _no_progress_bars():
+        model.save_pretrained(str(path))
     marker.write_text(json.dumps(spec))
     log.info("built a tiny %s model (%d parameters) in %s", arch, sum(p.numel() for p in model.parameters()), path)
     return path
@@ -246,16 +263,15 @@ def build_tiny_reward_model(path: str | Path, arch: str = "deberta-v2", seed: in
     path.mkdir(parents=True, exist_ok=True)
     build_byte_tokenizer(path)
     if arch == "deberta-v2":
-        config = DebertaV2Config(
-            vocab_size=259, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-            max_position_embeddings=512, pad_token_id=0,
-        )  # fmt: skip
+        size = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+        config = DebertaV2Config.from_dict({"vocab_size": 259, "max_position_embeddings": 512, "pad_token_id": 0, **size})
     else:
         config = tiny_config("llama")
     config.num_labels = 1
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(config)
-    model.save_pretrained(str(path))
+    with _no_progress_bars():
+        model.save_pretrained(str(path))
     marker.write_text(json.dumps(spec))
     log.info("built a tiny %s reward model (%d parameters) in %s", arch, sum(p.numel() for p in model.parameters()), path)
     return path

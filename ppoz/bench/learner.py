@@ -98,13 +98,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
 
     from common import scoring
-    from common.policy_model import ModelSpec
+    from common.policy_model import ModelSpec, peft_warnings_silenced
     from ppoz.bench.scoring import build_model, full_sequences_scores, observation
 
     method, prompt, n = args.child[0], int(args.child[1]), int(args.child[2])
     device = ModelSpec(model="bench", device=args.device).resolved_device()
     model = build_model(args.hidden, args.layers, args.vocab, device, torch.float32)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with peft_warnings_silenced():
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
     model.train()
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     item = observation(prompt, n, args.vocab, torch.Generator().manual_seed(0)) if not method.startswith("gen_") else None

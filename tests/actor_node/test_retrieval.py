@@ -389,12 +389,15 @@ def test_policy_embedder_keeps_the_tail_of_long_texts(policy_parts):
 def test_policy_embedder_switches_the_lora_adapter_off(policy_parts):
     from peft import LoraConfig, get_peft_model
 
+    from common.policy_model import peft_warnings_silenced
+
     model, tok = policy_parts()
     base = PolicyEmbedder(model, tok, batch=2)(TEXTS)
     ids = torch.tensor([tok.encode("Current page: Cart")])
     with torch.inference_mode():
         base_logits = model(input_ids=ids).logits
-    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).eval()
+    with peft_warnings_silenced():
+        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).eval()
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
