@@ -84,11 +84,13 @@ class Learner:
         self.keys = RedisKeys(cfg.key_prefix, cfg.stream_key)
         self.stream = self.keys.stream
         device = cfg.device
+        self.owns_process_group = False
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (dist.is_available() and dist.is_initialized()):
             from accelerate import Accelerator  # sets up the process group `accelerate launch` describes
 
             accelerator = Accelerator(cpu=cfg.device == "cpu")
             device = str(accelerator.device)
+            self.owns_process_group = True
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
@@ -591,6 +593,11 @@ class Learner:
             self.pub.close(linger=0)
         if self.allow_list is not None:
             self.allow_list.close()
+        if self.owns_process_group and dist.is_initialized():
+            # Gloo's worker threads still running when the interpreter exits abort the process
+            # ("terminate called without an active exception", seen on a loaded machine); torch asks
+            # every process to end its group before it exits.
+            dist.destroy_process_group()
 
 
 def _text(value: bytes | str) -> str:
