@@ -1,14 +1,21 @@
-# Sourced by bin/ppoz and bin/test: makes sure a private virtual environment with
-# PPOZ installed exists, creating or refreshing it on first use.
+# Sourced by bin/ppoz, bin/test and bin/lock: makes sure a private virtual environment with
+# PPOZ installed exists, creating or refreshing it on first use, at the versions of the
+# committed lock (constraints.txt) so that every machine gets what the project tested.
 #   PPOZ_VENV   where the environment lives (default: .venv in the checkout)
 #   PPOZ_PYTHON which interpreter creates it (default: python3.11, else python3)
-#   PPOZ_TORCH_SPEC the torch to install on a machine without a GPU (default: torch==2.13.0, the CPU build)
+#   PPOZ_TORCH_SPEC the torch to install on a machine without a GPU (default: the lock's torch,
+#               which on a machine without a GPU is the CPU build); another spec drops the
+#               lock's torch and its CUDA companions
+#   PPOZ_UNLOCKED=1 the newest releases within setup.cfg's ranges instead of the lock
+#               (bin/test --latest sets it, in an environment of its own)
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${PPOZ_VENV:-$root/.venv}"
+LOCK="$root/constraints.txt"
 stamp="$VENV/.ppoz-installed"
 
 ppoz_bootstrap() {
-    if [[ -f "$stamp" && "$stamp" -nt "$root/setup.cfg" ]]; then
+    local unlocked="${PPOZ_UNLOCKED:-}"
+    if [[ -z "$unlocked" && -f "$stamp" && "$stamp" -nt "$root/setup.cfg" && "$stamp" -nt "$LOCK" ]]; then
         return 0
     fi
     local python="${PPOZ_PYTHON:-}"
@@ -19,19 +26,43 @@ ppoz_bootstrap() {
         echo "ppoz: needs Python 3.10 or newer, $python is $("$python" -V 2>&1)" >&2
         return 1
     fi
-    echo "ppoz: setting up $VENV (first use; a few minutes)" >&2
-    [[ -x "$VENV/bin/python" ]] || "$python" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q --upgrade pip >&2 || true
-    # Without a GPU, take the CPU build of torch first: a plain 'torch' would pull
-    # several GB of CUDA packages.
-    if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
-        if command -v nvidia-smi >/dev/null 2>&1; then
-            "$VENV/bin/python" -m pip install -q torch >&2
-        else
-            "$VENV/bin/python" -m pip install -q "${PPOZ_TORCH_SPEC:-torch==2.13.0}" >&2
-        fi
+    if [[ -n "$unlocked" ]]; then
+        echo "ppoz: setting up $VENV with the newest releases setup.cfg admits (a few minutes)" >&2
+    else
+        echo "ppoz: setting up $VENV from constraints.txt (first use; a few minutes)" >&2
     fi
-    "$VENV/bin/python" -m pip install -q -e "$root[dev]" >&2
+    [[ -x "$VENV/bin/python" ]] || "$python" -m venv "$VENV" || return 1
+    # -qq: errors only (a machine's own pip settings can warn on every call); an editable install in
+    # setuptools' compat mode (a .pth file naming the checkout), which has no warning to print either.
+    local pip=("$VENV/bin/python" -m pip --disable-pip-version-check install -qq)
+    local project=(--config-settings editable_mode=compat -e "$root[dev]")
+    # What pins the versions: the lock; or, unlocked, only the lock's torch (the newest releases of
+    # everything else are what such a run is for). A torch of the user's choosing takes the lock
+    # without torch and the CUDA packages pinned to go with it.
+    local constraints="$VENV/constraints-in-use.txt"
+    if [[ -n "$unlocked" ]]; then
+        grep -E '^torch==' "$LOCK" >"$constraints" || return 1
+    elif [[ -n "${PPOZ_TORCH_SPEC:-}" ]]; then
+        grep -v -E '^(torch|triton|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)==' "$LOCK" >"$constraints" || return 1
+    else
+        cp "$LOCK" "$constraints" || return 1
+    fi
+    "${pip[@]}" --upgrade pip >&2 || true
+    # Without a GPU, take the CPU build of torch first: a plain 'torch' would pull several GB of CUDA
+    # packages. The lock names the version; where a CPU build of it lies beside the index (its local
+    # label '+cpu' sorts above the plain release), pip takes that one.
+    if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+        local torch_spec="torch"
+        if ! command -v nvidia-smi >/dev/null 2>&1; then
+            torch_spec="${PPOZ_TORCH_SPEC:-torch}"
+        fi
+        "${pip[@]}" -c "$constraints" "$torch_spec" >&2 || return 1
+    fi
+    if [[ -n "$unlocked" ]]; then
+        "${pip[@]}" -c "$constraints" --upgrade --upgrade-strategy eager "${project[@]}" >&2 || return 1
+    else
+        "${pip[@]}" -c "$constraints" "${project[@]}" >&2 || return 1
+    fi
     touch "$stamp"
 }
 
