@@ -12,6 +12,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,38 @@ from broker.config import BrokerConfig
 from broker.server import Broker
 from client import Client
 from common.redis_server import EmbeddedRedis, connect
+from tests.model_cache import cached_build
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's torch (and the processes it starts) gets its share of the cores.
+
+    torch's default is a thread per core in every process: two workers each starting a learner
+    and an actor put six busy threads on two cores, and a test that takes 4 s alone took 40 s."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by every process a test starts
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow tests spread over the pytest-xdist workers, and first in each worker's share.
+
+    bin/test runs xdist's work-stealing scheduler: worker i starts on the i-th contiguous share of this
+    list, and a worker that runs out takes half of what is left of the busiest one's, from its end.
+    Slow tests bunched in one share kept one worker on them for the whole run while the other finished
+    its share and waited; slow tests last would start late and trail. Dealt out in turn, each share
+    starts with its slow tests and ends with quick ones that an idle worker can take."""
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    quick = [item for item in items if item.get_closest_marker("slow") is None]
+    shares: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    for n, item in enumerate(slow + quick):  # dealt in turn, so the shares are the sizes xdist cuts
+        shares[n % workers].append(item)
+    items[:] = [item for share in shares for item in share]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -170,9 +203,40 @@ def make_client(zmq_context: zmq.Context) -> Iterator[Callable[..., Client]]:
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Tiny Llama-, Qwen2- and GPT-2-style models with a byte tokenizer, built locally once per session."""
-    from common.tiny_models import ARCHITECTURES, build_tiny_model
+def model_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the tiny models are kept (tests/model_cache.py): pytest's cache folder, shared by the workers and kept between runs."""
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:
+        return Path(cache.mkdir("tiny-models"))
+    return tmp_path_factory.getbasetemp().parent / "tiny-models"  # without the cache plugin: shared by this run's workers
 
-    root = tmp_path_factory.mktemp("models")
-    return {arch: str(build_tiny_model(root / arch, arch)) for arch in ARCHITECTURES}
+
+@pytest.fixture(scope="session")
+def tiny_model(model_cache: Path) -> Callable[..., str]:
+    """The folder of a tiny causal LM, loaded with `from_pretrained` as a real one is:
+    `tiny_model("gpt2", tokenizer="words", max_positions=128)` (common.tiny_models.build_tiny_model's arguments)."""
+    from common.tiny_models import build_tiny_model
+
+    def get(arch: str = "llama", tokenizer: str = "byte", **overrides: Any) -> str:
+        return cached_build(model_cache, build_tiny_model, f"{arch}-{tokenizer}", arch=arch, tokenizer=tokenizer, **overrides)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(model_cache: Path) -> Callable[..., str]:
+    """The folder of a tiny reward model (one-label sequence classifier): `tiny_reward_model("llama")`, default DeBERTa-v2."""
+    from common.tiny_models import build_tiny_reward_model
+
+    def get(arch: str = "deberta-v2") -> str:
+        return cached_build(model_cache, build_tiny_reward_model, f"reward-{arch}", arch=arch)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_model: Callable[..., str]) -> dict[str, str]:
+    """Tiny Llama-, Qwen2- and GPT-2-style models with the byte tokenizer."""
+    from common.tiny_models import ARCHITECTURES
+
+    return {arch: tiny_model(arch) for arch in ARCHITECTURES}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +24,27 @@ def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "c
         if time.monotonic() > end:
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.02)
+
+
+def command_help(*words: str) -> str:
+    """What `ppoz WORDS --help` prints, from the command line's own parser in this process, 80 columns
+    wide as in a pipe. (A process per command cost 2 s of importing torch each; tests/test_cli.py runs
+    the top-level help as a real process.)"""
+    from ppoz.cli import main
+
+    out = io.StringIO()
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "80"  # argparse wraps at the terminal's width
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as ended:
+            main([*words, "--help"])
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
+    assert ended.value.code == 0, f"ppoz {' '.join(words)} --help exited with {ended.value.code}"
+    return out.getvalue()
 
 
 def actors_ready(client: Client, n: int) -> bool:

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 
 import pytest
 
-from tests.broker.test_restart import free_port
-from tests.helpers import wait_for
+from tests.helpers import command_help, wait_for
+from tests.processes import PPOZ, free_port, ppoz
 
-PPOZ = [sys.executable, "-m", "ppoz.cli"]
 SUBCOMMANDS = [
     ["broker"],
     ["actor"],
@@ -37,12 +35,8 @@ SUBCOMMANDS = [
 ]
 
 
-def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*PPOZ, *args], capture_output=True, text=True, timeout=timeout)
-
-
 def test_top_level_help_lists_every_subcommand():
-    result = run("--help")
+    result = ppoz("--help")  # the command itself, in a process of its own (the other help tests read the parser in this one)
     assert result.returncode == 0
     for name in ("broker", "actor", "learner", "up", "demo", "bench", "status", "fuzz", "soak"):
         assert name in result.stdout
@@ -50,13 +44,12 @@ def test_top_level_help_lists_every_subcommand():
 
 @pytest.mark.parametrize("words", SUBCOMMANDS, ids=lambda w: " ".join(w))
 def test_every_subcommand_has_help(words):
-    result = run(*words, "--help")
-    assert result.returncode == 0, result.stderr
-    assert "usage: ppoz" in result.stdout and len(result.stdout) > 200
+    text = command_help(*words)
+    assert "usage: ppoz" in text and len(text) > 200
 
 
 def test_every_broker_option_has_help_text():
-    out = run("broker", "--help").stdout
+    out = command_help("broker")
     for flag in ("--segment-len", "--session-ttl-s", "--request-timeout-ms", "--max-actions", "--redis-url", "--config"):
         assert flag in out
     assert "(default: 32)" in out
@@ -65,22 +58,23 @@ def test_every_broker_option_has_help_text():
 def test_invalid_config_fails_at_start_naming_key_and_value(tmp_path):
     path = tmp_path / "ppoz.toml"
     path.write_text("[broker]\nsegment_len = -3\n")
-    result = run("broker", "--config", str(path))
+    result = ppoz("broker", "--config", str(path))
     assert result.returncode == 2
     assert "`segment_len` must be positive, got -3" in result.stderr
-    result = run("actor", "--credits", "0")
+    result = ppoz("actor", "--credits", "0")
     assert result.returncode == 2 and "`credits` must be positive, got 0" in result.stderr
 
 
 def test_missing_required_settings_fail_naming_them():
-    result = run("learner")
+    result = ppoz("learner")
     assert result.returncode == 2 and "`model` is required" in result.stderr
-    result = run("up")  # a learner to start, and no model for it
+    result = ppoz("up")  # a learner to start, and no model for it
     assert result.returncode == 2 and "[learner]" in result.stderr and "`model` is required" in result.stderr
-    result = run("up", "--no-learner", "--env", "chess")
+    result = ppoz("up", "--no-learner", "--env", "chess")
     assert result.returncode == 2 and "env='chess': not an environment" in result.stderr
 
 
+@pytest.mark.slow
 def test_broker_serves_status_and_stops_cleanly_on_sigterm(redis_url, key_prefix):
     front, back = free_port(), free_port()
     proc = subprocess.Popen(
@@ -105,7 +99,7 @@ def test_broker_serves_status_and_stops_cleanly_on_sigterm(redis_url, key_prefix
     try:
         status = wait_for(lambda: _status(front), timeout=30, what="ppoz status to show the actor")
         assert status["actors"][0]["name"] == "cli-actor" and status["sessions"] == 0
-        table = run("status", "--broker", f"tcp://127.0.0.1:{front}")
+        table = ppoz("status", "--broker", f"tcp://127.0.0.1:{front}")
         assert table.returncode == 0 and "cli-actor" in table.stdout and "sessions 0" in table.stdout
         assert "limits: " in table.stdout and "max_message_bytes" in table.stdout, table.stdout  # the client's limits, shown
         assert "at zero not shown" in table.stdout and "replayed" not in table.stdout, table.stdout  # an idle broker's zeros hidden
@@ -121,7 +115,7 @@ def test_broker_serves_status_and_stops_cleanly_on_sigterm(redis_url, key_prefix
 
 
 def _status(front: int) -> dict | None:
-    result = run("status", "--broker", f"tcp://127.0.0.1:{front}", "--json", "--timeout", "2")
+    result = ppoz("status", "--broker", f"tcp://127.0.0.1:{front}", "--json", "--timeout", "2")
     if result.returncode != 0:
         return None
     status = json.loads(result.stdout)
@@ -129,7 +123,7 @@ def _status(front: int) -> dict | None:
 
 
 def test_status_without_a_broker_fails_clearly():
-    result = run("status", "--broker", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.5")
+    result = ppoz("status", "--broker", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.5")
     assert result.returncode == 1 and "no answer from" in result.stderr
 
 
@@ -137,7 +131,7 @@ def test_status_without_a_broker_fails_clearly():
 def test_demo_shows_progress_and_writes_a_learning_curve(tmp_path):
     # Learning itself is asserted in tests/test_end_to_end.py; this is the demo's display and files.
     out = tmp_path / "demo"
-    result = run("demo", "--minutes", "0.5", "--report-every", "5", "--clients", "3", "--out", str(out), timeout=600)
+    result = ppoz("demo", "--minutes", "0.5", "--report-every", "5", "--clients", "3", "--out", str(out), timeout=600)
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
     progress = [line for line in result.stdout.splitlines() if "steps" in line and "policy v" in line and "entropy" in line]
     assert len(progress) >= 3, result.stdout
@@ -158,11 +152,12 @@ def test_demo_shows_progress_and_writes_a_learning_curve(tmp_path):
         assert counts.get(rgb, 0) > 200, "no learning curve drawn"
 
 
+@pytest.mark.slow
 def test_bench_rag_runs_and_reports_retrieval_cost_side_by_side(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "guide.md").write_text("On the Cart screen, Checkout opens payment. Back returns to the list. " * 20)
-    result = run(
+    result = ppoz(
         "bench", "rag", "--corpus", str(corpus), "--tasks", "1", "--steps", "3", "--max-context-tokens", "128", "--json", timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -172,8 +167,9 @@ def test_bench_rag_runs_and_reports_retrieval_cost_side_by_side(tmp_path):
     assert 0 < figures["added_tokens_max"] <= 128  # the token budget holds
 
 
+@pytest.mark.slow
 def test_bench_learning_runs_the_three_methods_on_the_same_budget():
-    result = run("bench", "learning", "--steps", "64", "--seeds", "1", "--lag", "2", "--rollout-batch", "16", "--json", timeout=600)
+    result = ppoz("bench", "learning", "--steps", "64", "--seeds", "1", "--lag", "2", "--rollout-batch", "16", "--json", timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout)
     assert figures["random_return"] == 0.25 and set(figures["methods"]) == {"sync", "drop_stale", "decoupled"}
@@ -188,5 +184,5 @@ def test_bench_learning_runs_the_three_methods_on_the_same_budget():
     "args", [["soak", "--clients", "0"], ["fuzz", "--messages", "0"], ["bench", "rag", "--steps", "0"], ["bench", "learning", "--lag", "0"]]
 )
 def test_load_commands_refuse_nonsense_counts(args):
-    result = run(*args)
+    result = ppoz(*args)
     assert result.returncode != 0 and "must be positive" in result.stderr

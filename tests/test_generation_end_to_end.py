@@ -18,10 +18,8 @@ import time
 import pytest
 
 from client import Client
-from common.tiny_models import build_tiny_model
-from tests.broker.test_restart import free_port
 from tests.helpers import wait_for
-from tests.test_up import Up, status
+from tests.processes import Up, free_port, status
 
 COLOURS = ["red", "green", "blue", "yellow", "black", "white"]
 BUDGET = 4000  # responses
@@ -31,8 +29,8 @@ CLIENTS = 8
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # about 2 minutes on a quiet 2-core machine
-def test_generation_ppo_learns_to_say_the_word_through_real_processes(tmp_path):
-    model = build_tiny_model(tmp_path / "words-llama", "llama", tokenizer="words")
+def test_generation_ppo_learns_to_say_the_word_through_real_processes(tmp_path, tiny_model):
+    model = tiny_model("llama", tokenizer="words")
     front, back, weights = free_port(), free_port(), free_port()
     config = tmp_path / "stack.toml"
     config.write_text(
@@ -83,7 +81,9 @@ def test_generation_ppo_learns_to_say_the_word_through_real_processes(tmp_path):
     windows = [statistics.mean(r for r, _ in rewards[i : i + WINDOW]) for i in range(0, BUDGET - WINDOW + 1, WINDOW)]
     summary = f"{len(rewards)} responses in {elapsed:.0f} s, windows of {WINDOW}: {' '.join(f'{w:.2f}' for w in windows)}"
     summary += f"; learner {final and {k: v for k, v in final['learner'].items() if k.startswith(('counters', 'updates', 'charts'))}}"
-    assert len(untrained) >= 100 and statistics.mean(untrained) < 0.2, f"untrained {statistics.mean(untrained):.2f}; {summary}"
+    # How many responses come before the first published version depends on the machine's load (94 to 130
+    # measured); 50 at the untrained policy's 0.05 give a mean with a standard error of 0.03.
+    assert len(untrained) >= 50 and statistics.mean(untrained) < 0.2, f"untrained {statistics.mean(untrained):.2f}; {summary}"
     assert max(v for _, v in rewards) >= 20, f"the actor served no trained version; {summary}"  # the learner published, the actor took it
     # learned, and still learned over the last 600 responses (measured: 0.73 to 0.84 there, from 0.07 untrained)
     assert min(windows[-4:]) >= 0.5 and statistics.mean(windows[-4:]) >= 0.6, summary

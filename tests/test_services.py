@@ -6,14 +6,10 @@ datagram socket of the test's own, as systemd's would.
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,87 +17,15 @@ from actor_node.link import BrokerLink
 from actor_node.policies import UniformPolicy
 from actor_node.worker import serve
 from client import Client, Overloaded
-from tests.broker.test_restart import free_port
 from tests.helpers import OBS, wait_for
-
-PPOZ = [sys.executable, "-m", "ppoz.cli"]
-
-
-class NotifySocket:
-    """What systemd listens on: every datagram, in order, read all the time as systemd reads them.
-
-    Why a reader thread: the services send without blocking and drop a notification when the
-    socket's queue is full (common/sd_notify.py); a test that read only between its steps let
-    a gateway's watchdog pings fill the queue while it stopped a slow learner, and the
-    gateway's STOPPING=1 was dropped."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.settimeout(0.2)
-        self.messages: list[str] = []
-        self._closed = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        while not self._closed.is_set():
-            try:
-                self.messages.append(self.sock.recv(65536).decode())
-            except TimeoutError:
-                continue
-            except OSError:  # closed
-                return
-
-    def receive(self, until: float) -> None:
-        """Let datagrams arrive until the time `until` (monotonic)."""
-        time.sleep(max(0.0, until - time.monotonic()))
-
-    def wait_for(self, prefix: str, timeout: float) -> str:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            for m in self.messages:
-                if m.startswith(prefix) or f"\n{prefix}" in m:
-                    return m
-            self.receive(min(end, time.monotonic() + 0.2))
-        pytest.fail(f"no {prefix!r} within {timeout} s; got {self.messages}")
-
-    def count(self, line: str) -> int:
-        return sum(line in m.split("\n") for m in self.messages)
-
-    def close(self) -> None:
-        self._closed.set()
-        self._reader.join(2)
-        self.sock.close()
-
-
-def start(args: list[str], notify: NotifySocket, watchdog_usec: int = 400_000) -> subprocess.Popen:
-    env = {"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": str(watchdog_usec), "PYTHONUNBUFFERED": "1"}
-    # stderr to a file: a pipe nobody reads while the process runs could fill and block it
-    log = open(Path(notify.path).with_suffix(f".{len(args)}.{time.monotonic_ns()}.log"), "w+")
-    proc = subprocess.Popen([*PPOZ, *args], env={**os.environ, **env}, stderr=log, text=True)
-    proc.log = log  # type: ignore[attr-defined]
-    return proc
-
-
-def stop(proc: subprocess.Popen, timeout: float = 30) -> tuple[int, str]:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    proc.log.seek(0)  # type: ignore[attr-defined]
-    return code, proc.log.read()  # type: ignore[attr-defined]
+from tests.processes import NotifySocket, free_port, start_service, stop
 
 
 @pytest.mark.slow
 def test_broker_notifies_ready_when_bound_pings_the_watchdog_reports_status_and_stops(tmp_path, redis_url, key_prefix):
     notify = NotifySocket(tmp_path / "notify.sock")
     front, back = free_port(), free_port()
-    proc = start(
+    proc = start_service(
         [
             "broker",
             "--frontend",
@@ -150,7 +74,7 @@ def test_broker_sigterm_drains_steps_in_flight_refuses_new_ones_and_loses_nothin
         "--drain-timeout-s",
         "20",
     ]
-    proc = start(args, notify)
+    proc = start_service(args, notify)
 
     class SlowPolicy(UniformPolicy):
         def choose_batch(self, jobs):
@@ -182,12 +106,12 @@ def test_broker_sigterm_drains_steps_in_flight_refuses_new_ones_and_loses_nothin
             assert proc.wait(30) == 0
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.log.seek(0)
-            pytest.fail(proc.log.read()[-3000:])
+            pytest.fail(proc.log_path.read_text()[-3000:])
         assert len(replies) == 1 and 0 <= replies[0]["action"] < len(OBS["action"]), "the step in flight was answered"
         # Nothing lost: a restarted broker takes the feedback for the step answered during the drain.
-        proc = start(args, notify)
-        notify.wait_for("READY=1", 30)
+        restarted_at = len(notify.messages)
+        proc = start_service(args, notify)
+        notify.wait_for("READY=1", 30, since=restarted_at)  # the restarted broker's, not the first one's
         with Client(f"tcp://127.0.0.1:{front}", deadline=10, context=zmq_context) as c:
             assert c.feedback(task, 1.0, done=True)["status"] == "ok"
     finally:
@@ -202,7 +126,7 @@ def test_broker_sigterm_drains_steps_in_flight_refuses_new_ones_and_loses_nothin
 def test_actor_is_ready_only_with_its_model_loaded_and_stops_cleanly(tmp_path, start_broker, tiny_models, redis_url, key_prefix):
     broker = start_broker()
     notify = NotifySocket(tmp_path / "notify.sock")
-    proc = start(
+    proc = start_service(
         [
             "actor",
             "--broker",
@@ -244,7 +168,7 @@ def test_learner_and_gateway_notify_and_stop_cleanly(tmp_path, start_broker, tin
     broker = start_broker()
     learner_notify = NotifySocket(tmp_path / "learner.sock")
     gateway_notify = NotifySocket(tmp_path / "gateway.sock")
-    learner = start(
+    learner = start_service(
         [
             "learner",
             "--model",
@@ -266,7 +190,7 @@ def test_learner_and_gateway_notify_and_stop_cleanly(tmp_path, start_broker, tin
         ],
         learner_notify,
     )
-    gateway = start(["gateway", "--port", str(free_port()), "--broker", broker.frontend], gateway_notify)
+    gateway = start_service(["gateway", "--port", str(free_port()), "--broker", broker.frontend], gateway_notify)
     try:
         assert "policy version 0" in learner_notify.wait_for("READY=1", 120)
         gateway_notify.wait_for("READY=1", 30)
@@ -287,7 +211,7 @@ def test_learner_and_gateway_notify_and_stop_cleanly(tmp_path, start_broker, tin
 def test_actor_sigterm_finishes_its_batch_and_hands_queued_jobs_back(tmp_path, start_broker, start_actor, make_client, tiny_models):
     broker = start_broker()
     notify = NotifySocket(tmp_path / "notify.sock")
-    proc = start(
+    proc = start_service(
         [
             "actor",
             "--broker",

@@ -5,67 +5,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from client import Client, PPOZError
-from tests.broker.test_restart import free_port
 from tests.helpers import wait_for
-
-
-class Up:
-    """A running `ppoz up` whose merged output is collected line by line."""
-
-    def __init__(self, config: Path, *flags: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ppoz.cli", "up", "--config", str(config), *flags],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-    def pid(self, component: str, nth: int = 1) -> int | None:
-        found = re.findall(rf"started {re.escape(component)} \(pid (\d+)\)", self.text())
-        return int(found[nth - 1]) if len(found) >= nth else None
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(90)
-        finally:
-            self.reader.join(10)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def status(front: int) -> dict | None:
-    try:
-        with Client(f"tcp://127.0.0.1:{front}", deadline=2, attempt_timeout=2) as c:
-            return c.status()
-    except PPOZError:
-        return None
+from tests.processes import Up, alive, free_port, ppoz, status
 
 
 def write_config(path: Path, front: int, back: int, weights: int, **extra: str) -> Path:
@@ -102,9 +47,7 @@ def test_up_runs_the_whole_stack_restarts_a_killed_actor_and_stops_cleanly(tmp_p
         for name in ("broker", "learner", "actor-0", "clients"):
             assert re.search(rf"^ *{name} \| ", up.text(), re.M), f"no log line prefixed with {name}"
         # `ppoz status` against the running stack: actors and load, sessions, speed, backlog, version and lag, losses.
-        table = subprocess.run(
-            [sys.executable, "-m", "ppoz.cli", "status", "--broker", f"tcp://127.0.0.1:{front}"], capture_output=True, text=True, timeout=60
-        )
+        table = ppoz("status", "--broker", f"tcp://127.0.0.1:{front}", timeout=60)
         assert table.returncode == 0, table.stderr
         assert "sessions 2" in table.stdout and "steps/s" in table.stdout and "stream backlog" in table.stdout
         assert re.search(r"actor-0 +load \d+/\d+  policy v\d+  lag \d+", table.stdout), table.stdout

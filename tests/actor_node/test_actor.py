@@ -154,6 +154,7 @@ def test_a_snapshot_of_other_policy_settings_is_refused_and_serving_goes_on(
         time.sleep(0.3)  # past the actor's poll: it has tried the snapshot
 
 
+@pytest.mark.slow
 def test_ppoz_actor_command_serves_a_model(broker, make_client, tiny_models):
     import signal
     import subprocess

@@ -141,7 +141,8 @@ def test_top_p_samples_within_the_nucleus_and_logs_its_renormalised_probability(
 def test_the_deadline_answers_a_request_without_holding_the_others(tiny_models) -> None:
     model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
     engine = GenerationEngine(model, tokenizer)
-    slow = job(0, max_new_tokens=400)
+    # 4,000 tokens take seconds even on a quiet machine (400 took less than the 200 ms deadline on one)
+    slow = job(0, max_new_tokens=4000)
     slow["deadline_ms"] = 200
     answered = dict((j["job"], a) for j, a in engine.add([slow, job(1, max_new_tokens=4)]))
     started = time.monotonic()

@@ -11,7 +11,6 @@ import torch
 from actor_node.llm_policy import Choice, LLMPolicy, SamplingConfig
 from common import scoring
 from common.policy_model import ModelSpec, load_policy, policy_state_dict
-from common.tiny_models import build_tiny_model
 from tests.helpers import own_logits_scores
 
 OBS = {
@@ -78,10 +77,10 @@ def test_sampling_follows_a_peaked_distribution(policy_factory):
         assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / n), (k, freq, p)
 
 
-def test_an_over_long_observation_fails_alone_naming_the_limit(tmp_path):
+def test_an_over_long_observation_fails_alone_naming_the_limit(tiny_model):
     """A context past the model's position limit (GPT-2's learned positions would fail the whole
     batch's forward) is refused with an error naming the limit; the rest of the batch is answered."""
-    path = build_tiny_model(tmp_path / "gpt2-128", "gpt2", max_positions=128)
+    path = tiny_model("gpt2", max_positions=128)
     model, tok = load_policy(ModelSpec(model=str(path), device="cpu", lora_rank=0))
     policy = LLMPolicy(model, tok, SamplingConfig(normalisation="token"), "auto")
     long_obs = {**OBS, "prompt": "x" * 200}

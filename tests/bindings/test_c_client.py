@@ -19,7 +19,7 @@ import zmq
 from common import protocol as p
 from common.segments import Segment
 from tests.bindings.conftest import BINDINGS, require_tool
-from tests.broker.test_restart import free_port
+from tests.processes import free_port
 
 C_DIR = Path(BINDINGS) / "c"
 BUILD = C_DIR / "build"

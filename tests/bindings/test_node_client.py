@@ -15,6 +15,7 @@ import redis as redis_py
 from client import Client
 from common import protocol as p
 from common.segments import Segment
+from tests.processes import free_port
 from tests.bindings.conftest import BINDINGS, LiveStack, require_tool
 
 NODE_DIR = os.path.join(BINDINGS, "node")
@@ -77,13 +78,6 @@ def node() -> str:
         proc = run([npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts"], timeout=300)
         assert proc.returncode == 0, f"npm ci failed in {NODE_DIR}: {explain(proc)}"
     return node
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound, read, released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_npm_test_passes(node: str) -> None:

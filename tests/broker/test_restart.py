@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -13,46 +9,15 @@ import pytest
 from client import Client
 from common.segments import Segment
 from tests.helpers import OBS, wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_broker_process(redis_url: str, prefix: str, front: int, back: int) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ppoz.cli",
-            "--log-level",
-            "warning",
-            "broker",
-            "--frontend",
-            f"tcp://127.0.0.1:{front}",
-            "--backend",
-            f"tcp://127.0.0.1:{back}",
-            "--redis-url",
-            redis_url,
-            "--key-prefix",
-            prefix,
-            "--heartbeat-ms",
-            "100",
-            "--segment-len",
-            "4",
-        ],
-    )
+from tests.processes import BrokerProcess
 
 
 @pytest.mark.slow
 def test_broker_killed_and_restarted_loses_nothing(redis_url, redis_client, key_prefix, start_actor):
-    front, back = free_port(), free_port()
-    proc = start_broker_process(redis_url, key_prefix, front, back)
-    endpoint = f"tcp://127.0.0.1:{front}"
+    broker = BrokerProcess(redis_url, key_prefix, "--heartbeat-ms", "100", "--segment-len", "4")
+    endpoint = broker.frontend
     try:
-        start_actor(f"tcp://127.0.0.1:{back}")
+        start_actor(broker.backend)
         probe = Client(endpoint, deadline=20, attempt_timeout=1)
         wait_for(lambda: probe.status()["actors"], timeout=20, what="the actor to register")
 
@@ -77,10 +42,9 @@ def test_broker_killed_and_restarted_loses_nothing(redis_url, redis_client, key_
         for t in threads:
             t.start()
         wait_for(lambda: sum(acknowledged) >= 40, timeout=30, what="40 acknowledged feedbacks")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        broker.kill()
         killed_at = sum(acknowledged)
-        proc = start_broker_process(redis_url, key_prefix, front, back)
+        broker.restart()
         wait_for(lambda: sum(acknowledged) >= killed_at + 40, timeout=60, what="40 more feedbacks after the restart")
         stop.set()
         for t in threads:
@@ -101,9 +65,7 @@ def test_broker_killed_and_restarted_loses_nothing(redis_url, redis_client, key_
         assert len({s.seg_id for s in segments}) == len(segments)
         probe.close()
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(10)
+        broker.stop(10)
 
 
 def decode_open(data: bytes) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -41,12 +40,6 @@ def pick(i: int, n: int = 32) -> dict[str, Any]:
         "question": "Which action should I choose next? I shall choose No. ",
         "action": [f"{k}: TouchEvent(view={k})" for k in range(n)],
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_threads(target: Callable[[int], None], n: int, timeout: float = 60.0) -> list[BaseException]:

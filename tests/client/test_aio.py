@@ -11,8 +11,9 @@ import zmq
 from client import AsyncClient, BadRequest, FeedbackWithoutStep, RequestTimeout, UnknownTask
 from common import protocol as p
 from common.segments import Segment
-from tests.client.helpers import EchoPolicy, free_port, pick
+from tests.client.helpers import EchoPolicy, pick
 from tests.helpers import wait_for
+from tests.processes import free_port
 
 
 def test_full_life_cycle(serving, zmq_context, redis_client, key_prefix):

@@ -7,8 +7,6 @@ beside the adapter and at a rate its random weights notice; any other model keep
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from common.policy_model import ModelSpec, load_policy
 from common.shared_settings import PolicySpec
 from common.tiny_models import LORA_TRAINABLE, MARKER
 from learner_node.config import LearnerConfig
+from tests.processes import ppoz
 
 
 @pytest.fixture(scope="module")
@@ -78,19 +77,13 @@ def test_a_broken_build_record_is_named(tmp_path: Path) -> None:
         ModelSpec.of(PolicySpec(model=str(tmp_path)), "cpu")
 
 
+@pytest.mark.slow
 def test_ppoz_tiny_model_builds_a_loadable_model(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "ppoz.cli", "tiny-model", str(tmp_path / "m"), "--arch", "qwen2", "--hidden", "32"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = ppoz("tiny-model", str(tmp_path / "m"), "--arch", "qwen2", "--hidden", "32", timeout=300)
     assert out.returncode == 0, out.stderr
     assert "model =" in out.stdout
     spec = ModelSpec.of(PolicySpec(model=str(tmp_path / "m")), "cpu")
     model, tokenizer = load_policy(spec)
     assert model.config.hidden_size == 32 and spec.lora_trainable == LORA_TRAINABLE["qwen2"]
-    bad = subprocess.run(
-        [sys.executable, "-m", "ppoz.cli", "tiny-model", str(tmp_path / "b"), "--hidden", "30"], capture_output=True, text=True, timeout=300
-    )
+    bad = ppoz("tiny-model", str(tmp_path / "b"), "--hidden", "30", timeout=300)
     assert bad.returncode == 2 and "--hidden" in bad.stderr

@@ -9,7 +9,6 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from common import scoring as s
-from common.tiny_models import build_tiny_model
 from tests.helpers import own_logits_scores
 
 OBSERVATIONS = [
@@ -42,11 +41,10 @@ def items(tokenizer):
     return [s.tokenize_observation(tokenizer, *obs) for obs in OBSERVATIONS]
 
 
-@pytest.fixture(scope="module")
-def trained_tokenizer_models(tmp_path_factory) -> dict[str, str]:
+@pytest.fixture
+def trained_tokenizer_models(tiny_model) -> dict[str, str]:
     """Tiny Llama-style models with a byte-level BPE and a SentencePiece tokenizer trained locally."""
-    root = tmp_path_factory.mktemp("tokenizers")
-    return {kind: str(build_tiny_model(root / kind, "llama", tokenizer=kind)) for kind in ("bpe", "sentencepiece")}
+    return {kind: tiny_model("llama", tokenizer=kind) for kind in ("bpe", "sentencepiece")}
 
 
 @pytest.mark.parametrize("kind", ["byte", "bpe", "sentencepiece"])

@@ -13,7 +13,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,12 +35,11 @@ from common.security import ALLOW_ANY, ClientKeys, KeyFileError, client_keys, ge
 from common.shared_settings import PolicySpec
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
-from tests.broker.test_restart import free_port
 from tests.helpers import OBS, actors_ready, wait_for
+from tests.processes import PPOZ, free_port
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
 
-PPOZ = [sys.executable, "-m", "ppoz.cli"]
 SECRET = "SECRET-PROMPT-1234"
 REFUSED_DEADLINE_S = 1.0
 
@@ -188,6 +186,7 @@ def test_async_and_ppoapi_clients_speak_curve(curve_broker, start_curve_actor, m
         assert kea.step(OBS)["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_gateway_forwards_over_curve(curve_broker, start_curve_actor, make_curve_client, keys):
     broker = curve_broker()
     start_curve_actor(broker.backend, keys.client("actor"))
@@ -370,11 +369,9 @@ def test_traffic_is_not_readable_on_the_wire_with_curve(curve, start_broker, sta
 
 
 # --- 5. weight announcements ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from common.tiny_models import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "llama", "llama"))
+@pytest.fixture
+def tiny_llama(tiny_models: dict[str, str]) -> str:
+    return tiny_models["llama"]
 
 
 def test_weight_announcements_reach_only_allowed_curve_subscribers(
@@ -437,6 +434,7 @@ def test_weight_announcements_reach_only_allowed_curve_subscribers(
 
 
 # --- 6. keys, the command, and config errors ------------------------------------------------------------
+@pytest.mark.slow
 def test_keygen_writes_a_pair_and_refuses_to_overwrite(tmp_path):
     folder = tmp_path / "k"
     result = subprocess.run([*PPOZ, "keygen", "broker", "--dir", str(folder)], capture_output=True, text=True, timeout=60)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -20,6 +18,7 @@ import redis as redis_py
 from client import Client
 from common.segments import Segment
 from envs.runner import Runner, environment_names, make_env_factory
+from tests import processes
 from tests.conftest import RunningActor, RunningBroker
 from tests.helpers import actors_ready, wait_for
 
@@ -45,9 +44,7 @@ def segments(redis_client: redis_py.Redis, key_prefix: str) -> list[dict[str, An
 
 def free_endpoint() -> str:
     """A loopback endpoint nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{processes.free_port()}"
 
 
 def test_runner_plays_every_client_to_max_episodes(
@@ -153,7 +150,7 @@ def test_runner_without_a_broker_counts_failures_and_stops() -> None:
 
 
 def ppoz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ppoz.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    return processes.ppoz(*args, timeout=timeout, cwd=REPO_ROOT)
 
 
 def test_play_prints_one_json_object(served: tuple[RunningBroker, Client]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,8 +15,8 @@ import requests
 from actor_node.policies import UniformPolicy
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
-from tests.broker.test_restart import free_port
 from tests.helpers import OBS, actors_ready, wait_for
+from tests.processes import PPOZ, free_port
 
 
 class KeaHTTPClient:
@@ -121,6 +120,7 @@ def test_replies_have_ppoapi_shapes(start_broker, start_actor, make_client, star
     assert requests.get(f"{base}/health", timeout=30).json() == {"status": "ok"}
 
 
+@pytest.mark.slow
 def test_kea_ordering_faults_get_proper_statuses_and_lose_nothing(start_broker, start_actor, make_client, start_gateway):
     broker = start_broker()
     start_actor(broker.backend)
@@ -232,9 +232,7 @@ def test_ppoz_gateway_command_serves_and_stops_on_sigterm(start_broker, start_ac
     start_actor(broker.backend)
     wait_for(lambda: actors_ready(make_client(broker.frontend), 1), what="the actor")
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ppoz.cli", "gateway", "--port", str(port), "--broker", broker.frontend], stderr=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen([*PPOZ, "gateway", "--port", str(port), "--broker", broker.frontend], stderr=subprocess.PIPE, text=True)
     try:
 
         def healthy() -> bool:

@@ -14,7 +14,7 @@ from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
 from tests.learner_node.test_resume import write_segments
-from tests.learner_node.test_update import _free_port
+from tests.processes import free_port
 
 
 def settings(model: str, redis_url: str, prefix: str, ckpt: str) -> LearnerConfig:
@@ -59,7 +59,7 @@ def test_two_rank_learner_matches_one_rank(tiny_models, redis_url, redis_client,
         write_to_stream(redis_client, one, responses)
         write_to_stream(redis_client, two, responses)
     try:
-        mp.spawn(_rank, args=(2, _free_port(), settings(tiny_models["llama"], redis_url, two, str(tmp_path / "two"))), nprocs=2, join=True)
+        mp.spawn(_rank, args=(2, free_port(), settings(tiny_models["llama"], redis_url, two, str(tmp_path / "two"))), nprocs=2, join=True)
         Learner(settings(tiny_models["llama"], redis_url, one, str(tmp_path / "one")), connect(redis_url, socket_timeout=30)).run()
         a = load_file(str(checkpoint.latest(tmp_path / "one") / "policy.safetensors"))
         b = load_file(str(checkpoint.latest(tmp_path / "two") / "policy.safetensors"))

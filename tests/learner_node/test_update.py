@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +12,7 @@ from learner_node.policy import LearnerPolicy
 from learner_node.rollout import build_rollout
 from learner_node.update import UpdateConfig, ppo_update
 from tests.learner_node.helpers import BANDIT, on_policy_segments
+from tests.processes import free_port
 
 
 def make(path: str, lora_rank: int = 4, lr: float = 1e-2):
@@ -78,12 +77,6 @@ def test_warmup_trains_only_the_critic(tiny_models):
     assert not all(torch.equal(a, b) for a, b in zip(head_before, lp.value_head.parameters()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_update(rank: int, world: int, port: int, path: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -98,7 +91,7 @@ def _rank_update(rank: int, world: int, port: int, path: str, out: str) -> None:
 @pytest.mark.slow
 def test_two_processes_end_an_update_like_one(tiny_models, tmp_path):
     out = str(tmp_path / "two.pt")
-    mp.spawn(_rank_update, args=(2, _free_port(), tiny_models["llama"], out), nprocs=2, join=True)
+    mp.spawn(_rank_update, args=(2, free_port(), tiny_models["llama"], out), nprocs=2, join=True)
     two = torch.load(out)
     lp, popt, vopt = make(tiny_models["llama"])
     ppo_update(lp, popt, vopt, rollout_for(lp), UpdateConfig(update_epochs=2, policy_minibatch=8, micro_batch=2, target_kl=None))

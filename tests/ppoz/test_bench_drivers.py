@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+
+import pytest
+
+from tests.helpers import command_help
+from tests.processes import ppoz
 
 LATENCY = 0.2
 WORKERS = 4
 
 
 def run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ppoz.cli", "bench", "drivers", *args], capture_output=True, text=True, timeout=timeout)
+    return ppoz("bench", "drivers", *args, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_the_judge_bounds_throughput_and_concurrency_lifts_it() -> None:
     result = run(
         *("--latency", str(LATENCY), "--workers", str(WORKERS), "--concurrency", "1,4"),
@@ -42,7 +47,7 @@ def test_the_judge_bounds_throughput_and_concurrency_lifts_it() -> None:
 
 
 def test_help_explains_every_flag_and_nonsense_is_refused() -> None:
-    help_text = run("--help", timeout=60).stdout
+    help_text = command_help("bench", "drivers")
     for flag in ("--latency", "--concurrency", "--workers", "--seconds", "--scoring-seconds", "--repeats", "--new-tokens", "--json"):
         assert flag in help_text
     refused = run("--concurrency", "0,8", "--scoring-only", timeout=60)

@@ -5,18 +5,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 
 import pytest
 
-from common.tiny_models import build_tiny_reward_model
 from ppoz.bench.judge_stand_in import chat_server
 from rewards.reward_model import RewardModel, RewardModelConfig
 from rewards.service import RemoteJudge, RemoteRewardModel, RewardServiceClient, RewardServiceError
-from tests.broker.test_restart import free_port
 from tests.helpers import wait_for
-from tests.test_up import Up, alive
+from tests.processes import PPOZ, Up, alive, free_port
 
 
 def answers(endpoint: str) -> bool:
@@ -30,13 +27,13 @@ def answers(endpoint: str) -> bool:
 
 
 @pytest.mark.slow
-def test_the_command_serves_until_sigterm_and_finishes_the_requests_in_progress(tmp_path) -> None:
-    rm_dir = str(build_tiny_reward_model(tmp_path / "rm"))
+def test_the_command_serves_until_sigterm_and_finishes_the_requests_in_progress(tmp_path, tiny_reward_model) -> None:
+    rm_dir = tiny_reward_model()
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     with chat_server(lambda body, n: (200, 1.5, "Score: 1")) as api:
         lines: list[str] = []
         server = subprocess.Popen(
-            [sys.executable, "-m", "ppoz.cli", "reward-server", "--bind", endpoint, "--reward-model", rm_dir]
+            [*PPOZ, "reward-server", "--bind", endpoint, "--reward-model", rm_dir]
             + ["--judge-model", "judge-1", "--judge-base-url", api.base_url],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

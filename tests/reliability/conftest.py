@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,8 +18,8 @@ from common.redis_server import connect
 from common.shared_settings import PolicySpec
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
+from tests.processes import PPOZ
 
-PPOZ = [sys.executable, "-m", "ppoz.cli"]
 POLICY = dict(lora_rank=0, normalisation="token")
 LEARNER_SETTINGS = dict(
     device="cpu",

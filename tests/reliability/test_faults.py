@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -24,9 +23,9 @@ from client import Client
 from common.redis_server import EmbeddedRedis, connect
 from reliability.ledger import Ledger, settle_ledger
 from tests.helpers import OBS, wait_for
+from tests.processes import PPOZ, BrokerProcess
 from tests.reliability.conftest import SETTLE_STALL_S, RunningLearner
 
-PPOZ = [sys.executable, "-m", "ppoz.cli"]
 # These scenarios wait on progress (the ledger moving, SETTLE_STALL_S without it is a failure), not on a
 # total time; the suite-wide 300 s per test would cut a slow but moving run short on a loaded machine.
 pytestmark = pytest.mark.timeout(1800)
@@ -195,46 +194,24 @@ def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(
 def test_broker_killed_and_restarted_clients_go_on_and_nothing_is_applied_twice(
     start_actor, start_learner, make_client, redis_url, key_prefix
 ):
-    from tests.broker.test_restart import free_port
-
-    front, back = free_port(), free_port()
-    args = [
-        *PPOZ,
-        "broker",
-        "--frontend",
-        f"tcp://127.0.0.1:{front}",
-        "--backend",
-        f"tcp://127.0.0.1:{back}",
-        "--redis-url",
-        redis_url,
-        "--key-prefix",
-        key_prefix,
-        "--heartbeat-ms",
-        "100",
-        "--segment-len",
-        "4",
-    ]
-    broker = subprocess.Popen(args, stderr=subprocess.DEVNULL)
+    broker = BrokerProcess(redis_url, key_prefix, "--heartbeat-ms", "100", "--segment-len", "4")
     learner = start_learner(redis_url, key_prefix)
-    start_actor(f"tcp://127.0.0.1:{back}", name="steady")
-    frontend = f"tcp://127.0.0.1:{front}"
+    start_actor(broker.backend, name="steady")
+    frontend = broker.frontend
     status = make_client(frontend, deadline=60)
     acknowledged, errors = [0], []
     try:
         wait_for(lambda: status.status()["actors"], timeout=60, what="the actor at the broker")
         threads = play_emulators(frontend, 8, 10, acknowledged, errors, make_client)
         wait_for(lambda: acknowledged[0] >= 20, timeout=60, what="some feedbacks")
-        broker.send_signal(signal.SIGKILL)  # no drain, no flush: whatever was acknowledged is already in Redis
-        broker.wait(10)
-        broker = subprocess.Popen(args, stderr=subprocess.DEVNULL)  # sessions and open segments come back from Redis
+        broker.kill()  # no drain, no flush: whatever was acknowledged is already in Redis
+        broker.restart()  # sessions and open segments come back from Redis
         for t in threads:
             t.join(180)
         assert not errors, errors[:3]
         assert acknowledged[0] == 80
     finally:
-        if broker.poll() is None:
-            broker.terminate()
-            broker.wait(30)
+        broker.stop()
     ledger = settle(redis_url, key_prefix, acknowledged[0], learner)
     assert ledger.balanced and ledger.stored == 80, str(ledger)  # retried feedbacks were not applied twice
     assert_trained_once(learner, 80)
@@ -250,32 +227,13 @@ def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_los
     The learner runs in a thread of this process or as its own process, as in a farm. Afterwards
     the ledger balances, and the learner's checkpoint shows every segment trained once.
     """
-    from tests.broker.test_restart import free_port
-
     data_dir = tempfile.mkdtemp(prefix="ppoz-aof-")  # short: a unix socket path has at most 107 bytes
     redis_server = EmbeddedRedis(appendonly=True, appendfsync="always", data_dir=data_dir).start()
-    front, back = free_port(), free_port()
     broker_log = tmp_path / "broker.log"
-    args = [
-        *PPOZ,
-        "broker",
-        "--frontend",
-        f"tcp://127.0.0.1:{front}",
-        "--backend",
-        f"tcp://127.0.0.1:{back}",
-        "--redis-url",
-        redis_server.url,
-        "--key-prefix",
-        "aof",
-        "--heartbeat-ms",
-        "100",
-        "--segment-len",
-        "4",
-    ]
-    broker = subprocess.Popen(args, stderr=broker_log.open("w"))
+    broker = BrokerProcess(redis_server.url, "aof", "--heartbeat-ms", "100", "--segment-len", "4", log=broker_log)
     learner = start_learner(redis_server.url, "aof", as_process=learner_kind == "process")
-    start_actor(f"tcp://127.0.0.1:{back}", name="steady")
-    frontend = f"tcp://127.0.0.1:{front}"
+    start_actor(broker.backend, name="steady")
+    frontend = broker.frontend
     status = make_client(frontend, deadline=60)
     acknowledged, errors = [0], []
     try:
@@ -302,9 +260,7 @@ def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_los
         said = learner.said()
     finally:
         learner.stop()
-        if broker.poll() is None:
-            broker.terminate()
-            broker.wait(30)
+        broker.stop()
         redis_server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
     told = broker_log.read_text()

@@ -10,9 +10,9 @@ import pytest
 
 from reliability import fuzz, fuzz_cases
 from reliability.ledger import settle_ledger
-from tests.broker.test_restart import free_port
 from tests.gateway.test_gateway import start_gateway  # noqa: F401 - a fixture
 from tests.helpers import wait_for
+from tests.processes import free_port
 
 
 @pytest.fixture

@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from reliability.soak import Report, Window, format_report, percentile, summarise
-
-PPOZ = [sys.executable, "-m", "ppoz.cli"]
+from tests.processes import ppoz
 
 
 @pytest.mark.slow
 def test_soak_200_clients_one_minute_no_errors_bounded_memory_stable_latency_ledger_balanced(tmp_path):
-    run = subprocess.run(
-        [*PPOZ, "soak", "--clients", "200", "--minutes", "1", "--window-s", "15", "--json", "--keep", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    run = ppoz("soak", "--clients", "200", "--minutes", "1", "--window-s", "15", "--json", "--keep", str(tmp_path), timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert report["failures"] == []

@@ -8,7 +8,6 @@ import statistics
 
 import pytest
 
-from common.tiny_models import build_tiny_reward_model
 from ppoz.bench.judge_stand_in import chat_server
 from rewards.composite import CompositeReward, Item, RunningMoments, prompt_text
 from rewards.functions import default_compute_score, math_score
@@ -16,8 +15,8 @@ from rewards.judge import Judge, JudgeConfig
 from rewards.reward_model import RewardModel, RewardModelConfig
 
 
-def test_a_weighted_sum_of_a_rule_and_a_reward_model(tmp_path) -> None:
-    rm = RewardModel(RewardModelConfig(str(build_tiny_reward_model(tmp_path / "rm"))))
+def test_a_weighted_sum_of_a_rule_and_a_reward_model(tiny_reward_model) -> None:
+    rm = RewardModel(RewardModelConfig(tiny_reward_model()))
     items = [Item("What is 2+3?", "\\boxed{5}", "5", "arithmetic"), Item("What is 2+2?", "5", "4", "arithmetic")]
     reward = CompositeReward({"rm_score": 0.7, "rule_score": 0.3}, reward_fn=default_compute_score, reward_model=rm)
     scored = reward.score(items)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from common.tiny_models import build_tiny_reward_model
 from rewards.functions import RewardError
 from rewards.reward_model import RewardModel, RewardModelConfig
 
@@ -19,9 +20,9 @@ PAIRS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["deberta-v2", "llama"])
-def reward_model_dir(request, tmp_path_factory):
-    return str(build_tiny_reward_model(tmp_path_factory.mktemp("rm") / request.param, request.param))
+@pytest.fixture(params=["deberta-v2", "llama"])
+def reward_model_dir(request, tiny_reward_model):
+    return tiny_reward_model(request.param)
 
 
 def own_score(path: str, prompt: str, response: str) -> float:
@@ -42,8 +43,8 @@ def test_batched_scores_are_each_pairs_own_score(reward_model_dir) -> None:
     assert rm.score(PAIRS[::-1]) == pytest.approx(scores[::-1], abs=1e-5)  # the batch's other members do not matter
 
 
-def test_a_chat_template_is_used_when_the_tokenizer_has_one(tmp_path) -> None:
-    path = build_tiny_reward_model(tmp_path / "chat-rm", "llama")
+def test_a_chat_template_is_used_when_the_tokenizer_has_one(tmp_path, tiny_reward_model) -> None:
+    path = shutil.copytree(tiny_reward_model("llama"), tmp_path / "chat-rm")  # a copy: its tokenizer gets a chat template
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     tokenizer.save_pretrained(path)

@@ -4,6 +4,7 @@ ROUTER socket, called by the remote clients (and raw DEALER sockets for what a c
 from __future__ import annotations
 
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -16,14 +17,13 @@ import pytest
 import zmq
 from transformers import AutoTokenizer
 
-from common.tiny_models import build_tiny_reward_model
 from ppoz.bench.judge_stand_in import chat_server
 from rewards.composite import CompositeReward, Item
 from rewards.config import RewardServiceConfig
 from rewards.judge import Judge, JudgeConfig
 from rewards.reward_model import RewardModel, RewardModelConfig
 from rewards.service import RemoteJudge, RemoteRewardModel, RewardService, RewardServiceClient, RewardServiceError
-from tests.broker.test_restart import free_port
+from tests.processes import free_port
 from tests.rewards.test_judge import grader
 from tests.rewards.test_reward_model import PAIRS
 
@@ -45,9 +45,9 @@ def serving(reward_model: Any = None, judge: Any = None, **settings: Any) -> Ite
         service.close()
 
 
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory) -> str:
-    return str(build_tiny_reward_model(tmp_path_factory.mktemp("rm") / "deberta"))
+@pytest.fixture
+def rm_dir(tiny_reward_model) -> str:
+    return tiny_reward_model()
 
 
 def local_judge(base_url: str) -> Judge:
@@ -176,8 +176,8 @@ def test_bad_requests_get_named_errors_and_the_service_goes_on(rm_dir) -> None:
         assert service.counts["errors/bad_request"] == 7 and service.counts["errors/too_large"] == 2
 
 
-def test_a_pair_the_model_cannot_take_fails_its_own_request_alone_not_the_batch_it_shared(tmp_path) -> None:
-    path = build_tiny_reward_model(tmp_path / "chat-rm", "llama")
+def test_a_pair_the_model_cannot_take_fails_its_own_request_alone_not_the_batch_it_shared(tmp_path, tiny_reward_model) -> None:
+    path = shutil.copytree(tiny_reward_model("llama"), tmp_path / "chat-rm")  # a copy: its tokenizer gets a chat template
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     tokenizer.save_pretrained(path)

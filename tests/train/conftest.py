@@ -10,11 +10,8 @@ from tests.helpers import actors_ready, wait_for
 
 
 @pytest.fixture(scope="module")
-def words_llm(tmp_path_factory):
-    from common.tiny_models import build_tiny_model
-
-    path = build_tiny_model(tmp_path_factory.mktemp("words") / "llama", "llama", tokenizer="words")
-    return load_policy(ModelSpec(model=str(path), device="cpu", lora_rank=0))
+def words_llm(tiny_model):
+    return load_policy(ModelSpec(model=tiny_model("llama", tokenizer="words"), device="cpu", lora_rank=0))
 
 
 @pytest.fixture

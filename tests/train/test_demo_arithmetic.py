@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 
 import pytest
 
 from ppoz.demo_arithmetic import sums
 from rewards.functions import first_word_score
+from tests.processes import ppoz
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_arithmetic_demo_learns_and_stays_learned(tmp_path) -> None:
     out = tmp_path / "demo"
-    run = subprocess.run(
-        [sys.executable, "-m", "ppoz.cli", "demo", "--task", "arithmetic", "--minutes", "2", "--report-every", "10",
-         "--out", str(out), "--json"],
-        capture_output=True, text=True, timeout=840,
-    )  # fmt: skip
+    run = ppoz("demo", "--task", "arithmetic", "--minutes", "2", "--report-every", "10", "--out", str(out), "--json", timeout=840)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     rows = [json.loads(line) for line in (out / "train" / "progress.jsonl").read_text().splitlines()]

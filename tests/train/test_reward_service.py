@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from common.config import ConfigError, load
-from common.tiny_models import build_tiny_reward_model
 from ppoz.bench.judge_stand_in import chat_server
 from rewards.composite import Item
 from rewards.reward_model import RewardModel, RewardModelConfig
 from rewards.service import RemoteJudge, RemoteRewardModel
+from tests.helpers import command_help
 from tests.rewards.test_service import local_judge, serving
 from train.config import TrainConfig
 from train.run import build_reward
 
 
-def test_build_reward_asks_the_service_and_loads_no_model_itself(tmp_path) -> None:
-    rm_dir = str(build_tiny_reward_model(tmp_path / "rm"))
+def test_build_reward_asks_the_service_and_loads_no_model_itself(tiny_reward_model) -> None:
+    rm_dir = tiny_reward_model()
     items = [Item("What is 1+1?", "\\boxed{2}", "2", "math"), Item("What is 2+2?", "\\boxed{5}", "4", "math")]
     expected_rm = RewardModel(RewardModelConfig(rm_dir)).score([(i.prompt, i.response) for i in items])
     with (
@@ -44,8 +41,8 @@ def test_build_reward_asks_the_service_and_loads_no_model_itself(tmp_path) -> No
     assert [s.reward for s in scored] == pytest.approx([0.5 + 0.25 * expected_rm[0] + 0.25, 0.25 * expected_rm[1] + 0.25], abs=1e-5)
 
 
-def test_a_weight_the_service_cannot_serve_and_a_model_loaded_twice_are_refused_at_start(tmp_path) -> None:
-    rm_dir = str(build_tiny_reward_model(tmp_path / "rm"))
+def test_a_weight_the_service_cannot_serve_and_a_model_loaded_twice_are_refused_at_start(tiny_reward_model) -> None:
+    rm_dir = tiny_reward_model()
     with serving(RewardModel(RewardModelConfig(rm_dir))) as service:
         with pytest.raises(ValueError, match="reward weight judge_score is set but the reward service at .* hosts only rm_score"):
             build_reward(TrainConfig(data="x", reward_service=service.endpoint, weights={"judge_score": 1.0}))
@@ -68,5 +65,5 @@ def test_the_service_is_configured_in_the_same_file_as_train(tmp_path) -> None:
     path.write_text('[reward_service]\nreward_model = "rm-dir"\nbatch_size = 0\n')
     with pytest.raises(ConfigError, match="batch_size = 0"):
         load(RewardServiceConfig, path)
-    help_text = subprocess.run([sys.executable, "-m", "ppoz.cli", "train", "--help"], capture_output=True, text=True, timeout=120).stdout
+    help_text = command_help("train")
     assert "--reward-service STR" in help_text and "--reward-service-timeout-s" in help_text

@@ -56,10 +56,8 @@ def test_a_run_validates_trains_writes_its_figures_and_resumes(stack, tmp_path) 
     assert in_file_order["start"] == 0  # nor does the same seed in file order
 
 
-def test_the_reward_sources_come_from_train_settings(tmp_path) -> None:
-    from common.tiny_models import build_tiny_reward_model
-
-    rm = build_tiny_reward_model(tmp_path / "rm")
+def test_the_reward_sources_come_from_train_settings(tiny_reward_model) -> None:
+    rm = tiny_reward_model()
     with chat_server(lambda body, n: "Score: 1") as server:
         cfg = TrainConfig(
             data="x.jsonl",

@@ -6,26 +6,23 @@ stand-in of the chat-completions API) is served by the stack's own reward servic
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from common.tiny_models import build_tiny_model
-from tests.broker.test_restart import free_port
+from tests.processes import free_port, ppoz
 from tests.train.test_run import write_dataset
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
+def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path, tiny_model) -> None:
     import contextlib
 
     from ppoz.bench.judge_stand_in import chat_server
 
     judged: list[int] = []
     stack = contextlib.ExitStack()
-    model = build_tiny_model(tmp_path / "words-llama", "llama", tokenizer="words")
+    model = tiny_model("llama", tokenizer="words")
     write_dataset(tmp_path / "train.jsonl", 8)
     write_dataset(tmp_path / "val.jsonl", 8)
     (tmp_path / "reward.py").write_text(
@@ -48,15 +45,12 @@ def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
         "weights = {rule_score = 1.0, judge_score = 1.0}\n"
     )
     with stack:
-        run = subprocess.run(
-            [
-                sys.executable, "-m", "ppoz.cli", "train", "--config", str(config), "--model", str(model),
-                "--data", str(tmp_path / "train.jsonl"), "--val", str(tmp_path / "val.jsonl"),
-                "--reward-fn", f"{tmp_path / 'reward.py'}:compute_score", "--epochs", "0", "--max-samples", "96", "--json",
-                "--advantage", "grpo", "--rollout-n", "2",
-            ],
-            capture_output=True, text=True, timeout=540, cwd=tmp_path,
-        )  # fmt: skip
+        data = ["--data", str(tmp_path / "train.jsonl"), "--val", str(tmp_path / "val.jsonl")]
+        reward = ["--reward-fn", f"{tmp_path / 'reward.py'}:compute_score"]
+        grpo = ["--advantage", "grpo", "--rollout-n", "2"]
+        model_and_config = ["--config", str(config), "--model", str(model)]
+        run_for = ["--epochs", "0", "--max-samples", "96"]
+        run = ppoz("train", *model_and_config, *data, *reward, *run_for, *grpo, "--json", timeout=540, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 96 and summary["rewarded"] == 96 and summary["unrewarded"] == 0
@@ -84,6 +78,7 @@ def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path) -> None:
             assert counts.get(tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5)), 0) > 50, f"nothing drawn in {colour}"
 
 
+@pytest.mark.slow
 def test_ppoz_train_drives_a_farms_broker(stack, redis_url, redis_client, key_prefix, tmp_path) -> None:
     """`--broker`: nothing is started; the drivers feed the farm's broker (here one in this process, with an actor),
     and the learner's figures are read from the farm's Redis (here written as a learner would)."""
@@ -92,15 +87,11 @@ def test_ppoz_train_drives_a_farms_broker(stack, redis_url, redis_client, key_pr
 
     write_dataset(tmp_path / "train.jsonl", 4)
     write_latest(redis_client, key_prefix, {"version": 7.0, "generation/kl_ref": 0.002, "generation/group_relative": 0.0})
-    run = subprocess.run(
-        [
-            sys.executable, "-m", "ppoz.cli", "train", "--broker", stack.frontend, "--redis-url", redis_url,
-            "--key-prefix", key_prefix, "--data", str(tmp_path / "train.jsonl"), "--reward-fn", "first_word",
-            "--max-samples", "8", "--epochs", "0", "--workers", "2", "--max-new-tokens", "2", "--report-every-s", "0.5",
-            "--output-dir", str(tmp_path / "out"), "--json",
-        ],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path,
-    )  # fmt: skip
+    farm = ["--broker", stack.frontend, "--redis-url", redis_url, "--key-prefix", key_prefix]
+    run_for = ["--max-samples", "8", "--epochs", "0", "--workers", "2", "--max-new-tokens", "2", "--report-every-s", "0.5"]
+    out = ["--output-dir", str(tmp_path / "out")]
+    args = ["train", *farm, "--data", str(tmp_path / "train.jsonl"), "--reward-fn", "first_word", *run_for, *out]
+    run = ppoz(*args, "--json", timeout=240, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 8 and summary["rewarded"] == 8 and summary["learner"]["version"] == 7.0
@@ -108,9 +99,6 @@ def test_ppoz_train_drives_a_farms_broker(stack, redis_url, redis_client, key_pr
     assert sum(len(s.transitions) for s in segments(redis_client, key_prefix)) == 8  # the turns went to the farm's stream
     assert "give both the same setting" not in run.stderr
     # GRPO drivers against this (GAE) learner: said, naming both settings
-    grpo = subprocess.run(
-        [*run.args[:-1], "--advantage", "grpo", "--rollout-n", "2", "--no-resume", "--json"],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path,
-    )  # fmt: skip
+    grpo = ppoz(*args, "--advantage", "grpo", "--rollout-n", "2", "--no-resume", "--json", timeout=240, cwd=tmp_path)
     assert grpo.returncode == 0, grpo.stdout[-3000:] + grpo.stderr[-3000:]
     assert "advantage = gae but these drivers send group-relative advantages (grpo)" in grpo.stderr

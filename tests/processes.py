@@ -1,0 +1,249 @@
+"""What the process-level tests share: the `ppoz` command as users run it, ports for the processes a
+test starts, systemd's readiness protocol, and a supervised `ppoz up`.
+
+Ports. Binding port 0, closing the socket and handing the number to another process is a race: the
+kernel gives out the same ephemeral ports to every bind(0) and outgoing connection (ZeroMQ's own
+`tcp://127.0.0.1:*` binds in the test process among them), so a port can be taken before the process
+binds it, and more so with two pytest-xdist workers at work. `free_port` hands out ports from below
+the ephemeral range instead, which the kernel never hands out by itself: a block of its own for each
+worker, each port once per run, checked free by binding it first. A process that can choose its own
+port (a broker thread on `tcp://127.0.0.1:*`, a learner's `--weights-bind tcp://127.0.0.1:0`) needs
+none: the tests let it bind port 0 and read the port back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+from client import Client, PPOZError
+
+PPOZ = [sys.executable, "-m", "ppoz.cli"]
+LOWEST_PORT = 10_000  # below it: the well-known and registered services a machine may run
+
+
+def ppoz(*args: str, timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run `ppoz ARGS` to its end as a user runs it; its stdout and stderr captured as text."""
+    return subprocess.run([*PPOZ, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def start_ppoz(*args: str, log: Path, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen[str]:
+    """Start `ppoz ARGS`; its stderr (and stdout unless redirected) goes to the file `log` (appended to): a pipe
+    nobody reads while the process runs could fill and block it. `env` is added to this process's environment."""
+    out = log.open("a")
+    kwargs.setdefault("stdout", out)
+    return subprocess.Popen([*PPOZ, *args], stderr=out, text=True, env={**os.environ, **(env or {})}, **kwargs)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; BSD and macOS start at 49152
+
+
+def _port_block() -> range:
+    """This pytest-xdist worker's ports (the whole span for a run without workers)."""
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = (_ephemeral_low() - LOWEST_PORT) // workers
+    return range(LOWEST_PORT + worker * size, LOWEST_PORT + (worker + 1) * size)
+
+
+_block = _port_block()
+_next_port = itertools.cycle(_block)
+_port_lock = threading.Lock()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A loopback TCP port for a process a test starts: free now, and handed to no other test of this run."""
+    if len(_block) < 100:  # an ephemeral range that starts too low to leave room below it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    with _port_lock:
+        for _ in range(len(_block)):
+            port = next(_next_port)
+            if _bindable(port):
+                return port
+    raise RuntimeError(f"no free port in {_block.start}-{_block.stop - 1}")
+
+
+class NotifySocket:
+    """What systemd listens on (NOTIFY_SOCKET): every datagram, in order, read all the time as systemd reads them.
+
+    Why a reader thread: the services send without blocking and drop a notification when the
+    socket's queue is full (common/sd_notify.py); a test that read only between its steps let
+    a gateway's watchdog pings fill the queue while it stopped a slow learner, and the
+    gateway's STOPPING=1 was dropped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        self._closed = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self.messages.append(self.sock.recv(65536).decode())
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+
+    def receive(self, until: float) -> None:
+        """Let datagrams arrive until the time `until` (monotonic)."""
+        time.sleep(max(0.0, until - time.monotonic()))
+
+    def wait_for(self, prefix: str, timeout: float, since: int = 0) -> str:
+        """The first message from the `since`-th on that holds a line starting with `prefix`; fails the test after `timeout` s."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for m in self.messages[since:]:
+                if m.startswith(prefix) or f"\n{prefix}" in m:
+                    return m
+            self.receive(min(end, time.monotonic() + 0.2))
+        pytest.fail(f"no {prefix!r} within {timeout} s; got {self.messages}")
+
+    def count(self, line: str) -> int:
+        return sum(line in m.split("\n") for m in self.messages)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._reader.join(2)
+        self.sock.close()
+
+
+def start_service(args: list[str], notify: NotifySocket, watchdog_usec: int = 400_000) -> subprocess.Popen[str]:
+    """`ppoz ARGS` as systemd runs a Type=notify service: NOTIFY_SOCKET and WATCHDOG_USEC set, stderr to a file of its own."""
+    env = {"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": str(watchdog_usec), "PYTHONUNBUFFERED": "1"}
+    log = Path(notify.path).with_suffix(f".{args[0]}.{time.monotonic_ns()}.log")
+    proc = start_ppoz(*args, log=log, env=env)
+    proc.log_path = log  # type: ignore[attr-defined]
+    return proc
+
+
+def stop(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str]:
+    """SIGTERM a process started by `start_service`, wait `timeout` s (then SIGKILL); its exit code and its log."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return code, Path(proc.log_path).read_text()  # type: ignore[attr-defined]
+
+
+class BrokerProcess:
+    """`ppoz broker` as its own process on two ports from `free_port`; `restart` binds the same ones again,
+    as a restarted service does (its clients and actors reconnect to the endpoints they know)."""
+
+    def __init__(self, redis_url: str, key_prefix: str, *flags: str, log: Path | None = None) -> None:
+        front, back = free_port(), free_port()
+        self.frontend, self.backend = f"tcp://127.0.0.1:{front}", f"tcp://127.0.0.1:{back}"
+        self.args = ["broker", "--frontend", self.frontend, "--backend", self.backend, "--redis-url", redis_url, "--key-prefix", key_prefix]
+        self.args += flags
+        self.log = log
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[str]:
+        if self.log is None:
+            return subprocess.Popen([*PPOZ, *self.args], stderr=subprocess.DEVNULL, text=True)
+        return start_ppoz(*self.args, log=self.log)
+
+    def kill(self) -> None:
+        """SIGKILL: no drain, no flush."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.proc = self._start()
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+class Up:
+    """A running `ppoz up` whose merged output is collected line by line."""
+
+    def __init__(self, config: Path, *flags: str) -> None:
+        command = [*PPOZ, "up", "--config", str(config), *flags]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def pid(self, component: str, nth: int = 1) -> int | None:
+        found = re.findall(rf"started {re.escape(component)} \(pid (\d+)\)", self.text())
+        return int(found[nth - 1]) if len(found) >= nth else None
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(90)
+        finally:
+            self.reader.join(10)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def status(front: int) -> dict[str, Any] | None:
+    """The broker's status on loopback port `front`; None while nothing answers there."""
+    try:
+        with Client(f"tcp://127.0.0.1:{front}", deadline=2, attempt_timeout=2) as c:
+            return c.status()
+    except PPOZError:
+        return None
+
+
+def log_tail(stream: IO[str] | Path, chars: int = 3000) -> str:
+    """The end of a process's log, for a failure message."""
+    text = stream.read_text() if isinstance(stream, Path) else stream.read()
+    return text[-chars:]
