@@ -23,8 +23,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2")
@@ -219,6 +217,7 @@ def tiny_config(
 
 def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, tokenizer: str = "byte", **config_overrides) -> Path:
     """Build and save a tiny model + tokenizer (byte, bpe or sentencepiece) under `path` (reused if already there)."""
+    import torch  # here, not at the top: `ppoz`'s parser reads this module's names, and `ppoz broker` needs no torch
     from transformers import AutoModelForCausalLM
 
     if tokenizer not in TOKENIZER_BUILDERS:
@@ -251,6 +250,7 @@ def build_tiny_reward_model(path: str | Path, arch: str = "deberta-v2", seed: in
     `path` and loaded as a real reward model is (`AutoModelForSequenceClassification.from_pretrained`).
     `deberta-v2` is an encoder as OpenAssistant's DeBERTa reward models are; `llama` a decoder that
     pools the last token, as Skywork's and most chat reward models do."""
+    import torch
     from transformers import AutoModelForSequenceClassification, DebertaV2Config
 
     if arch not in REWARD_ARCHITECTURES:

@@ -8,6 +8,7 @@ the defaults. Logging is configured here and nowhere else.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import signal
@@ -36,6 +37,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+class _BenchParser(argparse.ArgumentParser):
+    """The parser of one `ppoz bench NAME`, whose module (and so its options) is imported only when that
+    benchmark is run or its help is asked for: the benchmarks import torch, and every other command
+    (`ppoz broker`, `gateway`, `status`, ...) would otherwise spend 2 s of CPU importing it at start."""
+
+    def __init__(self, *args: Any, module: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._module: str | None = module
+
+    def _load(self) -> None:
+        if self._module is not None:
+            module, self._module = importlib.import_module(self._module), None
+            module.add_arguments(self)
+            self.set_defaults(func=module.main)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._load()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._load()
+        return super().format_help()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,59 +179,49 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a benchmark (see docs/benchmarks.md)",
         description="Benchmarks; each prints a table, or one JSON object with --json.",
     )
-    benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
-    from ppoz.bench import broker as broker_bench
-    from ppoz.bench import drivers as drivers_bench
-    from ppoz.bench import generate as generate_bench
-    from ppoz.bench import learner as learner_bench
-    from ppoz.bench import learning as learning_bench
-    from ppoz.bench import rag as rag_bench
-    from ppoz.bench import scoring as scoring_bench
-
-    for module, help_text, description in (
+    benches = p.add_subparsers(dest="bench", required=True, metavar="NAME", parser_class=_BenchParser)
+    for name, help_text, description in (
         (
-            broker_bench,
+            "broker",
             "step+feedback pairs/s and latency through the broker",
             "Step+feedback pairs per second through a real broker with Redis durability on, and client-seen latency at a fixed rate.",
         ),
         (
-            scoring_bench,
+            "scoring",
             "candidate scoring: padded sequences vs prompt KV per action vs packed",
             "Score Kea-shaped observations three ways on one model, side by side (docs/benchmarks.md).",
         ),
         (
-            learner_bench,
+            "learner",
             "peak memory and speed of a PPO step: packed vs one sequence per candidate",
             "Peak memory and transitions/s of one PPO policy step, packed layout against one sequence per candidate.",
         ),
         (
-            rag_bench,
+            "rag",
             "what rag_step's retrieval adds to a step, side by side with the plain step",
             "Time step, retrieval and rag_step on simulated Kea tasks with a corpus (docs/benchmarks.md).",
         ),
         (
-            generate_bench,
+            "generate",
             "responses for many clients at once: one at a time with model.generate vs PPOZ's batching actor",
             "Greedy responses for concurrent clients, PPOAPI's way (model.generate, one request at a time) and through a "
             "real broker and PPOZ's actor, side by side on one model: tokens/s, p50/p99 latency, equal outputs.",
         ),
         (
-            learning_bench,
+            "learning",
             "PPO under policy lag: sync, dropping stale samples, and the decoupled objective, side by side",
             "Train a contextual bandit with the actor's and learner's own code three ways under the same budget and "
             "seeds: no lag, lag with stale samples dropped, lag with the decoupled objective (docs/benchmarks.md).",
         ),
         (
-            drivers_bench,
+            "drivers",
             "the dataset drivers' responses rewarded per second with an LLM judge stand-in, by judge_concurrency",
             "Responses rewarded per second and the wait from response to reward for ppoz train's drivers, with a rule reward and "
             "with an LLM judge (a local chat-completions stand-in with a set latency) at several judge_concurrency settings, "
             "end to end against a real stack and through the scoring path alone (docs/benchmarks.md).",
         ),
     ):
-        b = benches.add_parser(module.__name__.rsplit(".", 1)[1], help=help_text, description=description)
-        module.add_arguments(b)
-        b.set_defaults(func=module.main)
+        benches.add_parser(name, help=help_text, description=description, module=f"ppoz.bench.{name}")
 
     p = sub.add_parser(
         "status", help="show a running broker's sessions, actors and counters", description="Ask a running broker for its figures."

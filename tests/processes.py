@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
@@ -241,9 +241,3 @@ def status(front: int) -> dict[str, Any] | None:
             return c.status()
     except PPOZError:
         return None
-
-
-def log_tail(stream: IO[str] | Path, chars: int = 3000) -> str:
-    """The end of a process's log, for a failure message."""
-    text = stream.read_text() if isinstance(stream, Path) else stream.read()
-    return text[-chars:]
