@@ -158,13 +158,12 @@ def test_a_snapshot_of_other_policy_settings_is_refused_and_serving_goes_on(
 def test_ppoz_actor_command_serves_a_model(broker, make_client, tiny_models):
     import signal
     import subprocess
-    import sys
+
+    from tests.processes import PPOZ
 
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "ppoz.cli",
+            *PPOZ,
             "actor",
             "--model",
             tiny_models["gpt2"],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from broker.store import Batch, SessionStore
 from common import weights
 from common.protocol import encode
 from common.segments import RedisKeys
+from tests.processes import PPOZ
 
 
 def write_segments(redis_client, prefix: str, n: int) -> set[str]:
@@ -49,9 +49,7 @@ def write_segments(redis_client, prefix: str, n: int) -> set[str]:
 
 def learner(model: str, redis_url: str, prefix: str, ckpt: Path, resume: bool, max_updates: int) -> subprocess.Popen:
     args = [
-        sys.executable,
-        "-m",
-        "ppoz.cli",
+        *PPOZ,
         "--log-level",
         "warning",
         "learner",

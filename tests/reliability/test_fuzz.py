@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -12,7 +11,7 @@ from reliability import fuzz, fuzz_cases
 from reliability.ledger import settle_ledger
 from tests.gateway.test_gateway import start_gateway  # noqa: F401 - a fixture
 from tests.helpers import wait_for
-from tests.processes import free_port
+from tests.processes import PPOZ, free_port
 
 
 @pytest.fixture
@@ -20,9 +19,7 @@ def broker_process(redis_url: str, key_prefix: str) -> Iterator[tuple[subprocess
     front, back = free_port(), free_port()
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "ppoz.cli",
+            *PPOZ,
             "--log-level",
             "error",
             "broker",
