@@ -372,7 +372,7 @@ def generation_update(
                         gen.micro_batch_tokens,
                     )
                 m = mask[ids]
-                new = _padded([x.cpu() for x in logp])
+                new = _padded(logp, mask.shape[1])
                 terms = tp.policy_loss(
                     new,
                     b_old[ids],
@@ -385,7 +385,7 @@ def generation_update(
                     cfg.behaviour_weight_cap,
                     gen.loss_aggregation,
                 )
-                entropy = _padded([x.cpu() for x in ent])
+                entropy = _padded(ent, mask.shape[1])
                 loss = terms.loss - gen.ent_coef * tp.aggregate(entropy, m, gen.loss_aggregation)
                 if not gen.kl_in_reward and gen.kl_coef:
                     loss = loss + gen.kl_coef * tp.aggregate(tp.kl_estimate(new, b_ref[ids], gen.kl_estimator), m, gen.loss_aggregation)
@@ -483,7 +483,7 @@ def _critic(
             value_opt.zero_grad()
             loss = torch.zeros(())
             if idx:
-                new_values = _padded([value_head(features[i].to(device)).cpu() for i in idx])
+                new_values = _padded([value_head(features[i].to(device)) for i in idx], mask.shape[1])
                 loss = tp.value_loss(
                     new_values, b_values[idx], b_ret[idx], mask[idx], gen.value_clip, gen.value_huber_delta, gen.loss_aggregation
                 )
@@ -506,11 +506,14 @@ def _share(mask: torch.Tensor, ids: list[int], minibatch: list[int], aggregation
     return world * len(ids) / max(len(minibatch), 1)
 
 
-def _padded(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Right-padded [B, T] from tensors of different lengths (0 after each)."""
+def _padded(rows: Sequence[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """Right-padded [B, width] on the CPU from tensors of different lengths (0 after each), gradients kept; `width`
+    defaults to the longest row. A micro-batch's rows are padded to the whole batch's width, so that they line
+    up with the batch's old log-probs, advantages and mask sliced to the same responses."""
+    width = max((len(r) for r in rows), default=0) if width is None else width
     if not rows:
-        return torch.zeros(0, 0)
-    return torch.nn.utils.rnn.pad_sequence([r.float() for r in rows], batch_first=True)
+        return torch.zeros(0, width)
+    return torch.stack([torch.nn.functional.pad(r.float().cpu(), (0, width - len(r))) for r in rows])
 
 
 def _mean(values: list[float]) -> float:

@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
     except (DatasetError, ValueError, ValidationError) as e:
         print(f"ppoz train: {e}", file=sys.stderr)
         return 2
-    return finish(cfg, summary, args.json)
+    return finish(cfg, summary, args.json, learner_started_here=not args.broker)
 
 
 def advantage_settings(config_file: str | None, advantage: str | None) -> tuple[GroupAdvantage | None, list[str]]:
@@ -98,8 +98,10 @@ def advantage_settings(config_file: str | None, advantage: str | None) -> tuple[
     return grouping, learner_flags
 
 
-def finish(cfg: Any, summary: dict[str, Any], as_json: bool) -> int:
-    """The reward curve, the closing line, and the summary as JSON (last) if asked."""
+def finish(cfg: Any, summary: dict[str, Any], as_json: bool, learner_started_here: bool = False) -> int:
+    """The reward curve, the closing line, and the summary as JSON (last) if asked. Not 0 when every driver
+    worker stopped, or when the learner this run started applied no update: a run that trained nothing
+    must not look like one that did."""
     summary["curve"] = str(_curve(cfg, summary))
     line = f"ppoz train: {summary['samples']} responses, reward curve in {summary['curve']}"
     if "val_after" in summary:
@@ -108,9 +110,16 @@ def finish(cfg: Any, summary: dict[str, Any], as_json: bool) -> int:
     stopped = summary.get("stopped_workers") or []
     if stopped:
         print(f"ppoz train: {len(stopped)} of {cfg.workers} driver workers stopped; first: {stopped[0]}", file=sys.stderr)
+    untrained = learner_started_here and summary["samples"] > 0 and (summary.get("learner") or {}).get("version", 0) < 1
+    if untrained:
+        print(
+            f"ppoz train: the learner applied no update ({summary['samples']} responses, policy version 0): the policy "
+            "is untrained. The learner's log lines above say why: an error, or fewer responses than [learner] rollout_batch",
+            file=sys.stderr,
+        )
     if as_json:
         print(json.dumps(_finite(summary)))
-    return 1 if len(stopped) >= cfg.workers else 0  # every worker stopped: the run did not end as asked
+    return 1 if len(stopped) >= cfg.workers or untrained else 0
 
 
 def _finite(value: Any) -> Any:

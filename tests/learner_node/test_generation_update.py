@@ -292,3 +292,51 @@ def test_grpo_takes_its_kl_penalty_in_the_loss() -> None:
     assert GenerationConfig(advantage="grpo", kl_coef=0.0).advantage == "grpo"
     with pytest.raises(ValueError, match="`advantage` must be one of gae, grpo"):
         GenerationConfig(advantage="rloo")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("advantage", ["gae", "grpo"])
+def test_responses_of_different_lengths_train_and_micro_batches_add_up_to_the_minibatch(
+    tiny_models, advantage, redis_url, redis_client, key_prefix, tmp_path
+) -> None:
+    """Responses of 1 to 24 tokens after prompts of 2 to 30, in minibatches of 4 (the shapes of a real run: docs/train.md's
+    quick start crashed on them at its first update). The update applies, and with a token budget that splits each
+    minibatch into several micro-batches it ends at the same weights as with one micro-batch per minibatch: each
+    micro-batch's gradient carries its share of the minibatch's loss."""
+    from learner_node.config import GenerationConfig
+
+    model_dir = tiny_models["llama"]
+    reference, _ = load_policy(ModelSpec(model=model_dir, device="cpu", lora_rank=4))  # LoRA's B starts at 0: the base's own
+    g = torch.Generator().manual_seed(1)
+    prompt_lengths, response_lengths = (2, 30, 5, 12, 8, 3, 21, 7), (1, 24, 3, 11, 2, 17, 6, 9)
+    transitions = []
+    for i, (p_len, r_len) in enumerate(zip(prompt_lengths, response_lengths)):
+        prompt = torch.randint(3, 250, (p_len,), generator=g).tolist()
+        response = torch.randint(3, 250, (r_len,), generator=g).tolist()
+        t = gen_transition(prompt, response, reward=(1.0, -0.5, 0.25, 0.0)[i % 4], version=0)
+        assert t.generation is not None
+        t.generation["logprobs"] = own_logprobs(reference, prompt, response, 1.0).tolist()  # on-policy
+        transitions.append(t)
+    n = len(transitions)
+    after = {}
+    for budget in (4096, 40):  # one micro-batch per minibatch; several (the longest sequence alone in its row)
+        prefix = f"{key_prefix}:{budget}"
+        write_to_stream(redis_client, prefix, transitions)
+        grpo = advantage == "grpo"  # GRPO takes its KL in the loss, GAE in the reward
+        gen = GenerationConfig(
+            advantage=advantage, kl_in_reward=not grpo, kl_estimator="k3" if grpo else "k1", kl_coef=0.05, micro_batch_tokens=budget
+        )
+        torch.manual_seed(0)  # the same adapter and critic to start from
+        learner = learner_on(
+            model_dir, "float32", redis_url, redis_client, prefix, tmp_path / str(budget), n, policy_minibatch=4, generation=gen
+        )
+        metrics = learner.step()
+        assert metrics is not None and learner.version == 1 and learner.counters["transitions_trained"] == n
+        assert metrics["generation/optimizer_steps"] == 2 and metrics["generation/first_minibatch_ratio_dev"] < 1e-4
+        assert metrics["generation/response_length"] == pytest.approx(sum(response_lengths) / n)
+        after[budget] = {name: p.detach().clone() for name, p in learner.lp.model.named_parameters() if p.requires_grad}
+    moved = 0
+    for name, weight in after[4096].items():
+        torch.testing.assert_close(after[40][name], weight, atol=1e-5, rtol=0)
+        moved += int("lora_B" in name and bool(weight.abs().max() > 0))
+    assert moved > 0  # the adapter trained (its B started at 0)

@@ -107,3 +107,41 @@ def test_ppoz_train_drives_a_farms_broker(stack, redis_url, redis_client, key_pr
     grpo = ppoz(*args, "--advantage", "grpo", "--rollout-n", "2", "--no-resume", "--json", timeout=240, cwd=tmp_path)
     assert grpo.returncode == 0, grpo.stdout[-3000:] + grpo.stderr[-3000:]
     assert "advantage = gae but these drivers send group-relative advantages (grpo)" in grpo.stderr
+
+
+@pytest.mark.slow
+def test_a_run_whose_learner_never_updated_says_so_and_fails(tmp_path, tiny_model) -> None:
+    """Here fewer responses than one rollout batch: the learner started for the run applies no update, and
+    `ppoz train` says so and exits 1 instead of reporting an untrained policy as a finished run."""
+    model = tiny_model("llama", tokenizer="words")
+    write_dataset(tmp_path / "train.jsonl", 4)
+    front, back, weights = free_port(), free_port(), free_port()
+    config = tmp_path / "train.toml"
+    config.write_text(
+        f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nsegment_len = 1\n'
+        f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 64\ntensorboard_dir = ""\n'
+        "[generation]\nvalue_hidden = [16]\n"
+        f'[up]\nactors = 1\n[train]\nworkers = 2\nmax_new_tokens = 2\nreport_every_s = 1\noutput_dir = "{tmp_path / "out"}"\n'
+    )
+    reward = ["--reward-fn", "tests.train.test_run:first_word"]
+    data = ["--data", str(tmp_path / "train.jsonl")]
+    run = ppoz(
+        "train",
+        "--config",
+        str(config),
+        "--model",
+        model,
+        *data,
+        *reward,
+        "--epochs",
+        "0",
+        "--max-samples",
+        "8",
+        "--json",
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "the learner applied no update (8 responses, policy version 0)" in run.stderr
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == 8 and summary["rewarded"] == 8
