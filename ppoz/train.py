@@ -112,11 +112,12 @@ def finish(cfg: Any, summary: dict[str, Any], as_json: bool, learner_started_her
         print(f"ppoz train: {len(stopped)} of {cfg.workers} driver workers stopped; first: {stopped[0]}", file=sys.stderr)
     untrained = learner_started_here and summary["samples"] > 0 and (summary.get("learner") or {}).get("version", 0) < 1
     if untrained:
-        print(
-            f"ppoz train: the learner applied no update ({summary['samples']} responses, policy version 0): the policy "
-            "is untrained. The learner's log lines above say why: an error, or fewer responses than [learner] rollout_batch",
-            file=sys.stderr,
+        why = (
+            f"none of them was rewarded; the first reason: {(summary.get('unrewarded_reasons') or ['not recorded'])[0]}"
+            if not summary.get("rewarded")
+            else "the learner's log lines above say why: an error, or fewer rewarded responses than [learner] rollout_batch"
         )
+        print(f"ppoz train: the learner applied no update ({summary['samples']} responses, policy version 0): {why}", file=sys.stderr)
     if as_json:
         print(json.dumps(_finite(summary)))
     return 1 if len(stopped) >= cfg.workers or untrained else 0

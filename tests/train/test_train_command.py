@@ -142,6 +142,6 @@ def test_a_run_whose_learner_never_updated_says_so_and_fails(tmp_path, tiny_mode
         cwd=tmp_path,
     )
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "the learner applied no update (8 responses, policy version 0)" in run.stderr
+    assert "the learner applied no update (8 responses, policy version 0): the learner's log lines above say why" in run.stderr
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 8 and summary["rewarded"] == 8
