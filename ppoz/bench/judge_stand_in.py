@@ -39,6 +39,18 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
 
+def completion(n: int, body: dict[str, Any], text: str) -> dict[str, Any]:
+    """A chat-completions reply holding `text`, as the API writes one."""
+    return {
+        "id": f"chatcmpl-{n}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body["model"],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+
+
 class ChatServer:
     def __init__(self, answer: Callable[[dict[str, Any], int], Answer]) -> None:
         self.answer = answer
@@ -61,26 +73,22 @@ class ChatServer:
                     server.most_in_flight = max(server.most_in_flight, server.in_flight)
                 try:
                     if self.path.rstrip("/") != "/v1/chat/completions":
-                        return self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
-                    got = server.answer(body, n)
-                    status, wait, text = (200, 0.0, got) if isinstance(got, str) else got
-                    time.sleep(wait)
-                    if status != 200:
-                        return self._send(status, {"error": {"message": text, "type": "server_error"}})
-                    self._send(
-                        200,
-                        {
-                            "id": f"chatcmpl-{n}",
-                            "object": "chat.completion",
-                            "created": int(time.time()),
-                            "model": body["model"],
-                            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                        },
-                    )
+                        reply = (404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+                    else:
+                        got = server.answer(body, n)
+                        status, wait, text = (200, 0.0, got) if isinstance(got, str) else got
+                        time.sleep(wait)
+                        reply = (
+                            (status, {"error": {"message": text, "type": "server_error"}})
+                            if status != 200
+                            else (200, completion(n, body, text))
+                        )
                 finally:
+                    # no longer in flight before the reply goes out: a client that sends its next request as soon as it
+                    # reads this reply must not find this one still counted (2 in flight at concurrency 1, on a loaded machine)
                     with server.lock:
                         server.in_flight -= 1
+                self._send(*reply)
 
             def _send(self, status: int, payload: dict[str, Any]) -> None:
                 data = json.dumps(payload).encode()
