@@ -146,7 +146,7 @@ class LearnerConfig(UpdateConfig):
         "fine-tune's), 1e-6 with --lora-rank 0; a random tiny model (`ppoz tiny-model`) 1e-3 and 3e-4",
     )
     value_lr: float = option(1e-3, "critic (value head MLP) learning rate")
-    warmup_updates: int = option(0, "first updates train only the critic")
+    warmup_updates: int = option(0, "first updates train only the critic (with GRPO, which has none: nothing)")
     value_hidden: list = option([1024, 512], "hidden layer sizes of the value head MLP")
     gradient_checkpointing: bool = option(
         False,

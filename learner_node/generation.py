@@ -334,6 +334,8 @@ def generation_update(
     metrics["generation/tokens"] = float(sum(sizes))
     metrics["generation/group_relative"] = float(grpo)
     if grpo:
+        if not train_policy:  # the warm-up trains only the critic, and GRPO has none: nothing to train yet
+            return metrics
         # GRPO: the driver reported each response's group-relative advantage as its reward (rewards/group.py);
         # every token of the response gets it as it is: no critic, no GAE, no whitening over the batch
         b_adv = _padded([torch.full((s,), r) for s, r in zip(sizes, batch.rewards)])

@@ -15,6 +15,9 @@ import torch
 
 from common.options import KL_ESTIMATORS, LOSS_AGGREGATIONS
 
+LOG_RATIO_CLAMP = 20.0  # verl's bound on a log-ratio before exp (core_algos.py)
+K3_CLAMP = 10.0  # verl's bound on the k3 estimate of one token
+
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """A per-token estimate of KL(pi || pi_ref) from the sampled token's log-probabilities under both.
@@ -30,8 +33,10 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     if kind == "k2":
         return 0.5 * log_r.square()
     if kind == "k3":
-        # exp of a clamped log-ratio: a token the reference all but forbids would make r overflow
-        return torch.expm1(log_r.clamp(max=20.0)) - log_r
+        # as verl's low_var_kl: the log-ratio clamped to +-LOG_RATIO_CLAMP before exp (a token the reference all
+        # but forbids would make r overflow) and the estimate to +-K3_CLAMP, so one such token cannot swamp a batch
+        log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return (torch.expm1(log_r) - log_r).clamp(-K3_CLAMP, K3_CLAMP)
     raise ValueError(f"unknown KL estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")
 
 
@@ -116,7 +121,7 @@ def policy_loss(
     """
     if clip_ratio_c <= 1:
         raise ValueError(f"clip_ratio_c must be above 1, got {clip_ratio_c}")
-    logratio = logp - prox_logp
+    logratio = (logp - prox_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # as verl: exp must not overflow to inf
     ratio = logratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)

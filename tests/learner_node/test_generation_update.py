@@ -340,3 +340,23 @@ def test_responses_of_different_lengths_train_and_micro_batches_add_up_to_the_mi
         torch.testing.assert_close(after[40][name], weight, atol=1e-5, rtol=0)
         moved += int("lora_B" in name and bool(weight.abs().max() > 0))
     assert moved > 0  # the adapter trained (its B started at 0)
+
+
+def test_grpo_trains_nothing_during_the_warm_up(tiny_models, redis_url, redis_client, key_prefix, tmp_path) -> None:
+    """`warmup_updates` trains only the critic; GRPO has none, so its warm-up updates leave the policy as it is."""
+    from learner_node.config import GenerationConfig
+
+    transitions = [
+        gen_transition([5, 6, 7][: 1 + i % 3], [8, 9, 10, 11][: 1 + i % 4], reward=(-1.0, 1.0)[i % 2], version=0) for i in range(4)
+    ]
+    write_to_stream(redis_client, key_prefix, transitions)
+    gen = GenerationConfig(advantage="grpo", kl_in_reward=False, kl_estimator="k3")
+    learner = learner_on(
+        tiny_models["llama"], "float32", redis_url, redis_client, key_prefix, tmp_path, 4, generation=gen, warmup_updates=1
+    )
+    before = {name: p.detach().clone() for name, p in learner.lp.model.named_parameters() if p.requires_grad}
+    metrics = learner.step()
+    assert metrics is not None and "generation/optimizer_steps" not in metrics and learner.version == 0
+    for name, p in learner.lp.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, before[name]), name

@@ -138,3 +138,16 @@ def test_k1_in_the_loss_is_refused_with_the_reason() -> None:
         GenerationConfig(kl_in_reward=False, kl_estimator="k1")
     assert GenerationConfig(kl_in_reward=False, kl_estimator="k3").kl_estimator == "k3"
     assert GenerationConfig(kl_in_reward=False, kl_estimator="k1", kl_coef=0.0).kl_coef == 0.0
+
+
+def test_k3_and_the_ratio_are_clamped_as_verl_clamps_them() -> None:
+    """verl's low_var_kl and policy loss: the log-ratio clamped to +-20 before exp, k3 to +-10 per token."""
+    logp, ref = torch.tensor([-30.0, 0.0, -1.0]), torch.tensor([0.0, -30.0, 0.0])
+    # log r = ref - logp = 30, -30, 1 -> clamped 20, -20, 1; k3 = e^log r - 1 - log r = 4.85e8, 19.0, e - 2 -> 10, 10, 0.718282
+    assert tp.kl_estimate(logp, ref, "k3").tolist() == pytest.approx([10.0, 10.0, math.e - 2], abs=1e-6)
+    # a token the policy now makes e^100 times likelier than the proximal policy did: r = e^20, not inf
+    logp = torch.tensor([[100.0, 0.0]], requires_grad=True)
+    terms = tp.policy_loss(logp, torch.zeros(1, 2), torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2), 0.2, 0.2)
+    assert float(terms.ratio.detach()[0, 0]) == pytest.approx(math.exp(20), rel=1e-5)
+    terms.loss.backward()
+    assert logp.grad is not None and bool(torch.isfinite(logp.grad).all()) and math.isfinite(float(terms.approx_kl))
