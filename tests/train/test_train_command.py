@@ -123,24 +123,10 @@ def test_a_run_whose_learner_never_updated_says_so_and_fails(tmp_path, tiny_mode
         "[generation]\nvalue_hidden = [16]\n"
         f'[up]\nactors = 1\n[train]\nworkers = 2\nmax_new_tokens = 2\nreport_every_s = 1\noutput_dir = "{tmp_path / "out"}"\n'
     )
-    reward = ["--reward-fn", "tests.train.test_run:first_word"]
-    data = ["--data", str(tmp_path / "train.jsonl")]
-    run = ppoz(
-        "train",
-        "--config",
-        str(config),
-        "--model",
-        model,
-        *data,
-        *reward,
-        "--epochs",
-        "0",
-        "--max-samples",
-        "8",
-        "--json",
-        timeout=300,
-        cwd=tmp_path,
-    )
+    model_and_config = ["--config", str(config), "--model", model]
+    data, reward = ["--data", str(tmp_path / "train.jsonl")], ["--reward-fn", "tests.train.test_run:first_word"]
+    run_for = ["--epochs", "0", "--max-samples", "8"]
+    run = ppoz("train", *model_and_config, *data, *reward, *run_for, "--json", timeout=300, cwd=tmp_path)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert "the learner applied no update (8 responses, policy version 0): the learner's log lines above say why" in run.stderr
     summary = json.loads(run.stdout.strip().splitlines()[-1])
