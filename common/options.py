@@ -3,8 +3,8 @@
 SCORING_PATHS = ("packed", "kv_batch", "per_candidate")
 NORMALISATIONS = ("token", "word", "sum")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# How the learner's policy loss treats stale samples (learner_node/ppo.py, docs/design.md).
+# How the learner's policy loss treats stale samples (learner_node/core_algos.py, docs/design.md).
 OBJECTIVES = ("decoupled", "ppo")
-KL_ESTIMATORS = ("k1", "k2", "k3")  # generation: per-token KL to the reference (learner_node/token_ppo.py)
+KL_ESTIMATORS = ("k1", "k2", "k3")  # generation: per-token KL to the reference (learner_node/core_algos.py)
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 ADVANTAGE_ESTIMATORS = ("gae", "grpo")  # generation: token values with a critic, or group-relative (rewards/group.py)

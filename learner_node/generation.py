@@ -13,17 +13,16 @@ Three parts, top to bottom:
 - `build_generation_batch`: the same bootstrap and drop rules as the candidate
   rollout (learner_node/rollout.py), with a segment's turns kept in order as one
   chain of tokens for GAE.
-- `generation_update`: the proximal and reference log-probabilities and the
-  critic's token values with no gradient, per-token rewards with the KL penalty,
-  GAE over each chain's tokens, the critic's epochs on cached features, then the
-  clipped, dual-clipped, decoupled policy loss (learner_node/token_ppo.py).
+- `GenerationUpdate`: the batch as the one PPO update (learner_node/update.py) takes
+  it: the proximal and reference log-probabilities and the critic's token values
+  with no gradient, per-token rewards with the KL penalty and GAE over each chain's
+  tokens (`targets`), then each micro-batch's packed forward with gradients.
 
 The formulas and choices are in docs/design.md, "Generation: token-level PPO".
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 from collections.abc import Sequence
@@ -36,12 +35,11 @@ from torch.utils.checkpoint import checkpoint
 from common import scoring
 from common.segments import Segment, Transition
 from common.shared_settings import PolicyStamp
-from learner_node import ppo
-from learner_node import token_ppo as tp
+from learner_node import core_algos
 from learner_node.config import GenerationConfig, UpdateConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import EpisodeReturns, Tally
-from learner_node.update import _average_gradients, _mean_over_ranks, _world
+from learner_node.update import Forward, LossSettings, Targets, ppo_update
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +293,113 @@ def _is_generate_obs(obs: dict[str, Any] | None) -> bool | None:
 
 
 # --- the update ------------------------------------------------------------------------------
+class GenerationUpdate:
+    """A generation batch as learner_node/update.py's `PolicyBatch`: each sample is a response of many tokens,
+    scored by packed forwards; every per-token tensor at the batch's width, on the model's device.
+
+    The policy is `lp.model` (adapter on), the reference `lp.base()` (adapter off, or the frozen copy). With
+    `gen.advantage` gae, `lp.token_value_head` maps the base's hidden state before each response token to that
+    token's value; with grpo or rloo each response's reward is its advantage (the driver's group-relative
+    estimate, rewards/group.py) and there is no critic."""
+
+    prefix = "generation"
+
+    def __init__(self, lp: LearnerPolicy, batch: GenerationBatch, gen: GenerationConfig) -> None:
+        self.lp = lp
+        self.batch = batch
+        self.gen = gen
+        self.device = next(lp.model.parameters()).device
+        self.sizes = [len(r) for r in batch.responses]
+        self.width = max(self.sizes, default=0)
+        self.features: list[torch.Tensor] = []
+        self.ref = torch.zeros(0, self.width, device=self.device)
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def padded(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[len(rows), width] float32 on the model's device, each row right-padded with 0; gradients kept."""
+        if not rows:
+            return torch.zeros(0, self.width, device=self.device)
+        return torch.stack([torch.nn.functional.pad(r.float().to(self.device), (0, self.width - len(r))) for r in rows])
+
+    def targets(self, metrics: dict[str, float]) -> Targets:
+        b, gen, n = self.batch, self.gen, len(self.batch)
+        with torch.no_grad():
+            prox, _ = response_logprobs(self.lp.model, b.prompts, b.responses, b.temperatures, gen.micro_batch_tokens)
+            with self.lp.base() as base:  # adapter off: the reference policy
+                ref, _ = response_logprobs(base, b.prompts, b.responses, b.temperatures, gen.micro_batch_tokens)
+        mask = self.padded([torch.ones(s) for s in self.sizes])
+        b_prox, self.ref = self.padded(prox), self.padded(ref)
+        behaviour = self.padded([torch.tensor(x) for x in b.behaviour])
+        kl = core_algos.kl_estimate(b_prox, self.ref, gen.kl_estimator) * mask
+        metrics["kl_ref"] = float(core_algos.masked_mean(kl, mask)) if n else math.nan
+        metrics["response_length"] = sum(self.sizes) / max(n, 1)
+        metrics["reward_mean"] = sum(b.rewards) / max(n, 1)
+        metrics["tokens"] = float(sum(self.sizes))
+        metrics["group_relative"] = float(gen.advantage != "gae")
+        on_policy = [i for i, lag in enumerate(b.lags) if lag == 0]
+        metrics["on_policy_logprob_dev"] = float(((b_prox - behaviour).abs() * mask)[on_policy].max()) if on_policy else math.nan
+        if gen.advantage != "gae":
+            # GRPO / RLOO: the driver reported each response's group-relative advantage as its reward
+            # (rewards/group.py); every token of the response gets it as it is: no critic, no GAE, no whitening
+            advantages = torch.tensor(b.rewards, device=self.device).unsqueeze(-1) * mask
+            return Targets(mask, behaviour, b_prox, advantages)
+        values, returns, advantages = self._critic_targets(kl, mask)
+        return Targets(mask, behaviour, b_prox, core_algos.masked_whiten(advantages, mask), returns, values)
+
+    @torch.no_grad()
+    def _critic_targets(self, kl: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """GAE's part: the critic's token values on the frozen base's features (kept for the critic's epochs),
+        per-token rewards (the KL to the reference in them if so set: r_t = -beta KL_t + [t last] score), and
+        GAE over each chain's tokens; (values, returns, advantages) [B, T]."""
+        b, gen, value_head = self.batch, self.gen, self.lp.token_value_head
+        sequences = [p + r[:-1] for p, r in zip(b.prompts, b.responses)]
+        positions = [range(len(p) - 1, len(p) - 1 + len(r)) for p, r in zip(b.prompts, b.responses)]
+        boot_prompts = [c.next_prompt for c in b.chains if c.next_prompt is not None]
+        with self.lp.base() as base:  # adapter off: the critic's frozen features
+            decoder = scoring.model_parts(base)[0]
+            self.features = [h.float() for h in packed_hidden(decoder, sequences, positions, gen.micro_batch_tokens)]
+            boot_features = packed_hidden(decoder, boot_prompts, [[len(p) - 1] for p in boot_prompts], gen.micro_batch_tokens)
+        values = self.padded([value_head(f) for f in self.features])
+        boot_values = iter([value_head(f.float())[0] for f in boot_features])
+        rewards = -gen.kl_coef * kl if gen.kl_in_reward else torch.zeros_like(mask)
+        last = torch.tensor(self.sizes, device=self.device) - 1
+        rows = torch.arange(len(b), device=self.device)
+        rewards[rows, last] += torch.tensor(b.rewards, device=self.device)
+        dones = torch.zeros_like(mask, dtype=torch.bool)
+        dones[rows, last] = torch.tensor(b.dones, device=self.device)
+        advantages, returns = torch.zeros_like(mask), torch.zeros_like(mask)
+        for chain in b.chains:  # a segment's turns in order: one sequence of tokens
+            tokens = [(i, t) for i in chain.samples for t in range(self.sizes[i])]
+            rows_, cols = torch.tensor([i for i, _ in tokens], device=self.device), torch.tensor([t for _, t in tokens], device=self.device)
+            next_value = next(boot_values) if chain.next_prompt is not None else 0.0
+            adv, ret = core_algos.gae(rewards[rows_, cols], values[rows_, cols], dones[rows_, cols], next_value, gen.gamma, gen.gae_lambda)
+            advantages[rows_, cols], returns[rows_, cols] = adv, ret
+        return values, returns, advantages
+
+    def micro_batches(self, ids: list[int]) -> list[list[int]]:
+        """Packed by tokens: as many responses (with their prompts) as fit in `micro_batch_tokens`."""
+        lengths = [len(self.batch.prompts[i]) + self.sizes[i] for i in ids]
+        return [[ids[k] for k in row] for row in pack(lengths, self.gen.micro_batch_tokens)]
+
+    def forward(self, ids: list[int]) -> Forward:
+        b = self.batch
+        with self.lp.checkpointing():
+            logp, ent = response_logprobs(
+                self.lp.model,
+                [b.prompts[i] for i in ids],
+                [b.responses[i] for i in ids],
+                [b.temperatures[i] for i in ids],
+                self.gen.micro_batch_tokens,
+            )
+        new = self.padded(logp)
+        return Forward(new, self.padded(ent), core_algos.kl_estimate(new, self.ref[ids], self.gen.kl_estimator))
+
+    def values(self, ids: list[int]) -> torch.Tensor:
+        return self.padded([self.lp.token_value_head(self.features[i]) for i in ids])
+
+
 def generation_update(
     lp: LearnerPolicy,
     policy_opt: torch.optim.Optimizer,
@@ -305,218 +410,15 @@ def generation_update(
     train_policy: bool = True,
     update_index: int = 0,
 ) -> dict[str, float]:
-    """One token-level PPO update on a generation batch; metrics under `generation/...`.
-
-    The policy is `lp.model` (adapter on), the reference `lp.base()` (adapter off, or the frozen
-    copy). With `gen.advantage` gae, `lp.token_value_head` maps the base's hidden state before each
-    response token to that token's value (its optimizer is `value_opt`) and `train_policy` off trains
-    only it (the critic's warm-up); with grpo each response's reward is its advantage and there is no
-    critic. With several processes each rank takes its share of every minibatch and gradients are
-    averaged before each step, as in ppo_update."""
-    rank, world = _world()
-    model = lp.model
-    gen_rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + update_index)
-    n = len(batch)
-    sizes = [len(r) for r in batch.responses]
-    metrics: dict[str, float] = {}
-
-    grpo = gen.advantage == "grpo"
-    # --- with no gradient: proximal and reference log-probabilities ---
-    with torch.no_grad():
-        prox, _ = response_logprobs(model, batch.prompts, batch.responses, batch.temperatures, gen.micro_batch_tokens)
-        with lp.base() as base:  # adapter off: the reference policy
-            ref, _ = response_logprobs(base, batch.prompts, batch.responses, batch.temperatures, gen.micro_batch_tokens)
-        kls = [tp.kl_estimate(p, r, gen.kl_estimator) for p, r in zip(prox, ref)]
-    mask = _padded([torch.ones(s) for s in sizes])
-    metrics["generation/kl_ref"] = float(torch.cat(kls).mean()) if n else math.nan
-    metrics["generation/response_length"] = sum(sizes) / max(n, 1)
-    metrics["generation/reward_mean"] = sum(batch.rewards) / max(n, 1)
-    metrics["generation/tokens"] = float(sum(sizes))
-    metrics["generation/group_relative"] = float(grpo)
-    if grpo:
-        if not train_policy:  # the warm-up trains only the critic, and GRPO has none: nothing to train yet
-            return metrics
-        # GRPO: the driver reported each response's group-relative advantage as its reward (rewards/group.py);
-        # every token of the response gets it as it is: no critic, no GAE, no whitening over the batch
-        b_adv = _padded([torch.full((s,), r) for s, r in zip(sizes, batch.rewards)])
-    else:
-        b_adv = _critic(lp, value_opt, batch, cfg, gen, kls, mask, gen_rng, metrics)
-        if not train_policy:
-            return metrics
-
-    # --- policy: epochs over minibatches of responses, micro-batches packed by tokens ---
-    b_prox, b_behav, b_ref = _padded(prox), _padded([torch.tensor(b) for b in batch.behaviour]), _padded(ref)
-    decoupled = cfg.objective == "decoupled"
-    b_old = b_prox if decoupled else b_behav
-    on_policy = [i for i, lag in enumerate(batch.lags) if lag == 0]
-    metrics["generation/on_policy_logprob_dev"] = (
-        float(max(float((prox[i].cpu() - b_behav[i, : sizes[i]]).abs().max()) for i in on_policy)) if on_policy else math.nan
+    """The one PPO update (learner_node/update.py) on a generation batch; metrics under `generation/...`.
+    `value_opt` trains `lp.token_value_head` (GAE only)."""
+    return ppo_update(
+        GenerationUpdate(lp, batch, gen),
+        lp.trainable_parameters(),
+        policy_opt,
+        list(lp.token_value_head.parameters()),
+        value_opt,
+        LossSettings.generation(cfg, gen),
+        train_policy,
+        update_index,
     )
-    params = [p for p in model.parameters() if p.requires_grad]
-    figures: dict[str, list[float]] = collections.defaultdict(list)
-    first_ratio_dev = None
-    steps, stopped = 0, False
-    for _ in range(cfg.update_epochs):
-        perm = torch.randperm(n, generator=gen_rng)
-        for start in range(0, n, cfg.policy_minibatch):
-            mb = perm[start : start + cfg.policy_minibatch].tolist()
-            mine = mb[rank::world]
-            policy_opt.zero_grad()
-            mb_tokens, mb_kl = sum(sizes[i] for i in mb), 0.0
-            for micro in pack([len(batch.prompts[i]) + sizes[i] for i in mine], gen.micro_batch_tokens):
-                ids = [mine[k] for k in micro]
-                with lp.checkpointing():
-                    logp, ent = response_logprobs(
-                        model,
-                        [batch.prompts[i] for i in ids],
-                        [batch.responses[i] for i in ids],
-                        [batch.temperatures[i] for i in ids],
-                        gen.micro_batch_tokens,
-                    )
-                m = mask[ids]
-                new = _padded(logp, mask.shape[1])
-                terms = tp.policy_loss(
-                    new,
-                    b_old[ids],
-                    b_adv[ids],
-                    m,
-                    gen.clip_low,
-                    gen.clip_high,
-                    gen.clip_ratio_c,
-                    b_behav[ids] if decoupled else None,
-                    cfg.behaviour_weight_cap,
-                    gen.loss_aggregation,
-                )
-                entropy = _padded(ent, mask.shape[1])
-                loss = terms.loss - gen.ent_coef * tp.aggregate(entropy, m, gen.loss_aggregation)
-                if not gen.kl_in_reward and gen.kl_coef:
-                    loss = loss + gen.kl_coef * tp.aggregate(tp.kl_estimate(new, b_ref[ids], gen.kl_estimator), m, gen.loss_aggregation)
-                (loss * _share(mask, ids, mb, gen.loss_aggregation)).backward()
-                if first_ratio_dev is None:
-                    first_ratio_dev = float(((terms.ratio.detach() - 1).abs() * m).max())
-                mb_kl += float(terms.approx_kl) * float(m.sum()) / mb_tokens
-                for key, value in (
-                    ("policy_loss", terms.loss),
-                    ("clipfrac", terms.clipfrac),
-                    ("dual_clipfrac", terms.dual_clipfrac),
-                    ("behaviour_weight", terms.is_weight),
-                    ("behaviour_weight_capped", terms.is_capped),
-                    ("entropy", tp.masked_mean(entropy, m)),
-                ):
-                    figures[key].append(float(value.detach()))
-            _average_gradients(params)
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            policy_opt.step()
-            steps += 1
-            mb_kl = _mean_over_ranks(mb_kl * world)  # each rank summed its tokens' share of the whole minibatch
-            figures["approx_kl"].append(mb_kl)
-            if cfg.target_kl and mb_kl > cfg.target_kl:
-                stopped = True
-                break
-        if stopped:
-            break
-    metrics.update({f"generation/{k}": _mean(v) for k, v in figures.items()})
-    metrics["generation/first_minibatch_ratio_dev"] = first_ratio_dev if first_ratio_dev is not None else math.nan
-    metrics["generation/optimizer_steps"] = float(steps)
-    metrics["generation/early_stop"] = float(stopped)
-    return metrics
-
-
-def _critic(
-    lp: LearnerPolicy,
-    value_opt: torch.optim.Optimizer,
-    batch: GenerationBatch,
-    cfg: UpdateConfig,
-    gen: GenerationConfig,
-    kls: list[torch.Tensor],
-    mask: torch.Tensor,
-    gen_rng: torch.Generator,
-    metrics: dict[str, float],
-) -> torch.Tensor:
-    """GAE's part of an update: the critic's token values on the frozen base's features, per-token rewards
-    (the KL to the reference in them if so set), GAE over each chain's tokens, then the critic's epochs on the
-    cached features; the whitened advantages [B, T]."""
-    rank, world = _world()
-    value_head = lp.token_value_head
-    device = next(value_head.parameters()).device
-    n = len(batch)
-    sizes = [len(r) for r in batch.responses]
-    with torch.no_grad():
-        sequences = [p + r[:-1] for p, r in zip(batch.prompts, batch.responses)]
-        positions = [range(len(p) - 1, len(p) - 1 + len(r)) for p, r in zip(batch.prompts, batch.responses)]
-        boot_prompts = [c.next_prompt for c in batch.chains if c.next_prompt is not None]
-        with lp.base() as base:  # adapter off: the critic's frozen features
-            decoder = scoring.model_parts(base)[0]
-            features = [h.float() for h in packed_hidden(decoder, sequences, positions, gen.micro_batch_tokens)]
-            boot_features = packed_hidden(decoder, boot_prompts, [[len(p) - 1] for p in boot_prompts], gen.micro_batch_tokens)
-        values = [value_head(f) for f in features]
-        boot_values = iter([float(value_head(f.float())[0]) for f in boot_features])
-
-        # --- per-token rewards (KL to the reference in the reward) and GAE over each chain's tokens ---
-        advantages: list[torch.Tensor] = [torch.empty(0)] * n
-        returns: list[torch.Tensor] = [torch.empty(0)] * n
-        for chain in batch.chains:
-            rewards, dones = [], []
-            for i in chain.samples:
-                r = -gen.kl_coef * kls[i] if gen.kl_in_reward else torch.zeros(sizes[i])
-                r = r.clone()
-                r[-1] += batch.rewards[i]
-                d = torch.zeros(sizes[i], dtype=torch.bool)
-                d[-1] = batch.dones[i]
-                rewards.append(r)
-                dones.append(d)
-            chain_values = torch.cat([values[i].cpu() for i in chain.samples])
-            next_value = next(boot_values) if chain.next_prompt is not None else 0.0
-            adv, ret = ppo.gae(torch.cat(rewards), chain_values, torch.cat(dones), next_value, gen.gamma, gen.gae_lambda)
-            for i, a, r in zip(chain.samples, adv.split([sizes[i] for i in chain.samples]), ret.split([sizes[i] for i in chain.samples])):
-                advantages[i], returns[i] = a, r
-    b_adv = tp.masked_whiten(_padded(advantages), mask)
-    b_ret, b_values = _padded(returns), _padded([v.cpu() for v in values])
-    metrics["generation/explained_variance"] = ppo.explained_variance(b_values[mask.bool()], b_ret[mask.bool()])
-
-    # --- critic: value epochs on the cached features ---
-    value_params = list(value_head.parameters())
-    v_losses = []
-    for _ in range(cfg.value_epochs):
-        perm = torch.randperm(n, generator=gen_rng)
-        for start in range(0, n, cfg.value_minibatch):
-            mb = perm[start : start + cfg.value_minibatch].tolist()
-            idx = mb[rank::world]
-            value_opt.zero_grad()
-            loss = torch.zeros(())
-            if idx:
-                new_values = _padded([value_head(features[i].to(device)) for i in idx], mask.shape[1])
-                loss = tp.value_loss(
-                    new_values, b_values[idx], b_ret[idx], mask[idx], gen.value_clip, gen.value_huber_delta, gen.loss_aggregation
-                )
-                (cfg.vf_coef * loss * _share(mask, idx, mb, gen.loss_aggregation)).backward()
-            _average_gradients(value_params)
-            torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
-            value_opt.step()
-            v_losses.append(_mean_over_ranks(float(loss.detach()) * _share(mask, idx, mb, gen.loss_aggregation)))
-    metrics["generation/value_loss"] = _mean(v_losses)
-    return b_adv
-
-
-def _share(mask: torch.Tensor, ids: list[int], minibatch: list[int], aggregation: str) -> float:
-    """The part of a minibatch's aggregated loss that `ids` carry, so that the parts (over micro-batches and
-    ranks) add up to the minibatch's loss: by tokens for token-mean, by responses otherwise. Each rank
-    averages gradients over the ranks, so a rank's part is scaled by the number of ranks."""
-    _, world = _world()
-    if aggregation == "token-mean":
-        return world * float(mask[ids].sum()) / max(float(mask[minibatch].sum()), 1.0)
-    return world * len(ids) / max(len(minibatch), 1)
-
-
-def _padded(rows: Sequence[torch.Tensor], width: int | None = None) -> torch.Tensor:
-    """Right-padded [B, width] on the CPU from tensors of different lengths (0 after each), gradients kept; `width`
-    defaults to the longest row. A micro-batch's rows are padded to the whole batch's width, so that they line
-    up with the batch's old log-probs, advantages and mask sliced to the same responses."""
-    width = max((len(r) for r in rows), default=0) if width is None else width
-    if not rows:
-        return torch.zeros(0, width)
-    return torch.stack([torch.nn.functional.pad(r.float().cpu(), (0, width - len(r))) for r in rows])
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan

@@ -12,21 +12,30 @@ dropped after GAE (they still shape their neighbours' targets) and counted
 (`dropped_stale`); so are transitions from a version ahead of the learner's, which
 only another run of the learner can have produced (`dropped_mismatched`). Stale
 transitions within the lag are trained on: the decoupled objective corrects for
-their behaviour policy (learner_node/ppo.py).
+their behaviour policy (learner_node/core_algos.py).
+
+`CandidateBatch` is how learner_node/update.py's one PPO update scores a rollout: each choice is a
+sample of one token.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.segments import Segment, Transition
 from common.shared_settings import PolicyStamp
-from learner_node import ppo
+from learner_node import core_algos
+from learner_node.config import UpdateConfig
+from learner_node.update import Forward, LossSettings, Targets, ppo_update
+
+if TYPE_CHECKING:
+    from learner_node.policy import LearnerPolicy
 
 
 @dataclass
@@ -140,7 +149,7 @@ def build_rollout(
         rewards = torch.tensor([float(t.reward) for t in transitions])
         dones = torch.tensor([bool(t.done) for t in transitions])
         b_values = torch.tensor(seg_values, dtype=torch.float32)
-        advantages, returns = ppo.gae(rewards, b_values, dones, next_value, gamma, lam)
+        advantages, returns = core_algos.gae(rewards, b_values, dones, next_value, gamma, lam)
         for t, adv, ret, v in zip(transitions, advantages.tolist(), returns.tolist(), seg_values):
             lag = current_version - t.policy_version
             reason = "version_ahead" if lag < 0 else _disagreement(t, expected)
@@ -173,3 +182,100 @@ def _disagreement(t: Transition, expected: PolicyStamp | None) -> str | None:
     except ValueError:
         return "stamp"
     return stamp.disagreement(expected, t.policy_version)
+
+
+class CandidateBatch:
+    """A rollout of choices among candidates, as learner_node/update.py's `PolicyBatch`: each choice is one
+    token (T = 1) whose log-probability is the chosen candidate's, whose entropy and KL to the reference are
+    exact over its candidates, and whose value is the critic's on the frozen base's features."""
+
+    prefix = "losses"
+
+    def __init__(self, lp: LearnerPolicy, rollout: Rollout, micro_batch: int, features: torch.Tensor | None = None) -> None:
+        """`features`: the critic features of the rollout's observations, if the caller has them already (the worker
+        computed them for GAE); otherwise they are computed here."""
+        self.lp = lp
+        self.rollout = rollout
+        self.micro_batch = micro_batch
+        self.items = [lp.tokenize(o) for o in rollout.obs]
+        self.device = next(lp.value_head.parameters()).device
+        self.features = (features if features is not None else lp.features(self.items)).to(self.device)
+        self.actions = torch.tensor(rollout.actions, device=self.device)
+        self.ref_logp: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+    def _column(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(-1)
+
+    def targets(self, metrics: dict[str, float]) -> Targets:
+        r = self.rollout
+        mask = torch.ones(len(r), 1, device=self.device)
+        behaviour = self._column(r.logprobs)
+        # The proximal policy: the learner's weights as the update starts (every rank scores the whole rollout:
+        # each takes a different share of every minibatch).
+        with torch.no_grad():
+            prox_all = [
+                logp
+                for start in range(0, len(r), self.micro_batch)
+                for logp in self.lp.logp_all(self.items[start : start + self.micro_batch])
+            ]
+            self.ref_logp = self.lp.reference_logp_all(self.items)
+        prox = torch.stack([logp[a] for logp, a in zip(prox_all, r.actions, strict=True)]).unsqueeze(-1).float()
+        kl_behaviour = [
+            float(core_algos.kl_behaviour(torch.tensor(mu, device=logp.device), logp)) for mu, logp in zip(r.probs, prox_all, strict=True)
+        ]
+        metrics["kl_behaviour"] = sum(kl_behaviour) / len(kl_behaviour) if kl_behaviour else math.nan
+        # Actor and learner must score the same function: on transitions the current weights chose, the learner's
+        # log-prob equals the actor's (to float rounding). A gap here is a defect, not staleness.
+        on_policy = [i for i, lag in enumerate(r.lags) if lag == 0]
+        metrics["on_policy_logprob_dev"] = float((prox[on_policy] - behaviour[on_policy]).abs().max()) if on_policy else math.nan
+        return Targets(
+            mask=mask,
+            behaviour_logp=behaviour,
+            prox_logp=prox,
+            advantages=core_algos.masked_whiten(self._column(r.advantages), mask),
+            returns=self._column(r.returns),
+            old_values=self._column(r.values),
+        )
+
+    def micro_batches(self, ids: list[int]) -> list[list[int]]:
+        return [ids[start : start + self.micro_batch] for start in range(0, len(ids), self.micro_batch)]
+
+    def forward(self, ids: list[int]) -> Forward:
+        logp_all = self.lp.logp_all([self.items[i] for i in ids])
+        return Forward(
+            logp=torch.stack([logp[self.actions[i]] for logp, i in zip(logp_all, ids, strict=True)]).unsqueeze(-1).float(),
+            entropy=torch.stack([core_algos.entropy(logp) for logp in logp_all]).unsqueeze(-1).float(),
+            kl_ref=torch.stack([core_algos.kl_exact(logp, self.ref_logp[i]) for logp, i in zip(logp_all, ids, strict=True)])
+            .unsqueeze(-1)
+            .float(),
+        )
+
+    def values(self, ids: list[int]) -> torch.Tensor:
+        return self.lp.value_head(self.features[ids]).float().unsqueeze(-1)
+
+
+def candidate_update(
+    lp: LearnerPolicy,
+    policy_opt: torch.optim.Optimizer,
+    value_opt: torch.optim.Optimizer,
+    rollout: Rollout,
+    cfg: UpdateConfig,
+    train_policy: bool = True,
+    kl_coef: float | None = None,
+    features: torch.Tensor | None = None,
+    update_index: int = 0,
+) -> dict[str, float]:
+    """The one PPO update (learner_node/update.py) on a rollout of choices; metrics under `losses/...`."""
+    return ppo_update(
+        CandidateBatch(lp, rollout, cfg.micro_batch, features),
+        lp.trainable_parameters(),
+        policy_opt,
+        list(lp.value_head.parameters()),
+        value_opt,
+        LossSettings.candidates(cfg, kl_coef),
+        train_policy,
+        update_index,
+    )

@@ -1,25 +1,283 @@
-"""One PPO update over a rollout: the critic on cached features, then the policy with gradient accumulation.
+"""One PPO update, for both kinds of policy: the critic's epochs, then the policy's, with gradient accumulation.
 
-Read top to bottom like CleanRL's update; the loss terms are in learner_node/ppo.py.
-With several processes (accelerate / torch.distributed), each rank takes its
-share of every minibatch and gradients are averaged across ranks before each
-optimizer step, so an update equals the one-process update on the same batch.
+Read top to bottom like CleanRL's update; the loss terms are in learner_node/core_algos.py. What differs between
+choosing among candidates and generating a response is how a batch is built and how log-probabilities,
+entropies and values are computed for it: that is the `PolicyBatch` interface, implemented by
+`rollout.CandidateBatch` (a sample is one choice: one "token") and `generation.GenerationUpdate` (a sample is
+a response of many tokens). Everything else (epochs, a fresh permutation each, minibatches, micro-batches,
+each micro-batch's share of its minibatch's loss, gradient clipping, the target-KL stop, distributed
+averaging, metrics) is `ppo_update` and `minibatch_epochs`, here, once.
+
+Every per-token tensor of an update is [B, T] at the batch's one width T, on the model's device, from the
+start (`Targets`): a micro-batch's forward returns its rows at that width, so nothing is re-padded between
+steps and nothing moves between devices except figures.
+
+With several processes (accelerate / torch.distributed), each rank takes its share of every minibatch and
+gradients are averaged across ranks before each optimizer step, so an update equals the one-process update
+on the same batch.
 """
 
 from __future__ import annotations
 
-import logging
+import collections
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from learner_node import ppo
-from learner_node.config import UpdateConfig
-from learner_node.policy import LearnerPolicy
-from learner_node.rollout import Rollout
+from learner_node import core_algos
+from learner_node.config import GenerationConfig, UpdateConfig
 
-log = logging.getLogger(__name__)
+
+@dataclass
+class Targets:
+    """What an update trains towards, computed once with no gradient: [B, T] on the model's device."""
+
+    mask: torch.Tensor  # 1 on the tokens trained on
+    behaviour_logp: torch.Tensor  # log mu: the actor's, as it sampled
+    prox_logp: torch.Tensor  # log pi_prox: the learner's weights as the update starts
+    advantages: torch.Tensor
+    returns: torch.Tensor | None = None  # None: no critic (GRPO)
+    old_values: torch.Tensor | None = None
+
+
+@dataclass
+class Forward:
+    """One micro-batch through the policy, gradients on: [b, T] each, at the batch's width."""
+
+    logp: torch.Tensor  # of the sampled token (the chosen candidate)
+    entropy: torch.Tensor  # of the distribution it was sampled from
+    kl_ref: torch.Tensor  # KL(pi || pi_ref) per token: exact over candidates, an estimator over a vocabulary
+
+
+class PolicyBatch(Protocol):
+    """How one kind of policy builds its batch and scores it; `ppo_update` does the rest."""
+
+    prefix: str  # of its metrics' keys: "losses" (candidates), "generation"
+
+    def __len__(self) -> int: ...
+
+    def targets(self, metrics: dict[str, float]) -> Targets:
+        """Proximal log-probs, advantages, returns and old values, with no gradient; adds its own figures."""
+        ...
+
+    def micro_batches(self, ids: list[int]) -> list[list[int]]:
+        """`ids` (a rank's share of a minibatch) cut into groups that go through one forward and backward."""
+        ...
+
+    def forward(self, ids: list[int]) -> Forward: ...
+
+    def values(self, ids: list[int]) -> torch.Tensor:
+        """The critic's values of samples `ids`, [b, T], gradients on (on cached features: no model forward)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The update's settings, one set for both kinds of policy; `candidates` and `generation` map each config to it."""
+
+    clip: core_algos.ClipRange
+    policy_loss: str
+    aggregation: str
+    ent_coef: float
+    kl_coef: float  # of the KL to the reference in the loss (0: none, or it is in the reward)
+    value_clip: float
+    value_huber_delta: float
+    decoupled: bool
+    behaviour_weight_cap: float
+    update: UpdateConfig  # epochs, minibatch sizes, vf_coef, target_kl, max_grad_norm, seed
+
+    @classmethod
+    def candidates(cls, cfg: UpdateConfig, kl_coef: float | None = None) -> LossSettings:
+        """A choice among candidates: CleanRL's symmetric clip, the exact KL over the candidates in the loss."""
+        return cls(
+            clip=core_algos.ClipRange(cfg.clip_coef, cfg.clip_coef),
+            policy_loss="clipped",
+            aggregation="token-mean",  # one token per sample: the mean over samples
+            ent_coef=cfg.ent_coef,
+            kl_coef=cfg.kl_coef if kl_coef is None else kl_coef,
+            value_clip=cfg.value_clip or 0.0,
+            value_huber_delta=0.0,
+            decoupled=cfg.objective == "decoupled",
+            behaviour_weight_cap=cfg.behaviour_weight_cap,
+            update=cfg,
+        )
+
+    @classmethod
+    def generation(cls, cfg: UpdateConfig, gen: GenerationConfig) -> LossSettings:
+        """A generated response: clip-higher and dual-clip, the KL in the loss only when it is not in the reward."""
+        return cls(
+            clip=core_algos.ClipRange(gen.clip_low, gen.clip_high, gen.clip_ratio_c),
+            policy_loss="dual-clip",
+            aggregation=gen.loss_aggregation,
+            ent_coef=gen.ent_coef,
+            kl_coef=0.0 if gen.kl_in_reward else gen.kl_coef,
+            value_clip=gen.value_clip,
+            value_huber_delta=gen.value_huber_delta,
+            decoupled=cfg.objective == "decoupled",
+            behaviour_weight_cap=cfg.behaviour_weight_cap,
+            update=cfg,
+        )
+
+
+def ppo_update(
+    batch: PolicyBatch,
+    policy_params: list[torch.nn.Parameter],
+    policy_opt: torch.optim.Optimizer,
+    value_params: list[torch.nn.Parameter],
+    value_opt: torch.optim.Optimizer,
+    settings: LossSettings,
+    train_policy: bool = True,
+    update_index: int = 0,
+) -> dict[str, float]:
+    """Train the critic, then (unless `train_policy` is off: the critic's warm-up) the policy on one batch;
+    returns the metrics under `<batch.prefix>/...`. `update_index` seeds this update's minibatch permutations
+    (the same on every rank, different every update). The model stays in eval mode throughout: no dropout in
+    the proximal, reference or new log-probabilities."""
+    cfg = settings.update
+    rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + update_index)
+    metrics: dict[str, float] = {}
+    t = batch.targets(metrics)
+    n = len(batch)
+
+    if t.returns is not None:  # --- the critic, on cached features ---
+        returns, old_values = t.returns, t.old_values if t.old_values is not None else t.returns
+        metrics["explained_variance"] = core_algos.explained_variance(old_values[t.mask.bool()], returns[t.mask.bool()])
+
+        def critic_step(ids: list[int], minibatch: list[int]) -> dict[str, float]:
+            loss = core_algos.value_loss(
+                batch.values(ids),
+                old_values[ids],
+                returns[ids],
+                t.mask[ids],
+                settings.value_clip,
+                settings.value_huber_delta,
+                settings.aggregation,
+            )
+            share = core_algos.aggregation_share(t.mask, ids, minibatch, settings.aggregation)
+            (cfg.vf_coef * loss * share * _world()[1]).backward()
+            return {"value_loss": float(loss.detach()) * share}
+
+        figures, _, _ = minibatch_epochs(
+            n, cfg.value_epochs, cfg.value_minibatch, rng, _whole, critic_step, value_params, value_opt, cfg.max_grad_norm
+        )
+        metrics.update(figures)
+    if not train_policy:
+        return _prefixed(batch.prefix, metrics)
+
+    old = t.prox_logp if settings.decoupled else t.behaviour_logp  # what the ratio, the clipping and target-KL measure against
+    first_ratio_dev: list[float] = []
+
+    def policy_step(ids: list[int], minibatch: list[int]) -> dict[str, float]:
+        f = batch.forward(ids)
+        mask = t.mask[ids]
+        terms = core_algos.policy_loss(
+            f.logp,
+            old[ids],
+            t.advantages[ids],
+            mask,
+            settings.clip,
+            t.behaviour_logp[ids] if settings.decoupled else None,
+            settings.behaviour_weight_cap,
+            settings.aggregation,
+            settings.policy_loss,
+        )
+        entropy = core_algos.aggregate(f.entropy, mask, settings.aggregation)
+        kl_ref = core_algos.aggregate(f.kl_ref, mask, settings.aggregation)
+        loss = terms.loss - settings.ent_coef * entropy
+        if settings.kl_coef:
+            loss = loss + settings.kl_coef * kl_ref
+        share = core_algos.aggregation_share(t.mask, ids, minibatch, settings.aggregation)
+        (loss * share * _world()[1]).backward()
+        if not first_ratio_dev:
+            first_ratio_dev.append(float(((terms.ratio.detach() - 1).abs() * mask).max()))
+        tokens = core_algos.aggregation_share(t.mask, ids, minibatch, "token-mean")  # token means weigh by tokens
+        return {
+            "policy_loss": float(terms.loss.detach()) * share,
+            "entropy": float(entropy.detach()) * share,
+            "kl_ref": float(kl_ref.detach()) * share,
+            "approx_kl": float(terms.approx_kl) * tokens,
+            "clipfrac": float(terms.clipfrac) * tokens,
+            "dual_clipfrac": float(terms.dual_clipfrac) * tokens,
+            "behaviour_weight": float(terms.is_weight) * tokens,
+            "behaviour_weight_capped": float(terms.is_capped) * tokens,
+        }
+
+    figures, steps, stopped = minibatch_epochs(
+        n,
+        cfg.update_epochs,
+        cfg.policy_minibatch,
+        rng,
+        batch.micro_batches,
+        policy_step,
+        policy_params,
+        policy_opt,
+        cfg.max_grad_norm,
+        cfg.target_kl or None,
+    )
+    metrics.update(figures)
+    metrics["first_minibatch_ratio_dev"] = first_ratio_dev[0] if first_ratio_dev else math.nan
+    metrics["optimizer_steps"] = float(steps)
+    metrics["early_stop"] = float(stopped)
+    metrics["kl_coef"] = settings.kl_coef
+    return _prefixed(batch.prefix, metrics)
+
+
+def minibatch_epochs(
+    n: int,
+    epochs: int,
+    minibatch: int,
+    rng: torch.Generator,
+    micro_batches: Callable[[list[int]], list[list[int]]],
+    step: Callable[[list[int], list[int]], dict[str, float]],
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float,
+    target_kl: float | None = None,
+) -> tuple[dict[str, float], int, bool]:
+    """The loop both the critic and the policy train in: `epochs` passes over the n samples in a fresh
+    permutation each, one optimizer step per minibatch. Each rank takes every world-th sample of a minibatch
+    and cuts its share into `micro_batches`; `step(micro, minibatch)` runs one micro-batch's forward and
+    backward, its loss scaled to its share of the minibatch's loss, and returns its figures so scaled. The
+    figures of a minibatch are summed over micro-batches and ranks (so each is the minibatch's own), and
+    averaged over minibatches. With `target_kl`, the epochs stop once a minibatch's "approx_kl" exceeds it,
+    checked after its step (no accumulated gradient is thrown away).
+
+    Returns (figures, optimizer steps, whether the target-KL stop ended the epochs)."""
+    rank, world = _world()
+    totals: dict[str, float] = collections.defaultdict(float)
+    steps = 0
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=rng)
+        for start in range(0, n, minibatch):
+            mb = perm[start : start + minibatch].tolist()
+            optimizer.zero_grad()
+            parts: dict[str, float] = collections.defaultdict(float)
+            for micro in micro_batches(mb[rank::world]):
+                for key, value in step(micro, mb).items():
+                    parts[key] += value
+            _average_gradients(params)
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            optimizer.step()
+            steps += 1
+            figures = _sum_over_ranks(parts, params[0].device if params else torch.device("cpu"))
+            for key, value in figures.items():
+                totals[key] += value
+            if target_kl and figures.get("approx_kl", 0.0) > target_kl:
+                return {k: v / steps for k, v in totals.items()}, steps, True
+    return {k: v / max(steps, 1) for k, v in totals.items()}, steps, False
+
+
+def _whole(ids: list[int]) -> list[list[int]]:
+    """The critic trains on cached features: a rank's share of a minibatch is one micro-batch."""
+    return [ids] if ids else []
+
+
+def _prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
+    return {f"{prefix}/{key}": value for key, value in metrics.items()}
 
 
 def _world() -> tuple[int, int]:
@@ -29,7 +287,7 @@ def _world() -> tuple[int, int]:
 
 
 def _average_gradients(params: list[torch.nn.Parameter]) -> None:
-    rank, world = _world()
+    _, world = _world()
     if world == 1:
         return
     for p in params:
@@ -39,158 +297,16 @@ def _average_gradients(params: list[torch.nn.Parameter]) -> None:
         p.grad /= world
 
 
-def _mean_over_ranks(value: float) -> float:
-    rank, world = _world()
+def _sum_over_ranks(parts: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Each rank's figures summed over the ranks (a rank with no share of a minibatch has none: the keys are
+    agreed first, so every rank sends the same vector), on the parameters' device (NCCL reduces only there)."""
+    _, world = _world()
     if world == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
+        return dict(parts)
+    keys = sorted(parts)
+    gathered: list[list[str] | None] = [None] * world
+    dist.all_gather_object(gathered, keys)
+    keys = sorted({k for ks in gathered for k in (ks or [])})
+    t = torch.tensor([parts.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return float(t) / world
-
-
-def ppo_update(
-    lp: LearnerPolicy,
-    policy_opt: torch.optim.Optimizer,
-    value_opt: torch.optim.Optimizer,
-    rollout: Rollout,
-    cfg: UpdateConfig,
-    train_policy: bool = True,
-    kl_coef: float | None = None,
-    features: torch.Tensor | None = None,
-    update_index: int = 0,
-) -> dict[str, float]:
-    """Train critic and policy on one rollout; returns the metrics under their usual slash keys.
-
-    `features`: the critic features of the rollout's observations, if the caller has them already
-    (the worker computed them for GAE); otherwise they are computed here. `update_index` seeds
-    this update's minibatch permutations (the same on every rank, different every update).
-    The model stays in eval mode throughout: no dropout in the proximal, reference or new log-probs."""
-    rank, world = _world()
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + update_index)
-    kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
-    items = [lp.tokenize(o) for o in rollout.obs]
-    n = len(items)
-    b_actions = torch.tensor(rollout.actions)
-    b_logprobs = torch.tensor(rollout.logprobs)
-    b_advantages = ppo.normalise_advantages(torch.tensor(rollout.advantages))
-    b_returns = torch.tensor(rollout.returns)
-    b_values = torch.tensor(rollout.values)
-    device = next(lp.value_head.parameters()).device
-    metrics: dict[str, float] = {}
-    # Explained variance of the values the targets were built with (before this update fits the critic).
-    metrics["losses/explained_variance"] = ppo.explained_variance(b_values, b_returns)
-
-    # --- critic: features of the frozen base, computed once ----------------------------------
-    if features is None:
-        features = lp.features(items)
-    value_params = list(lp.value_head.parameters())
-    v_losses = []
-    for _ in range(cfg.value_epochs):
-        perm = torch.randperm(n, generator=gen)
-        for start in range(0, n, cfg.value_minibatch):
-            mb_inds = perm[start : start + cfg.value_minibatch]
-            mine = mb_inds[rank::world]
-            value_opt.zero_grad()
-            v_loss = torch.zeros(())
-            if len(mine):
-                newvalue = lp.value_head(features[mine.to(device)]).cpu()
-                v_loss = ppo.value_loss(newvalue, b_values[mine], b_returns[mine], cfg.value_clip or None)
-                # This rank's mean, weighted so the average over ranks is the minibatch mean.
-                (cfg.vf_coef * v_loss * len(mine) * world / len(mb_inds)).backward()
-            _average_gradients(value_params)
-            torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
-            value_opt.step()
-            v_losses.append(_mean_over_ranks(float(v_loss.detach()) * len(mine) * world / len(mb_inds)))
-    metrics["losses/value_loss"] = sum(v_losses) / max(len(v_losses), 1)
-
-    if not train_policy:
-        return metrics
-
-    # --- the proximal policy: the learner's weights as the update starts ---------------------
-    # (every rank scores the whole rollout: each takes a different share of every minibatch)
-    with torch.no_grad():
-        prox_all = [logp.cpu() for start in range(0, n, cfg.micro_batch) for logp in lp.logp_all(items[start : start + cfg.micro_batch])]
-    b_proxlogprobs = torch.stack([logp[a] for logp, a in zip(prox_all, b_actions.tolist(), strict=True)])
-    kl_behaviour = [float(ppo.kl_behaviour(torch.tensor(mu), logp)) for mu, logp in zip(rollout.probs, prox_all, strict=True)]
-    metrics["losses/kl_behaviour"] = _mean(kl_behaviour)
-    # Actor and learner must score the same function: on transitions the current weights chose,
-    # the learner's log-prob equals the actor's (to float rounding). A gap here is a defect, not staleness.
-    on_policy = [i for i, lag in enumerate(rollout.lags) if lag == 0]
-    metrics["losses/on_policy_logprob_dev"] = (
-        float((b_proxlogprobs[on_policy] - b_logprobs[on_policy]).abs().max()) if on_policy else math.nan
-    )
-    decoupled = cfg.objective == "decoupled"
-    b_old = b_proxlogprobs if decoupled else b_logprobs  # what the ratio, the clipping and target-KL measure against
-
-    # --- policy: recomputed candidate distributions, gradients through the adapter ------------
-    ref_logp = lp.reference_logp_all(items)
-    policy_params = lp.trainable_parameters()
-    pg_losses, entropies, kls, approx_kls, clipfracs, weights, capped = [], [], [], [], [], [], []
-    first_ratio_dev = None
-    optimizer_steps = 0
-    stopped_early = False
-    for _ in range(cfg.update_epochs):
-        perm = torch.randperm(n, generator=gen)
-        for start in range(0, n, cfg.policy_minibatch):
-            mb_inds = perm[start : start + cfg.policy_minibatch]
-            mine = mb_inds[rank::world]
-            policy_opt.zero_grad()
-            mb_kl = 0.0
-            for micro_start in range(0, len(mine), cfg.micro_batch):
-                micro = mine[micro_start : micro_start + cfg.micro_batch].tolist()
-                logp_all = lp.logp_all([items[i] for i in micro])
-                newlogprob = torch.stack([logp[b_actions[i]] for logp, i in zip(logp_all, micro, strict=True)]).cpu()
-                entropy = torch.stack([ppo.entropy(logp) for logp in logp_all]).cpu()
-                kl_ref = torch.stack([ppo.kl_to_reference(logp, ref_logp[i]) for logp, i in zip(logp_all, micro, strict=True)]).cpu()
-                terms = ppo.policy_loss(
-                    newlogprob,
-                    b_old[micro],
-                    b_advantages[micro],
-                    cfg.clip_coef,
-                    b_logprobs[micro] if decoupled else None,
-                    cfg.behaviour_weight_cap,
-                )
-                loss = terms.pg_loss - cfg.ent_coef * entropy.mean() + kl_coef * kl_ref.mean()
-                # Each micro-batch's mean, weighted to a mean over the whole minibatch (all ranks).
-                (loss * len(micro) * world / len(mb_inds)).backward()
-                if first_ratio_dev is None:
-                    first_ratio_dev = float((terms.ratio.detach() - 1).abs().max())
-                mb_kl += float(terms.approx_kl) * len(micro) / max(len(mine), 1)
-                pg_losses.append(float(terms.pg_loss.detach()))
-                entropies.append(float(entropy.detach().mean()))
-                kls.append(float(kl_ref.detach().mean()))
-                clipfracs.append(float(terms.clipfrac))
-                weights.append(float(terms.is_weight.mean()))
-                capped.append(float(terms.is_capped))
-            _average_gradients(policy_params)
-            torch.nn.utils.clip_grad_norm_(policy_params, cfg.max_grad_norm)
-            policy_opt.step()
-            optimizer_steps += 1
-            mb_kl = _mean_over_ranks(mb_kl)
-            approx_kls.append(mb_kl)
-            # Checked per optimizer step, after the step: no accumulated gradient is thrown away.
-            if cfg.target_kl and mb_kl > cfg.target_kl:
-                stopped_early = True
-                break
-        if stopped_early:
-            break
-    metrics.update(
-        {
-            "losses/policy_loss": _mean(pg_losses),
-            "losses/entropy": _mean(entropies),
-            "losses/kl_ref": _mean(kls),
-            "losses/approx_kl": _mean(approx_kls),
-            "losses/clipfrac": _mean(clipfracs),
-            "losses/behaviour_weight": _mean(weights),
-            "losses/behaviour_weight_capped": _mean(capped),
-            "losses/first_minibatch_ratio_dev": first_ratio_dev if first_ratio_dev is not None else math.nan,
-            "losses/optimizer_steps": optimizer_steps,
-            "losses/early_stop": float(stopped_early),
-            "losses/kl_coef": kl_coef,
-        }
-    )
-    return metrics
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
+    return dict(zip(keys, t.tolist(), strict=True))

@@ -46,11 +46,10 @@ from common.shared_settings import PolicyStamp
 from common.zmqio import bound
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
+from learner_node.core_algos import AdaptiveKLController
 from learner_node.generation import build_generation_batch, generation_update, split_by_mode
 from learner_node.policy import LearnerPolicy
-from learner_node.ppo import AdaptiveKLController
-from learner_node.rollout import EpisodeReturns, build_rollout
-from learner_node.update import ppo_update
+from learner_node.rollout import EpisodeReturns, build_rollout, candidate_update
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +292,7 @@ class Learner:
         metrics: dict[str, float] = {}
         if len(rollout):
             features = torch.stack([self._features[id(o)] for o in rollout.obs])  # the frozen base: no second forward
-            metrics = ppo_update(
+            metrics = candidate_update(
                 self.lp, self.policy_opt, self.value_opt, rollout, self.cfg, train_policy, self.kl.value, features, self.updates
             )
             if train_policy and "losses/kl_ref" in metrics and not math.isnan(metrics["losses/kl_ref"]):

@@ -24,9 +24,9 @@ from broker.store import SessionStore
 from common.policy_model import ModelSpec, load_policy
 from common.segments import RedisKeys, Segment
 from common.shared_settings import RetrievalConfig
+from learner_node.config import UpdateConfig
 from learner_node.policy import LearnerPolicy
-from learner_node.rollout import build_rollout
-from learner_node.update import UpdateConfig, ppo_update
+from learner_node.rollout import build_rollout, candidate_update
 from tests.helpers import actors_ready, wait_for
 
 GUIDE = """# Checkout screen
@@ -148,7 +148,7 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
 
     rollout = build_rollout(segments, value_of, 0.99, 0.95, current_version=0, max_policy_lag=0)
     assert len(rollout) == 12
-    metrics = ppo_update(
+    metrics = candidate_update(
         lp,
         torch.optim.Adam(lp.trainable_parameters(), lr=1e-3),
         torch.optim.Adam(lp.value_head.parameters()),

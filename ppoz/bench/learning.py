@@ -3,7 +3,7 @@
 A contextual bandit (one-step episodes: a prompt names a thing, the policy picks
 one of four candidate answers, reward 1 for the right one) is played by the
 actor's own code (LLMPolicy) and trained by the learner's own code (build_rollout,
-ppo_update) on a tiny Llama-style model with a LoRA adapter, in one process so
+candidate_update) on a tiny Llama-style model with a LoRA adapter, in one process so
 the policy lag can be imposed exactly:
 
 - `sync`: every rollout is trained on as soon as it is sampled (lag 0);
@@ -85,9 +85,9 @@ def run(model_dir: str, method: str, seed: int, args: argparse.Namespace) -> dic
     from common.policy_model import ModelSpec, load_policy, policy_state_dict
     from common.segments import Segment, Transition
     from common.tiny_models import LORA_TRAINABLE
+    from learner_node.config import UpdateConfig
     from learner_node.policy import LearnerPolicy
-    from learner_node.rollout import build_rollout
-    from learner_node.update import UpdateConfig, ppo_update
+    from learner_node.rollout import build_rollout, candidate_update
 
     spec = ModelSpec(
         model=model_dir, device="cpu", lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_trainable=LORA_TRAINABLE["llama"]
@@ -150,7 +150,7 @@ def run(model_dir: str, method: str, seed: int, args: argparse.Namespace) -> dic
         used += len(rollout)
         dropped += rollout.dropped_stale
         if len(rollout):
-            ppo_update(lp, policy_opt, value_opt, rollout, cfg, update_index=version)
+            candidate_update(lp, policy_opt, value_opt, rollout, cfg, update_index=version)
             version += 1
     return {"rewards": rewards, "used": used, "dropped": dropped, "updates": version}
 

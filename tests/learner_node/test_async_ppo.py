@@ -23,10 +23,9 @@ from common import segments as seg
 from common.policy_model import ModelSpec, load_policy
 from common.segments import RedisKeys, Transition
 from common.shared_settings import PolicySpec
-from learner_node.config import LearnerConfig
+from learner_node.config import LearnerConfig, UpdateConfig
 from learner_node.policy import LearnerPolicy
-from learner_node.rollout import build_rollout
-from learner_node.update import UpdateConfig, ppo_update
+from learner_node.rollout import build_rollout, candidate_update
 from learner_node.worker import Learner, backlog_limit
 from tests.learner_node.helpers import on_policy_segments
 
@@ -157,12 +156,12 @@ def test_stale_samples_are_trained_on_and_the_update_takes_its_steps(tiny_models
     # The behaviour data: sampled by the initial weights (version 0), before the learner moved.
     behaviour = on_policy_segments(lp.model, lp.tokenizer, 16, version=0)
     warm = UpdateConfig(update_epochs=3, policy_minibatch=4, micro_batch=4, target_kl=None, ent_coef=0.0)
-    ppo_update(lp, popt, vopt, stale_rollout(lp, on_policy_segments(lp.model, lp.tokenizer, 16, seed=9), 0), warm)
+    candidate_update(lp, popt, vopt, stale_rollout(lp, on_policy_segments(lp.model, lp.tokenizer, 16, seed=9), 0), warm)
     rollout = stale_rollout(lp, behaviour, lag)
     assert len(rollout) == 16 and rollout.dropped_stale == 0 and set(rollout.lags) == {lag}
 
     cfg = UpdateConfig(update_epochs=2, policy_minibatch=4, micro_batch=4, target_kl=0.02)
-    decoupled = ppo_update(lp, popt, vopt, rollout, cfg)
+    decoupled = candidate_update(lp, popt, vopt, rollout, cfg)
     assert decoupled["losses/kl_behaviour"] > 0.02  # the learner has really moved away from the behaviour policy
     assert decoupled["losses/first_minibatch_ratio_dev"] < 1e-5  # clipped against its own weights: ratio 1 at the start
     assert decoupled["losses/optimizer_steps"] >= 2  # not stopped by the lag it inherited
@@ -175,8 +174,8 @@ def test_plain_ppo_on_the_same_stale_samples_stops_after_one_step(tiny_models):
     lp, popt, vopt = moved_policy(tiny_models["llama"])
     behaviour = on_policy_segments(lp.model, lp.tokenizer, 16, version=0)
     warm = UpdateConfig(update_epochs=3, policy_minibatch=4, micro_batch=4, target_kl=None, ent_coef=0.0)
-    ppo_update(lp, popt, vopt, stale_rollout(lp, on_policy_segments(lp.model, lp.tokenizer, 16, seed=9), 0), warm)
-    plain = ppo_update(
+    candidate_update(lp, popt, vopt, stale_rollout(lp, on_policy_segments(lp.model, lp.tokenizer, 16, seed=9), 0), warm)
+    plain = candidate_update(
         lp, popt, vopt, stale_rollout(lp, behaviour, 2), UpdateConfig(update_epochs=2, policy_minibatch=4, micro_batch=4, objective="ppo")
     )
     assert plain["losses/early_stop"] == 1.0 and plain["losses/optimizer_steps"] == 1
@@ -228,7 +227,7 @@ def critic_error_after_updates(model_dir: str, cfg: UpdateConfig, updates: int) 
     for s in segments:
         s.transitions[0].reward = 5.0
     for i in range(updates):
-        ppo_update(lp, popt, vopt, stale_rollout(lp, segments, 0), cfg, train_policy=False, update_index=i)
+        candidate_update(lp, popt, vopt, stale_rollout(lp, segments, 0), cfg, train_policy=False, update_index=i)
     values = lp.values([s.transitions[0].obs for s in segments])[1]
     return float((values - 5.0).abs().max())
 

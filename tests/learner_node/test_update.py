@@ -8,9 +8,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.policy_model import ModelSpec, load_policy
+from learner_node.config import UpdateConfig
 from learner_node.policy import LearnerPolicy
-from learner_node.rollout import build_rollout
-from learner_node.update import UpdateConfig, ppo_update
+from learner_node.rollout import build_rollout, candidate_update
 from tests.learner_node.helpers import BANDIT, on_policy_segments
 from tests.processes import free_port
 
@@ -41,7 +41,7 @@ def test_ratio_is_one_on_the_first_minibatch_and_the_update_moves_towards_reward
     rollout = rollout_for(lp)
     assert 0 < sum(a == 1 for a in rollout.actions) < len(rollout)  # both rewarded and unrewarded samples
     before = green_prob(lp)
-    metrics = ppo_update(lp, popt, vopt, rollout, UpdateConfig(update_epochs=2, policy_minibatch=8, micro_batch=4, target_kl=None))
+    metrics = candidate_update(lp, popt, vopt, rollout, UpdateConfig(update_epochs=2, policy_minibatch=8, micro_batch=4, target_kl=None))
     assert metrics["losses/on_policy_logprob_dev"] < 1e-4  # the learner recomputes exactly what the actor sampled from
     assert metrics["losses/optimizer_steps"] == 4
     assert green_prob(lp) > before
@@ -59,7 +59,9 @@ def test_ratio_is_one_on_the_first_minibatch_and_the_update_moves_towards_reward
 
 def test_target_kl_stops_after_a_full_optimizer_step(tiny_models):
     lp, popt, vopt = make(tiny_models["llama"], lr=0.2)
-    metrics = ppo_update(lp, popt, vopt, rollout_for(lp), UpdateConfig(update_epochs=4, policy_minibatch=4, micro_batch=2, target_kl=1e-6))
+    metrics = candidate_update(
+        lp, popt, vopt, rollout_for(lp), UpdateConfig(update_epochs=4, policy_minibatch=4, micro_batch=2, target_kl=1e-6)
+    )
     assert metrics["losses/early_stop"] == 1.0
     # The first minibatch sees ratio 1 (KL 0); the second sees the first step's change, exceeds the
     # target and stops the update after its own step is applied (of 4 epochs x 4 minibatches).
@@ -71,7 +73,7 @@ def test_warmup_trains_only_the_critic(tiny_models):
     rollout = rollout_for(lp)
     policy_before = [p.detach().clone() for p in lp.trainable_parameters()]
     head_before = [p.detach().clone() for p in lp.value_head.parameters()]
-    metrics = ppo_update(lp, popt, vopt, rollout, UpdateConfig(), train_policy=False)
+    metrics = candidate_update(lp, popt, vopt, rollout, UpdateConfig(), train_policy=False)
     assert "losses/policy_loss" not in metrics
     assert all(torch.equal(a, b) for a, b in zip(policy_before, lp.trainable_parameters()))
     assert not all(torch.equal(a, b) for a, b in zip(head_before, lp.value_head.parameters()))
@@ -81,7 +83,7 @@ def _rank_update(rank: int, world: int, port: int, path: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         lp, popt, vopt = make(path)
-        ppo_update(lp, popt, vopt, rollout_for(lp), UpdateConfig(update_epochs=2, policy_minibatch=8, micro_batch=2, target_kl=None))
+        candidate_update(lp, popt, vopt, rollout_for(lp), UpdateConfig(update_epochs=2, policy_minibatch=8, micro_batch=2, target_kl=None))
         if rank == 0:
             torch.save([p.detach() for p in lp.trainable_parameters()] + [p.detach() for p in lp.value_head.parameters()], out)
     finally:
@@ -94,7 +96,7 @@ def test_two_processes_end_an_update_like_one(tiny_models, tmp_path):
     mp.spawn(_rank_update, args=(2, free_port(), tiny_models["llama"], out), nprocs=2, join=True)
     two = torch.load(out)
     lp, popt, vopt = make(tiny_models["llama"])
-    ppo_update(lp, popt, vopt, rollout_for(lp), UpdateConfig(update_epochs=2, policy_minibatch=8, micro_batch=2, target_kl=None))
+    candidate_update(lp, popt, vopt, rollout_for(lp), UpdateConfig(update_epochs=2, policy_minibatch=8, micro_batch=2, target_kl=None))
     one = [p.detach() for p in lp.trainable_parameters()] + [p.detach() for p in lp.value_head.parameters()]
     assert len(one) == len(two)
     for a, b in zip(one, two):
