@@ -4,9 +4,12 @@ Three parts, top to bottom:
 
 - Packed forwards (`packed_hidden`, `response_logprobs`): prompts and responses of
   different lengths go one after another in rows as long as the longest sequence,
-  position ids restarting at 0 for each, under a block-diagonal causal 4D mask (as
-  the scoring path builds its own), so each sequence sees only itself and little
-  compute goes to padding; several rows make one forward, up to a token budget. The LM head runs only at the positions
+  position ids restarting at 0 for each; transformers builds the mask of packed
+  sequences from those position ids (block-causal, sliding windows included), so
+  each sequence sees only itself and little compute goes to padding; several rows
+  make one forward, up to a token budget. `check_layout` proves at start-up that
+  this gives the model's own log-probabilities, or falls back to one right-padded
+  sequence per row. The LM head runs only at the positions
   that predict response tokens, in float32 (common.scoring.head_logits), in chunks
   recomputed in the backward pass so a 150k vocabulary never holds every
   position's logits at once.
@@ -60,45 +63,96 @@ def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return rows
 
 
-def packed_hidden(decoder: Any, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], budget: int) -> list[torch.Tensor]:
+LAYOUTS = ("packed", "padded")  # how a forward lays out sequences of different lengths (check_layout picks one)
+
+
+def packed_hidden(
+    decoder: Any, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], budget: int, layout: str = "packed"
+) -> list[torch.Tensor]:
     """The decoder's last hidden state at `positions[i]` of each sequence i, [len(positions[i]), width].
 
-    Sequences are packed into rows as long as the longest of them (so a row's attention costs
-    about what its longest sequence's own does: a row of many sequences under a dense mask would
-    cost its length squared), position ids restarting at 0 for each and a block-diagonal causal
-    mask keeping each to itself; as many rows as fit in `budget` tokens go through one forward.
+    `packed`: sequences go one after another in rows as long as the longest of them, with position ids that
+    restart at 0 for each and no attention mask: from position ids alone transformers builds the mask of
+    packed sequences itself (block-causal, with each layer's sliding window, for eager and sdpa attention;
+    varlen kernels for flash-attention), so each sequence sees only itself, as the model would score it
+    alone. A row as long as the longest sequence keeps a row's attention at about what its longest
+    sequence's own costs (one long row of many sequences under a dense mask would cost its length squared).
+    `padded`: one sequence per row, right-padded, under a 2D padding mask: what every model accepts, and
+    what packing saves (`ppoz bench update`). As many rows as fit in `budget` tokens go through one forward.
     Gradients flow if enabled."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
     device = next(decoder.parameters()).device
-    use_bool, dtype = scoring._mask_value(decoder)
     out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
-    rows = pack([len(s) for s in sequences], max([len(s) for s in sequences], default=1))
-    width = max([sum(len(sequences[i]) for i in row) for row in rows], default=1)
-    per_forward = max(1, budget // width)
+    longest = max([len(s) for s in sequences], default=1)
+    rows = pack([len(s) for s in sequences], longest) if layout == "packed" else [[i] for i in range(len(sequences))]
+    per_forward = max(1, budget // longest)
     for first in range(0, len(rows), per_forward):
         group = rows[first : first + per_forward]
         length = max(sum(len(sequences[i]) for i in row) for row in group)
         ids = torch.zeros(len(group), length, dtype=torch.long, device=device)
         pos = torch.zeros(len(group), length, dtype=torch.long, device=device)
-        allowed = torch.zeros(len(group), 1, length, length, dtype=torch.bool, device=device)
+        mask = torch.zeros(len(group), length, dtype=torch.long, device=device)
         for b, row in enumerate(group):
             start = 0
             for i in row:
                 n = len(sequences[i])
                 ids[b, start : start + n] = torch.tensor(list(sequences[i]), device=device)
                 pos[b, start : start + n] = torch.arange(n, device=device)
-                allowed[b, 0, start : start + n, start : start + n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+                mask[b, start : start + n] = 1
                 start += n
-            for pad in range(start, length):  # padding attends to itself only, so its softmax stays finite
-                allowed[b, 0, pad, pad] = True
-        hidden = decoder(
-            input_ids=ids, position_ids=pos, attention_mask=scoring._attention_mask(allowed, use_bool, dtype), use_cache=False
-        ).last_hidden_state
+            pos[b, start:] = torch.arange(length - start, device=device)  # padding: a sequence of its own, never read
+        if layout == "packed":
+            hidden = decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        else:
+            hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         for b, row in enumerate(group):
             start = 0
             for i in row:
                 out[i] = hidden[b, start + torch.tensor(list(positions[i]), dtype=torch.long, device=device)]
                 start += len(sequences[i])
     return out
+
+
+def check_layout(model: Any, budget: int = 4096) -> str:
+    """The first layout of LAYOUTS whose log-probabilities are the model's own, checked at start-up as the
+    candidate path checks its scoring path (common/scoring.py, `select_path`): on probe prompts and responses
+    of different lengths in one forward, one of them longer than the model's sliding window if it has one,
+    against `model(input_ids).logits` of each sequence alone, in float32 (16-bit weights upcast for the check),
+    to within scoring.FLOAT32_TOLERANCE. A model whose attention ignores the position ids' packing (or a
+    transformers release that does not build the packed mask) fails it and gets `padded`."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    limit = scoring.position_limit(model) or 4096
+    window = scoring.sliding_window(model.config)
+    longest = 24 if window is None else min(window + 12, limit - 4)
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+    # rows are as long as the longest sequence: the third shares the second's row and starts after it,
+    # so a window is checked on positions that restart mid-row
+    prompts, responses = [tokens(n) for n in (longest - 6, 2, longest - 12)], [tokens(n) for n in (6, 1, 4)]
+    temperatures = [1.0, 0.7, 1.3]
+    errors: dict[str, float] = {}
+    with scoring._float32(model), torch.inference_mode():
+        device = next(model.parameters()).device
+        own = []
+        for p, r, t in zip(prompts, responses, temperatures):
+            logits = model(input_ids=torch.tensor([p + r], device=device)).logits[0, len(p) - 1 : -1].float() / t
+            own.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r, device=device).unsqueeze(-1)).squeeze(-1))
+        for layout in LAYOUTS:
+            try:
+                got, _ = response_logprobs(model, prompts, responses, temperatures, max(budget, 3 * longest), layout)
+                errors[layout] = max(float((g.float() - o).abs().max()) for g, o in zip(got, own))
+            except Exception as e:  # a model that rejects this layout's inputs
+                log.info("generation layout %s unavailable on this model: %s", layout, e)
+                errors[layout] = math.inf
+            if errors[layout] <= scoring.FLOAT32_TOLERANCE:
+                log.info("generation layout %s (checked against model(input_ids).logits: max diff %.2e)", layout, errors[layout])
+                return layout
+            log.warning("generation layout %s differs from model(input_ids).logits on this model (%.2e); not used", layout, errors[layout])
+    raise scoring.ScoringError(f"no generation layout reproduces this model's log-probabilities: {errors}")
 
 
 def _logprob_entropy(
@@ -127,7 +181,12 @@ def head_logprobs(
 
 
 def response_logprobs(
-    model: Any, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperatures: Sequence[float], budget: int
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    temperatures: Sequence[float],
+    budget: int,
+    layout: str = "packed",
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per response token: log pi(token | prompt, earlier tokens) with the logits divided by the sample's
     temperature (the distribution the actor sampled from before top-p), and that distribution's entropy."""
@@ -135,7 +194,7 @@ def response_logprobs(
     device = next(model.parameters()).device
     sequences = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses)]  # the last token predicts nothing we score
     positions = [range(len(p) - 1, len(p) - 1 + len(r)) for p, r in zip(prompts, responses)]
-    hidden = packed_hidden(decoder, sequences, positions, budget)
+    hidden = packed_hidden(decoder, sequences, positions, budget, layout)
     flat = torch.cat(hidden)
     targets = torch.tensor([t for r in responses for t in r], device=device)
     temps = torch.tensor([t for r, temp in zip(responses, temperatures) for t in [temp] * len(r)], dtype=torch.float32, device=device)
@@ -308,6 +367,7 @@ class GenerationUpdate:
         self.lp = lp
         self.batch = batch
         self.gen = gen
+        self.layout = lp.generation_layout
         self.device = next(lp.model.parameters()).device
         self.sizes = [len(r) for r in batch.responses]
         self.width = max(self.sizes, default=0)
@@ -326,9 +386,9 @@ class GenerationUpdate:
     def targets(self, metrics: dict[str, float]) -> Targets:
         b, gen, n = self.batch, self.gen, len(self.batch)
         with torch.no_grad():
-            prox, _ = response_logprobs(self.lp.model, b.prompts, b.responses, b.temperatures, gen.micro_batch_tokens)
+            prox, _ = response_logprobs(self.lp.model, b.prompts, b.responses, b.temperatures, gen.micro_batch_tokens, self.layout)
             with self.lp.base() as base:  # adapter off: the reference policy
-                ref, _ = response_logprobs(base, b.prompts, b.responses, b.temperatures, gen.micro_batch_tokens)
+                ref, _ = response_logprobs(base, b.prompts, b.responses, b.temperatures, gen.micro_batch_tokens, self.layout)
         mask = self.padded([torch.ones(s) for s in self.sizes])
         b_prox, self.ref = self.padded(prox), self.padded(ref)
         behaviour = self.padded([torch.tensor(x) for x in b.behaviour])
@@ -359,8 +419,8 @@ class GenerationUpdate:
         boot_prompts = [c.next_prompt for c in b.chains if c.next_prompt is not None]
         with self.lp.base() as base:  # adapter off: the critic's frozen features
             decoder = scoring.model_parts(base)[0]
-            self.features = [h.float() for h in packed_hidden(decoder, sequences, positions, gen.micro_batch_tokens)]
-            boot_features = packed_hidden(decoder, boot_prompts, [[len(p) - 1] for p in boot_prompts], gen.micro_batch_tokens)
+            self.features = [h.float() for h in packed_hidden(decoder, sequences, positions, gen.micro_batch_tokens, self.layout)]
+            boot_features = packed_hidden(decoder, boot_prompts, [[len(p) - 1] for p in boot_prompts], gen.micro_batch_tokens, self.layout)
         values = self.padded([value_head(f) for f in self.features])
         boot_values = iter([value_head(f.float())[0] for f in boot_features])
         rewards = -gen.kl_coef * kl if gen.kl_in_reward else torch.zeros_like(mask)
@@ -392,6 +452,7 @@ class GenerationUpdate:
                 [b.responses[i] for i in ids],
                 [b.temperatures[i] for i in ids],
                 self.gen.micro_batch_tokens,
+                self.layout,
             )
         new = self.padded(logp)
         return Forward(new, self.padded(ent), core_algos.kl_estimate(new, self.ref[ids], self.gen.kl_estimator))

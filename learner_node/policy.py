@@ -50,12 +50,14 @@ class LearnerPolicy:
         path: str = "packed",
         token_value_hidden: Sequence[int] = (256,),
         gradient_checkpointing: bool = False,
+        generation_layout: str = "packed",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.normalisation = normalisation
         self.temperature = temperature
         self.path = path
+        self.generation_layout = generation_layout  # learner_node/generation.py's check_layout picks it
         self.has_adapter = hasattr(model, "peft_config")
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:

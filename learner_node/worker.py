@@ -47,7 +47,7 @@ from common.zmqio import bound
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.core_algos import AdaptiveKLController
-from learner_node.generation import build_generation_batch, generation_update, split_by_mode
+from learner_node.generation import build_generation_batch, check_layout, generation_update, split_by_mode
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import EpisodeReturns, build_rollout, candidate_update
 
@@ -96,6 +96,7 @@ class Learner:
         model, tokenizer = load_policy(ModelSpec.of(cfg.policy, device))  # in eval mode, and it stays so: no dropout
         # The learner checks its scoring path as the actor does: every path it may use computes the model's own log-probabilities.
         path = scoring.select_path(model, cfg.policy.scoring_path)
+        layout = check_layout(model, cfg.generation.micro_batch_tokens)  # and so does the generation path
         self.lp = LearnerPolicy(
             model,
             tokenizer,
@@ -105,6 +106,7 @@ class Learner:
             path,
             cfg.generation.value_hidden,
             cfg.gradient_checkpointing,
+            layout,
         )
         policy_lr = cfg.resolved_policy_lr()
         log.info("policy learning rate %g%s", policy_lr, "" if cfg.policy_lr else " (by the model: [learner] policy_lr = 0)")

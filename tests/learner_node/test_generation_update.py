@@ -33,18 +33,76 @@ def test_pack_fills_rows_in_order_and_gives_a_long_sequence_a_row_alone() -> Non
     assert pack([8, 8], budget=8) == [[0], [1]]
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_packed_logprobs_are_the_models_own(tiny_models, arch) -> None:
+def test_packed_logprobs_are_the_models_own(tiny_models, arch, layout) -> None:
     model, _ = load_policy(ModelSpec(model=tiny_models[arch], device="cpu", lora_rank=4))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
     responses = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 8, 1, 12, 6)]
     temps = [1.0, 0.7, 1.3, 1.0, 2.0]
+    assert pack([len(p) + len(r) - 1 for p, r in zip(prompts, responses)], 41) == [[0, 1, 2], [3], [4]]  # rows shared
     with torch.no_grad():
-        got, entropy = response_logprobs(model, prompts, responses, temps, budget=40)  # several sequences share rows
+        got, entropy = response_logprobs(model, prompts, responses, temps, budget=100, layout=layout)  # several rows a forward
     for p, r, t, lp, ent in zip(prompts, responses, temps, got, entropy):
         assert float((own_logprobs(model, p, r, t) - lp).abs().max()) < 1e-5
         assert lp.shape == ent.shape == (len(r),) and bool((ent > 0).all())
+
+
+def sliding_window_model(kind: str, path: Any, window: int | None = 16) -> Any:
+    """A tiny model that attends to its last `window` positions (in every layer: Mistral; in its second: Qwen2's
+    layer types), saved and loaded back; `window` None: the same weights attending to everything."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    small = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    if kind == "mistral":
+        config = MistralConfig(**small, sliding_window=window, max_position_embeddings=256)
+    else:
+        config = Qwen2Config(**small, use_sliding_window=window is not None, sliding_window=window, max_window_layers=1)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+    return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_a_sliding_window_model_is_scored_past_its_window_in_packed_rows(tmp_path, kind) -> None:
+    """Packed rows carry no hand-built mask: transformers builds it from the position ids, window included.
+    Responses past a 16-token window, one of them starting mid-row after another sequence, equal the model's
+    own logits; the window matters on these sequences (full attention gives other numbers), and the
+    start-up check keeps the packed layout."""
+    from learner_node.generation import check_layout
+
+    model = sliding_window_model(kind, tmp_path / kind)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 5, 20, 3)]
+    responses = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (21, 25, 1, 30)]
+    temps = [1.0, 0.7, 1.3, 1.0]
+    assert pack([len(p) + len(r) - 1 for p, r in zip(prompts, responses)], 60) == [[0], [1, 2], [3]]
+    assert check_layout(model) == "packed"
+    with torch.no_grad():
+        got, _ = response_logprobs(model, prompts, responses, temps, budget=200)
+    unwindowed = sliding_window_model(kind, tmp_path / "full", window=None)
+    for p, r, t, lp in zip(prompts, responses, temps, got):
+        assert float((own_logprobs(model, p, r, t) - lp).abs().max()) < 1e-5
+    assert max(float((own_logprobs(unwindowed, p, r, t) - lp).abs().max()) for p, r, t, lp in zip(prompts, responses, temps, got)) > 1e-2
+
+
+def test_a_model_that_ignores_packed_position_ids_is_trained_padded(tiny_models) -> None:
+    """The start-up check refuses a layout that does not give the model's own numbers: a decoder that drops the
+    position ids (as a model with its own position handling might) sees the packed sequences as one; the check
+    falls back to one sequence per row, whose numbers are the model's."""
+    from learner_node.generation import check_layout
+
+    model, _ = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4))
+    assert check_layout(model) == "packed"
+    decoder = model.get_decoder()
+    handle = decoder.register_forward_pre_hook(
+        lambda _, args, kw: (args, {k: v for k, v in kw.items() if k != "position_ids"}), with_kwargs=True
+    )
+    try:
+        assert check_layout(model) == "padded"
+    finally:
+        handle.remove()
 
 
 def gen_transition(prompt: list[int], response: list[int], reward: float = 1.0, version: int = 1, **kw: Any) -> Transition:
