@@ -53,8 +53,8 @@ class GenerationConfig:
 
     advantage: str = option(
         "gae",
-        "gae: a token critic and GAE; grpo: no critic, each response's reward is its group-relative advantage,"
-        " computed by the drivers over the rollout_n responses to one prompt (`ppoz train`; docs/train.md)",
+        "gae: a token critic and GAE; grpo or rloo: no critic, each response's reward is its group-relative advantage,"
+        " computed by the drivers over the rollout_n responses to one prompt (`ppoz train`; docs/train.md; rewards/group.py)",
     )
     grpo_scale_by_std: bool = option(
         True, "grpo: divide by the group's reward std (verl's norm_adv_by_std_in_grpo; off: Dr. GRPO's centring only)"
@@ -86,9 +86,10 @@ class GenerationConfig:
             f"`advantage` must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {self.advantage!r}",
         )
         check(
-            self.advantage != "grpo" or not self.kl_in_reward or self.kl_coef == 0,
-            "`advantage` grpo takes the KL to the reference in the loss, as GRPO does: set kl_in_reward = false"
-            " (with kl_estimator k3), or kl_coef = 0; `ppoz train --advantage grpo` sets both",
+            self.advantage == "gae" or not self.kl_in_reward or self.kl_coef == 0,
+            f"`advantage` {self.advantage} takes the KL to the reference in the loss, as GRPO does (the drivers turn rewards"
+            f" into advantages before the learner sees them): set kl_in_reward = false (with kl_estimator k3), or kl_coef = 0;"
+            f" `ppoz train --advantage {self.advantage}` sets both",
         )
         check(self.kl_estimator in KL_ESTIMATORS, f"`kl_estimator` must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         check(

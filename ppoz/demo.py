@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.options import ADVANTAGE_ESTIMATORS
+
 log = logging.getLogger(__name__)
 
 # The app the demo explores, sized for a tiny model on a CPU: short event strings and the
@@ -51,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--advantage",
         default="gae",
-        choices=("gae", "grpo"),
-        help="arithmetic: gae (a critic) or grpo (critic-free, 4 responses per sum compared with each other) (default: gae)",
+        choices=ADVANTAGE_ESTIMATORS,
+        help="arithmetic: gae (a critic), grpo or rloo (critic-free, 4 responses per sum compared with each other) (default: gae)",
     )
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to train (default: 5)")
     parser.add_argument("--clients", type=int, default=4, help="simulated Kea clients (default: 4)")

@@ -9,7 +9,7 @@ All its weights train (`lora_rank = 0`): on this task a rank-4 adapter learned s
 `ppoz train` starts the stack as processes (embedded Redis, broker, one actor, the learner), validates
 greedily on the 25 sums, trains for `--minutes`, and validates again. The validation set is the
 training set: a model this size learns the table, it does not generalise addition; the figure shows
-what PPO taught it. `--advantage grpo` trains critic-free on groups of 4 responses per sum.
+what PPO taught it. `--advantage grpo` (or rloo) trains critic-free on groups of 4 responses per sum.
 With `--json` the last line is the summary (`val_before`, `val_after`, ...).
 """
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 REWARD_FN = "first_word"
-GRPO_GROUP = 4  # --advantage grpo: responses per sum, compared with each other
+GRPO_GROUP = 4  # --advantage grpo or rloo: responses per sum, compared with each other
 
 
 def sums() -> list[dict[str, Any]]:
@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
         data=str(out / "sums.jsonl"),
         val=str(out / "sums.jsonl"),
         epochs=0,
-        rollout_n=GRPO_GROUP if args.advantage == "grpo" else 1,
+        rollout_n=GRPO_GROUP if args.advantage != "gae" else 1,
         resume=False,
         workers=8,
         max_new_tokens=2,

@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--advantage",
         choices=ADVANTAGE_ESTIMATORS,
         help="gae: a critic and GAE (default); grpo: critic-free, each response against the other rollout_n responses to its"
-        " prompt, the KL in the loss (k3). Sets [generation] advantage for the learner started here; with --broker the"
+        " prompt, scaled by their std; rloo: critic-free, each against the mean of the others; grpo and rloo take the KL in the"
+        " loss (k3). Sets [generation] advantage for the learner started here; with --broker the"
         " farm's learner needs the same in its [generation] table (docs/train.md)",
     )
     add_flags(parser, TrainConfig)  # the stack's own settings ([up], [learner], ...) come from the config file
@@ -87,14 +88,14 @@ def advantage_settings(config_file: str | None, advantage: str | None) -> tuple[
     given: dict[str, Any] = {}
     if advantage:
         given["advantage"] = advantage
-        if advantage == "grpo":  # GRPO's KL penalty is in the loss, as k3 (Shao et al. 2024), unless the file says otherwise
+        if advantage != "gae":  # GRPO's KL penalty is in the loss, as k3 (Shao et al. 2024), unless the file says otherwise
             given.update({k: v for k, v in (("kl_in_reward", False), ("kl_estimator", "k3")) if k not in table})
     gen = load(GenerationConfig, config_file, given)
     learner_flags: list[str] = []
     for key, value in given.items():  # `ppoz learner` names [generation]'s flags --gen-KEY (--no-gen-KEY for false)
         flag = "gen-" + key.replace("_", "-")
         learner_flags += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
-    grouping = GroupAdvantage(gen.grpo_scale_by_std) if gen.advantage == "grpo" else None
+    grouping = GroupAdvantage(gen.advantage, gen.grpo_scale_by_std) if gen.advantage != "gae" else None
     return grouping, learner_flags
 
 

@@ -167,11 +167,13 @@ def run_training(
     grouping: GroupAdvantage | None = None,
 ) -> dict[str, Any]:
     """Validation, the drivers until the order of work ends (or `max_samples`, or `stop`), validation
-    again; the summary (also written to output_dir/summary.json). With `grouping` (GRPO: the learner's
-    [generation] advantage = grpo) the drivers send group-relative advantages over each prompt's
+    again; the summary (also written to output_dir/summary.json). With `grouping` (GRPO or RLOO: the learner's
+    [generation] advantage = grpo or rloo) the drivers send group-relative advantages over each prompt's
     rollout_n responses (train/driver.py)."""
     if grouping is not None and cfg.rollout_n < 2:
-        raise ValueError(f"[train] rollout_n = {cfg.rollout_n}: GRPO compares the responses to one prompt, so it needs 2 or more")
+        raise ValueError(
+            f"[train] rollout_n = {cfg.rollout_n}: {grouping.estimator.upper()} compares the responses to one prompt, so it needs 2 or more"
+        )
     stop = stop or threading.Event()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,11 +195,11 @@ def run_training(
         learner_grpo = figures.get("generation/group_relative")
         if learner_grpo is not None and bool(learner_grpo) != (grouping is not None) and not warned:
             warned.append(True)
-            mode = "grpo" if learner_grpo else "gae"
+            mode = "grpo or rloo" if learner_grpo else "gae"
             log.error(
                 "the learner trains with [generation] advantage = %s but these drivers send %s: give both the same setting",
                 mode,
-                "group-relative advantages (grpo)" if grouping else "rewards (gae)",
+                f"group-relative advantages ({grouping.estimator})" if grouping else "rewards (gae)",
             )
 
     def validation(when: str) -> None:  # `before` or `after`: the mean reward and the first responses into the summary

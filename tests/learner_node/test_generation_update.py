@@ -342,14 +342,15 @@ def test_grpo_trains_each_response_on_its_reported_advantage_with_no_critic(
     assert all(torch.equal(a, b) for a, b in zip(critic_before, learner.lp.token_value_head.parameters()))
 
 
-def test_grpo_takes_its_kl_penalty_in_the_loss() -> None:
+@pytest.mark.parametrize("advantage", ["grpo", "rloo"])
+def test_group_relative_estimators_take_their_kl_penalty_in_the_loss(advantage) -> None:
     from learner_node.config import GenerationConfig
 
-    with pytest.raises(ValueError, match="grpo takes the KL to the reference in the loss"):
-        GenerationConfig(advantage="grpo")  # kl_in_reward is on by default
-    assert GenerationConfig(advantage="grpo", kl_coef=0.0).advantage == "grpo"
-    with pytest.raises(ValueError, match="`advantage` must be one of gae, grpo"):
-        GenerationConfig(advantage="rloo")
+    with pytest.raises(ValueError, match=f"{advantage} takes the KL to the reference in the loss"):
+        GenerationConfig(advantage=advantage)  # kl_in_reward is on by default
+    assert GenerationConfig(advantage=advantage, kl_coef=0.0).advantage == advantage
+    with pytest.raises(ValueError, match="`advantage` must be one of gae, grpo, rloo, got 'reinforce'"):
+        GenerationConfig(advantage="reinforce")
 
 
 @pytest.mark.slow

@@ -28,3 +28,13 @@ def test_a_group_that_scored_alike_has_nothing_to_learn_and_a_lone_response_is_r
     assert all(math.isfinite(a) for a in GroupAdvantage()([0.2, 0.2 + 1e-12]))
     with pytest.raises(ValueError, match="at least 2 rewarded responses"):
         GroupAdvantage()([1.0])
+
+
+def test_rloo_measures_each_response_against_the_mean_of_the_others() -> None:
+    # [1, 0, 0, 1]: the others' means are 1/3, 2/3, 2/3, 1/3 -> 2/3, -2/3, -2/3, 2/3 (= 4/3 (r - 0.5))
+    assert GroupAdvantage("rloo")([1.0, 0.0, 0.0, 1.0]) == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    # [3, 1]: 3 - 1 = 2 and 1 - 3 = -2; no std scaling, whatever scale_by_std says
+    assert GroupAdvantage("rloo", scale_by_std=True)([3.0, 1.0]) == pytest.approx([2.0, -2.0])
+    assert GroupAdvantage("rloo")([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="unknown group estimator 'ppo'; known: grpo, rloo"):
+        GroupAdvantage("ppo")

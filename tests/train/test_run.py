@@ -109,6 +109,8 @@ def test_grpo_runs_whole_groups_and_says_when_the_learner_disagrees(stack, tmp_p
     grouping, flags = advantage_settings(str(tmp_path / "k2.toml"), "grpo")  # the file's own choices stand
     assert grouping == GroupAdvantage(scale_by_std=False) and flags == ["--gen-advantage", "grpo", "--no-gen-kl-in-reward"]
     assert advantage_settings(str(tmp_path / "k2.toml"), None) == (None, [])
+    grouping, flags = advantage_settings(None, "rloo")  # RLOO: the drivers take each response against the others' mean
+    assert grouping == GroupAdvantage("rloo") and flags == ["--gen-advantage", "rloo", "--no-gen-kl-in-reward", "--gen-kl-estimator", "k3"]
 
 
 def test_the_progress_line_shows_the_share_done_and_the_time_left_at_this_runs_pace() -> None:
