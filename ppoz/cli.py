@@ -214,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
             "seeds: no lag, lag with stale samples dropped, lag with the decoupled objective (docs/benchmarks.md).",
         ),
         (
+            "update",
+            "the generation learner's update throughput: packed rows vs right-padded rows, equal losses",
+            "Response tokens per second through one generation PPO update (forward, backward, optimizer steps) on long-tailed "
+            "response lengths, the learner's packed layout against one right-padded sequence per row, alternating, with the "
+            "losses and weights of both compared (docs/benchmarks.md).",
+        ),
+        (
             "drivers",
             "the dataset drivers' responses rewarded per second with an LLM judge stand-in, by judge_concurrency",
             "Responses rewarded per second and the wait from response to reward for ppoz train's drivers, with a rule reward and "
