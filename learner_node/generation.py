@@ -63,6 +63,23 @@ def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return rows
 
 
+def fill_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Sequence indices in rows of at most `capacity` tokens, longest first, each into the first row it fits
+    (first-fit decreasing: at most 11/9 of the fewest rows possible, plus one); a longer sequence gets a row alone."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+    return rows
+
+
 LAYOUTS = ("packed", "padded")  # how a forward lays out sequences of different lengths (check_layout picks one)
 
 
@@ -71,7 +88,7 @@ def packed_hidden(
 ) -> list[torch.Tensor]:
     """The decoder's last hidden state at `positions[i]` of each sequence i, [len(positions[i]), width].
 
-    `packed`: sequences go one after another in rows as long as the longest of them, with position ids that
+    `packed`: sequences go one after another in rows as long as the longest of them (`fill_rows`), with position ids that
     restart at 0 for each and no attention mask: from position ids alone transformers builds the mask of
     packed sequences itself (block-causal, with each layer's sliding window, for eager and sdpa attention;
     varlen kernels for flash-attention), so each sequence sees only itself, as the model would score it
@@ -85,7 +102,7 @@ def packed_hidden(
     device = next(decoder.parameters()).device
     out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
     longest = max([len(s) for s in sequences], default=1)
-    rows = pack([len(s) for s in sequences], longest) if layout == "packed" else [[i] for i in range(len(sequences))]
+    rows = fill_rows([len(s) for s in sequences], longest) if layout == "packed" else [[i] for i in range(len(sequences))]
     per_forward = max(1, budget // longest)
     for first in range(0, len(rows), per_forward):
         group = rows[first : first + per_forward]
@@ -123,16 +140,15 @@ def check_layout(model: Any, budget: int = 4096) -> str:
     transformers release that does not build the packed mask) fails it and gets `padded`."""
     vocab = model.get_output_embeddings().weight.shape[0]
     limit = scoring.position_limit(model) or 4096
-    window = scoring.sliding_window(model.config)
-    longest = 24 if window is None else min(window + 12, limit - 4)
+    w = min(scoring.sliding_window(model.config) or 8, (limit - 8) // 2)
     gen = torch.Generator().manual_seed(0)
 
     def tokens(n: int) -> list[int]:
         return torch.randint(3, vocab, (n,), generator=gen).tolist()
 
-    # rows are as long as the longest sequence: the third shares the second's row and starts after it,
-    # so a window is checked on positions that restart mid-row
-    prompts, responses = [tokens(n) for n in (longest - 6, 2, longest - 12)], [tokens(n) for n in (6, 1, 4)]
+    # sequences (prompt + response - 1) of 2w + 4, w + 2 and w + 1 tokens: the first fills a row; the other two
+    # share the next, the last starting mid-row and longer than the window, which must hold after position 0
+    prompts, responses = [tokens(n) for n in (2 * w - 1, w - 2, w - 1)], [tokens(n) for n in (6, 5, 3)]
     temperatures = [1.0, 0.7, 1.3]
     errors: dict[str, float] = {}
     with scoring._float32(model), torch.inference_mode():
@@ -143,7 +159,7 @@ def check_layout(model: Any, budget: int = 4096) -> str:
             own.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r, device=device).unsqueeze(-1)).squeeze(-1))
         for layout in LAYOUTS:
             try:
-                got, _ = response_logprobs(model, prompts, responses, temperatures, max(budget, 3 * longest), layout)
+                got, _ = response_logprobs(model, prompts, responses, temperatures, max(budget, 6 * w), layout)
                 errors[layout] = max(float((g.float() - o).abs().max()) for g, o in zip(got, own))
             except Exception as e:  # a model that rejects this layout's inputs
                 log.info("generation layout %s unavailable on this model: %s", layout, e)

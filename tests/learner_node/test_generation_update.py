@@ -17,7 +17,7 @@ from actor_node.generation import GenerationEngine
 from common.policy_model import ModelSpec, load_policy
 from common.segments import Segment, Transition
 from common.shared_settings import PolicySpec, PolicyStamp
-from learner_node.generation import build_generation_batch, pack, response_logprobs, split_by_mode
+from learner_node.generation import build_generation_batch, fill_rows, pack, response_logprobs, split_by_mode
 from tests.learner_node.test_async_ppo import learner_on, write_to_stream
 
 
@@ -33,6 +33,14 @@ def test_pack_fills_rows_in_order_and_gives_a_long_sequence_a_row_alone() -> Non
     assert pack([8, 8], budget=8) == [[0], [1]]
 
 
+def test_rows_are_filled_longest_first_into_the_first_row_with_room() -> None:
+    # capacity 10: 9 opens row 0 (room 1); 6 opens row 1 (room 4); 4 fills row 1; 3 opens row 2 (room 7);
+    # 2 and 1: 2 goes to row 2 (room 5), 1 to row 0 (room 0); 12 is longer than a row: a row alone
+    assert fill_rows([3, 9, 4, 1, 6, 2], 10) == [[1, 3], [4, 2], [0, 5]]
+    assert fill_rows([12, 2], 10) == [[0], [1]]
+    assert fill_rows([], 10) == []
+
+
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_packed_logprobs_are_the_models_own(tiny_models, arch, layout) -> None:
@@ -41,7 +49,7 @@ def test_packed_logprobs_are_the_models_own(tiny_models, arch, layout) -> None:
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
     responses = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 8, 1, 12, 6)]
     temps = [1.0, 0.7, 1.3, 1.0, 2.0]
-    assert pack([len(p) + len(r) - 1 for p, r in zip(prompts, responses)], 41) == [[0, 1, 2], [3], [4]]  # rows shared
+    assert fill_rows([len(p) + len(r) - 1 for p, r in zip(prompts, responses)], 41) == [[3], [1, 2, 0], [4]]  # rows shared
     with torch.no_grad():
         got, entropy = response_logprobs(model, prompts, responses, temps, budget=100, layout=layout)  # several rows a forward
     for p, r, t, lp, ent in zip(prompts, responses, temps, got, entropy):
@@ -77,7 +85,7 @@ def test_a_sliding_window_model_is_scored_past_its_window_in_packed_rows(tmp_pat
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 5, 20, 3)]
     responses = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (21, 25, 1, 30)]
     temps = [1.0, 0.7, 1.3, 1.0]
-    assert pack([len(p) + len(r) - 1 for p, r in zip(prompts, responses)], 60) == [[0], [1, 2], [3]]
+    assert fill_rows([len(p) + len(r) - 1 for p, r in zip(prompts, responses)], 60) == [[0], [3, 2], [1]]
     assert check_layout(model) == "packed"
     with torch.no_grad():
         got, _ = response_logprobs(model, prompts, responses, temps, budget=200)
@@ -85,6 +93,32 @@ def test_a_sliding_window_model_is_scored_past_its_window_in_packed_rows(tmp_pat
     for p, r, t, lp in zip(prompts, responses, temps, got):
         assert float((own_logprobs(model, p, r, t) - lp).abs().max()) < 1e-5
     assert max(float((own_logprobs(unwindowed, p, r, t) - lp).abs().max()) for p, r, t, lp in zip(prompts, responses, temps, got)) > 1e-2
+
+
+def test_the_start_up_check_refuses_a_packed_mask_that_ignores_the_window(tmp_path) -> None:
+    """What the learner did before: a dense block-causal 4D mask built by hand from the packing, each sequence
+    seeing all of itself. On a sliding-window model the check's probe (a sequence past the window, starting
+    mid-row) catches it and the learner trains padded rows, whose numbers are the model's."""
+    from learner_node.generation import check_layout
+
+    model = sliding_window_model("mistral", tmp_path / "mistral")
+
+    def block_causal(_: Any, args: tuple, kw: dict) -> tuple[tuple, dict]:
+        pos = kw.get("position_ids")
+        if pos is None or kw.get("attention_mask") is not None:
+            return args, kw
+        starts = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1
+        seq = starts.cumsum(-1)
+        n = pos.shape[1]
+        allowed = (seq[:, :, None] == seq[:, None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+        return args, {**kw, "attention_mask": allowed[:, None]}
+
+    assert check_layout(model) == "packed"
+    handle = model.get_decoder().register_forward_pre_hook(block_causal, with_kwargs=True)
+    try:
+        assert check_layout(model) == "padded"
+    finally:
+        handle.remove()
 
 
 def test_a_model_that_ignores_packed_position_ids_is_trained_padded(tiny_models) -> None:
