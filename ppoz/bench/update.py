@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--responses", type=int, default=32, help="responses per update (default: 32)")
     parser.add_argument("--min-len", type=int, default=16, help="shortest response, tokens (default: 16)")
     parser.add_argument("--max-len", type=int, default=512, help="longest response, tokens (default: 512)")
+    parser.add_argument(
+        "--median",
+        type=float,
+        default=0.2,
+        help="median response length, as a fraction of the way from --min-len to --max-len (default: 0.2)",
+    )
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens (default: 64)")
     parser.add_argument("--hidden", type=int, default=256, help="model width (default: 256)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (default: 4)")
@@ -47,11 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def response_lengths(n: int, low: int, high: int, seed: int = 0) -> list[int]:
-    """Long-tailed lengths: log-normal with its median at a fifth of the way up, clipped to [low, high]; the
-    longest one is set to `high` so that every run pads to the same limit."""
+def response_lengths(n: int, low: int, high: int, median_frac: float = 0.2, seed: int = 0) -> list[int]:
+    """Long-tailed lengths: log-normal (sigma 0.8) with its median `median_frac` of the way up, clipped to
+    [low, high]; the longest one is set to `high` so that every run pads to the same limit."""
     gen = torch.Generator().manual_seed(seed)
-    median = low + (high - low) / 5
+    median = low + (high - low) * median_frac
     raw = torch.exp(math.log(median) + 0.8 * torch.randn(n, generator=gen)).round().long().clamp(low, high).tolist()
     raw[0] = high
     return [int(x) for x in raw]
@@ -62,7 +68,7 @@ def make_batch(args: argparse.Namespace, model: Any) -> Any:
     from learner_node.generation import Chain, GenerationBatch, response_logprobs
 
     gen = torch.Generator().manual_seed(1)
-    lengths = response_lengths(args.responses, args.min_len, args.max_len)
+    lengths = response_lengths(args.responses, args.min_len, args.max_len, args.median)
     batch = GenerationBatch()
     for i, n in enumerate(lengths):
         batch.prompts.append(torch.randint(3, args.vocab, (args.prompt,), generator=gen).tolist())
@@ -104,8 +110,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gen = GenerationConfig(micro_batch_tokens=args.micro_tokens, value_hidden=[64])
     start_weights = copy.deepcopy(model.state_dict())
 
+    pushed = [0]  # tokens through the decoder, padding included: the work a layout costs
+
+    def count(_: Any, args: tuple, kwargs: dict) -> None:
+        pushed[0] += int(kwargs["input_ids"].numel())
+
+    model.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
+    decoder_tokens: dict[str, int] = {}
+
     def one_update(layout: str) -> tuple[float, dict[str, float], dict[str, torch.Tensor]]:
         model.load_state_dict(start_weights)
+        pushed[0] = 0
         torch.manual_seed(0)  # the same critic to start from
         lp = LearnerPolicy(model, None, "token", 1.0, [16], token_value_hidden=gen.value_hidden, generation_layout=layout)
         popt = torch.optim.Adam(lp.trainable_parameters(), lr=1e-4)
@@ -117,6 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - started
+        decoder_tokens[layout] = pushed[0]
         weights = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
         return elapsed, metrics, weights
 
@@ -132,8 +148,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         abs(m_packed[f"generation/{k}"] - m_padded[f"generation/{k}"]) for k in ("policy_loss", "value_loss", "kl_ref", "entropy")
     )
     weight_diff = max(float((w_packed[k] - w_padded[k]).abs().max()) for k in w_packed)
-    per_leg = {
-        leg: {"seconds": [round(s, 3) for s in seconds[leg]], "tokens_per_s": round(tokens / statistics.median(seconds[leg]), 1)}
+    per_leg: dict[str, dict[str, Any]] = {
+        leg: {
+            "seconds": [round(s, 3) for s in seconds[leg]],
+            "tokens_per_s": round(tokens / statistics.median(seconds[leg]), 1),
+            "decoder_tokens": decoder_tokens[leg],
+        }
         for leg in LEGS
     }
     lengths = [len(r) for r in batch.responses]
@@ -149,11 +169,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "mean": round(tokens / len(lengths), 1),
             "max": max(lengths),
         },
+        "median_frac": args.median,
         "prompt": args.prompt,
         "micro_tokens": args.micro_tokens,
         "order": order,
         **per_leg,
-        "speedup": round(per_leg["packed"]["tokens_per_s"] / per_leg["padded"]["tokens_per_s"], 2),
+        "speedup": round(float(per_leg["packed"]["tokens_per_s"]) / float(per_leg["padded"]["tokens_per_s"]), 2),
+        "padding_factor": round(decoder_tokens["padded"] / decoder_tokens["packed"], 2),  # the decoder work packing saves
         "max_loss_diff": loss_diff,
         "max_weight_diff": weight_diff,
         "equal": loss_diff <= 1e-5 and weight_diff <= 1e-5,
@@ -168,8 +190,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"{result['machine']}; {result['model']}")
         print(f"{result['responses']} responses, {result['response_tokens']} tokens, lengths {result['lengths']}")
         for leg in LEGS:
-            print(f"  {leg:7s} {result[leg]['tokens_per_s']:9.1f} response tokens/s (update seconds {result[leg]['seconds']})")
-        print(
-            f"  packed / padded: {result['speedup']}x; losses equal to {result['max_loss_diff']:.1e}, weights to {result['max_weight_diff']:.1e}"
-        )
+            print(
+                f"  {leg:7s} {result[leg]['tokens_per_s']:9.1f} response tokens/s (update seconds {result[leg]['seconds']}),"
+                f" {result[leg]['decoder_tokens']} tokens through the decoder"
+            )
+        diffs = f"losses equal to {result['max_loss_diff']:.1e}, weights to {result['max_weight_diff']:.1e}"
+        print(f"  packed / padded: {result['speedup']}x (padding factor {result['padding_factor']}x); {diffs}")
     return 0 if result["equal"] else 1
