@@ -94,8 +94,8 @@ def packed_hidden(
     varlen kernels for flash-attention), so each sequence sees only itself, as the model would score it
     alone. A row as long as the longest sequence keeps a row's attention at about what its longest
     sequence's own costs (one long row of many sequences under a dense mask would cost its length squared).
-    `padded`: one sequence per row, right-padded, under a 2D padding mask: what every model accepts, and
-    what packing saves (`ppoz bench update`). As many rows as fit in `budget` tokens go through one forward.
+    `padded`: one sequence per row, right-padded to the longest sequence given, under a 2D padding mask: what
+    every model accepts, and what packing saves (`ppoz bench update`). As many rows as fit in `budget` tokens go through one forward.
     Gradients flow if enabled."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
@@ -106,7 +106,9 @@ def packed_hidden(
     per_forward = max(1, budget // longest)
     for first in range(0, len(rows), per_forward):
         group = rows[first : first + per_forward]
-        length = max(sum(len(sequences[i]) for i in row) for row in group)
+        # packed: as long as the group's fullest row; padded: every row as long as the call's longest sequence, as a
+        # trainer without packing holds its batch (right-padded to its longest, micro-batches sliced from it)
+        length = max(sum(len(sequences[i]) for i in row) for row in group) if layout == "packed" else longest
         ids = torch.zeros(len(group), length, dtype=torch.long, device=device)
         pos = torch.zeros(len(group), length, dtype=torch.long, device=device)
         mask = torch.zeros(len(group), length, dtype=torch.long, device=device)

@@ -8,7 +8,8 @@ optimizer steps through a LoRA adapter. The figure is response tokens trained pe
 Both legs run the same update on the same data from the same weights; only the layout of a forward differs:
 - `packed`: responses with their prompts one after another in rows as long as the longest sequence, the
   mask built by transformers from position ids that restart at 0 (the learner's own layout);
-- `padded`: one sequence per row, right-padded to the longest in its forward, under a padding mask.
+- `padded`: one sequence per row, right-padded to the longest sequence of the batch (of the micro-batch, in the
+  policy's forwards), under a padding mask: a batch as a trainer without packing holds it.
 Response lengths are long-tailed (log-normal, clipped to [--min-len, --max-len]): most answers are short,
 a few run to the limit, as in real rollouts. The legs alternate (packed, padded, padded, packed, ...) so that
 drift on a shared machine hits both; the losses and the post-update weights of the two legs must agree to
