@@ -59,13 +59,16 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std over the masked positions (std with n - 1, over the whole batch: a minibatch of one
-    would whiten to 0); padding stays 0. A single position is only centred."""
-    n = mask.sum()
-    mean = masked_mean(x, mask)
-    if n < 2:
+    would whiten to 0); padding stays 0. A single position is only centred. The mean and std are torch's own
+    over the masked values, so a full mask gives exactly (x - x.mean()) / (x.std() + eps), CleanRL's figure:
+    the candidate path's numbers did not move when it joined the one update loop (docs/design.md)."""
+    values = x[mask.bool()]
+    if values.numel() == 0:
+        return x * mask
+    mean = values.mean()
+    if values.numel() < 2:
         return (x - mean) * mask
-    var = ((x - mean).square() * mask).sum() / (n - 1)
-    return (x - mean) / (var.sqrt() + eps) * mask
+    return (x - mean) / (values.std() + eps) * mask
 
 
 def _token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
