@@ -75,6 +75,20 @@ class PolicyBatch(Protocol):
         ...
 
 
+# The figures each loop sums over micro-batches and ranks (the keys its step returns).
+CRITIC_FIGURES = ("value_loss",)
+POLICY_FIGURES = (
+    "policy_loss",
+    "entropy",
+    "kl_ref",
+    "approx_kl",
+    "clipfrac",
+    "dual_clipfrac",
+    "behaviour_weight",
+    "behaviour_weight_capped",
+)
+
+
 @dataclass(frozen=True)
 class LossSettings:
     """The update's settings, one set for both kinds of policy; `candidates` and `generation` map each config to it."""
@@ -86,9 +100,11 @@ class LossSettings:
     kl_coef: float  # of the KL to the reference in the loss (0: none, or it is in the reward)
     value_clip: float
     value_huber_delta: float
-    decoupled: bool
-    behaviour_weight_cap: float
-    update: UpdateConfig  # epochs, minibatch sizes, vf_coef, target_kl, max_grad_norm, seed
+    update: UpdateConfig  # epochs, minibatch sizes, objective, behaviour_weight_cap, vf_coef, target_kl, max_grad_norm, seed
+
+    @property
+    def decoupled(self) -> bool:
+        return self.update.objective == "decoupled"
 
     @classmethod
     def candidates(cls, cfg: UpdateConfig, kl_coef: float | None = None) -> LossSettings:
@@ -101,8 +117,6 @@ class LossSettings:
             kl_coef=cfg.kl_coef if kl_coef is None else kl_coef,
             value_clip=cfg.value_clip or 0.0,
             value_huber_delta=0.0,
-            decoupled=cfg.objective == "decoupled",
-            behaviour_weight_cap=cfg.behaviour_weight_cap,
             update=cfg,
         )
 
@@ -117,8 +131,6 @@ class LossSettings:
             kl_coef=0.0 if gen.kl_in_reward else gen.kl_coef,
             value_clip=gen.value_clip,
             value_huber_delta=gen.value_huber_delta,
-            decoupled=cfg.objective == "decoupled",
-            behaviour_weight_cap=cfg.behaviour_weight_cap,
             update=cfg,
         )
 
@@ -162,7 +174,7 @@ def ppo_update(
             return {"value_loss": float(loss.detach()) * share}
 
         figures, _, _ = minibatch_epochs(
-            n, cfg.value_epochs, cfg.value_minibatch, rng, _whole, critic_step, value_params, value_opt, cfg.max_grad_norm
+            n, cfg.value_epochs, cfg.value_minibatch, rng, _whole, critic_step, CRITIC_FIGURES, value_params, value_opt, cfg.max_grad_norm
         )
         metrics.update(figures)
     if not train_policy:
@@ -181,7 +193,7 @@ def ppo_update(
             mask,
             settings.clip,
             t.behaviour_logp[ids] if settings.decoupled else None,
-            settings.behaviour_weight_cap,
+            cfg.behaviour_weight_cap,
             settings.aggregation,
             settings.policy_loss,
         )
@@ -213,6 +225,7 @@ def ppo_update(
         rng,
         batch.micro_batches,
         policy_step,
+        POLICY_FIGURES,
         policy_params,
         policy_opt,
         cfg.max_grad_norm,
@@ -233,6 +246,7 @@ def minibatch_epochs(
     rng: torch.Generator,
     micro_batches: Callable[[list[int]], list[list[int]]],
     step: Callable[[list[int], list[int]], dict[str, float]],
+    figure_keys: tuple[str, ...],
     params: list[torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
     max_grad_norm: float,
@@ -241,9 +255,9 @@ def minibatch_epochs(
     """The loop both the critic and the policy train in: `epochs` passes over the n samples in a fresh
     permutation each, one optimizer step per minibatch. Each rank takes every world-th sample of a minibatch
     and cuts its share into `micro_batches`; `step(micro, minibatch)` runs one micro-batch's forward and
-    backward, its loss scaled to its share of the minibatch's loss, and returns its figures so scaled. The
-    figures of a minibatch are summed over micro-batches and ranks (so each is the minibatch's own), and
-    averaged over minibatches. With `target_kl`, the epochs stop once a minibatch's "approx_kl" exceeds it,
+    backward, its loss scaled to its share of the minibatch's loss, and returns its figures (`figure_keys`) so
+    scaled. The figures of a minibatch are summed over micro-batches and ranks (so each is the minibatch's own),
+    and averaged over minibatches. With `target_kl`, the epochs stop once a minibatch's "approx_kl" exceeds it,
     checked after its step (no accumulated gradient is thrown away).
 
     Returns (figures, optimizer steps, whether the target-KL stop ended the epochs)."""
@@ -255,7 +269,7 @@ def minibatch_epochs(
         for start in range(0, n, minibatch):
             mb = perm[start : start + minibatch].tolist()
             optimizer.zero_grad()
-            parts: dict[str, float] = collections.defaultdict(float)
+            parts = dict.fromkeys(figure_keys, 0.0)  # a rank with no share of this minibatch sends zeros
             for micro in micro_batches(mb[rank::world]):
                 for key, value in step(micro, mb).items():
                     parts[key] += value
@@ -298,15 +312,11 @@ def _average_gradients(params: list[torch.nn.Parameter]) -> None:
 
 
 def _sum_over_ranks(parts: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Each rank's figures summed over the ranks (a rank with no share of a minibatch has none: the keys are
-    agreed first, so every rank sends the same vector), on the parameters' device (NCCL reduces only there)."""
+    """Each rank's figures summed over the ranks: every rank holds the same keys in the same order, so one
+    all-reduce of one vector, on the parameters' device (NCCL reduces only there)."""
     _, world = _world()
     if world == 1:
-        return dict(parts)
-    keys = sorted(parts)
-    gathered: list[list[str] | None] = [None] * world
-    dist.all_gather_object(gathered, keys)
-    keys = sorted({k for ks in gathered for k in (ks or [])})
-    t = torch.tensor([parts.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
+        return parts
+    t = torch.tensor(list(parts.values()), dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return dict(zip(keys, t.tolist(), strict=True))
+    return dict(zip(parts, t.tolist(), strict=True))
