@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 from common.config import check, nested, option, section
-from common.protocol import Limits
+from common.protocol import DEFAULT_MAX_ABS_REWARD, Limits
 from common.security import check_server_settings
 from common.shared_settings import RetrievalConfig
 
@@ -28,6 +29,9 @@ class BrokerConfig:
     max_stop_strings: int = option(8, "generate: most strings in `sampling.stop`")
     max_stop_chars: int = option(256, "generate: most characters in one stop string")
     max_messages: int = option(256, "generate: most entries in `messages`")
+    max_abs_reward: float = option(
+        DEFAULT_MAX_ABS_REWARD, "feedback: the largest |reward| accepted; a larger or non-finite one gets `bad_request`"
+    )
     heartbeat_ms: int = option(1000, "heartbeat interval towards actors")
     metrics_bind: str = option("", "HOST:PORT for a Prometheus text endpoint (GET /metrics), e.g. 127.0.0.1:9101; empty: off")
     drain_timeout_s: float = option(10.0, "on SIGTERM, how long steps in flight may take to finish before the broker exits anyway")
@@ -67,6 +71,10 @@ class BrokerConfig:
         check(self.generate_timeout_ms > 0, f"`generate_timeout_ms` must be positive, got {self.generate_timeout_ms}")
         for name in ("max_new_tokens", "max_stop_strings", "max_stop_chars", "max_messages"):
             check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
+        check(
+            math.isfinite(self.max_abs_reward) and self.max_abs_reward > 0,
+            f"`max_abs_reward` must be a positive finite number, got {self.max_abs_reward}",
+        )
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
         check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
         check(self.actor_job_timeout_ms > 0, f"`actor_job_timeout_ms` must be positive, got {self.actor_job_timeout_ms}")
@@ -113,4 +121,5 @@ class BrokerConfig:
             max_stop_strings=self.max_stop_strings,
             max_stop_chars=self.max_stop_chars,
             max_messages=self.max_messages,
+            max_abs_reward=self.max_abs_reward,
         )

@@ -489,7 +489,7 @@ class Broker:
             self.metrics["broker/replayed"] += 1
             self.reply(envelope, replay, durable=True)
             return
-        reward = p.check_reward(msg)
+        reward = p.check_reward(msg, self.limits.max_abs_reward)
         done = p.optional(msg, "done", bool, "a bool", False)
         truncated = p.optional(msg, "truncated", bool, "a bool", False)
         next_obs = None

@@ -78,6 +78,22 @@ class ProtocolError(Exception):
         self.extra = extra
 
 
+# The largest |reward| accepted anywhere a reward enters (feedback, the gateway, reward functions, reward models,
+# judges, the reward service). Far beyond any real reward, yet small enough that no advantage, return or square
+# of one overflows float32 (1e6 ** 2 = 1e12 < 3.4e38): a finite 1e300 passes a finiteness check and still makes
+# every weight NaN one update later. Configurable where rewards enter ([broker] / [train.reward] max_abs_reward).
+DEFAULT_MAX_ABS_REWARD = 1e6
+
+
+def reward_problem(value: float, max_abs: float = DEFAULT_MAX_ABS_REWARD) -> str:
+    """Why `value` cannot be a reward ("" if it can): not finite, or |value| above `max_abs`."""
+    if not math.isfinite(value):
+        return f"{value} is not a finite number"
+    if abs(value) > max_abs:
+        return f"{value:g} is outside the accepted range [-{max_abs:g}, {max_abs:g}] (max_abs_reward)"
+    return ""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Bounds on what one request may carry; the broker enforces them on every request."""
@@ -90,6 +106,7 @@ class Limits:
     max_stop_strings: int = 8
     max_stop_chars: int = 256
     max_messages: int = 256
+    max_abs_reward: float = DEFAULT_MAX_ABS_REWARD  # feedback: |reward| above it is refused (see reward_problem)
 
 
 # generate's sampling settings: each key, what it must be, and its default (None: required)
@@ -328,14 +345,16 @@ def _check_messages(messages: list[Any], limits: Limits) -> list[dict[str, str]]
     return out
 
 
-def check_reward(body: dict[str, Any]) -> float:
-    """A finite int or float reward, as a float (what is stored); bool, nan and inf are refused.
+def check_reward(body: dict[str, Any], max_abs: float = DEFAULT_MAX_ABS_REWARD) -> float:
+    """A finite int or float reward within +-`max_abs`, as a float (what is stored); bool, nan, inf and
+    absurd magnitudes (1e300 would overflow the learner's advantages) are refused.
 
     Both msgpack number types are accepted: a JSON or JavaScript client cannot always tell
     1 from 1.0. The conformance vectors carry float64 (what the bindings send), docs/protocol.md section 3."""
     reward = require(body, "reward", (int, float), "a finite number")
-    if not math.isfinite(reward):
-        raise ProtocolError(E_BAD_REQUEST, f"`reward` must be finite, got {reward}")
+    problem = reward_problem(float(reward), max_abs)
+    if problem:
+        raise ProtocolError(E_BAD_REQUEST, f"`reward` {problem}; nothing was recorded, the step still waits for its feedback")
     return float(reward)
 
 

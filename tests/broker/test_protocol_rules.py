@@ -161,6 +161,7 @@ def test_status_reports_the_limits_and_every_latency_key_before_any_sample(start
         "max_action_chars": 100,
         "max_prompt_chars": 5000,
         **GENERATE_LIMITS,
+        "max_abs_reward": 1e6,
     }
     assert status["added_latency"] == {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
     assert all(isinstance(status["added_latency"][k], float) for k in ("p50_ms", "p99_ms", "max_ms"))
@@ -174,6 +175,7 @@ def test_the_default_limits_are_the_documented_ones(broker, make_client):
         "max_action_chars": 4096,
         "max_prompt_chars": 1_000_000,
         **GENERATE_LIMITS,
+        "max_abs_reward": 1e6,
     }
     for name, value in limits.items():
         assert f"| `{name}` | {value} |" in DOC, f"docs/protocol.md must give {name}'s default, {value}"
