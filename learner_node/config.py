@@ -147,6 +147,9 @@ class LearnerConfig(UpdateConfig):
         "fine-tune's), 1e-6 with --lora-rank 0; a random tiny model (`ppoz tiny-model`) 1e-3 and 3e-4",
     )
     value_lr: float = option(1e-3, "critic (value head MLP) learning rate")
+    max_discarded_updates: int = option(
+        3, "the learner stops after this many updates in a row were left out because a loss, gradient or weight was not finite"
+    )
     warmup_updates: int = option(0, "first updates train only the critic (with GRPO, which has none: nothing)")
     value_hidden: list = option([1024, 512], "hidden layer sizes of the value head MLP")
     gradient_checkpointing: bool = option(
@@ -191,6 +194,7 @@ class LearnerConfig(UpdateConfig):
             check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
         for name in ("kl_target", "warmup_updates", "max_updates"):
             check(getattr(self, name) >= 0, f"`{name}` must be 0 or more, got {getattr(self, name)}")
+        check(self.max_discarded_updates >= 1, f"`max_discarded_updates` must be at least 1, got {self.max_discarded_updates}")
         check(
             all(isinstance(h, int) and h > 0 for h in self.value_hidden), f"`value_hidden` must be positive ints, got {self.value_hidden}"
         )

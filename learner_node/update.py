@@ -20,6 +20,7 @@ on the same batch.
 from __future__ import annotations
 
 import collections
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,49 @@ import torch.distributed as dist
 
 from learner_node import core_algos
 from learner_node.config import GenerationConfig, UpdateConfig
+
+
+class NonFiniteUpdate(RuntimeError):
+    """The update would put a non-finite number into the weights (`what` says where it showed first).
+
+    Raised before the optimizer step that would apply it, or right after a step that made a parameter
+    non-finite; the caller restores the weights and optimizer states it held before the update
+    (learner_node/worker.py) so that nothing of the update is kept. Every rank raises it at the same
+    step: the figures, the gradient norm and the parameters it checks are the same on every rank
+    (gradients and figures are reduced over ranks before they are checked)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+def _require_finite(name: str, values: torch.Tensor) -> None:
+    if not bool(torch.isfinite(values).all()):
+        bad = values[~torch.isfinite(values)]
+        raise NonFiniteUpdate(f"{name} hold {bad.numel()} non-finite values (first {float(bad[0])}) before any step")
+
+
+@dataclass
+class TrainableSnapshot:
+    """Copies of what an update changes (the parameters its optimizers train, and the optimizers' states), taken
+    before the update so that a NonFiniteUpdate can be undone whole. With LoRA that is the adapter and the value
+    heads: a few MB; a full fine-tune holds its trainable parameters and their Adam moments a second time."""
+
+    params: list[tuple[torch.nn.Parameter, torch.Tensor]]
+    optimizer_states: list[tuple[torch.optim.Optimizer, dict]]
+
+    @classmethod
+    def of(cls, optimizers: list[torch.optim.Optimizer]) -> TrainableSnapshot:
+        params = [(p, p.detach().clone()) for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        return cls(params, [(opt, copy.deepcopy(opt.state_dict())) for opt in optimizers])
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for param, saved in self.params:
+                param.copy_(saved)
+                param.grad = None
+        for opt, state in self.optimizer_states:
+            opt.load_state_dict(state)
 
 
 @dataclass
@@ -87,6 +131,7 @@ POLICY_FIGURES = (
     "behaviour_weight",
     "behaviour_weight_capped",
 )
+LOSS_FIGURES = frozenset({"value_loss", "policy_loss", "entropy", "kl_ref"})  # the figures that enter a loss: checked finite
 
 
 @dataclass(frozen=True)
@@ -154,6 +199,15 @@ def ppo_update(
     metrics: dict[str, float] = {}
     t = batch.targets(metrics)
     n = len(batch)
+    trained = t.mask.bool()
+    # What the losses train towards, checked once before any step: a reward of 1e300 overflows here first.
+    for name, values in (
+        ("the advantages", t.advantages),
+        ("the returns", t.returns),
+        ("the behaviour log-probabilities", t.behaviour_logp),
+    ):
+        if values is not None:
+            _require_finite(name, values[trained])
 
     if t.returns is not None:  # --- the critic, on cached features ---
         returns, old_values = t.returns, t.old_values if t.old_values is not None else t.returns
@@ -274,10 +328,19 @@ def minibatch_epochs(
                 for key, value in step(micro, mb).items():
                     parts[key] += value
             _average_gradients(params)
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            figures = _sum_over_ranks(parts, params[0].device if params else torch.device("cpu"))
+            # Nothing non-finite is applied: a NaN loss or gradient stops the update before its step, and a
+            # step that overflowed a parameter (finite gradient, absurd scale) right after it.
+            losses = {key: value for key, value in figures.items() if key in LOSS_FIGURES}
+            if not all(math.isfinite(value) for value in losses.values()):
+                raise NonFiniteUpdate(f"the loss is not finite at optimizer step {steps + 1} ({losses})")
+            if not bool(torch.isfinite(grad_norm)):
+                raise NonFiniteUpdate(f"the gradient norm is {float(grad_norm)} at optimizer step {steps + 1}")
             optimizer.step()
             steps += 1
-            figures = _sum_over_ranks(parts, params[0].device if params else torch.device("cpu"))
+            if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+                raise NonFiniteUpdate(f"a parameter became non-finite at optimizer step {steps} (gradient norm {float(grad_norm):g})")
             for key, value in figures.items():
                 totals[key] += value
             if target_kl and figures.get("approx_kl", 0.0) > target_kl:

@@ -39,6 +39,7 @@ import zmq
 from common import scoring, weights
 from common.learner_figures import COUNTER_PREFIX, write_latest
 from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict
+from common.protocol import DEFAULT_MAX_ABS_REWARD
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
 from common.segments import RedisKeys, Segment, ensure_group
@@ -47,9 +48,10 @@ from common.zmqio import bound
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.core_algos import AdaptiveKLController
-from learner_node.generation import build_generation_batch, check_layout, generation_update, split_by_mode
+from learner_node.generation import GenerationBatch, build_generation_batch, check_layout, generation_update, split_by_mode
 from learner_node.policy import LearnerPolicy
-from learner_node.rollout import EpisodeReturns, build_rollout, candidate_update
+from learner_node.rollout import EpisodeReturns, Rollout, build_rollout, candidate_update
+from learner_node.update import NonFiniteUpdate, TrainableSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,7 @@ class Learner:
             dist.broadcast_object_list(shared_run, src=0)
             self.run_id = shared_run[0]
         self.updates = 0
+        self.discarded_in_row = 0  # updates left out in a row because they were not finite (see _discard)
         self.seen: collections.deque[str] = collections.deque(maxlen=RECENT_SEGMENTS)
         self.seen_set: set[str] = set()
         self.counters: collections.Counter[str] = collections.Counter()
@@ -258,7 +261,10 @@ class Learner:
                 self._wait_for_redis(e)
 
     def step(self) -> dict[str, float] | None:
-        """Collect one rollout's segments and train on them; None if stopped before a rollout was complete."""
+        """Collect one rollout's segments and train on them; None if stopped before a rollout was complete.
+
+        An update that would make a weight non-finite is undone whole and its transitions dropped (`_discard`): the
+        weights, the optimizers and the KL coefficient stay as they were, and nothing is published."""
         entries, segments = self.collect() if self.is_main else ([], [])
         if self.world > 1:  # rank 0 read the stream; everyone trains on the same segments
             shared = [segments, self.stop_event.is_set()]
@@ -291,35 +297,20 @@ class Learner:
             generate_segments, self.version, self.cfg.max_policy_lag, self.episodes, self.stamp(), self.lp.vocab_size
         )
         train_policy = self.updates >= self.cfg.warmup_updates
-        metrics: dict[str, float] = {}
-        if len(rollout):
-            features = torch.stack([self._features[id(o)] for o in rollout.obs])  # the frozen base: no second forward
-            metrics = candidate_update(
-                self.lp, self.policy_opt, self.value_opt, rollout, self.cfg, train_policy, self.kl.value, features, self.updates
-            )
-            if train_policy and "losses/kl_ref" in metrics and not math.isnan(metrics["losses/kl_ref"]):
-                self.kl.update(metrics["losses/kl_ref"], len(rollout))
-        if len(generated):  # a loss of its own: candidate and token-level objectives are never mixed in one loss
-            metrics.update(
-                generation_update(
-                    self.lp, self.policy_opt, self.token_value_opt, generated, self.cfg, self.cfg.generation, train_policy, self.updates
-                )
-            )
+        before = TrainableSnapshot.of([self.policy_opt, self.value_opt, self.token_value_opt])
+        kl_before = self.kl.value
+        try:
+            metrics = self._update(rollout, generated, train_policy)
+        except NonFiniteUpdate as e:
+            before.restore()
+            self.kl.value = kl_before
+            return self._discard(entries, segments, rollout, generated, e)
+        self.discarded_in_row = 0
         trained = len(rollout) + len(generated)
         if train_policy and trained:
             self.version += 1
         self.updates += 1
-        for kind in (rollout, generated):
-            self.counters["transitions_stored"] += kind.stored
-            self.counters["dropped_stale"] += kind.dropped_stale
-            self.counters["dropped_truncated"] += kind.dropped_truncated
-            self.counters["dropped_mismatched"] += kind.dropped_mismatched
-            for reason, count in kind.mismatched.items():
-                self.counters[f"mismatched_{reason}"] += count
-        self.counters["transitions_trained"] += trained
-        self.counters["segments_trained"] += len(segments)
-        for seg in segments:
-            self._remember(seg.seg_id)
+        self._count(segments, rollout, generated, trained)
         elapsed = time.perf_counter() - started
         lag = rollout.lags + generated.lags or [0]
         returns = rollout.episodic_returns + generated.episodic_returns
@@ -348,6 +339,84 @@ class Learner:
             )
             self._log(metrics, trained)
             self._settle()
+        return metrics
+
+    def _update(self, rollout: Rollout, generated: GenerationBatch, train_policy: bool) -> dict[str, float]:
+        """The PPO update on this rollout's two kinds of transition; raises NonFiniteUpdate before anything
+        non-finite is applied (the caller undoes what earlier steps of it applied)."""
+        metrics: dict[str, float] = {}
+        if len(rollout):
+            features = torch.stack([self._features[id(o)] for o in rollout.obs])  # the frozen base: no second forward
+            metrics = candidate_update(
+                self.lp, self.policy_opt, self.value_opt, rollout, self.cfg, train_policy, self.kl.value, features, self.updates
+            )
+            if train_policy and "losses/kl_ref" in metrics and not math.isnan(metrics["losses/kl_ref"]):
+                self.kl.update(metrics["losses/kl_ref"], len(rollout))
+        if len(generated):  # a loss of its own: candidate and token-level objectives are never mixed in one loss
+            metrics.update(
+                generation_update(
+                    self.lp, self.policy_opt, self.token_value_opt, generated, self.cfg, self.cfg.generation, train_policy, self.updates
+                )
+            )
+        return metrics
+
+    def _count(self, segments: list[Segment], rollout: Rollout, generated: GenerationBatch, trained: int) -> None:
+        """The checkpointed counters of a rollout read: what was stored, trained and dropped, and why."""
+        for kind in (rollout, generated):
+            self.counters["transitions_stored"] += kind.stored
+            self.counters["dropped_stale"] += kind.dropped_stale
+            self.counters["dropped_truncated"] += kind.dropped_truncated
+            self.counters["dropped_mismatched"] += kind.dropped_mismatched
+            for reason, count in kind.mismatched.items():
+                self.counters[f"mismatched_{reason}"] += count
+        self.counters["transitions_trained"] += trained
+        self.counters["segments_trained"] += len(segments)
+        for seg in segments:
+            self._remember(seg.seg_id)
+
+    def _discard(
+        self,
+        entries: list[tuple[str, dict]],
+        segments: list[Segment],
+        rollout: Rollout,
+        generated: GenerationBatch,
+        error: NonFiniteUpdate,
+    ) -> dict[str, float]:
+        """Leave out an update that was not finite. The caller has put the weights and optimizer states back as
+        they were before it; here its transitions are counted as dropped (`dropped_nonfinite`) and its entries
+        acknowledged with a checkpoint of those unchanged weights, so it is not read again, and nothing is
+        published. `max_discarded_updates` in a row stop the learner with the input that most likely caused them."""
+        dropped = len(rollout) + len(generated)
+        self.discarded_in_row += 1
+        self.counters["discarded_updates"] += 1
+        self.counters["dropped_nonfinite"] += dropped
+        self._count(segments, rollout, generated, 0)
+        culprit = likely_culprit(segments)
+        log.error(
+            "update %d discarded (%d in a row): %s; its %d transitions dropped, the weights kept at policy version %d; %s",
+            self.updates + 1,
+            self.discarded_in_row,
+            error.what,
+            dropped,
+            self.version,
+            culprit,
+        )
+        metrics = {"charts/dropped_nonfinite": float(dropped), "charts/discarded_updates": float(self.counters["discarded_updates"])}
+        if self.is_main:
+            ids = [entry_id for entry_id, _ in entries]
+            self.save_checkpoint(ids)
+            self._unacked = ids
+            self._unreported = self._figures(metrics, 0)
+            if self.writer is not None:
+                for key, value in metrics.items():
+                    self.writer.add_scalar(key, value, self.updates)
+                self.writer.flush()
+            self._settle()
+        if self.discarded_in_row >= self.cfg.max_discarded_updates:
+            raise PoisonedInput(
+                f"{self.discarded_in_row} updates in a row were not finite (the last: {error.what}); the weights are "
+                f"those of policy version {self.version}, never replaced by a non-finite update. {culprit}"
+            )
         return metrics
 
     def collect(self) -> tuple[list[tuple[str, dict]], list[Segment]]:
@@ -599,6 +668,28 @@ class Learner:
             # ("terminate called without an active exception", seen on a loaded machine); torch asks
             # every process to end its group before it exits.
             dist.destroy_process_group()
+
+
+class PoisonedInput(RuntimeError):
+    """Updates keep coming out non-finite: the learner stops rather than train on what it is fed."""
+
+
+def likely_culprit(segments: list[Segment]) -> str:
+    """The input that most likely made an update non-finite: the reward of the largest magnitude in the batch."""
+    worst: tuple[float, str] | None = None
+    for seg in segments:
+        for t in seg.transitions:
+            size = abs(t.reward) if math.isfinite(t.reward) else math.inf
+            if worst is None or size > worst[0]:
+                worst = (size, f"reward {t.reward:g} of task {seg.task_id!r} (segment {seg.seg_id})")
+    if worst is None:
+        return "the batch held no transitions"
+    if worst[0] > DEFAULT_MAX_ABS_REWARD:
+        return f"likely input: {worst[1]}, beyond the bound rewards are checked against where they enter (max_abs_reward)"
+    return (
+        f"no reward of the batch is out of the ordinary (the largest: {worst[1]}); look at the learning rate, the "
+        "model's dtype and the behaviour log-probabilities the actors sent"
+    )
 
 
 def _text(value: bytes | str) -> str:

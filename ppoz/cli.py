@@ -361,7 +361,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
 def cmd_learner(args: argparse.Namespace) -> int:
     from common.redis_server import check_server, connect
     from learner_node.config import LearnerConfig
-    from learner_node.worker import Learner
+    from learner_node.worker import Learner, PoisonedInput
 
     cfg = load(LearnerConfig, args.config, args)
     # The blocking stream read needs a socket timeout above its block time.
@@ -369,7 +369,12 @@ def cmd_learner(args: argparse.Namespace) -> int:
     check_server(client)
     learner = Learner(cfg, client)
     _on_stop(learner.stop)
-    learner.run()
+    try:
+        learner.run()
+    except PoisonedInput as e:  # its batches are acknowledged as dropped and its checkpoint holds the last good weights
+        log.error("learner stopped: %s", e)
+        learner.close()
+        return 3
     log.info("learner stopped after %d updates at policy version %d: %s", learner.updates, learner.version, dict(learner.counters))
     return 0
 
@@ -442,7 +447,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(
                 f"  transitions: stored {counters.get('transitions_stored', 0)}, trained {counters.get('transitions_trained', 0)}, "
                 f"dropped stale {counters.get('dropped_stale', 0)}, truncated {counters.get('dropped_truncated', 0)}, "
-                f"mismatched {counters.get('dropped_mismatched', 0)}" + (f" ({why})" if why else "")
+                f"mismatched {counters.get('dropped_mismatched', 0)}"
+                + (f" ({why})" if why else "")
+                + f", non-finite {counters.get('dropped_nonfinite', 0)}"
+                + (f" ({counters['discarded_updates']} updates discarded)" if counters.get("discarded_updates") else "")
             )
     else:
         print("  learner: no update yet")

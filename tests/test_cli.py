@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import redis
 
+from common import learner_figures
 from tests.helpers import command_help, wait_for
 from tests.processes import PPOZ, free_port, ppoz
 
@@ -122,8 +124,14 @@ def test_broker_serves_status_and_stops_cleanly_on_sigterm(redis_url, key_prefix
     try:
         status = wait_for(lambda: _status(front), timeout=30, what="ppoz status to show the actor")
         assert status["actors"][0]["name"] == "cli-actor" and status["sessions"] == 0
+        # The learner's counters as a learner leaves them in Redis after a discarded, non-finite update (issue 28).
+        counters = {"transitions_stored": 8, "dropped_nonfinite": 8, "discarded_updates": 1}
+        learner_figures.write_latest(
+            redis.Redis.from_url(redis_url), key_prefix, {"version": 0, "updates": 0, **{f"counters/{k}": v for k, v in counters.items()}}
+        )
         table = ppoz("status", "--broker", f"tcp://127.0.0.1:{front}")
         assert table.returncode == 0 and "cli-actor" in table.stdout and "sessions 0" in table.stdout
+        assert "non-finite 8 (1 updates discarded)" in table.stdout, table.stdout
         assert "limits: " in table.stdout and "max_message_bytes" in table.stdout, table.stdout  # the client's limits, shown
         assert "at zero not shown" in table.stdout and "replayed" not in table.stdout, table.stdout  # an idle broker's zeros hidden
         for p in (actor, proc):
@@ -188,6 +196,17 @@ def test_bench_rag_runs_and_reports_retrieval_cost_side_by_side(tmp_path):
     assert figures["steps"] == 3 and figures["corpus_chunks"] >= 2
     assert figures["step_ms"] > 0 and figures["retrieve_ms"] > 0 and figures["rag_step_ms"] >= figures["retrieve_ms"]
     assert 0 < figures["added_tokens_max"] <= 128  # the token budget holds
+
+
+@pytest.mark.parametrize("rank", ["4", "0"])
+def test_bench_update_measures_the_guards_snapshot_and_its_restore_is_exact(rank):
+    small = ["--responses", "4", "--min-len", "2", "--max-len", "20", "--prompt", "6", "--hidden", "32", "--layers", "1"]
+    result = ppoz("bench", "update", *small, "--vocab", "128", "--runs", "1", "--lora-rank", rank, "--json", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout)
+    assert figures["equal"] and figures["snapshot_restores_exactly"]
+    assert figures["snapshot_s"] > 0 and figures["restore_s"] > 0 and figures["trainable_params"] > 0
+    assert ("full fine-tune" in figures["model"]) == (rank == "0")
 
 
 @pytest.mark.slow

@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--micro-tokens", type=int, default=4096, help="tokens per forward, [generation] micro_batch_tokens (default: 4096)"
     )
+    parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank of the adapter trained; 0: a full fine-tune (default: 8)")
     parser.add_argument("--runs", type=int, default=3, help="updates per leg, alternating legs (default: 3)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -96,8 +97,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     device = ModelSpec(model="bench", device=args.device).resolved_device()
     base = build_model(args.hidden, args.layers, args.vocab, device, torch.float32)
-    with peft_warnings_silenced():
-        model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    if args.lora_rank:
+        with peft_warnings_silenced():
+            model = get_peft_model(
+                base, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear", task_type="CAUSAL_LM")
+            )
+    else:
+        model = base
     model.eval()
     with torch.no_grad():  # an adapter that has moved from the base: the KL to the reference is not zero
         for name, p in model.named_parameters():
@@ -118,6 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
     decoder_tokens: dict[str, int] = {}
+    optimizers: list[torch.optim.Optimizer] = []  # the last update's, for the snapshot's cost
 
     def one_update(layout: str) -> tuple[float, dict[str, float], dict[str, torch.Tensor]]:
         model.load_state_dict(start_weights)
@@ -126,6 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lp = LearnerPolicy(model, None, "token", 1.0, [16], token_value_hidden=gen.value_hidden, generation_layout=layout)
         popt = torch.optim.Adam(lp.trainable_parameters(), lr=1e-4)
         vopt = torch.optim.Adam(lp.token_value_head.parameters(), lr=1e-3)
+        optimizers[:] = [popt, vopt]
         if device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
@@ -146,6 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seconds[leg].append(elapsed)
         results[leg] = (metrics, weights)
     (m_packed, w_packed), (m_padded, w_padded) = results["packed"], results["padded"]
+    snapshot = snapshot_cost(optimizers, device, args.runs)
     loss_diff = max(
         abs(m_packed[f"generation/{k}"] - m_padded[f"generation/{k}"]) for k in ("policy_loss", "value_loss", "kl_ref", "entropy")
     )
@@ -162,7 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bench": "update",
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {device}",
-        "model": f"llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, LoRA r=8 all-linear",
+        "model": f"llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
+        + (f"LoRA r={args.lora_rank} all-linear" if args.lora_rank else "full fine-tune"),
         "responses": args.responses,
         "response_tokens": tokens,
         "lengths": {
@@ -181,6 +191,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_loss_diff": loss_diff,
         "max_weight_diff": weight_diff,
         "equal": loss_diff <= 1e-5 and weight_diff <= 1e-5,
+        "trainable_params": sum(p.numel() for opt in optimizers for g in opt.param_groups for p in g["params"]),
+        **snapshot,
+        "snapshot_share": round(float(snapshot["snapshot_s"]) / statistics.median(seconds["packed"]), 4),
+    }
+
+
+def snapshot_cost(optimizers: list[torch.optim.Optimizer], device: torch.device, runs: int) -> dict[str, Any]:
+    """What the learner's guard against non-finite updates costs per update: copying the trained parameters and
+    the optimizers' states (learner_node/update.py TrainableSnapshot), and, when an update is discarded,
+    putting them back; and whether the copy put back is exact after the parameters and moments have moved."""
+    from learner_node.update import TrainableSnapshot
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    taken, restored = [], []
+    for _ in range(runs):
+        sync()
+        started = time.perf_counter()
+        snapshot = TrainableSnapshot.of(optimizers)
+        sync()
+        taken.append(time.perf_counter() - started)
+        saved = [(p, p.detach().clone()) for p, _ in snapshot.params]
+        moments = {k: v.clone() for k, v in optimizers[0].state[snapshot.params[0][0]].items()}
+        with torch.no_grad():  # an update's worth of change, as a discarded one would have left
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.add_(1.0)
+                        for value in opt.state[p].values():
+                            if value.dim():
+                                value.add_(1.0)
+        sync()
+        started = time.perf_counter()
+        snapshot.restore()
+        sync()
+        restored.append(time.perf_counter() - started)
+        exact = all(torch.equal(p, copy_) for p, copy_ in saved) and all(
+            torch.equal(optimizers[0].state[snapshot.params[0][0]][k], v) for k, v in moments.items()
+        )
+        if not exact:
+            break
+    return {
+        "snapshot_s": round(statistics.median(taken), 5),
+        "restore_s": round(statistics.median(restored), 5),
+        "snapshot_restores_exactly": exact,
     }
 
 
@@ -198,4 +255,9 @@ def main(args: argparse.Namespace) -> int:
             )
         diffs = f"losses equal to {result['max_loss_diff']:.1e}, weights to {result['max_weight_diff']:.1e}"
         print(f"  packed / padded: {result['speedup']}x (padding factor {result['padding_factor']}x); {diffs}")
-    return 0 if result["equal"] else 1
+        print(
+            f"  the guard's snapshot of {result['trainable_params']} trained parameters and their optimizer states: "
+            f"{result['snapshot_s']} s per update ({100 * result['snapshot_share']:.2f}% of a packed update), "
+            f"{result['restore_s']} s to put back, exact: {result['snapshot_restores_exactly']}"
+        )
+    return 0 if result["equal"] and result["snapshot_restores_exactly"] else 1

@@ -1,0 +1,180 @@
+"""The learner never applies, publishes or checkpoints a non-finite update (issue 28).
+
+Rewards are bounded where they enter (the broker, the gateway, the reward sources); these tests write the
+poison straight into the stream, past those checks, because the learner is the last line: whatever reaches
+it, an update whose loss, gradient or weights are not finite is undone whole, its transitions are counted as
+dropped and acknowledged, and the weights stay the last good ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from broker.sessions import SegmentClose, Session
+from broker.store import Batch, SessionStore
+from common import learner_figures
+from common.segments import RedisKeys, Segment, pack, unpack
+from learner_node import checkpoint
+from learner_node.worker import Learner, PoisonedInput
+from tests.learner_node.test_async_ppo import learner_on
+from tests.learner_node.test_generation_update import gen_transition
+from tests.learner_node.test_resume import write_segments
+
+N = 8  # transitions per rollout: two minibatches of 4, so an update takes several optimizer steps
+
+
+def responses(rewards: list[float], offset: int = 0) -> list:
+    """Responses of 1 to 7 tokens after prompts of 1 to 5: the shapes vary within each minibatch."""
+    return [
+        gen_transition(
+            [5 + (i + offset) % 7 for _ in range(1 + (i + offset) % 5)],
+            [8 + (i * 3 + offset) % 11 for _ in range(1 + (i * 5 + offset) % 7)],
+            reward=r,
+            version=0,
+        )
+        for i, r in enumerate(rewards)
+    ]
+
+
+def write_batch(redis_client, prefix: str, transitions: list, tag: str) -> None:
+    """One-response segments of tasks named `tag`-i, closed by the broker's own store code into the stream
+    (a second batch needs other task names: the learner skips a segment id it has trained)."""
+    store = SessionStore(redis_client, RedisKeys(prefix), "learners")
+    store.ensure_stream()
+    batch = Batch()
+    for i, t in enumerate(transitions):
+        session = Session(f"{tag}-{i}", segment_len=1)
+        batch.add("RPUSH", store.keys.open_segment(session.task_id), pack(t.to_wire()))
+        store.stage_close(batch, session, SegmentClose(session.task_id, session.seq, "done", True, False, None, 1))
+    store.apply(batch)
+
+
+CLEAN = [1.0, -0.5, 0.25, 0.0, 2.0, -1.0, 0.5, 1.5]
+
+
+def trainable(learner: Learner) -> dict[str, torch.Tensor]:
+    heads = {f"value.{k}": v for k, v in learner.lp.value_head.state_dict().items()}
+    heads.update({f"token.{k}": v for k, v in learner.lp.token_value_head.state_dict().items()})
+    model = {name: p for name, p in learner.lp.model.named_parameters() if p.requires_grad}
+    return {name: t.detach().clone() for name, t in {**model, **heads}.items()}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs"
+
+
+def make(tiny_models, redis_url, redis_client, prefix, tmp_path, **overrides) -> Learner:
+    settings = dict(policy_minibatch=4, value_minibatch=4, update_epochs=2, value_epochs=2)
+    settings.update(overrides)
+    return learner_on(tiny_models["llama"], "float32", redis_url, redis_client, prefix, tmp_path, N, **settings)
+
+
+@pytest.mark.parametrize("poison", [1e300, -1e300, math.inf, math.nan])
+def test_an_absurd_reward_in_the_stream_is_left_out_and_nothing_non_finite_is_kept(
+    tiny_models, redis_url, redis_client, key_prefix, tmp_path, poison
+) -> None:
+    write_batch(redis_client, key_prefix, responses([*CLEAN[:5], poison, *CLEAN[6:]]), "poison")
+    learner = make(tiny_models, redis_url, redis_client, key_prefix, tmp_path)
+    before = trainable(learner)
+    published = redis_client.hgetall(learner.keys.weights_latest)
+    metrics = learner.step()
+
+    assert metrics is not None and metrics["charts/dropped_nonfinite"] == N
+    assert_same(trainable(learner), before)  # every step of the update undone, not only the poisoned one
+    assert learner.version == 0 and learner.updates == 0
+    assert learner.counters["dropped_nonfinite"] == N and learner.counters["discarded_updates"] == 1
+    assert learner.counters["transitions_stored"] == N and learner.counters["transitions_trained"] == 0
+    assert redis_client.hgetall(learner.keys.weights_latest) == published  # nothing announced to the actors
+    assert redis_client.xlen(learner.stream) == 0  # acknowledged: a restarted learner does not meet it again
+    tensors, _, _, state = checkpoint.load(checkpoint.latest(learner.cfg.checkpoint_dir))
+    assert all(bool(torch.isfinite(t).all()) for t in tensors.values())
+    assert state["counters"]["dropped_nonfinite"] == N
+    assert learner_figures.read_latest(redis_client, key_prefix)["counters/dropped_nonfinite"] == N  # what `ppoz status` shows
+
+
+def test_after_a_discarded_update_training_goes_on_as_if_the_poisoned_batch_had_never_come(
+    tiny_models, redis_url, redis_client, key_prefix, tmp_path
+) -> None:
+    """The weights after [poisoned batch, clean batch] equal those after [clean batch] alone, bit for bit: the
+    optimizer's moments and step count are restored too, not only the parameters."""
+    poisoned, clean = f"{key_prefix}:poisoned", f"{key_prefix}:clean"
+    write_batch(redis_client, poisoned, responses([1e300, *CLEAN[1:]], offset=3), "poisoned")
+    write_batch(redis_client, poisoned, responses(CLEAN), "clean")
+    write_batch(redis_client, clean, responses(CLEAN), "clean")
+    a = make(tiny_models, redis_url, redis_client, poisoned, tmp_path / "a")
+    b = make(tiny_models, redis_url, redis_client, clean, tmp_path / "b")
+    initial = trainable(b)
+    assert_same(trainable(a), initial)
+    a.step()
+    a.step()
+    b.step()
+    assert a.version == b.version == 1 and a.counters["dropped_nonfinite"] == N
+    after = trainable(a)
+    assert_same(after, trainable(b))
+    assert any(not torch.equal(after[name], initial[name]) for name in initial)  # a no-op update would pass the rest
+
+
+def test_a_nan_gradient_once_discards_exactly_that_update_and_the_next_one_applies(
+    tiny_models, redis_url, redis_client, key_prefix, tmp_path
+) -> None:
+    write_batch(redis_client, key_prefix, responses(CLEAN), "first")
+    write_batch(redis_client, key_prefix, responses(CLEAN, offset=1), "second")
+    learner = make(tiny_models, redis_url, redis_client, key_prefix, tmp_path, warmup_updates=0, value_epochs=1)
+    lora = next(p for name, p in learner.lp.model.named_parameters() if p.requires_grad and "lora_B" in name)
+    calls = 0
+
+    def nan_on_the_second_backward(grad: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return torch.full_like(grad, math.nan) if calls == 2 else grad
+
+    lora.register_hook(nan_on_the_second_backward)
+    steps: list[int] = []
+    learner.policy_opt.register_step_post_hook(lambda *_: steps.append(1))
+    before = trainable(learner)
+    adam_before = {k: v for k, v in learner.policy_opt.state_dict().items() if k == "param_groups"}
+
+    first = learner.step()
+    assert first is not None and first["charts/dropped_nonfinite"] == N
+    assert len(steps) == 1  # the first minibatch's step was applied before the second's gradient came out NaN ...
+    assert_same(trainable(learner), before)  # ... and undone with it
+    assert learner.policy_opt.state_dict()["state"] == {} and learner.policy_opt.state_dict()["param_groups"] == adam_before["param_groups"]
+    assert learner.version == 0 and learner.discarded_in_row == 1
+
+    second = learner.step()
+    assert second is not None and "charts/dropped_nonfinite" not in second
+    assert learner.version == 1 and learner.discarded_in_row == 0 and learner.counters["transitions_trained"] == N
+    after = trainable(learner)
+    assert all(bool(torch.isfinite(t).all()) for t in after.values())
+    assert any(not torch.equal(after[name], before[name]) for name in before)
+
+
+def test_updates_non_finite_in_a_row_stop_the_learner_naming_the_reward(tiny_models, redis_url, redis_client, key_prefix, tmp_path) -> None:
+    write_batch(redis_client, key_prefix, responses([*CLEAN[:7], 3e300]), "first")
+    write_batch(redis_client, key_prefix, responses([*CLEAN[:7], 3e300], offset=2), "second")
+    learner = make(tiny_models, redis_url, redis_client, key_prefix, tmp_path, max_discarded_updates=2)
+    learner.step()
+    with pytest.raises(PoisonedInput, match=r"2 updates in a row were not finite.*reward 3e\+300 of task 'second-7'"):
+        learner.step()
+    assert redis_client.xlen(learner.stream) == 0 and learner.counters["dropped_nonfinite"] == 2 * N
+
+
+def test_the_candidate_path_leaves_out_a_poisoned_choice_too(tiny_models, redis_url, redis_client, key_prefix, tmp_path) -> None:
+    write_segments(redis_client, key_prefix, 4)
+    raw = redis_client.xrange(f"{key_prefix}:segments")
+    first_id, fields = raw[0]
+    transitions = unpack(fields[b"transitions"])
+    transitions[0]["reward"] = 1e300
+    redis_client.xdel(f"{key_prefix}:segments", first_id)
+    redis_client.xadd(f"{key_prefix}:segments", {**fields, b"transitions": pack(transitions)})
+    assert Segment.from_entry(redis_client.xrange(f"{key_prefix}:segments")[-1][1]).transitions[0].reward == 1e300
+    learner = learner_on(tiny_models["llama"], "float32", redis_url, redis_client, key_prefix, tmp_path, 4, policy_minibatch=2)
+    before = trainable(learner)
+    metrics = learner.step()
+    assert metrics is not None and metrics["charts/dropped_nonfinite"] == 4
+    assert_same(trainable(learner), before)
