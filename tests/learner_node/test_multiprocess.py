@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
@@ -72,6 +75,52 @@ def test_two_rank_learner_matches_one_rank(tiny_models, redis_url, redis_client,
         for key in a:
             assert (a[key] - b[key]).abs().max() < bar, key
         assert redis_client.xlen(f"{two}:segments") == 0  # rank 0 acknowledged everything, once
+    finally:
+        for prefix in (one, two):
+            for key in redis_client.scan_iter(f"{prefix}:*"):
+                redis_client.delete(key)
+
+
+def _rank_with_a_nan_gradient_on_rank_1(rank: int, world: int, port: int, cfg: LearnerConfig) -> None:
+    """As `_rank`, but rank 1 alone sees a NaN gradient, once: its first backward of the policy."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    learner = Learner(cfg, connect(cfg.redis_url, socket_timeout=30))
+    if rank == 1:
+        lora = next(p for name, p in learner.lp.model.named_parameters() if p.requires_grad and "lora_B" in name)
+        calls = [0]
+
+        def nan_once(grad: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            return torch.full_like(grad, math.nan) if calls[0] == 1 else grad
+
+        lora.register_hook(nan_once)
+    learner.run()
+
+
+@pytest.mark.slow
+def test_a_nan_gradient_on_one_rank_discards_the_update_on_every_rank(tiny_models, redis_url, redis_client, key_prefix, tmp_path):
+    """Gradients are averaged before they are checked, so every rank sees the NaN and undoes the same update (a
+    rank that went on alone would wait for the others in its next collective until the test's timeout). The
+    run then ends where one rank that never saw the poisoned batch ends."""
+    from tests.learner_node.test_nonfinite import CLEAN, responses, write_batch
+
+    one, two = f"{key_prefix}-one", f"{key_prefix}-two"
+    write_batch(redis_client, two, responses(CLEAN, offset=1), "first")
+    write_batch(redis_client, two, responses(CLEAN), "second")
+    write_batch(redis_client, one, responses(CLEAN), "second")
+    cfg_two = dataclasses.replace(settings(tiny_models["llama"], redis_url, two, str(tmp_path / "two")), max_updates=1)
+    cfg_one = dataclasses.replace(settings(tiny_models["llama"], redis_url, one, str(tmp_path / "one")), max_updates=1)
+    try:
+        mp.spawn(_rank_with_a_nan_gradient_on_rank_1, args=(2, free_port(), cfg_two), nprocs=2, join=True)
+        Learner(cfg_one, connect(redis_url, socket_timeout=30)).run()
+        a = load_file(str(checkpoint.latest(tmp_path / "one") / "policy.safetensors"))
+        b = load_file(str(checkpoint.latest(tmp_path / "two") / "policy.safetensors"))
+        assert any(float(v.abs().max()) > 0 for k, v in b.items() if "lora_B" in k)  # the second update applied
+        for key in a:
+            assert (a[key] - b[key]).abs().max() < 1e-4, key
+        _, _, _, state = checkpoint.load(checkpoint.latest(tmp_path / "two"))
+        assert state["counters"]["dropped_nonfinite"] == 8 and state["counters"]["transitions_trained"] == 8
+        assert redis_client.xlen(f"{two}:segments") == 0
     finally:
         for prefix in (one, two):
             for key in redis_client.scan_iter(f"{prefix}:*"):
