@@ -492,6 +492,7 @@ class Broker:
         reward = p.check_reward(msg, self.limits.max_abs_reward)
         done = p.optional(msg, "done", bool, "a bool", False)
         truncated = p.optional(msg, "truncated", bool, "a bool", False)
+        sample = p.check_sample(msg)
         next_obs = None
         if isinstance(msg.get("next_obs"), dict) and msg["next_obs"]:  # older Kea clients send next_obs: {}
             next_obs = p.check_obs(msg, self.limits, name="next_obs")
@@ -499,7 +500,7 @@ class Broker:
             self.metrics["broker/feedback_without_step"] += 1
             raise p.ProtocolError(p.E_FEEDBACK_WITHOUT_STEP, f"task {session.task_id!r} has no step waiting for a reward; nothing recorded")
         step = session.pending
-        transition, closes = session.record_feedback(reward, done, truncated, next_obs)
+        transition, closes = session.record_feedback(reward, done, truncated, next_obs, sample)
         if step.mode == p.OP_RAG_STEP and self.cfg.rag_history_len:
             entry = step.history_entry(reward, self.cfg.rag_history_chars)
             session.history = (session.history + [entry])[-self.cfg.rag_history_len :]

@@ -196,9 +196,10 @@ class Session:
         return closes, orphaned
 
     def record_feedback(
-        self, reward: float, done: bool, truncated: bool, next_obs: dict[str, Any] | None
+        self, reward: float, done: bool, truncated: bool, next_obs: dict[str, Any] | None, sample: str | None = None
     ) -> tuple[Transition, list[SegmentClose]]:
-        """Turn the pending step into a transition; return it and the segments this closes."""
+        """Turn the pending step into a transition (carrying the feedback's `sample` id, if any); return it and the
+        segments this closes."""
         if self.pending is None:
             raise LookupError("no pending step")
         step = self.pending
@@ -216,6 +217,7 @@ class Session:
             feedback_ms=now_ms(),
             policy=step.policy,
             generation=step.generation,
+            sample=sample,
         )
         self.pending = None
         self.open_len += 1

@@ -31,11 +31,19 @@ TOMBSTONE_TTL_S = 3600
 # CLOSE, which moves an open segment into one stream entry: it prefixes the
 # list's already-encoded transitions with a msgpack array header, so the
 # entry's `transitions` field is one msgpack array and the transitions never
-# leave Redis. Not for Redis Cluster (the keys are not declared).
+# leave Redis; or SAMPLE, a transition that carries a sample id: marked in
+# P:samples (id -> reward) and appended to the open segment only if the id is
+# not marked yet, so mark and transition never disagree and a sample id is
+# stored once (a close finding its segment empty then writes no entry). Not
+# for Redis Cluster (the keys are not declared).
 APPLY_LUA = """
 local function close_segment(seg, stream, task, seg_id, task_id, seq, reason, done, truncated, next_obs, closed_ms, next_seq)
   local items = redis.call('LRANGE', seg, 0, -1)
   local n = #items
+  if n == 0 then  -- its only transition was a sample stored before (SAMPLE): nothing goes to the stream
+    redis.call('HSET', task, 'seq', next_seq)
+    return
+  end
   local head
   if n < 16 then
     head = string.char(144 + n)
@@ -49,11 +57,19 @@ local function close_segment(seg, stream, task, seg_id, task_id, seq, reason, do
   redis.call('HSET', task, 'seq', next_seq)
 end
 
+local function store_sample(samples, sample, reward, seg, transition)
+  if redis.call('HSETNX', samples, sample, reward) == 1 then
+    redis.call('RPUSH', seg, transition)
+  end
+end
+
 local ops = cmsgpack.unpack(ARGV[1])
 for i = 1, #ops do
   local op = ops[i]
   if op[1] == 'CLOSE' then
     close_segment(unpack(op, 2))
+  elseif op[1] == 'SAMPLE' then
+    store_sample(unpack(op, 2))
   else
     redis.call(unpack(op))
   end
@@ -212,8 +228,13 @@ class SessionStore:
         batch.add("HSET", self.keys.task(s.task_id), "pending", pending, replied.field, seg.pack(replied.to_wire()))
 
     def stage_transition(self, batch: Batch, s: Session, transition: Transition, replied: Replied | None = None) -> None:
-        """A feedback's transition appended to the open segment; the pending step cleared and the reply kept, in one HSET."""
-        batch.add("RPUSH", self.keys.open_segment(s.task_id), seg.pack(transition.to_wire()))
+        """A feedback's transition appended to the open segment (with a sample id: marked, and appended only the first
+        time that id comes); the pending step cleared and the reply kept, in one HSET."""
+        packed = seg.pack(transition.to_wire())
+        if transition.sample is not None:
+            batch.add("SAMPLE", self.keys.samples, transition.sample, repr(transition.reward), self.keys.open_segment(s.task_id), packed)
+        else:
+            batch.add("RPUSH", self.keys.open_segment(s.task_id), packed)
         kept = (replied.field, seg.pack(replied.to_wire())) if replied is not None else ()
         batch.add("HSET", self.keys.task(s.task_id), "pending", b"", *kept)
 

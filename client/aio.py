@@ -270,9 +270,12 @@ class AsyncClient:
         truncated: bool = False,
         rid: str | None = None,
         next_obs: dict[str, Any] | None = None,
+        sample: str | None = None,
     ) -> dict[str, Any]:
-        """The reward of the pending step; `next_obs` (with `truncated`) is the state to bootstrap from."""
-        return await self.request(p.OP_FEEDBACK, rid=rid, **feedback_fields(task_id, reward, done, truncated, next_obs))
+        """The reward of the pending step; `next_obs` (with `truncated`) is the state to bootstrap from. `sample`:
+        an id for this sample, which the broker marks stored with the transition and stores once (docs/protocol.md)."""
+        fields = feedback_fields(task_id, reward, done, truncated, next_obs, sample)
+        return await self.request(p.OP_FEEDBACK, rid=rid, **fields)
 
     async def status(self) -> dict[str, Any]:
         """The broker's figures (sessions, queue, actors, latency, counters)."""

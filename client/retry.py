@@ -63,9 +63,15 @@ def answers(reply: dict[str, Any], rid: Any, alone: bool) -> bool:
 
 
 def feedback_fields(
-    task_id: str, reward: float, done: bool = False, truncated: bool = False, next_obs: dict[str, Any] | None = None
+    task_id: str,
+    reward: float,
+    done: bool = False,
+    truncated: bool = False,
+    next_obs: dict[str, Any] | None = None,
+    sample: str | None = None,
 ) -> dict[str, Any]:
-    """The fields of a `feedback` request; `next_obs` goes out only when it is a non-empty observation.
+    """The fields of a `feedback` request; `next_obs` goes out only when it is a non-empty observation,
+    `sample` (the caller's id for this sample, stored once: docs/protocol.md) only when given.
 
     Older Kea clients send `next_obs: {}`, which means "none"; leaving it out says
     the same thing in fewer bytes.
@@ -73,6 +79,8 @@ def feedback_fields(
     fields: dict[str, Any] = {"task_id": task_id, "reward": reward, "done": done, "truncated": truncated}
     if next_obs:
         fields["next_obs"] = next_obs
+    if sample is not None:
+        fields["sample"] = sample
     return fields
 
 

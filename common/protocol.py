@@ -66,6 +66,7 @@ ERROR_CODES: dict[str, str] = {
 
 MAX_RID_BYTES = 64
 TASK_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+SAMPLE_ID_PATTERN = TASK_ID_PATTERN  # feedback's `sample`: a client's id for one sample, stored once (check_sample)
 
 
 class ProtocolError(Exception):
@@ -244,6 +245,16 @@ def check_task_id(body: dict[str, Any]) -> str:
     if not TASK_ID_PATTERN.match(task_id):
         raise ProtocolError(E_BAD_REQUEST, f"`task_id` must be 1 to 128 of [A-Za-z0-9._:@-], got {task_id[:40]!r}")
     return task_id
+
+
+def check_sample(body: dict[str, Any]) -> str | None:
+    """A feedback's optional `sample`: the client's id for the sample this reward belongs to, 1 to 128 of
+    [A-Za-z0-9._:@-]; the broker marks it stored in the same write as the transition, and stores a sample
+    id once (docs/protocol.md, "feedback"). None when left out."""
+    sample = optional(body, "sample", str, "a str of 1 to 128 of [A-Za-z0-9._:@-] (the client's sample id)", None)
+    if sample is not None and not SAMPLE_ID_PATTERN.match(sample):
+        raise ProtocolError(E_BAD_REQUEST, f"`sample` must be 1 to 128 of [A-Za-z0-9._:@-], got {sample[:40]!r}")
+    return sample
 
 
 def check_obs(body: dict[str, Any], limits: Limits, name: str = "obs") -> dict[str, Any]:

@@ -19,6 +19,13 @@ and the demo read the figures. Every key is built here and nowhere else
     P:learner:latest    HASH    the learner's latest figures and cumulative counters         learner -> status, ledger
     P:learner:backlog   STRING  the stream backlog (entries) the learner can train within    learner -> broker
                                 its lag bound: the broker's default back-pressure limit
+    P:samples           HASH    sample id -> the reward stored with it: a feedback's          broker -> drivers
+                                `sample`, written in the same script as its transition, and
+                                only once per id (a second feedback with it stores nothing)
+    P:samples:scores    HASH    sample id -> its raw score, written by a GRPO driver before   drivers
+                                its group's feedbacks (a cut group is completed with them)
+    P:learner:samples   HASH    sample id -> times an update consumed it: counted in the      learner -> ledger
+                                script that acknowledges its entry, once per acknowledgement
 
 A stream entry (one closed segment) has the fields in `ENTRY_FIELDS`; the
 broker's Lua script writes them (broker/store.py builds it from these names)
@@ -91,6 +98,18 @@ class RedisKeys:
     def learner_backlog(self) -> str:
         return f"{self.prefix}:learner:backlog"
 
+    @property
+    def samples(self) -> str:
+        return f"{self.prefix}:samples"
+
+    @property
+    def sample_scores(self) -> str:
+        return f"{self.prefix}:samples:scores"
+
+    @property
+    def samples_trained(self) -> str:
+        return f"{self.prefix}:learner:samples"
+
 
 def ensure_group(client: redis.Redis, keys: RedisKeys, group: str) -> None:
     """Create the segment stream and the learners' consumer group if either is missing (broker and learner both do)."""
@@ -99,6 +118,50 @@ def ensure_group(client: redis.Redis, keys: RedisKeys, group: str) -> None:
     except redis.ResponseError as e:
         if "BUSYGROUP" not in str(e):
             raise
+
+
+# Acknowledging stream entries and counting their samples in one atomic script: an entry's samples are
+# counted only when its XACK acknowledges it (returns 1), so a repeated call (a retry after a lost reply, the
+# repair of a checkpointed update at resume) counts nothing twice. KEYS: stream, P:learner:samples; ARGV:
+# the group, then per entry its id, the number of its sample ids and the ids.
+ACK_LUA = """
+local acked = 0
+local i = 2
+while i <= #ARGV do
+  local id, n = ARGV[i], tonumber(ARGV[i + 1])
+  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
+    acked = acked + 1
+    for j = 1, n do
+      redis.call('HINCRBY', KEYS[2], ARGV[i + 1 + j], 1)
+    end
+  end
+  redis.call('XDEL', KEYS[1], id)
+  i = i + 2 + n
+end
+return acked
+"""
+
+
+def acknowledge(client: redis.Redis, keys: RedisKeys, group: str, entries: list[tuple[str, list[str]]]) -> int:
+    """Acknowledge and delete stream entries, each given with the sample ids of its transitions, and count each
+    sample in `P:learner:samples` once per entry this call acknowledges; the number acknowledged."""
+    if not entries:
+        return 0
+    argv: list[str] = [group]
+    for entry_id, samples in entries:
+        argv += [entry_id, str(len(samples)), *samples]
+    return int(client.eval(ACK_LUA, 2, keys.stream, keys.samples_trained, *argv))
+
+
+def entry_samples(fields: dict[bytes, bytes] | None) -> list[str]:
+    """The sample ids (feedback's `sample`) of a stream entry's transitions; [] for an entry that is gone or unreadable."""
+    if not fields:
+        return []
+    try:
+        transitions = unpack(fields[F_TRANSITIONS.encode()])
+        return [t["sample"] for t in transitions if isinstance(t, dict) and isinstance(t.get("sample"), str)]
+    except (KeyError, TypeError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        return []
 
 
 def pack(value: Any) -> bytes:
@@ -128,11 +191,15 @@ class Transition:
     # mode "generate": obs is {prompt_ids, sampling}, action 0, probs [], logprob the response's sum, and this holds
     # {response_ids, logprobs (per token, of the distribution sampled from), finish_reason, temperature, top_p}
     generation: dict[str, Any] | None = None
+    sample: str | None = None  # the feedback's `sample`: the client's id for this sample (P:samples, P:learner:samples)
 
     def to_wire(self) -> dict[str, Any]:
         # Its fields as they are, shared not copied: msgpack only reads them. (dataclasses.asdict
         # deep-copies the observation on every feedback: 20% of the broker's CPU per pair.)
-        return dict(self.__dict__)
+        wire = dict(self.__dict__)
+        if wire["sample"] is None:  # only a feedback that named its sample carries the field
+            del wire["sample"]
+        return wire
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Transition:

@@ -42,7 +42,7 @@ from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, 
 from common.protocol import DEFAULT_MAX_ABS_REWARD
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
-from common.segments import RedisKeys, Segment, ensure_group
+from common.segments import RedisKeys, Segment, acknowledge, ensure_group, entry_samples
 from common.shared_settings import PolicyStamp
 from common.zmqio import bound
 from learner_node import checkpoint
@@ -551,11 +551,14 @@ class Learner:
         log.warning("Redis is back after %.1f s; re-reading this learner's pending segments", time.monotonic() - down_since)
 
     def _ack(self, ids: list[str]) -> None:
+        """Acknowledge and delete the entries (not needed again; the stream stays small), and count each of their
+        samples once in the ledger's `P:learner:samples`, in the same atomic script (common/segments.py)."""
         if ids:
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.xack(self.stream, self.cfg.consumer_group, *ids)
-            pipe.xdel(self.stream, *ids)  # acknowledged entries are not needed again; keep the stream small
-            pipe.execute()
+            pipe = self.redis.pipeline(transaction=False)
+            for entry_id in ids:
+                pipe.xrange(self.stream, entry_id, entry_id)
+            found = [got[0][1] if got else None for got in pipe.execute()]
+            acknowledge(self.redis, self.keys, self.cfg.consumer_group, [(i, entry_samples(f)) for i, f in zip(ids, found)])
 
     def _remember(self, seg_id: str) -> None:
         if len(self.seen) == self.seen.maxlen:

@@ -10,6 +10,11 @@ sessions still attached sit in Redis in their open segments, not yet in the
 stream: they count as stored, beside what the learner read. The ledger
 balances once the learner has read the whole stream; when every client has
 detached (which closes every open segment) the open part is zero.
+
+Per sample (a feedback that named its `sample`, as `ppoz train` does): the broker's
+marks say which sample ids were stored, and the learner counts each id it
+acknowledged; exactly once means every stored id counted once, and no other
+(`SampleLedger`).
 """
 
 from __future__ import annotations
@@ -91,6 +96,46 @@ def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_
         open_transitions(client, key_prefix),
         bool(figures),
         learner_figures.latest_key(key_prefix),
+    )
+
+
+@dataclass(frozen=True)
+class SampleLedger:
+    """Sample ids the broker stored (id -> reward stored) and how many times the learner acknowledged each."""
+
+    stored: dict[str, float]
+    trained: dict[str, int]
+
+    @property
+    def twice(self) -> dict[str, int]:
+        """Ids the learner consumed more than once."""
+        return {k: n for k, n in self.trained.items() if n > 1}
+
+    @property
+    def missing(self) -> list[str]:
+        """Ids stored but never consumed (still in the stream, or lost)."""
+        return sorted(set(self.stored) - set(self.trained))
+
+    @property
+    def unknown(self) -> list[str]:
+        """Ids consumed without a mark: a transition stored outside the marking script."""
+        return sorted(set(self.trained) - set(self.stored))
+
+    @property
+    def exactly_once(self) -> bool:
+        return not self.twice and not self.missing and not self.unknown
+
+
+def read_sample_ledger(client: redis.Redis, key_prefix: str, prefix: str = "") -> SampleLedger:
+    """The sample ledger of the ids that start with `prefix` (one `ppoz train` run: "<run>:")."""
+    keys = RedisKeys(key_prefix)
+
+    def scan(key: str) -> dict[str, bytes]:
+        return {k.decode(): v for k, v in client.hscan_iter(key, match=f"{prefix}*", count=1000)}
+
+    return SampleLedger(
+        {k: float(v) for k, v in scan(keys.samples).items()},
+        {k: int(v) for k, v in scan(keys.samples_trained).items()},
     )
 
 

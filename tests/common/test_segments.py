@@ -82,3 +82,32 @@ def test_the_consumer_group_is_created_once_whoever_comes_first(redis_client, ke
     ensure_group(redis_client, keys, "learners")
     ensure_group(redis_client, keys, "learners")  # the second caller (broker or learner) finds it there
     assert [g["name"] for g in redis_client.xinfo_groups(keys.stream)] == [b"learners"]
+
+
+def test_acknowledging_entries_counts_each_of_their_samples_once_however_often_it_is_repeated(redis_client, key_prefix):
+    """The learner's ledger (P:learner:samples) counts a sample in the script that acknowledges its entry, and only
+    when that XACK acknowledges it: a retried call, or a resumed learner repairing its last checkpointed update,
+    counts nothing twice."""
+    from dataclasses import replace
+
+    from common.segments import acknowledge, entry_samples
+
+    keys = RedisKeys(key_prefix)
+    store = SessionStore(redis_client, keys, "learners")
+    store.ensure_stream()
+    for task, samples in (("emu-1", ["r:0", "r:1"]), ("emu-2", ["r:2"]), ("emu-3", [None])):
+        session = Session(task, segment_len=8, epoch="e")
+        batch = Batch()
+        for n, sample in enumerate(samples):
+            store.stage_transition(batch, session, replace(transition(1.0, done=n == len(samples) - 1), sample=sample))
+        store.stage_close(batch, session, SegmentClose(task, 0, "done", True, False, None, len(samples), "e"))
+        store.apply(batch)
+    read = redis_client.xreadgroup("learners", "learner-0", {keys.stream: ">"})[0][1]
+    entries = [(entry_id.decode(), entry_samples(fields)) for entry_id, fields in read]
+    assert [samples for _, samples in entries] == [["r:0", "r:1"], ["r:2"], []]
+    assert redis_client.hgetall(keys.samples) == {b"r:0": b"1.0", b"r:1": b"1.0", b"r:2": b"1.0"}  # the broker's marks
+    assert acknowledge(redis_client, keys, "learners", entries[:2]) == 2
+    assert acknowledge(redis_client, keys, "learners", entries) == 1  # again, with one more: only that one counts
+    assert acknowledge(redis_client, keys, "learners", entries) == 0
+    assert redis_client.hgetall(keys.samples_trained) == {b"r:0": b"1", b"r:1": b"1", b"r:2": b"1"}
+    assert redis_client.xlen(keys.stream) == 0 and redis_client.xpending(keys.stream, "learners")["pending"] == 0
