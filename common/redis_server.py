@@ -96,6 +96,7 @@ class EmbeddedRedis:
         self.executable = executable
         self._own_dir = data_dir is None
         self.dir = Path(data_dir) if data_dir is not None else None
+        self._socket_dir: Path | None = None  # beside a data_dir whose path is too long for a unix socket's name
         self.process: subprocess.Popen | None = None
         self.url = ""
 
@@ -106,6 +107,9 @@ class EmbeddedRedis:
             self.dir = Path(tempfile.mkdtemp(prefix="ppoz-redis-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         sock = self.dir / "redis.sock"
+        if len(str(sock)) > 100:  # a unix socket's name has at most 107 bytes: a data dir deep in a tree gets a short one
+            self._socket_dir = Path(tempfile.mkdtemp(prefix="ppoz-redis-"))
+            sock = self._socket_dir / "redis.sock"
         args = [
             executable,
             "--port",
@@ -165,6 +169,9 @@ class EmbeddedRedis:
                 self.process.kill()
                 self.process.wait(timeout)
         self.process = None
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
         if self._own_dir and self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None

@@ -9,10 +9,16 @@ configured so or out of restarts, the whole set is stopped. Stopping sends
 SIGTERM in reverse start order (clients first, the broker last, so nothing
 is left waiting on a peer that is already gone), waits up to a deadline, then
 SIGKILLs what is left. Children also die with the supervisor (PDEATHSIG).
+
+A supervisor given a `record` file keeps in it every child it runs (name, pid, start time), so that the
+next one started on the same files can find children of a supervisor that was killed -9, which the
+kernel sent SIGTERM but which may still be stopping, and wait for them (`stop_previous`) before it
+starts anything that would share their ports or their Redis files.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -22,7 +28,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import IO
 
 from common.processes import die_with_parent
@@ -64,6 +71,7 @@ class Supervisor:
         stop_timeout_s: float = 30.0,
         log_lines: int = 20,
         output: IO[str] | None = None,
+        record: Path | None = None,
     ) -> None:
         if on_failure not in (RESTART, STOP):
             raise ValueError(f"on_failure={on_failure!r}: must be {RESTART!r} or {STOP!r}")
@@ -75,6 +83,8 @@ class Supervisor:
         self.components: list[Component] = []
         self.stop_event = threading.Event()
         self.failed: str | None = None  # the component whose death stopped everything
+        self.record = record  # where every child is kept (ChildRecord), for the next supervisor on these files
+        self.adopted: list[ChildRecord] = []  # children started by others for this stack (the embedded Redis)
         self._print_lock = threading.Lock()
         self._width = 8
 
@@ -108,6 +118,22 @@ class Supervisor:
         )
         component.reader.start()
         log.info("started %s (pid %d)", component.name, component.process.pid)
+        self._write_record()
+
+    def adopt(self, name: str, pid: int) -> None:
+        """Keep a child someone else started for this stack (the embedded Redis) in the record too."""
+        child = ChildRecord.of(name, pid)
+        if child is not None:
+            self.adopted.append(child)
+            self._write_record()
+
+    def _write_record(self) -> None:
+        if self.record is None:
+            return
+        children = [*self.adopted, *(ChildRecord.of(c.name, c.pid) for c in self.components if c.running() and c.pid is not None)]
+        tmp = self.record.with_suffix(".tmp")
+        tmp.write_text(json.dumps([asdict(c) for c in children if c is not None]))
+        tmp.replace(self.record)
 
     def start_all(self, wait_between: Callable[[Component], None] | None = None) -> None:
         """Start the components in order; `wait_between(c)` may wait until `c` is ready for the next."""
@@ -200,6 +226,100 @@ class Supervisor:
         for c in self.components:
             if c.reader is not None:
                 c.reader.join(2)
+
+
+@dataclass(frozen=True)
+class ChildRecord:
+    """One child as the record keeps it: its start time tells it from a later process that got the same pid."""
+
+    name: str
+    pid: int
+    started: str  # field 22 of /proc/<pid>/stat: clock ticks after boot
+
+    @classmethod
+    def of(cls, name: str, pid: int) -> ChildRecord | None:
+        started = _start_time(pid)
+        return cls(name, pid, started) if started is not None else None
+
+    def running(self) -> bool:
+        """Still this process, and not a zombie (a child of a dead parent is reaped at once by init)."""
+        return _start_time(self.pid) == self.started
+
+
+def _start_time(pid: int) -> str | None:
+    """A live process's start time (None if it is gone, a zombie, or there is no /proc to ask)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": field 3 (the state) on
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def stop_previous(record: Path, timeout_s: float) -> list[str]:
+    """Children that a supervisor killed -9 left in `record`: each still running is sent SIGTERM (the kernel sent
+    them one when it died, PDEATHSIG), given `timeout_s` to stop, then SIGKILLed, as that supervisor's
+    `stop_all` would have done. Only processes the record names with their start time are touched. Returns
+    what was found running, named ("learner (pid 1234)")."""
+    try:
+        children = [ChildRecord(**c) for c in json.loads(record.read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+    running = [c for c in children if c.running()]
+    if not running:
+        return []
+    named = [f"{c.name} (pid {c.pid})" for c in running]
+    log.warning("the previous run's %s still run; stopping them first (SIGTERM, SIGKILL after %.0f s)", ", ".join(named), timeout_s)
+    for c in running:
+        _signal(c, signal.SIGTERM)
+    end = time.monotonic() + timeout_s
+    while running and time.monotonic() < end:
+        time.sleep(0.1)
+        running = [c for c in running if c.running()]
+    for c in running:
+        log.warning("the previous run's %s (pid %d) did not stop within %.0f s of SIGTERM; killing it", c.name, c.pid, timeout_s)
+        _signal(c, signal.SIGKILL)
+    end = time.monotonic() + 5.0
+    while running and time.monotonic() < end:
+        time.sleep(0.05)
+        running = [c for c in running if c.running()]
+    if running:
+        raise RuntimeError(f"the previous run's {', '.join(f'{c.name} (pid {c.pid})' for c in running)} would not stop")
+    return named
+
+
+class StackBusy(RuntimeError):
+    """Another live process holds what this stack needs: its run directory's lock, or one of its ports."""
+
+
+def hold_lock(path: Path) -> IO[str]:
+    """An exclusive lock on `path` for as long as the returned file stays open (the kernel lets go of it when this
+    process dies, kill -9 included); StackBusy naming the holder's pid if another live process holds it."""
+    import fcntl
+
+    handle = path.open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise StackBusy(f"{path} is locked by process {holder}, which still runs on these files; stop it first") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def _signal(child: ChildRecord, signum: int) -> None:
+    if child.running():  # checked again just before: the pid still belongs to the process recorded
+        try:
+            os.kill(child.pid, signum)
+        except ProcessLookupError:
+            pass
 
 
 def _signal_name(number: int) -> str:

@@ -4,6 +4,11 @@ Without `--broker` it starts a stack here as `ppoz up` does (embedded Redis, bro
 `[up]` says how many, the config file's tables configure them, `--model` sets `[policy] model` for
 actors and learner) and drives it; with `--broker` it drives an existing farm's broker (the learner's
 figures come from `--redis-url`, the farm's Redis, if given). The drivers, rewards and validation: train/run.py.
+
+Before anything starts, the datasets are read and each record checked against the broker's limits, and the
+reward function is loaded: a bad record or a wrong `--reward-fn` is named at once, not after the stack started.
+On one machine the stack keeps its Redis under output_dir/redis (append-only), so `--resume` finds which
+samples were stored (docs/train.md, "Resume").
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
+import shutil
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +30,7 @@ from common.options import ADVANTAGE_ESTIMATORS
 
 if TYPE_CHECKING:
     from rewards.group import GroupAdvantage
+    from train.run import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -49,29 +56,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from broker.config import BrokerConfig
+    from ppoz.supervisor import StackBusy
     from train.config import TrainConfig
     from train.data import DatasetError
     from train.driver import ValidationError
-    from train.run import run_training
+    from train.run import prepare, run_training
 
     cfg = load(TrainConfig, args.config, args)
     if not cfg.data:
         raise SystemExit("ppoz train: no training prompts; give --data FILE (or [train] data)")
     grouping, learner_flags = advantage_settings(args.config, args.advantage)
-    stop = threading.Event()
+    stop, interrupt = threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
-        log.info("%s received: the drivers finish their turns and the run stops", signal.Signals(signum).name)
+        log.info("%s received: the run stops (turns not fed back within seconds are left for a resumed run)", signal.Signals(signum).name)
+        interrupt.set()
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        # the broker's limits: its [broker] table (a farm's drivers read the farm's file, or the defaults)
+        prepared = prepare(cfg, load(BrokerConfig, args.config).limits)
         if args.broker:
-            summary = run_training(cfg, args.broker, _figures(args.redis_url, args.key_prefix), stop, grouping=grouping)
+            marks = _marks(args.redis_url, args.key_prefix)
+            if marks is None and cfg.resume:
+                log.warning("no --redis-url: a resumed run cannot read which samples the farm stored, and may repeat a few")
+            figures = _figures(args.redis_url, args.key_prefix)
+            summary = run_training(cfg, args.broker, figures, stop, grouping=grouping, prepared=prepared, marks=marks, interrupt=interrupt)
         else:
-            summary = on_this_machine(args, cfg, stop, grouping, learner_flags)
-    except (DatasetError, ValueError, ValidationError) as e:
+            summary = on_this_machine(args, cfg, stop, grouping, learner_flags, prepared, interrupt)
+    except (DatasetError, ValueError, ValidationError, StackBusy) as e:
         print(f"ppoz train: {e}", file=sys.stderr)
         return 2
     return finish(cfg, summary, args.json, learner_started_here=not args.broker)
@@ -101,18 +117,35 @@ def advantage_settings(config_file: str | None, advantage: str | None) -> tuple[
 
 def finish(cfg: Any, summary: dict[str, Any], as_json: bool, learner_started_here: bool = False) -> int:
     """The reward curve, the closing line, and the summary as JSON (last) if asked. Not 0 when every driver
-    worker stopped, or when the learner this run started applied no update: a run that trained nothing
-    must not look like one that did."""
+    worker stopped, when no response was rewarded, or when the learner this run started applied no update:
+    a run that trained nothing must not look like one that did. A run stopped by a signal is not finished:
+    it says where it stopped, and only an unrewarded run among those exits non-zero."""
+    from train.run import dumps
+
     summary["curve"] = str(_curve(cfg, summary))
     line = f"ppoz train: {summary['samples']} responses, reward curve in {summary['curve']}"
-    if "val_after" in summary:
+    if summary.get("val_after") is not None and summary.get("val_before") is not None:
         line += f"; validation reward {summary['val_before']:.3f} before, {summary['val_after']:.3f} after"
     print(line, flush=True)
+    if summary.get("stopped"):
+        print(f"ppoz train: stopped at sample {summary['resume_from']}; run it again (resume is on) to go on from there", flush=True)
     stopped = summary.get("stopped_workers") or []
     if stopped:
         print(f"ppoz train: {len(stopped)} of {cfg.workers} driver workers stopped; first: {stopped[0]}", file=sys.stderr)
-    untrained = learner_started_here and summary["samples"] > 0 and (summary.get("learner") or {}).get("version", 0) < 1
-    if untrained:
+    unrewarded = summary["samples"] > 0 and not summary.get("rewarded")
+    if unrewarded:
+        print(
+            f"ppoz train: none of the {summary['samples']} responses was rewarded, so nothing was trained on; the first reason:"
+            f" {(summary.get('unrewarded_reasons') or ['not recorded'])[0]}",
+            file=sys.stderr,
+        )
+    untrained = (
+        learner_started_here
+        and not summary.get("stopped")
+        and summary["samples"] > 0
+        and (summary.get("learner") or {}).get("version", 0) < 1
+    )
+    if untrained and not unrewarded:
         why = (
             f"none of them was rewarded; the first reason: {(summary.get('unrewarded_reasons') or ['not recorded'])[0]}"
             if not summary.get("rewarded")
@@ -120,19 +153,8 @@ def finish(cfg: Any, summary: dict[str, Any], as_json: bool, learner_started_her
         )
         print(f"ppoz train: the learner applied no update ({summary['samples']} responses, policy version 0): {why}", file=sys.stderr)
     if as_json:
-        print(json.dumps(_finite(summary)))
-    return 1 if len(stopped) >= cfg.workers or untrained else 0
-
-
-def _finite(value: Any) -> Any:
-    """NaN and infinities as null: the summary stays valid JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
+        print(dumps(summary))
+    return 1 if len(stopped) >= cfg.workers or untrained or unrewarded else 0
 
 
 def _curve(cfg: Any, summary: dict[str, Any]) -> Any:
@@ -144,16 +166,31 @@ def _curve(cfg: Any, summary: dict[str, Any]) -> Any:
 
 
 def on_this_machine(
-    args: argparse.Namespace, cfg: Any, stop: threading.Event, grouping: GroupAdvantage | None, learner_flags: list[str]
+    args: argparse.Namespace,
+    cfg: Any,
+    stop: threading.Event,
+    grouping: GroupAdvantage | None,
+    learner_flags: list[str],
+    prepared: Prepared | None = None,
+    interrupt: threading.Event | None = None,
 ) -> dict[str, Any]:
+    from learner_node.config import LearnerConfig
     from ppoz.up import UpConfig, started_stack
+    from train.resume import SampleMarks
     from train.run import run_training
 
     up = load(UpConfig, args.config)
+    out = Path(cfg.output_dir)
+    if not up.redis_url and not up.redis_data_dir:  # the run's Redis (stream, sample marks) lives with its outputs
+        if not cfg.resume:
+            shutil.rmtree(out / "redis", ignore_errors=True)  # --no-resume: nothing of an earlier run is trained or skipped
+        up = dataclasses.replace(up, redis_data_dir=str(out / "redis"))
     learner_table = read_toml(args.config).get("learner", {}) if args.config else {}
+    stand_in = {"redis_url": "redis://embedded", **({"policy.model": args.model} if args.model else {})}  # as started_stack checks it
+    learner = load(LearnerConfig, args.config, stand_in) if up.learner else None
     # the learner's checkpoints (each with the adapter in peft's format) go under the run's outputs, unless the file says where
-    checkpoints = "" if "checkpoint_dir" in learner_table else str(Path(cfg.output_dir) / "checkpoints")
-    with started_stack(up, args.config, args.log_level, args.model, checkpoints, learner_flags) as stack:
+    checkpoints = "" if "checkpoint_dir" in learner_table else str(out / "checkpoints")
+    with started_stack(up, args.config, args.log_level, args.model, checkpoints, learner_flags, run_dir=out) as stack:
 
         def watch() -> None:  # a component that dies for good stops the run
             stack.supervisor.watch()
@@ -162,12 +199,68 @@ def on_this_machine(
         threading.Thread(target=watch, daemon=True).start()
         if stack.reward_service and not cfg.reward_service:  # the drivers use the reward service this stack started
             cfg = dataclasses.replace(cfg, reward_service=stack.reward_service)
-        summary = run_training(cfg, stack.client_broker, _figures(stack.redis_url, stack.key_prefix), stop, grouping=grouping)
+        from common.redis_server import connect
+
+        redis_client = connect(stack.redis_url)
+        marks = SampleMarks(redis_client, stack.key_prefix)
+        wait = None
+        if learner is not None:
+            wait = lambda stop: wait_for_learner(redis_client, stack.key_prefix, learner, cfg.drain_timeout_s, stop)  # noqa: E731
+        figures = _figures(stack.redis_url, stack.key_prefix)
+        summary = run_training(
+            cfg,
+            stack.client_broker,
+            figures,
+            stop,
+            grouping=grouping,
+            prepared=prepared,
+            marks=marks,
+            wait_for_learner=wait,
+            interrupt=interrupt,
+        )
         if stack.supervisor.failed:
             raise RuntimeError(f"the stack stopped because {stack.supervisor.failed} died")
     adapters = sorted(Path(checkpoints or learner_table["checkpoint_dir"]).glob("ckpt-*/adapter"))
     summary["adapter"] = str(adapters[-1]) if adapters else None  # the learner's last (it checkpoints as it stops)
     return summary
+
+
+def wait_for_learner(client: Any, key_prefix: str, learner: Any, timeout_s: float, stop: threading.Event) -> None:
+    """Once the drivers are done: wait (up to `timeout_s`, or until stopped) until the learner started here has
+    acknowledged every segment in the stream, so the run's last samples are trained before the validation after
+    and the summary. A learner that waits for full rollouts (`rollout_timeout_s` = 0) is not waited for once
+    fewer than `rollout_batch` transitions are left: those wait for the next run."""
+    from common.segments import F_N, RedisKeys
+
+    stream = RedisKeys(key_prefix, learner.stream_key).stream
+    end = time.monotonic() + timeout_s
+    said = False
+    while not stop.is_set():
+        entries = client.xlen(stream)
+        if entries == 0:
+            return
+        if not learner.rollout_timeout_s and entries < learner.rollout_batch:
+            left = sum(int(fields.get(F_N.encode(), 1)) for _, fields in client.xrange(stream))
+            if left < learner.rollout_batch:
+                print(f"ppoz train: {left} transitions left in the stream, fewer than one rollout_batch: they wait for the next run")
+                return
+        if time.monotonic() > end:
+            print(f"ppoz train: the learner did not train the last {entries} segments within {timeout_s:g} s (drain_timeout_s)")
+            return
+        if not said:
+            print(f"ppoz train: waiting for the learner to train the last {entries} segments", flush=True)
+            said = True
+        stop.wait(0.5)
+
+
+def _marks(redis_url: str, key_prefix: str) -> Any:
+    """The farm's sample marks (None without a Redis URL)."""
+    if not redis_url:
+        return None
+    from common.redis_server import connect
+    from train.resume import SampleMarks
+
+    return SampleMarks(connect(redis_url), key_prefix)
 
 
 def _figures(redis_url: str, key_prefix: str) -> Any:

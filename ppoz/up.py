@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from common.config import check, load, option, read_toml, section
@@ -33,7 +34,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class UpConfig:
     redis_url: str = option("", "Redis for every component; empty starts an embedded redis-server for the stack's lifetime")
-    redis_data_dir: str = option("", "where the embedded redis-server keeps an append-only file (empty: a temporary directory)")
+    redis_data_dir: str = option(
+        "", "where the embedded redis-server keeps an append-only file (empty: a temporary directory; `ppoz train`: output_dir/redis)"
+    )
+    redis_appendfsync: str = option(
+        "everysec",
+        "how often the embedded Redis flushes its append-only file to disk: everysec (a machine that fails loses up to"
+        " about a second of writes), always (none, slower writes) or no (the OS decides)",
+    )
     broker: bool = option(True, "start the broker here")
     actors: int = option(1, "actor processes to start here")
     actor_devices: list = option([""], "device of actor i is actor_devices[i % len]; empty entries keep [actor] device")
@@ -63,6 +71,10 @@ class UpConfig:
         check(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be 0 or more")
         check(self.stop_timeout_s > 0, f"stop_timeout_s={self.stop_timeout_s}: must be positive")
         check(self.cpu_threads >= 0, f"cpu_threads={self.cpu_threads}: must be 0 (share the cores) or more")
+        check(
+            self.redis_appendfsync in ("always", "everysec", "no"),
+            f"redis_appendfsync={self.redis_appendfsync!r}: must be always, everysec or no",
+        )
         if self.env:
             from envs.runner import environment_names
 
@@ -98,17 +110,23 @@ def started_stack(
     model: str = "",
     checkpoint_dir: str = "",
     learner_flags: Sequence[str] = (),
+    run_dir: Path | None = None,
 ) -> Iterator[Stack]:
     """Start what `up` says (the embedded Redis first, then the reward service, broker, learner, actors,
     environment clients), each component reading `config_file` (`model`, if given, overrides [policy]
     model for actors and learner; `checkpoint_dir` the learner's; `learner_flags` are more of `ppoz
     learner`'s flags, which override the file); stop everything on leaving. The caller watches the
-    supervisor (`Stack.supervisor.watch()`)."""
+    supervisor (`Stack.supervisor.watch()`).
+
+    Nothing starts while a port the stack binds is taken (StackBusy names the process). With `run_dir`
+    (`ppoz train`'s output directory), the stack holds its lock and records its children there; the
+    children of an earlier stack on it that was killed -9 are stopped first, so none of them still holds
+    a port or writes the Redis files when this one starts."""
     from actor_node.config import ActorConfig
     from broker.config import BrokerConfig
     from common.redis_server import EmbeddedRedis
     from learner_node.config import LearnerConfig
-    from ppoz.supervisor import Supervisor
+    from ppoz.supervisor import Supervisor, hold_lock, stop_previous
     from rewards.config import RewardServiceConfig
 
     policy_flags = {"policy.model": model} if model else {}
@@ -120,32 +138,69 @@ def started_stack(
     stand_in = {"redis_url": up.redis_url or "redis://embedded", **policy_flags}
     learner = load(LearnerConfig, config_file, stand_in) if up.learner else None
     rewards = load(RewardServiceConfig, config_file) if up.reward_service else None
-    for name, endpoint in (
-        ("broker.frontend", broker.frontend),
-        ("broker.backend", broker.backend),
-        ("learner.weights_bind", learner.weights_bind if learner else ""),
-        ("reward_service.bind", rewards.bind if rewards else ""),
-    ):
+    binds = {
+        "broker.frontend": broker.frontend if up.broker else "",
+        "broker.backend": broker.backend if up.broker else "",
+        "learner.weights_bind": learner.weights_bind if learner else "",
+        "reward_service.bind": rewards.bind if rewards else "",
+    }
+    for name, endpoint in binds.items():
         check(not endpoint.endswith(":*"), f"{name} = {endpoint!r}: `ppoz up` needs fixed ports to wire components together")
     if up.actors and not actor.policy.model:
         log.warning("[policy] model is empty: the actors serve the uniform random policy")
+    client_broker = connect_address(broker.frontend) if up.broker else up.env_broker
+    check(not up.env or bool(client_broker), "[up] env_broker is empty: the environment clients need the broker's client endpoint")
+
+    lock = None
+    record = None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = hold_lock(run_dir / "stack.lock")
+        record = run_dir / "stack.json"
+        stop_previous(record, up.stop_timeout_s)
+    embedded = None
+    sup = Supervisor(up.on_failure, up.max_restarts, up.stop_timeout_s, up.log_lines, record=record)
+    try:
+        check_ports_free(binds)
+        redis_url = up.redis_url
+        if not redis_url:
+            data_dir = up.redis_data_dir or None
+            embedded = EmbeddedRedis(appendonly=bool(data_dir), data_dir=data_dir, appendfsync=up.redis_appendfsync).start()
+            redis_url = embedded.url
+            if embedded.process is not None:
+                sup.adopt("redis-server", embedded.process.pid)
+            log.info("embedded redis-server at %s", redis_url)
+        yield from _started(up, sup, config_file, log_level, redis_url, broker, actor, learner, rewards, model_args, learner_args)
+    finally:
+        sup.stop_all()
+        if embedded is not None:
+            embedded.stop()
+        if lock is not None:
+            lock.close()
+
+
+def _started(
+    up: UpConfig,
+    sup: Any,
+    config_file: str | None,
+    log_level: str,
+    redis_url: str,
+    broker: Any,
+    actor: Any,
+    learner: Any,
+    rewards: Any,
+    model_args: list[str],
+    learner_args: list[str],
+) -> Iterator[Stack]:
+    """Start the components under `sup` and yield the stack (the caller stops them)."""
     # Components started here find each other through the bind addresses; those elsewhere
     # through the addresses the config gives ([actor] broker and weights, [up] env_broker).
     actor_broker = connect_address(broker.backend) if up.broker else actor.broker
     actor_weights = connect_address(learner.weights_bind) if learner else actor.weights
     client_broker = connect_address(broker.frontend) if up.broker else up.env_broker
-    check(not up.env or bool(client_broker), "[up] env_broker is empty: the environment clients need the broker's client endpoint")
-
-    embedded = None
-    redis_url = up.redis_url
-    if not redis_url:
-        embedded = EmbeddedRedis(appendonly=bool(up.redis_data_dir), data_dir=up.redis_data_dir or None).start()
-        redis_url = embedded.url
-        log.info("embedded redis-server at %s", redis_url)
     common = [sys.executable, "-m", "ppoz.cli", "--log-level", log_level]
     torch_env = thread_env(up.cpu_threads, up.actors + int(up.learner) + int(bool(rewards and rewards.reward_model)))
     config = ["--config", config_file] if config_file else []
-    sup = Supervisor(up.on_failure, up.max_restarts, up.stop_timeout_s, up.log_lines)
     if rewards:  # first: its model loads while the others start, and it stops last, after every driver's broker
         sup.add("reward-server", [*common, "reward-server", *config], torch_env)
     if up.broker:
@@ -176,31 +231,89 @@ def started_stack(
             "clients",
             [*common, "play", "--env", up.env, "--clients", str(up.env_clients), "--broker", client_broker, "--report-every", "30"],
         )
-    try:
-        sup.start_all(lambda c: _wait_ready(c.name, client_broker, up.ready_timeout_s, sup))
-        if rewards:
-            _wait_answering("reward-server", connect_address(rewards.bind), _reward_service_answers, up.ready_timeout_s, sup)
-        yield Stack(client_broker, redis_url, broker.key_prefix, sup, connect_address(rewards.bind) if rewards else "")
-    finally:
-        sup.stop_all()
-        if embedded is not None:
-            embedded.stop()
+    sup.start_all(lambda c: _wait_ready(c.name, client_broker, up.ready_timeout_s, sup))
+    if rewards:
+        _wait_answering("reward-server", connect_address(rewards.bind), _reward_service_answers, up.ready_timeout_s, sup)
+    yield Stack(client_broker, redis_url, broker.key_prefix, sup, connect_address(rewards.bind) if rewards else "")
+
+
+def check_ports_free(binds: dict[str, str]) -> None:
+    """StackBusy if a TCP port one of `binds` (name -> ZeroMQ endpoint) needs is taken, naming the process that
+    holds it when this machine says (a component of an earlier stack still stopping, say)."""
+    import socket
+
+    from ppoz.supervisor import StackBusy
+
+    for name, endpoint in binds.items():
+        if not endpoint.startswith("tcp://"):
+            continue
+        host, _, port_text = endpoint[len("tcp://") :].rpartition(":")
+        if not port_text.isdigit() or int(port_text) == 0:
+            continue
+        host = "0.0.0.0" if host in ("*", "") else host.strip("[]")
+        try:
+            family = socket.getaddrinfo(host, int(port_text), type=socket.SOCK_STREAM)[0][0]
+        except OSError:
+            continue  # an interface name ZeroMQ understands but this check does not: ZeroMQ reports it
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds: a closing connection does not count
+            try:
+                probe.bind((host, int(port_text)))
+            except OSError as e:
+                holder = port_holder(int(port_text))
+                raise StackBusy(
+                    f"{name} = {endpoint}: port {port_text} is taken ({e.strerror}){' by ' + holder if holder else ''};"
+                    " stop that process or choose another port"
+                ) from e
+
+
+def port_holder(port: int) -> str:
+    """The process listening on TCP `port`, as "pid N (command line)", if /proc tells (Linux, this user's processes); else ""."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rpartition(":")[2], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{cols[9]}]")
+    if not inodes:
+        return ""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                    return f"pid {proc.name} ({command[:120]})"
+        except OSError:
+            continue
+    return ""
 
 
 def main(args: argparse.Namespace) -> int:
+    from ppoz.supervisor import StackBusy
+
     up = load(UpConfig, args.config, args)
-    with started_stack(up, args.config, args.log_level) as stack:
-        sup = stack.supervisor
-        if stack.reward_service:
-            _warn_if_unused(args.config, stack.reward_service)
+    try:
+        with started_stack(up, args.config, args.log_level) as stack:
+            sup = stack.supervisor
+            if stack.reward_service:
+                _warn_if_unused(args.config, stack.reward_service)
 
-        def on_signal(signum: int, frame: Any) -> None:
-            log.info("%s received: stopping every component", signal.Signals(signum).name)
-            sup.stop()
+            def on_signal(signum: int, frame: Any) -> None:
+                log.info("%s received: stopping every component", signal.Signals(signum).name)
+                sup.stop()
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        code = sup.watch()
+            signal.signal(signal.SIGTERM, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
+            code = sup.watch()
+    except StackBusy as e:
+        print(f"ppoz up: {e}", file=sys.stderr)
+        return 2
     if sup.failed:
         print(f"ppoz up: stopped because {sup.failed} died", file=sys.stderr)
     return code

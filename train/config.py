@@ -51,6 +51,11 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
         "longest wait for one response's reward (a judge's retries included); past it: unrewarded (keep it below [broker] session_ttl_s)",
     )
     report_every_s: float = option(10.0, "seconds between progress lines")
+    drain_timeout_s: float = option(
+        300.0,
+        "on one machine, once the drivers are done: longest wait for the learner to train what they sent (a learner with"
+        " [learner] rollout_timeout_s = 0 is not waited for once less than one rollout_batch is left)",
+    )
 
     def __post_init__(self) -> None:
         self.check_reward_sources()
@@ -68,6 +73,7 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
             "[train] deadline_s, reward_timeout_s and report_every_s must be positive",
         )
         check(all(isinstance(s, str) and s for s in self.stop), f"[train] stop = {self.stop!r}: non-empty strings")
+        check(self.drain_timeout_s >= 0, f"[train] drain_timeout_s = {self.drain_timeout_s}: must be 0 or more")
         for name, weight in self.weights.items():
             check(isinstance(weight, (int, float)) and not isinstance(weight, bool), f"[train] weights.{name} = {weight!r}: a number")
         if self.reward_service:

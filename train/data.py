@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,8 +60,12 @@ class DatasetReport:
             self.reasons.append(reason)
 
 
-def load_dataset(path: str | Path, strict: bool = False) -> tuple[list[PromptRecord], DatasetReport]:
-    """Every good record of `path`, in file order, and what was skipped. Strict: the first bad record is a DatasetError."""
+def load_dataset(
+    path: str | Path, strict: bool = False, fits: Callable[[PromptRecord], str] | None = None
+) -> tuple[list[PromptRecord], DatasetReport]:
+    """Every good record of `path`, in file order, and what was skipped. Strict: the first bad record is a DatasetError.
+    `fits(record)`: why a well-formed record cannot be sent ("" if it can), such as a prompt over the broker's limits
+    (train/driver.py `request_problem`); such a record is a bad record, named with its line and the limit."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
@@ -73,7 +77,11 @@ def load_dataset(path: str | Path, strict: bool = False) -> tuple[list[PromptRec
     for where, raw in _raw_records(path, suffix, report):
         report.read += 1
         try:
-            records.append(check_record(raw, where))
+            record = check_record(raw, where)
+            problem = fits(record) if fits is not None else ""
+            if problem:
+                raise DatasetError(f"{where}: {problem}")
+            records.append(record)
         except DatasetError as e:
             if strict:
                 raise

@@ -12,9 +12,13 @@ A response that gets no reward (its reward function refused it, the judge could 
 not trained on: the worker detaches its task, which drops the step without a transition (the
 broker's rule for a pending step at detach), counts it in `unrewarded`, and attaches anew.
 
-`DriverProgress` keeps the positions done; `resume_from` is the first position not yet done, so a
-run that stops can start again there without repeating or skipping a prompt (positions after it
-that were done are done again: at most `workers` of them).
+Each feedback names its sample (`<run>:<position>`, train/resume.py), which the broker stores once, with
+the transition; a resumed run is given the positions stored before and skips them, so no sample is trained
+twice and none is lost (docs/train.md, "Resume"). `DriverProgress` keeps the positions done; `resume_from`,
+the first position not yet done, is where a resumed run starts looking.
+
+On `stop` the workers take no new position, and a turn not yet fed back is abandoned (its task detached, its
+step dropped): it is not stored, so a resumed run plays it again.
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from client import BadRequest, Client, Overloaded, PPOZError, RequestTimeout, TooLarge, UnknownTask
+from client.retry import generate_fields
+from common import protocol as p
 from rewards.composite import CompositeReward, Item, Scored, prompt_text
 from rewards.group import GroupAdvantage
 from train.data import PromptOrder, PromptRecord
+from train.resume import Samples
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +53,34 @@ class Sampling:
     chat_template: bool = False  # a plain-text prompt goes as one user message, through the model's chat template
 
 
+def _prompt(record: PromptRecord, sampling: Sampling) -> tuple[str | None, list[dict[str, str]] | None]:
+    """What `generate` sends: the text, or chat messages (a text prompt under `chat_template` becomes one user message)."""
+    if isinstance(record.prompt, str):
+        return (None, [{"role": "user", "content": record.prompt}]) if sampling.chat_template else (record.prompt, None)
+    return None, list(record.prompt)
+
+
+def request_problem(record: PromptRecord, sampling: Sampling, limits: p.Limits) -> str:
+    """Why the broker would refuse `record`'s generate request ("" if it would not): the request built as `generate`
+    builds it, with the longest task id and rid, checked by the broker's own rules and against its message size
+    (a request far over it is dropped by ZeroMQ unanswered, and would show only as a timeout)."""
+    text, messages = _prompt(record, sampling)
+    stop = list(sampling.stop) or None
+    fields = generate_fields("t" * 128, text, messages, sampling.max_new_tokens, sampling.temperature, sampling.top_p, stop, 0, 1.0)
+    body = {**p.header(p.OP_GENERATE, "r" * p.MAX_RID_BYTES), **fields}
+    try:
+        p.check_generate(body, limits)
+    except p.ProtocolError as e:
+        return f"over the broker's limits: {e.message}"
+    size = len(p.encode(body))
+    if size > limits.max_message_bytes:
+        return f"its generate request is {size} bytes, over the broker's max_message_bytes ({limits.max_message_bytes})"
+    return ""
+
+
 def generate(client: Client, task: str, record: PromptRecord, sampling: Sampling, seed: int | None = None) -> dict[str, Any]:
     """The policy's response to `record`'s prompt (text, or chat messages for the actor's chat template)."""
-    if isinstance(record.prompt, str):
-        text, messages = (None, [{"role": "user", "content": record.prompt}]) if sampling.chat_template else (record.prompt, None)
-    else:
-        text, messages = None, list(record.prompt)
+    text, messages = _prompt(record, sampling)
     return client.generate(
         task,
         text,
@@ -148,6 +177,7 @@ class DriverProgress:
 
     start: int = 0
     done: set[int] = field(default_factory=set)
+    skipped: int = 0  # positions an earlier run stored: not played again
     rewarded: int = 0
     unrewarded: int = 0
     reward_sum: float = 0.0
@@ -168,6 +198,12 @@ class DriverProgress:
         while position in self.done:
             position += 1
         return position
+
+    def skip(self, position: int) -> None:
+        """A position an earlier run stored: done, and not counted among this run's responses."""
+        with self.lock:
+            self.done.add(position)
+            self.skipped += 1
 
     def record(self, position: int, scored: Scored | None, tokens: int) -> None:
         with self.lock:
@@ -217,6 +253,7 @@ def drive(
     make_client: Callable[..., Client] = Client,
     reward_timeout_s: float = 600.0,
     grouping: GroupAdvantage | None = None,
+    samples: Samples | None = None,
 ) -> DriverProgress:
     """Drive `records` in `order` from position `start` until the order ends, `limit` positions were
     taken (with `grouping`, the group that reaches it is finished) or `stop` is set; the progress. A
@@ -228,33 +265,51 @@ def drive(
 
     With `grouping` (GRPO), a worker takes the order's samples of one prompt together (one task each),
     and sends each response's group-relative advantage over the group's rewards instead of its reward;
-    a group with fewer than two rewarded responses is not trained on (counted in `progress.lone`)."""
+    a group with fewer than two rewarded responses is not trained on (counted in `progress.lone`).
+
+    With `samples`, each feedback carries its sample id, and the positions `samples.stored` (by an earlier
+    run) are skipped; a group some of whose members were stored plays the others, their advantages taken
+    over the group's rewards with the stored members' raw scores (`samples.scores`) among them."""
     stop = stop or threading.Event()
+    stored = samples.stored if samples is not None else {}
     progress = progress or DriverProgress(start=start)
     positions = order.positions(start)
     taken = [0]
     take_lock = threading.Lock()
     held: list[tuple[int, int, int, int]] = []  # a position read past the end of a group, for the next one
 
-    def next_group() -> list[tuple[int, PromptRecord]]:
-        """The next position, or with `grouping` the next positions of one prompt; [] at the end."""
+    def next_group() -> tuple[list[tuple[int, PromptRecord]], list[float]]:
+        """The next position to play, or with `grouping` the next positions of one prompt, less those an earlier
+        run stored (counted done), with the raw scores of those stored members; ([], []) at the end."""
         with take_lock:
-            group: list[tuple[int, PromptRecord]] = []
-            prompt: tuple[int, int] | None = None  # (epoch, record index) of the group's prompt
-            while group or (not stop.is_set() and (limit is None or taken[0] < limit)):  # a group is taken whole
-                following = held.pop() if held else next(positions, None)
-                if following is None:
-                    break
-                position, epoch, index, _sample = following
-                if group and (grouping is None or (epoch, index) != prompt):
-                    held.append(following)
-                    break
-                prompt = (epoch, index)
-                taken[0] += 1
-                group.append((position, records[index]))
-                if grouping is None:
-                    break
-            return group
+            while group := take():
+                todo = [(position, record) for position, record in group if position not in stored]
+                for position, _ in group:
+                    if position in stored:
+                        progress.skip(position)
+                if todo:
+                    scores = samples.scores if samples is not None else {}
+                    return todo, [scores[position] for position, _ in group if position in stored and position in scores]
+            return [], []
+
+    def take() -> list[tuple[int, PromptRecord]]:
+        """The next position, or with `grouping` the next positions of one prompt; [] at the end (under take_lock)."""
+        group: list[tuple[int, PromptRecord]] = []
+        prompt: tuple[int, int] | None = None  # (epoch, record index) of the group's prompt
+        while group or (not stop.is_set() and (limit is None or taken[0] < limit)):  # a group is taken whole
+            following = held.pop() if held else next(positions, None)
+            if following is None:
+                break
+            position, epoch, index, _sample = following
+            if group and (grouping is None or (epoch, index) != prompt):
+                held.append(following)
+                break
+            prompt = (epoch, index)
+            taken[0] += 1
+            group.append((position, records[index]))
+            if grouping is None:
+                break
+        return group
 
     def respond(client: Client, task: str, position: int, record: PromptRecord) -> tuple[str, dict[str, Any] | None]:
         """The policy's response to one position (None if the record's turn failed, counted); the task to go on with."""
@@ -271,13 +326,17 @@ def drive(
         except FutureTimeout:
             return Scored(None, {}, error=f"{record.where}: no reward within {reward_timeout_s:g} s")
 
-    def play(client: Client, tasks: list[str], group: list[tuple[int, PromptRecord]], pending: set[int]) -> None:
+    def play(client: Client, tasks: list[str], group: list[tuple[int, PromptRecord]], pending: set[int], known: list[float]) -> None:
         """One group's turns (one position without `grouping`): responses, their rewards (all asked for
         before any is awaited, so a reward model batches them and a judge runs them at once), the feedback;
         a turn with no reward (or alone in its group) is dropped without a transition, never trained on a
-        made-up reward. Positions leave `pending` as they are counted."""
+        made-up reward. `known`: raw scores of the group's members an earlier run stored, which count in
+        the group's statistics. Positions leave `pending` as they are counted; on `stop`, turns not yet
+        fed back are abandoned (left pending, never stored)."""
         replies: dict[int, dict[str, Any]] = {}  # by member, those that got a response
         for k, (position, record) in enumerate(group):
+            if stop.is_set():
+                return
             tasks[k], reply = respond(client, tasks[k], position, record)
             if reply is None:
                 pending.discard(position)
@@ -285,16 +344,21 @@ def drive(
                 replies[k] = reply
         futures = {k: scorer.submit(item_for(group[k][1], reply["text"])) for k, reply in replies.items()}
         scored = {k: reward_of(group[k][1], future) for k, future in futures.items()}
+        if stop.is_set():
+            return
         rewards = {k: s.reward for k, s in scored.items() if s.reward is not None}
         sent = rewards
         if grouping is not None:
-            sent = dict(zip(rewards, grouping(list(rewards.values())))) if len(rewards) >= 2 else {}
-            progress.count_group(list(rewards.values()))
+            pool = [*known, *rewards.values()]
+            sent = dict(zip(rewards, grouping(pool)[len(known) :])) if rewards and len(pool) >= 2 else {}
+            progress.count_group(pool)
+            if sent and samples is not None:  # durable before any feedback: a group cut by a kill is completed with them
+                samples.record_scores({group[k][0]: rewards[k] for k in sent})
         for k, reply in replies.items():
             position, record = group[k]
             try:
                 if k in sent:
-                    client.feedback(tasks[k], sent[k], done=True)
+                    client.feedback(tasks[k], sent[k], done=True, sample=samples.id(position) if samples is not None else None)
                 else:  # the step is dropped without a transition
                     tasks[k] = _reattach(client, tasks[k])
                 progress.record(position, scored[k], int(reply.get("n_tokens", 0)))
@@ -308,11 +372,17 @@ def drive(
         tasks: list[str] = []
         pending: set[int] = set()  # positions taken and not yet counted
         try:
-            while group := next_group():
+            while True:
+                group, known = next_group()
+                if not group:
+                    break
                 pending = {position for position, _ in group}
                 while len(tasks) < len(group):  # one task per response of a group: each holds one step
                     tasks.append(client.attach())
-                play(client, tasks, group, pending)
+                play(client, tasks, group, pending, known)
+                if stop.is_set():
+                    pending.clear()  # abandoned, not done: a resumed run plays them
+                    break
         except PPOZError as e:
             log.error("driver worker %d stopped: %s", worker, e)
             for position in sorted(pending):  # taken but not done: counted, so the resume point moves past them

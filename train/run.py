@@ -3,8 +3,10 @@ progress line, the resume state and the summary. The stack it drives is someone 
 starts one on this machine (ppoz/train.py) or drives a farm's broker.
 
 Files under `output_dir`:
-    driver_state.json   where the prompts stand (resume point), written every progress line and at the end
-    summary.json        the run's figures: validation before and after, rewards, counts
+    driver_state.json   the order of work and its run id (sample ids are `<run>:<position>`), written before the first
+                        sample is sent; and the first position not yet done, a hint rewritten every progress line:
+                        which samples are stored is read from Redis (train/resume.py)
+    summary.json        the run's figures: validation before and after, rewards, counts (strict JSON: null, never NaN)
     progress.jsonl      one line per progress report: time, samples, reward mean, the learner's figures; a resumed
                         run goes on with its times after the last run's, a run from the start writes it anew
 """
@@ -14,20 +16,27 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.protocol import Limits
 from rewards.composite import CompositeReward
 from rewards.functions import load_reward_fn
 from rewards.group import GroupAdvantage
 from train.config import TrainConfig
 from train.data import PromptOrder, PromptRecord, load_dataset
-from train.driver import BatchingScorer, DriverProgress, Sampling, drive, validate
+from train.driver import BatchingScorer, DriverProgress, Sampling, drive, request_problem, validate
+from train.resume import SampleMarks, load_samples, new_run_id
 
 log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 5.0  # after `stop`, how long turns in flight may take to be fed back before the run stops without them
+STOP_POLL_S = 0.2  # how often the run looks at `stop` while the drivers work
 
 # The learner's figures a progress line shows, by the name it gives them (learner_node/generation.py).
 LEARNER_FIGURES = {
@@ -82,11 +91,38 @@ def _service_sources(cfg: TrainConfig) -> tuple[dict[str, float], Any, Any]:
     return weights, clients.get("rm_score"), clients.get("judge_score")
 
 
-def load_records(path: str, strict: bool, limit: int = 0) -> list[PromptRecord]:
-    records, report = load_dataset(path, strict)
+def load_records(path: str, strict: bool, limit: int = 0, fits: Callable[[PromptRecord], str] | None = None) -> list[PromptRecord]:
+    records, report = load_dataset(path, strict, fits)
     if report.skipped:
         print(f"ppoz train: {path}: {report.skipped} of {report.read} records skipped; first: {report.reasons[0]}", flush=True)
     return records[:limit] if limit else records
+
+
+def sampling_of(cfg: TrainConfig) -> Sampling:
+    return Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, tuple(cfg.stop), cfg.chat_template)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a run checks before any process starts: its datasets (each record within the broker's limits) and its
+    reward function (loaded, so a wrong path or name stops the run at once)."""
+
+    records: list[PromptRecord]
+    val: list[PromptRecord]
+
+
+def prepare(cfg: TrainConfig, limits: Limits | None = None) -> Prepared:
+    """Load and check the datasets and the reward function; DatasetError or ValueError (RewardError) names what is wrong.
+    `limits`: the broker's ([broker] table); a record its generate request would exceed is a bad record, named."""
+    limits = limits or Limits()
+    sampling = sampling_of(cfg)
+    fits = lambda record: request_problem(record, sampling, limits)  # noqa: E731
+    records = load_records(cfg.data, cfg.strict, fits=fits)
+    greedy = Sampling(cfg.max_new_tokens, 0.0, chat_template=cfg.chat_template)  # validation's requests
+    val = load_records(cfg.val, cfg.strict, cfg.val_size, lambda record: request_problem(record, greedy, limits)) if cfg.val else []
+    if cfg.reward_weights().get("rule_score"):
+        load_reward_fn(cfg.reward_fn or "default")
+    return Prepared(records, val)
 
 
 def order_identity(order: PromptOrder, data: str) -> dict[str, Any]:
@@ -101,27 +137,47 @@ def order_identity(order: PromptOrder, data: str) -> dict[str, Any]:
     }
 
 
-def read_state(path: Path, order: PromptOrder, data: str) -> int:
-    """The resume point a previous run left for this dataset and order, else 0."""
+def read_state(path: Path, order: PromptOrder, data: str) -> tuple[str, int]:
+    """The run id and resume point a previous run left for this dataset and order; ("", 0) if none."""
     if not path.is_file():
-        return 0
+        return "", 0
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError):
         log.warning("%s cannot be read: starting from the first prompt", path)
-        return 0
+        return "", 0
     same = order_identity(order, data)
     if {k: state.get(k) for k in same} != same:
         print(f"ppoz train: {path} is for another dataset or order: starting from the first prompt", flush=True)
-        return 0
-    return int(state.get("resume_from", 0))
+        return "", 0
+    return str(state.get("run") or ""), int(state.get("resume_from", 0))
 
 
-def write_state(path: Path, order: PromptOrder, data: str, progress: DriverProgress) -> None:
-    state = {**order_identity(order, data), "resume_from": progress.resume_from, "time": time.time()}
+def write_state(path: Path, order: PromptOrder, data: str, run: str, resume_from: int) -> None:
+    """Replace the state file whole (a kill mid-write leaves the previous one), on disk before this returns."""
+    state = {**order_identity(order, data), "run": run, "resume_from": resume_from, "time": time.time()}
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
-    tmp.replace(path)  # a crash mid-write leaves the previous state, never half of one
+    with tmp.open("w") as f:
+        f.write(json.dumps(state))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with NaN and infinities as None (JSON's null): what json.dumps(..., allow_nan=False) accepts."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """Strict JSON (RFC 8259): undefined figures are null."""
+    return json.dumps(strict_json(value), allow_nan=False, **kwargs)
 
 
 def progress_line(done: int, total: int | None, progress: DriverProgress, elapsed: float, learner: dict[str, float]) -> str:
@@ -165,11 +221,22 @@ def run_training(
     stop: threading.Event | None = None,
     echo: Callable[[str], None] = lambda line: print(line, flush=True),
     grouping: GroupAdvantage | None = None,
+    prepared: Prepared | None = None,
+    marks: SampleMarks | None = None,
+    wait_for_learner: Callable[[threading.Event], None] | None = None,
+    interrupt: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Validation, the drivers until the order of work ends (or `max_samples`, or `stop`), validation
     again; the summary (also written to output_dir/summary.json). With `grouping` (GRPO or RLOO: the learner's
     [generation] advantage = grpo or rloo) the drivers send group-relative advantages over each prompt's
-    rollout_n responses (train/driver.py)."""
+    rollout_n responses (train/driver.py).
+
+    `prepared`: the datasets `prepare` checked (else loaded here); `marks`: the Redis the broker stores sample
+    marks in (without it a resumed run starts at the state file's hint and may play a few samples again);
+    `wait_for_learner(stop)`: called once the drivers finished the order, to let a learner started for this
+    run train what they sent before the validation after. On `stop` (a time limit, a component that died, a
+    signal) the drivers stop within STOP_GRACE_S; `interrupt` (set with `stop` by SIGTERM or SIGINT) also
+    skips the validation after: the run is not over, and a resumed run goes on from its place."""
     if grouping is not None and cfg.rollout_n < 2:
         raise ValueError(
             f"[train] rollout_n = {cfg.rollout_n}: {grouping.estimator.upper()} compares the responses to one prompt, so it needs 2 or more"
@@ -177,17 +244,22 @@ def run_training(
     stop = stop or threading.Event()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    records = load_records(cfg.data, cfg.strict)
-    val = load_records(cfg.val, cfg.strict, cfg.val_size) if cfg.val else []
+    prepared = prepared or prepare(cfg)
+    records, val = prepared.records, prepared.val
     reward = build_reward(cfg)
     order = PromptOrder(len(records), cfg.epochs, cfg.rollout_n, cfg.shuffle, cfg.seed)
     state_path = out / "driver_state.json"
-    start = read_state(state_path, order, cfg.data) if cfg.resume else 0
-    if start:
-        echo(f"ppoz train: resuming at sample {start}")
+    run, start = read_state(state_path, order, cfg.data) if cfg.resume else ("", 0)
+    run = run or new_run_id()
+    write_state(state_path, order, cfg.data, run, start)  # the run id is on disk before any sample is sent
+    samples = load_samples(run, marks, grouped=grouping is not None)
+    ahead = sum(1 for position in samples.stored if position >= start)
+    if start or ahead:
+        skipping = f"; {ahead} samples after it were stored before and are skipped" if ahead else ""
+        echo(f"ppoz train: resuming at sample {start}{skipping}")
     if order.total is not None and start >= order.total:
         echo(f"ppoz train: the last run with {out} finished all {order.total} samples; --no-resume starts again")
-    summary: dict[str, Any] = {"data": cfg.data, "records": len(records), "val_records": len(val), "start": start}
+    summary: dict[str, Any] = {"data": cfg.data, "records": len(records), "val_records": len(val), "start": start, "run": run}
 
     warned: list[bool] = []  # the learner's advantage against the drivers', said once
 
@@ -213,7 +285,7 @@ def run_training(
     total = order.total if not cfg.max_samples else min(order.total or cfg.max_samples, start + cfg.max_samples)
     progress = DriverProgress(start=start)
     scorer = BatchingScorer(reward, max_batch=max(cfg.workers, 1))
-    sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, tuple(cfg.stop), cfg.chat_template)
+    sampling = sampling_of(cfg)
     started = time.monotonic()
     driving = threading.Thread(
         target=drive,
@@ -232,6 +304,7 @@ def run_training(
             seed=cfg.seed,
             reward_timeout_s=cfg.reward_timeout_s,
             grouping=grouping,
+            samples=samples,
         ),
         name="drivers",
         daemon=True,
@@ -239,22 +312,43 @@ def run_training(
     driving.start()
     progress_path = out / "progress.jsonl"
     before = _last_time(progress_path) if start else 0.0  # the curve of a resumed run goes on where the last one ended
+    stopping_since: float | None = None  # when the loop saw `stop` (polled every STOP_POLL_S)
+    next_report = time.monotonic() + cfg.report_every_s
     with progress_path.open("a" if start else "w") as lines:
         while driving.is_alive():
-            driving.join(cfg.report_every_s)
-            elapsed = time.monotonic() - started
+            driving.join(STOP_POLL_S)
+            now = time.monotonic()
+            if stop.is_set():
+                stopping_since = stopping_since or now
+                if driving.is_alive() and now - stopping_since < STOP_GRACE_S:
+                    continue
+                if driving.is_alive():  # their turns are not stored, or stored once: a resumed run plays or skips them
+                    echo(f"ppoz train: stopping without the turns still in flight after {STOP_GRACE_S:g} s; a resumed run plays them")
+                    break
+            elif driving.is_alive() and now < next_report:
+                continue
+            next_report = now + cfg.report_every_s
+            elapsed = now - started
             figures = _safe(learner_figures)
             check_learner(figures)
             done = start + len(progress.done)  # positions from `start` on
             echo(progress_line(done, total, progress, elapsed, figures))
             row = {"time": before + elapsed, "samples": done, "reward_mean": progress.recent_mean()}
-            lines.write(json.dumps({**row, **{k: figures.get(v) for k, v in LEARNER_FIGURES.items()}}) + "\n")
+            lines.write(dumps({**row, **{k: figures.get(v) for k, v in LEARNER_FIGURES.items()}}) + "\n")
             lines.flush()
-            write_state(state_path, order, cfg.data, progress)
-    scorer.close()
-    write_state(state_path, order, cfg.data, progress)
+            write_state(state_path, order, cfg.data, run, progress.resume_from)
+    interrupted = interrupt is not None and interrupt.is_set()
+    if interrupted:  # a batch still being scored is not waited for
+        echo(f"ppoz train: the drivers stopped {time.monotonic() - (stopping_since or time.monotonic()):.1f} s after the signal")
+    else:
+        scorer.close()
+    write_state(state_path, order, cfg.data, run, progress.resume_from)
+    if not stop.is_set() and wait_for_learner is not None:  # the order of work is done: the learner trains its end
+        wait_for_learner(stop)
     summary.update(
-        samples=len(progress.done),
+        samples=len(progress.done) - progress.skipped,
+        skipped=progress.skipped,
+        stopped=interrupted,
         rewarded=progress.rewarded,
         unrewarded=progress.unrewarded,
         unrewarded_reasons=progress.errors[:5],
@@ -265,9 +359,9 @@ def run_training(
         seconds=round(time.monotonic() - started, 1),
         learner={k: v for k, v in _safe(learner_figures).items() if k in LEARNER_FIGURES.values()},
     )
-    if val:
+    if val and not interrupted:
         validation("after")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(dumps(summary, indent=2))
     return summary
 
 

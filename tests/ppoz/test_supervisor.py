@@ -266,3 +266,45 @@ def test_duplicate_names_are_refused(make_supervisor: Callable[..., tuple[Superv
     with pytest.raises(ValueError, match="'broker'"):
         sup.add("broker", python("pass"))
     assert [c.name for c in sup.components] == ["broker"]
+
+
+# -- after a supervisor killed -9 ------------------------------------------------------------------------------------
+def test_the_next_supervisor_stops_what_a_killed_one_left_running_and_nothing_else(
+    make_supervisor: Callable[..., tuple[Supervisor, Lines]], tmp_path: Path
+) -> None:
+    """`ppoz train` killed -9 leaves its components stopping (the kernel sent them SIGTERM) or stuck; the next one on
+    the same output directory reads their record and stops them before it binds their ports (issue 28)."""
+    import json
+    import os
+
+    from ppoz.supervisor import stop_previous
+
+    record = tmp_path / "stack.json"
+    order = tmp_path / "order"
+    sup, out = make_supervisor(record=record)  # as the killed supervisor would have run them
+    for name in ("polite", "stubborn"):
+        sup.add(name, python(TERMINABLE, name, str(order), name))
+    sup.start_all()
+    wait_for(lambda: sum(line.endswith(" | ready") for line in out.lines()) == 2, what="two children ready")
+    kept = json.loads(record.read_text())
+    assert [(c["name"], c["pid"]) for c in kept] == [(c.name, c.pid) for c in sup.components]
+    started = time.monotonic()
+    assert stop_previous(record, timeout_s=1.0) == [f"{c.name} (pid {c.pid})" for c in sup.components]
+    assert 1.0 <= time.monotonic() - started < 6.0  # the stubborn one's second of grace, then SIGKILL
+    assert [c.process.wait(5) for c in sup.components] == [0, -signal.SIGKILL]  # type: ignore[union-attr]
+    assert stop_previous(record, timeout_s=1.0) == []  # nothing left
+    # a pid the record names but with another start time is another process now (pids are reused): never signalled
+    record.write_text(json.dumps([{"name": "learner", "pid": os.getpid(), "started": "1"}]))
+    assert stop_previous(record, timeout_s=0.1) == []
+
+
+def test_one_stack_per_run_directory(tmp_path: Path) -> None:
+    import os
+
+    from ppoz.supervisor import StackBusy, hold_lock
+
+    held = hold_lock(tmp_path / "stack.lock")
+    with pytest.raises(StackBusy, match=f"locked by process {os.getpid()}, which still runs"):
+        hold_lock(tmp_path / "stack.lock")
+    held.close()  # as at exit, kill -9 included: the kernel lets go of it
+    hold_lock(tmp_path / "stack.lock").close()

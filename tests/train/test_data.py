@@ -118,3 +118,39 @@ def test_the_order_of_work_epochs_rollout_n_shuffling_and_resume() -> None:
     for bad in (dict(n_records=0), dict(n_records=2, epochs=-1), dict(n_records=2, rollout_n=0)):
         with pytest.raises(ValueError):
             PromptOrder(**bad)
+
+
+def test_a_record_the_broker_would_refuse_is_a_bad_record_named_with_its_line_and_the_limit(tmp_path) -> None:
+    """Checked when the dataset is read, by the broker's own rules on the request `generate` would send: a prompt
+    over max_prompt_chars or max_messages, or a request over max_message_bytes (which ZeroMQ drops unanswered when
+    far over: it showed only as a timeout after the deadline) (issue 28)."""
+    from common.protocol import Limits
+    from train.data import PromptRecord
+    from train.driver import Sampling, request_problem
+
+    limits = Limits(max_message_bytes=4096, max_prompt_chars=3000, max_messages=2)
+    rows = [
+        {"prompt": "short"},
+        {"prompt": "x" * 3001},
+        {"prompt": "é" * 2900},  # within max_prompt_chars, but 5,800 bytes of UTF-8: over the message size
+        {"prompt": [{"role": "user", "content": "a"}] * 3},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    sampling = Sampling(max_new_tokens=8)
+    records, report = load_dataset(path, fits=lambda record: request_problem(record, sampling, limits))
+    assert [r.prompt for r in records] == ["short"] and report.skipped == 3
+    first, second, third = report.reasons
+    assert first == "train.jsonl line 2: over the broker's limits: `prompt` has 3001 characters, the limit is 3000"
+    size = int(second.split(" bytes")[0].rsplit(" ", 1)[1])  # the whole request, task id and rid at their longest
+    assert second == f"train.jsonl line 3: its generate request is {size} bytes, over the broker's max_message_bytes (4096)"
+    assert 5800 < size < 6200
+    assert third == "train.jsonl line 4: over the broker's limits: `messages` has 3 entries, the limit is 2"
+    with pytest.raises(DatasetError, match="train.jsonl line 2: over the broker's limits"):
+        load_dataset(path, strict=True, fits=lambda record: request_problem(record, sampling, limits))
+    # under the chat template a text prompt goes as one message: the same rules hold for it
+    chat = Sampling(max_new_tokens=8, chat_template=True)
+    assert "`messages` hold 3001 characters" in request_problem(PromptRecord("x" * 3001, None, "d", {}, "w"), chat, limits)
+    assert request_problem(PromptRecord("short", None, "d", {}, "w"), Sampling(max_new_tokens=9000), Limits()) == (
+        "over the broker's limits: `sampling.max_new_tokens` is 9000, the limit is 4096"
+    )

@@ -131,3 +131,83 @@ def test_a_run_whose_learner_never_updated_says_so_and_fails(tmp_path, tiny_mode
     assert "the learner applied no update (8 responses, policy version 0): the learner's log lines above say why" in run.stderr
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 8 and summary["rewarded"] == 8
+
+
+def local_config(tmp_path, extra: str = "") -> str:
+    """A one-machine config on free ports (nothing here is meant to start)."""
+    front, back, weights = free_port(), free_port(), free_port()
+    config = tmp_path / "train.toml"
+    config.write_text(
+        f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\n{extra}'
+        f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\ntensorboard_dir = ""\n'
+        f'[up]\nactors = 1\n[train]\nworkers = 2\nmax_new_tokens = 2\noutput_dir = "{tmp_path / "out"}"\n'
+    )
+    return str(config)
+
+
+STARTED = ("embedded redis-server", "started broker")  # what `ppoz train` logs once it starts the stack
+
+
+def test_a_wrong_reward_function_or_a_record_over_the_brokers_limits_stops_the_run_before_anything_starts(tmp_path) -> None:
+    import time
+
+    write_dataset(tmp_path / "train.jsonl", 4)
+    config = local_config(tmp_path, "max_prompt_chars = 60\n")
+    data = ["--config", config, "--model", "unused", "--data", str(tmp_path / "train.jsonl")]
+    began = time.monotonic()
+    run = ppoz("train", *data, "--reward-fn", "rewardz.py:compute_score", timeout=120, cwd=tmp_path)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "ppoz train: --reward-fn 'rewardz.py:compute_score': no file rewardz.py" in run.stderr
+    assert not any(s in run.stdout + run.stderr for s in STARTED) and time.monotonic() - began < 60
+    (tmp_path / "reward.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    run = ppoz("train", *data, "--reward-fn", "reward.py:compute_score", timeout=120, cwd=tmp_path)
+    assert run.returncode == 2 and "reward.py has no function 'compute_score'" in run.stderr, run.stderr[-2000:]
+    # a record over the broker's limits ([broker] max_prompt_chars here), named with its line and the limit
+    with (tmp_path / "train.jsonl").open("a") as f:
+        f.write("\n" + json.dumps({"prompt": "say " + "red " * 20, "ground_truth": "red"}))
+    run = ppoz("train", *data, "--reward-fn", "first_word", "--strict", timeout=120, cwd=tmp_path)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "train.jsonl line 5: over the broker's limits: `prompt` has 84 characters, the limit is 60" in run.stderr
+    assert not any(s in run.stdout + run.stderr for s in STARTED)
+
+
+def test_a_port_another_process_holds_is_named_before_anything_starts(tmp_path, tiny_model) -> None:
+    import os
+    import re
+    import socket
+
+    write_dataset(tmp_path / "train.jsonl", 4)
+    config = local_config(tmp_path)
+    port = int(re.search(r"frontend = \"tcp://127.0.0.1:(\d+)\"", (tmp_path / "train.toml").read_text()).group(1))
+    with socket.socket() as holder:  # this test's own listening socket, on the broker's client port
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        args = ["--config", config, "--model", tiny_model("llama", tokenizer="words"), "--data", str(tmp_path / "train.jsonl")]
+        run = ppoz("train", *args, "--reward-fn", "first_word", timeout=120, cwd=tmp_path)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"broker.frontend = tcp://127.0.0.1:{port}: port {port} is taken (Address already in use) by pid {os.getpid()}" in run.stderr
+    assert "started broker" not in run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_a_run_that_rewarded_nothing_fails_and_its_summary_is_strict_json(stack, tmp_path) -> None:
+    """`math` refuses records without a ground truth: no response is rewarded, validation included (its mean is
+    undefined). The run exits 1 naming the first reason, and summary.json says null where it once said NaN."""
+    records = [{"prompt": f"say the word {c}", "data_source": "colours"} for c in COLOURS[:4]]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    farm = ["--broker", stack.frontend, "--epochs", "1", "--workers", "2", "--max-new-tokens", "2", "--report-every-s", "0.5"]
+    data = ["--data", str(tmp_path / "train.jsonl"), "--val", str(tmp_path / "train.jsonl"), "--reward-fn", "math"]
+    run = ppoz("train", *farm, *data, "--output-dir", str(tmp_path / "out"), "--json", timeout=240, cwd=tmp_path)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "ppoz train: none of the 4 responses was rewarded, so nothing was trained on; the first reason:" in run.stderr
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+    summary = strict((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rewarded"] == 0 and summary["unrewarded"] == 4
+    assert summary["val_before"] is None and summary["val_after"] is None and summary["reward_mean"] is None
+    printed = strict(run.stdout.strip().splitlines()[-1])  # --json: the same summary, with the curve's path
+    assert {k: v for k, v in printed.items() if k != "curve"} == summary
+    for line in (tmp_path / "out" / "progress.jsonl").read_text().splitlines():
+        strict(line)
