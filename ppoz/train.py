@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import shutil
 import signal
 import sys
 import threading
@@ -181,16 +180,16 @@ def on_this_machine(
 
     up = load(UpConfig, args.config)
     out = Path(cfg.output_dir)
+    fresh_redis = False
     if not up.redis_url and not up.redis_data_dir:  # the run's Redis (stream, sample marks) lives with its outputs
-        if not cfg.resume:
-            shutil.rmtree(out / "redis", ignore_errors=True)  # --no-resume: nothing of an earlier run is trained or skipped
         up = dataclasses.replace(up, redis_data_dir=str(out / "redis"))
+        fresh_redis = not cfg.resume  # --no-resume: nothing of an earlier run is trained or skipped
     learner_table = read_toml(args.config).get("learner", {}) if args.config else {}
     stand_in = {"redis_url": "redis://embedded", **({"policy.model": args.model} if args.model else {})}  # as started_stack checks it
     learner = load(LearnerConfig, args.config, stand_in) if up.learner else None
     # the learner's checkpoints (each with the adapter in peft's format) go under the run's outputs, unless the file says where
     checkpoints = "" if "checkpoint_dir" in learner_table else str(out / "checkpoints")
-    with started_stack(up, args.config, args.log_level, args.model, checkpoints, learner_flags, run_dir=out) as stack:
+    with started_stack(up, args.config, args.log_level, args.model, checkpoints, learner_flags, out, fresh_redis) as stack:
 
         def watch() -> None:  # a component that dies for good stops the run
             stack.supervisor.watch()

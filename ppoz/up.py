@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -111,6 +112,7 @@ def started_stack(
     checkpoint_dir: str = "",
     learner_flags: Sequence[str] = (),
     run_dir: Path | None = None,
+    fresh_redis: bool = False,
 ) -> Iterator[Stack]:
     """Start what `up` says (the embedded Redis first, then the reward service, broker, learner, actors,
     environment clients), each component reading `config_file` (`model`, if given, overrides [policy]
@@ -121,7 +123,8 @@ def started_stack(
     Nothing starts while a port the stack binds is taken (StackBusy names the process). With `run_dir`
     (`ppoz train`'s output directory), the stack holds its lock and records its children there; the
     children of an earlier stack on it that was killed -9 are stopped first, so none of them still holds
-    a port or writes the Redis files when this one starts."""
+    a port or writes the Redis files when this one starts. `fresh_redis`: the embedded Redis's data
+    directory is emptied then, before it starts (`ppoz train --no-resume`)."""
     from actor_node.config import ActorConfig
     from broker.config import BrokerConfig
     from common.redis_server import EmbeddedRedis
@@ -158,6 +161,8 @@ def started_stack(
         lock = hold_lock(run_dir / "stack.lock")
         record = run_dir / "stack.json"
         stop_previous(record, up.stop_timeout_s)
+    if fresh_redis and up.redis_data_dir and not up.redis_url:
+        shutil.rmtree(up.redis_data_dir, ignore_errors=True)
     embedded = None
     sup = Supervisor(up.on_failure, up.max_restarts, up.stop_timeout_s, up.log_lines, record=record)
     try:
