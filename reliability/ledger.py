@@ -1,6 +1,6 @@
 """The accounting invariant every reliability scenario ends with.
 
-    feedbacks acknowledged  =  transitions stored in Redis  =  trained + dropped stale + dropped truncated
+    feedbacks acknowledged  =  transitions stored in Redis  =  trained + dropped (stale, truncated, mismatched, non-finite)
 
 `acknowledged` is what clients were told was recorded (a feedback reply); the
 learner counts what it read from the stream (`transitions_stored`) and what
@@ -41,6 +41,7 @@ class Ledger:
     still_open: int = 0  # transitions in Redis in the open segments of sessions still attached
     learner_reported: bool = True  # the learner's figures hash exists (False: its counters are unknown, not zero)
     figures_key: str = ""
+    dropped_nonfinite: int = 0  # in an update the learner undid because a loss, gradient or weight was not finite
 
     @property
     def balanced(self) -> bool:
@@ -48,7 +49,7 @@ class Ledger:
             self.learner_reported
             and self.in_stream == 0
             and self.acknowledged == self.stored + self.still_open
-            and self.stored == self.trained + self.dropped_stale + self.dropped_truncated + self.dropped_mismatched
+            and self.stored == self.trained + self.dropped_stale + self.dropped_truncated + self.dropped_mismatched + self.dropped_nonfinite
         )
 
     @property
@@ -60,6 +61,7 @@ class Ledger:
             self.dropped_stale,
             self.dropped_truncated,
             self.dropped_mismatched,
+            self.dropped_nonfinite,
             self.in_stream,
             self.still_open,
         )
@@ -74,7 +76,8 @@ class Ledger:
             )
         return (
             f"acknowledged {self.acknowledged}, stored {self.stored}{opened}; {self.stored} = trained {self.trained} + stale "
-            f"{self.dropped_stale} + truncated {self.dropped_truncated} + mismatched {self.dropped_mismatched}; "
+            f"{self.dropped_stale} + truncated {self.dropped_truncated} + mismatched {self.dropped_mismatched} "
+            f"+ non-finite {self.dropped_nonfinite}; "
             f"{self.in_stream} segments unread"
         )
 
@@ -96,6 +99,7 @@ def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_
         open_transitions(client, key_prefix),
         bool(figures),
         learner_figures.latest_key(key_prefix),
+        counters.get("dropped_nonfinite", 0),
     )
 
 

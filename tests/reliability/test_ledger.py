@@ -10,9 +10,15 @@ from reliability.ledger import read_ledger, settle_ledger
 from tests.learner_node.test_resume import write_segments
 
 
-def report(redis_client, key_prefix: str, stored: int, trained: int, stale: int = 0, truncated: int = 0) -> None:
+def report(redis_client, key_prefix: str, stored: int, trained: int, stale: int = 0, truncated: int = 0, nonfinite: int = 0) -> None:
     """What the learner publishes after an update (common/learner_figures.py)."""
-    counters = {"transitions_stored": stored, "transitions_trained": trained, "dropped_stale": stale, "dropped_truncated": truncated}
+    counters = {
+        "transitions_stored": stored,
+        "transitions_trained": trained,
+        "dropped_stale": stale,
+        "dropped_truncated": truncated,
+        "dropped_nonfinite": nonfinite,
+    }
     write_latest(redis_client, key_prefix, {"updates": 1, **{COUNTER_PREFIX + k: v for k, v in counters.items()}})
 
 
@@ -34,6 +40,12 @@ def test_the_learners_counters_and_the_unread_stream(redis_client, key_prefix):
     redis_client.delete(f"{key_prefix}:segments")
     assert read_ledger(redis_client, key_prefix, acknowledged=10).balanced
     assert not read_ledger(redis_client, key_prefix, acknowledged=11).balanced
+
+
+def test_transitions_of_a_discarded_non_finite_update_balance_the_ledger_as_dropped(redis_client, key_prefix):
+    report(redis_client, key_prefix, stored=16, trained=8, nonfinite=8)
+    ledger = read_ledger(redis_client, key_prefix, acknowledged=16)
+    assert ledger.dropped_nonfinite == 8 and ledger.balanced and "non-finite 8" in str(ledger)
 
 
 def test_settling_gives_up_only_when_the_ledger_stops_moving(redis_client, key_prefix):
