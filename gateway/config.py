@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from common.config import check, option, section
+from common.protocol import DEFAULT_MAX_ABS_REWARD
 from common.security import check_client_settings
 
 
@@ -19,6 +21,11 @@ class GatewayConfig:
     generate_deadline_s: float = option(300.0, "POST /generate without deadline_ms: longest it waits for the response, retries included")
     max_inflight: int = option(256, "most requests forwarded at once; more wait for a free slot until their deadline")
     max_body_bytes: int = option(8 * 1024 * 1024, "largest HTTP request body accepted")
+    max_abs_reward: float = option(
+        DEFAULT_MAX_ABS_REWARD,
+        "POST /feedback: the largest |reward| forwarded; a larger or non-finite one gets 400 here (the broker's own"
+        " [broker] max_abs_reward still holds: set both, or the key once at the top of a shared file)",
+    )
     curve_secret_key: str = option(
         "",
         "CURVE: the gateway's key pair file (NAME.key_secret from `ppoz keygen`); its NAME.key goes in the broker's curve_allowed_clients",
@@ -34,4 +41,8 @@ class GatewayConfig:
         check(self.generate_deadline_s > 0, f"`generate_deadline_s` must be positive, got {self.generate_deadline_s}")
         check(self.max_inflight >= 1, f"`max_inflight` must be at least 1, got {self.max_inflight}")
         check(self.max_body_bytes >= 1024, f"`max_body_bytes` must be at least 1024, got {self.max_body_bytes}")
+        check(
+            math.isfinite(self.max_abs_reward) and self.max_abs_reward > 0,
+            f"`max_abs_reward` must be a positive finite number, got {self.max_abs_reward}",
+        )
         check_client_settings(self.curve_secret_key, {"curve_server_key": self.curve_server_key})

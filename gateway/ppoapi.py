@@ -15,6 +15,12 @@ unmodified Kea builds call:
 
 An error is `{"error": message, "code": code}` with an HTTP status that says what
 kind of error it is (PPOAPI answered some errors with 200; Kea raises on both).
+
+A feedback's `reward` is checked here, before anything is forwarded: one that is not finite or is
+larger than `max_abs_reward` (common.protocol.reward_problem, the broker's own rule) gets 400 naming
+the field and the bound, and the step keeps waiting for a corrected feedback. Python's json reads
+`NaN`, `Infinity` and `-Infinity`, which JSON (RFC 8259) does not have; a body holding one anywhere
+gets 400 naming where.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from common import protocol as p
+from common.protocol import DEFAULT_MAX_ABS_REWARD, reward_problem
 
 # Protocol error code -> HTTP status.
 HTTP_STATUS = {
@@ -79,8 +86,9 @@ ROUTES = {
 }
 
 
-def translate(method: str, path: str, query: str, body: bytes) -> Forward:
-    """The PPOZ request for an HTTP request; HTTPError (4xx) when the HTTP request is wrong."""
+def translate(method: str, path: str, query: str, body: bytes, max_abs_reward: float = DEFAULT_MAX_ABS_REWARD) -> Forward:
+    """The PPOZ request for an HTTP request; HTTPError (4xx) when the HTTP request is wrong (a feedback's
+    reward that is not finite or past `max_abs_reward` included)."""
     name = ROUTES.get((method, path))
     if name is None:
         if any(route_path == path for _, route_path in ROUTES):
@@ -99,7 +107,7 @@ def translate(method: str, path: str, query: str, body: bytes) -> Forward:
         if not task_id:
             raise HTTPError(400, p.E_BAD_REQUEST, f"{path} needs the task_id query parameter ({path}?task_id=...)")
         return Forward(p.OP_ASK if name == "ask" else p.OP_DETACH, {"task_id": task_id})
-    data = _json(body, required=True)
+    data = _json(body, required=True, max_abs_reward=max_abs_reward)
     task_id = data.get("task_id")
     if not isinstance(task_id, str) or not task_id:
         raise HTTPError(400, p.E_BAD_REQUEST, f"{path} needs a JSON body with a string `task_id`, got {task_id!r}")
@@ -111,9 +119,14 @@ def translate(method: str, path: str, query: str, body: bytes) -> Forward:
         return Forward(p.OP_STEP if name == "step" else p.OP_RAG_STEP, {"task_id": task_id, "obs": data["obs"]})
     if name == "generate":  # the broker checks the prompt and the sampling settings and names what is wrong
         return Forward(p.OP_GENERATE, {k: v for k, v in data.items() if k in GENERATE_FIELDS})
+    reward = data.get("reward")
+    if isinstance(reward, (int, float)) and not isinstance(reward, bool):  # another type: the broker names it
+        problem = _reward_problem(reward, max_abs_reward)
+        if problem:
+            raise HTTPError(400, p.E_BAD_REQUEST, f"`reward` {problem}; nothing was forwarded, the step still waits for its feedback")
     fields: dict[str, Any] = {
         "task_id": task_id,
-        "reward": data.get("reward"),
+        "reward": reward,
         "done": data.get("done", False),
         "truncated": data.get("truncated", False),
     }
@@ -122,20 +135,60 @@ def translate(method: str, path: str, query: str, body: bytes) -> Forward:
     return Forward(p.OP_FEEDBACK, fields)
 
 
-def _json(body: bytes, required: bool) -> dict[str, Any]:
+def _reward_problem(reward: int | float, max_abs: float) -> str:
+    """reward_problem for a JSON number: an integer too large for a float is out of range too, not an OverflowError."""
+    try:
+        value = float(reward)
+    except OverflowError:
+        return (
+            f"{str(reward)[:20]}... ({len(str(reward))} digits) is outside the accepted range [-{max_abs:g}, {max_abs:g}] (max_abs_reward)"
+        )
+    return reward_problem(value, max_abs)
+
+
+@dataclass(frozen=True)
+class NotJSON:
+    """Where the body had `NaN`, `Infinity` or `-Infinity` (what json.loads's parse_constant is given)."""
+
+    literal: str
+
+
+def _json(body: bytes, required: bool, max_abs_reward: float = DEFAULT_MAX_ABS_REWARD) -> dict[str, Any]:
     if not body.strip():
         if required:
             raise HTTPError(400, p.E_BAD_REQUEST, "this endpoint needs a JSON object body")
         return {}
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HTTPError(400, p.E_BAD_REQUEST, f"the body is not valid JSON: {e}") from e
+        data = json.loads(body, parse_constant=NotJSON)
     except RecursionError as e:
         raise HTTPError(400, p.E_BAD_REQUEST, "the body's JSON is nested too deeply") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more digits than int() takes
+        raise HTTPError(400, p.E_BAD_REQUEST, f"the body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise HTTPError(400, p.E_BAD_REQUEST, f"the body must be a JSON object, got {type(data).__name__}")
+    where = _first_not_json(data)
+    if where is not None:
+        path, literal = where
+        bound = f"[-{max_abs_reward:g}, {max_abs_reward:g}] (max_abs_reward)"
+        rule = f"; a reward must be a finite number within {bound}" if path == "reward" else ""
+        message = f"`{path}` is {literal}, which JSON does not have (RFC 8259: no NaN or Infinity){rule}; nothing was forwarded"
+        raise HTTPError(400, p.E_BAD_REQUEST, message)
     return data
+
+
+def _first_not_json(data: Any) -> tuple[str, str] | None:
+    """The path (`obs.action[2]`) and literal of the first NaN or Infinity in the parsed body; None if there is none.
+    A loop rather than recursion: json.loads accepts nesting about as deep as the recursion limit."""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, NotJSON):
+            return path, value.literal
+        if isinstance(value, dict):
+            todo += [(f"{path}.{key}" if path else str(key), v) for key, v in reversed(value.items())]
+        elif isinstance(value, list):
+            todo += [(f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
+    return None
 
 
 def success(op: str, reply: dict[str, Any]) -> dict[str, Any]:

@@ -144,7 +144,7 @@ class Gateway:
         """One HTTP request -> (status, JSON body)."""
         url = urlsplit(target)
         try:
-            forward = ppoapi.translate(method, url.path.rstrip("/") or "/", url.query, body)
+            forward = ppoapi.translate(method, url.path.rstrip("/") or "/", url.query, body, self.cfg.max_abs_reward)
             try:
                 reply = self.pool.request(forward.op, forward.fields)
             except (OverflowError, TypeError, ValueError) as e:  # msgpack cannot carry it (an int over 64 bits, say)

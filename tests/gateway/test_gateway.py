@@ -279,3 +279,63 @@ def test_generate_over_http(start_broker, start_actor, make_client, start_gatewa
     assert unknown.status_code == 400 and "unknown `sampling` keys: n" in unknown.json()["error"]
     empty = requests.post(f"{base}/generate", json={"task_id": task, "prompt": "", "sampling": {"max_new_tokens": 4}}, timeout=30)
     assert empty.status_code == 400 and "`prompt` is empty" in empty.json()["error"]
+
+
+def post_raw(base: str, route: str, text: str) -> requests.Response:
+    """A body sent as written: `requests`' json= refuses NaN, an emulator's own JSON writer may not."""
+    return requests.post(f"{base}/{route}", data=text.encode(), headers={"Content-Type": "application/json"}, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "reward, words",
+    [
+        ("1e300", "`reward` 1e+300 is outside the accepted range [-1e+06, 1e+06] (max_abs_reward)"),
+        ("-1e300", "`reward` -1e+300 is outside the accepted range [-1e+06, 1e+06] (max_abs_reward)"),
+        ("1e400", "`reward` inf is not a finite number"),  # json reads a float past float64's range as inf
+        ("1" + "0" * 400, "(401 digits) is outside the accepted range [-1e+06, 1e+06]"),  # an integer no float holds
+        (
+            "NaN",
+            "`reward` is NaN, which JSON does not have (RFC 8259: no NaN or Infinity); a reward must be a finite number"
+            " within [-1e+06, 1e+06] (max_abs_reward)",
+        ),
+        ("Infinity", "`reward` is Infinity, which JSON does not have"),
+        ("-Infinity", "`reward` is -Infinity, which JSON does not have"),
+    ],
+)
+def test_a_reward_the_learner_could_not_take_gets_400_at_the_gateway_and_the_step_still_waits(
+    reward, words, start_broker, start_actor, make_client, start_gateway
+):
+    broker = start_broker()
+    start_actor(broker.backend)
+    status = make_client(broker.frontend)
+    wait_for(lambda: actors_ready(status, 1), what="the actor")
+    base = url(start_gateway(broker.frontend))
+    task = requests.post(f"{base}/attach", timeout=30).json()["task_id"]
+    assert requests.post(f"{base}/step", json={"task_id": task, "obs": OBS}, timeout=30).status_code == 200
+    refused = post_raw(base, "feedback", f'{{"task_id": "{task}", "reward": {reward}, "done": true, "next_obs": {{}}}}')
+    assert refused.status_code == 400 and refused.json()["code"] == "bad_request", refused.json()
+    assert words in refused.json()["error"] and "nothing was forwarded" in refused.json()["error"], refused.json()
+    counters = status.status()["counters"]
+    assert counters["broker/feedbacks"] == 0 and counters["errors/bad_request"] == 0  # refused before the broker saw it
+    assert status.status()["pending_steps"] == 1
+    fixed = post_raw(base, "feedback", f'{{"task_id": "{task}", "reward": 0.5, "done": true, "next_obs": {{}}}}')
+    assert fixed.status_code == 200 and fixed.json()["segment_closed"] is True
+    assert status.status()["counters"]["broker/feedbacks"] == 1
+
+
+def test_the_gateways_own_bound_and_a_nan_anywhere_in_a_body(start_broker, start_actor, make_client, start_gateway):
+    broker = start_broker()
+    start_actor(broker.backend)
+    status = make_client(broker.frontend)
+    wait_for(lambda: actors_ready(status, 1), what="the actor")
+    base = url(start_gateway(broker.frontend, max_abs_reward=10))
+    task = requests.post(f"{base}/attach", timeout=30).json()["task_id"]
+    nan_prompt = post_raw(base, "step", f'{{"task_id": "{task}", "obs": {{"prompt": "p", "question": "q", "action": ["a", NaN]}}}}')
+    assert nan_prompt.status_code == 400 and "`obs.action[1]` is NaN" in nan_prompt.json()["error"]
+    requests.post(f"{base}/step", json={"task_id": task, "obs": OBS}, timeout=30).raise_for_status()
+    over = requests.post(f"{base}/feedback", json={"task_id": task, "reward": 11, "done": False}, timeout=30)
+    assert over.status_code == 400 and "`reward` 11 is outside the accepted range [-10, 10] (max_abs_reward)" in over.json()["error"]
+    assert status.status()["counters"]["broker/feedbacks"] == 0  # the broker (bound 1e6) would have taken 11
+    assert requests.post(f"{base}/feedback", json={"task_id": task, "reward": -10, "done": False}, timeout=30).status_code == 200
+    with pytest.raises(ValueError, match="`max_abs_reward` must be a positive finite number, got inf"):
+        GatewayConfig(max_abs_reward=float("inf"))
