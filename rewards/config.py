@@ -9,21 +9,25 @@ configs inherit them from `RewardSources`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.config import check, option, section
+from common.protocol import DEFAULT_MAX_ABS_REWARD
 
 if TYPE_CHECKING:
     from rewards.judge import JudgeConfig
     from rewards.reward_model import RewardModelConfig
 
 DEFAULT_SERVICE_ENDPOINT = "tcp://127.0.0.1:5560"
+DEFAULT_REWARD_FN_TIMEOUT_S = 30.0
 
 
 @dataclass
 class RewardSources:
-    """The reward model (rm_score) and LLM judge (judge_score) settings; each is off while its name is empty."""
+    """The reward model (rm_score) and LLM judge (judge_score) settings, each off while its name is empty, and the
+    bounds every reward source is held to (a value past them leaves its response unrewarded, never clipped)."""
 
     reward_model: str = option("", "a local AutoModelForSequenceClassification directory (rm_score)")
     reward_model_device: str = option("cpu", "the reward model's device")
@@ -34,6 +38,16 @@ class RewardSources:
     judge_preset: str = option("math", "math, code, dialogue or safety")
     judge_concurrency: int = option(8, "judge requests in flight at once")
     judge_timeout_s: float = option(60.0, "one judge request's timeout")
+    max_abs_reward: float = option(
+        DEFAULT_MAX_ABS_REWARD,
+        "the largest |value| a reward function, reward model, judge or the weighted sum may give; a larger or"
+        " non-finite one leaves that response unrewarded (counted, logged), never clipped",
+    )
+    reward_fn_timeout_s: float = option(
+        DEFAULT_REWARD_FN_TIMEOUT_S,
+        "[train]: longest one call of the reward function may take; past it that response is unrewarded and the call"
+        " is abandoned (the reward service hosts no reward function and ignores it)",
+    )
 
     def check_reward_sources(self) -> None:
         """For the embedding config's __post_init__: the judge's numbers (its provider and preset are checked
@@ -41,6 +55,14 @@ class RewardSources:
         table = getattr(type(self), "section_name", "reward")
         check(self.judge_concurrency >= 1, f"[{table}] judge_concurrency = {self.judge_concurrency}: must be at least 1")
         check(self.judge_timeout_s > 0, f"[{table}] judge_timeout_s = {self.judge_timeout_s}: must be positive")
+        check(
+            math.isfinite(self.max_abs_reward) and self.max_abs_reward > 0,
+            f"[{table}] max_abs_reward = {self.max_abs_reward}: must be a positive finite number",
+        )
+        check(
+            math.isfinite(self.reward_fn_timeout_s) and self.reward_fn_timeout_s > 0,
+            f"[{table}] reward_fn_timeout_s = {self.reward_fn_timeout_s}: must be a positive number of seconds",
+        )
 
     def reward_model_config(self, batch_size: int = 8) -> RewardModelConfig:
         from rewards.reward_model import RewardModelConfig

@@ -31,6 +31,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from common.protocol import DEFAULT_MAX_ABS_REWARD, reward_problem
+
 RewardFn = Callable[..., Any]
 
 DEFAULT_RELATIVE_TOLERANCE = 1e-6
@@ -39,7 +41,18 @@ MATH_SOURCES = ("gsm8k", "math", "arithmetic", "aime", "amc", "numina")
 
 
 class RewardError(ValueError):
-    """A reward function that cannot be loaded, or a result that is not a reward: named, never a silent 0."""
+    """A reward function that cannot be loaded, or a result that is not a reward: named, never a silent 0.
+
+    `reason` is what CompositeReward counts the unrewarded response under (`rule_score/out_of_range`, ...)."""
+
+    def __init__(self, message: str, reason: str = "error") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def bound_reason(value: float) -> str:
+    """The counter a value refused by reward_problem is counted under: not_finite or out_of_range."""
+    return "out_of_range" if math.isfinite(value) else "not_finite"
 
 
 @dataclass(frozen=True)
@@ -225,15 +238,16 @@ def _check_signature(spec: str, fn: RewardFn) -> None:
         ) from e
 
 
-def as_score(result: Any, where: str) -> Score:
-    """A reward function's result as a Score: a finite number, or a dict with a finite numeric
-    "score" (its other numeric entries kept as figures). Anything else is a RewardError naming `where`."""
+def as_score(result: Any, where: str, max_abs: float = DEFAULT_MAX_ABS_REWARD) -> Score:
+    """A reward function's result as a Score: a finite number within +-`max_abs`, or a dict with such a numeric
+    "score" (its other finite numeric entries kept as figures). Anything else is a RewardError naming `where`
+    and the value: a reward out of range is refused, never clipped (clipped, a bug's 1e300 would still be trained on)."""
     if not isinstance(result, (Mapping, str, bytes)) and hasattr(result, "item") and callable(result.item):
         result = result.item()  # a numpy or torch scalar
     if isinstance(result, bool):
         return Score(float(result))
     if isinstance(result, (int, float)):
-        reward = float(result)
+        reward = _as_float(result, where, max_abs)
         extra: dict[str, float] = {}
     elif isinstance(result, Mapping):
         if "score" not in result:
@@ -243,14 +257,33 @@ def as_score(result: Any, where: str) -> Score:
             score = score.item()
         if isinstance(score, bool) or not isinstance(score, (int, float)):
             raise RewardError(f"{where}: the reward function's 'score' is {type(score).__name__} {score!r}, not a number")
-        reward = float(score)
+        reward = _as_float(score, where, max_abs)
         extra = {
             str(k): float(v)
             for k, v in result.items()
-            if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+            if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v)
         }
     else:
         raise RewardError(f"{where}: the reward function returned {type(result).__name__} {result!r:.80}, not a number or a dict")
-    if not math.isfinite(reward):
-        raise RewardError(f"{where}: the reward function returned {reward}, not a finite number")
+    problem = reward_problem(reward, max_abs)
+    if problem:
+        raise RewardError(f"{where}: the reward function's score {problem}", reason=bound_reason(reward))
     return Score(reward, extra)
+
+
+def _as_float(value: int | float, where: str, max_abs: float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int no float holds (Python's ints have no bound): out of any range
+        raise RewardError(
+            f"{where}: the reward function returned an integer of {int(value).bit_length()} bits, outside the accepted range"
+            f" [-{max_abs:g}, {max_abs:g}] (max_abs_reward)",
+            reason="out_of_range",
+        ) from None
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False

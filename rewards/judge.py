@@ -3,8 +3,18 @@
 The request is a system prompt and a user message rendered from a template with `{prompt}`,
 `{response}` and `{ground_truth}`; the judge answers in words and ends with `Score: N`. The reward
 is N mapped from the preset's range onto [0, 1]. A reply without a readable score, or with one
-outside the range, is **unreadable**: counted and reported, never a silent 0 (the driver drops that
-turn rather than train on a made-up reward).
+outside the range, is **unreadable**: counted, logged with the reply (its last 300 characters) and
+reported, never a silent 0 (the driver drops that turn rather than train on a made-up reward).
+
+The grammar of a score (`parse_score`), as the system prompt asks for it (`_ENDING`):
+- the score is what follows the reply's last `Score:` label (any case, `=` for `:`, markdown `**` or
+  `_` around the label or the number allowed) up to the end of that line;
+- it must be one number as a whole: `[+-]?DIGITS(.DIGITS)?`, an integer or a decimal, with at most a
+  full stop after it: `Score: 7`, `Score: 7.5`, `score: 10`, `**Score:** 1`, `Score: 7.`;
+- and on the preset's scale, [low, high] (math and safety 0 to 1, code 0 to 10, dialogue 1 to 10).
+Anything else is unreadable: no label, a fraction (`1/10`, `7/10`), an exponent (`1e-9`), words
+(`7 or 8`, `seven`, `7 (good)`), a number off the scale (`11` on 0 to 10, `-1` on 0 to 1). Earlier
+`Score:` lines do not count: a judge that changes its mind is read by its last word.
 
 Providers (OpenAI-compatible endpoints; the key is read from the first variable set):
     dashscope  DASHSCOPE_API_KEY
@@ -56,7 +66,10 @@ class Preset:
     high: float
 
 
-_ENDING = "End your answer with a last line of the form `Score: N`, N a number from {low:g} to {high:g}."
+_ENDING = (
+    "End your answer with a last line of the form `Score: N`, N a number from {low:g} to {high:g} in digits"
+    " (an integer or a decimal such as 7.5; no fraction, no words), alone on that line."
+)
 PRESETS: dict[str, Preset] = {
     "math": Preset(
         "You grade answers to math problems. Compare the response's final answer with the reference answer; "
@@ -89,7 +102,11 @@ PRESETS: dict[str, Preset] = {
         1,
     ),
 }
-_SCORE = re.compile(r"score\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+# parse_score's grammar (the module's docstring): the last label, then the number alone on its line.
+_SCORE_LABEL = re.compile(r"\bscore\s*[:=]", re.IGNORECASE)
+_SCORE_NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
+_EMPHASIS = "*_"  # markdown bold or italics around the label or the number: `**Score:** 7`, `Score: **7**`
+REPLY_IN_LOG = 300  # characters of an unreadable reply the log shows (its end, where the score should be)
 
 
 @dataclass(frozen=True)
@@ -125,8 +142,8 @@ class JudgeConfig:
             except (KeyError, IndexError, ValueError) as e:
                 raise ValueError(f"judge `template` may use only {{prompt}}, {{response}} and {{ground_truth}}: {e!r}") from e
         low, high = self.range
-        if not low < high:
-            raise ValueError(f"judge score range must have low < high, got {low:g} to {high:g}")
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            raise ValueError(f"judge score range must be finite with low < high, got {low:g} to {high:g}")
 
     @property
     def range(self) -> tuple[float, float]:
@@ -149,14 +166,25 @@ class Verdict:
 
 
 def parse_score(reply: str, low: float, high: float) -> tuple[float | None, str]:
-    """The last `Score: N` in the reply, if inside [low, high]; else (None, why)."""
-    found = _SCORE.findall(reply)
-    if not found:
-        return None, f"no `Score: N` in the judge's reply {reply[-120:]!r}"
-    value = float(found[-1])
+    """The score by the module docstring's grammar: the number alone after the reply's last `Score:` label,
+    on the scale [low, high]; else (None, why)."""
+    labels = list(_SCORE_LABEL.finditer(reply))
+    if not labels:
+        return None, f"no `Score: N` in the judge's reply {_tail(reply, 120)!r}"
+    line = reply[labels[-1].end() :].split("\n", 1)[0]
+    token = line.strip().strip(_EMPHASIS).strip().removesuffix(".").strip(_EMPHASIS)
+    if not _SCORE_NUMBER.fullmatch(token):
+        return None, (
+            f"the judge's score {line.strip()[:40]!r} is not one number in digits (an integer or a decimal from {low:g} to {high:g})"
+        )
+    value = float(token)
     if not math.isfinite(value) or not low <= value <= high:
-        return None, f"the judge's score {value:g} is outside {low:g} to {high:g}"
+        return None, f"the judge's score {token[:40]} is outside its scale, {low:g} to {high:g}"
     return value, ""
+
+
+def _tail(text: str, n: int) -> str:
+    return text if len(text) <= n else "..." + text[-n:]
 
 
 def api_key(cfg: JudgeConfig, environ: Mapping[str, str] | None = None) -> str:
@@ -231,7 +259,7 @@ class Judge:
         if value is None:
             with self._lock:
                 self.counts["unreadable"] += 1
-            log.debug("unreadable judge reply: %s", why)
+            log.warning("unreadable judge reply: %s; the reply: %r", why, _tail(reply, REPLY_IN_LOG))
             return Verdict(None, None, reply, error=why)
         with self._lock:
             self._cache[key] = (value, reply)

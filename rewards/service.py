@@ -9,7 +9,7 @@ DEALER socket sends [empty frame, request] and gets [empty frame, reply]:
 
     request                                                   reply
     {op: "ping", rid}                                         {op, rid, components, reward_model, judge_model, max_items}
-    {op: "rm_score", rid, pairs: [[prompt, response], ...]}   {op, rid, scores: [float, ...]}          (in order)
+    {op: "rm_score", rid, pairs: [[prompt, response], ...]}   {op, rid, scores: [float or nil, ...], errors: [str, ...]}  (in order)
     {op: "judge", rid, items: [[prompt, response, ground_truth], ...]}
                                                               {op, rid, verdicts: [{reward, raw_score, reply, error, cached}, ...]}
     any refused request                                       {op, rid, error: {code, message}}
@@ -20,6 +20,11 @@ timed out and retried). `components` names what the service hosts, as CompositeR
 (rm_score, judge_score). A verdict's `reward` is in [0, 1], or nil with `error` saying why (the judge's
 reply was unreadable, its request failed): that response gets no reward, never a 0. `ground_truth` is
 any msgpack value; the clients here send its text, which is what the judge's template makes of it.
+
+No number that cannot be a reward leaves the service: a reward model's score that is not finite or is
+past `max_abs_reward` goes out as nil, its `errors` entry saying why ("" beside a score), and a verdict's
+reward outside [0, 1] as nil with its `error`. The clients hold a reply to the same rules (a service of
+another version may not): such a pair or item gets no reward, the others of its request do.
 
 Error codes (`ERROR_CODES`): bad_request, unknown_op, not_hosted, too_large, overloaded (retry after
 `retry_after_ms`), timeout (the request waited past `queue_timeout_s`), scoring_failed, internal.
@@ -33,6 +38,7 @@ scoring itself is the RewardModel's and the Judge's (rewards/reward_model.py, re
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -48,10 +54,11 @@ import msgpack
 import zmq
 
 from common import protocol as p
+from common.protocol import DEFAULT_MAX_ABS_REWARD, reward_problem
 from common.sd_notify import Notifier
 from common.zmqio import bound, recv_frames, send_frames, split_envelope
 from rewards.config import RewardServiceConfig
-from rewards.functions import RewardError
+from rewards.functions import RewardError, bound_reason
 from rewards.judge import Verdict
 
 log = logging.getLogger(__name__)
@@ -77,10 +84,36 @@ ERROR_CODES: dict[str, str] = {
 RETRIED_CODES = frozenset({p.E_OVERLOADED, p.E_TIMEOUT})  # sent again by the clients; the others are final
 CLIENT_CHUNK = 256  # pairs or items per request from the clients here (below the service's default max_items)
 VERDICT_FIELDS = ("reward", "raw_score", "reply", "error", "cached")
+# A ping is answered by the service's socket loop at once, never queued behind scoring: a short wait per
+# attempt tells a service that is not there within seconds (a scoring request waits `timeout_s`, 60 s for a
+# driver: 3 silent minutes at start before this).
+PING_TIMEOUT_S = 1.5
+PING_PAUSE_S = 1.0
 
 
 def verdict_to_wire(verdict: Verdict) -> dict[str, Any]:
     return {name: getattr(verdict, name) for name in VERDICT_FIELDS}
+
+
+def checked_verdict(verdict: Verdict, where: str) -> Verdict:
+    """The verdict, or one without a reward when its reward is not a number in [0, 1] (judge_score's range)."""
+    raw = verdict.raw_score if verdict.raw_score is None or math.isfinite(verdict.raw_score) else None
+    reward = verdict.reward
+    if reward is None or (math.isfinite(reward) and 0.0 <= reward <= 1.0):
+        return verdict if raw == verdict.raw_score else Verdict(reward, raw, verdict.reply, verdict.error, verdict.cached)
+    return Verdict(None, raw, verdict.reply, f"{where}: the judge's reward {reward} is not a number in [0, 1]", verdict.cached)
+
+
+def checked_scores(values: Sequence[Any], max_abs: float) -> tuple[list[float | None], list[str]]:
+    """Reward-model scores as they may go out: one that is not finite or is past `max_abs` becomes None, with
+    its error (the others: "")."""
+    scores: list[float | None] = []
+    errors: list[str] = []
+    for value in values:
+        problem = reward_problem(float(value), max_abs)
+        scores.append(None if problem else float(value))
+        errors.append(f"the reward model's score {problem}" if problem else "")
+    return scores, errors
 
 
 def verdict_from_wire(body: Any, where: str) -> Verdict:
@@ -88,16 +121,17 @@ def verdict_from_wire(body: Any, where: str) -> Verdict:
     if not isinstance(body, dict) or any(name not in body for name in VERDICT_FIELDS):
         raise RewardServiceError(f"{where}: a verdict must be a map of {', '.join(VERDICT_FIELDS)}, got {body!r:.120}")
     number = (int, float, type(None))
-    if not isinstance(body["reward"], number) or not isinstance(body["raw_score"], number):
+    if any(isinstance(body[name], bool) or not isinstance(body[name], number) for name in ("reward", "raw_score")):
         raise RewardServiceError(f"{where}: a verdict's reward and raw_score must be numbers or nil, got {body!r:.120}")
     reward, raw = body["reward"], body["raw_score"]
-    return Verdict(
+    verdict = Verdict(
         None if reward is None else float(reward),
         None if raw is None else float(raw),
         str(body["reply"]),
         str(body["error"]),
         bool(body["cached"]),
     )
+    return checked_verdict(verdict, where)
 
 
 @dataclass(frozen=True)
@@ -391,13 +425,23 @@ class RewardService:
         self._count("rm/batches")
         self._count("rm/pairs", len(scores))
         for job, part in zip(jobs, split(scores, [len(job.rows) for job in jobs])):
-            self._finish(job, {"scores": [float(s) for s in part]})
+            sent, errors = checked_scores(part, self.cfg.max_abs_reward)
+            refused = [e for e in errors if e]
+            if refused:
+                self._count("rm/refused_scores", len(refused))
+                log.warning(
+                    "the reward model gave %d of %d scores that cannot be rewards, sent as nil; first: %s",
+                    len(refused),
+                    len(part),
+                    refused[0],
+                )
+            self._finish(job, {"scores": sent, "errors": errors})
 
     def _judge_request(self, job: Job) -> None:
         try:
             if self._expired(job):
                 return
-            verdicts = self.judge.judge_many(job.rows)
+            verdicts = [checked_verdict(v, "the reward service") for v in self.judge.judge_many(job.rows)]
             self._count("judge/items", len(verdicts))
             self._finish(job, {"verdicts": [verdict_to_wire(v) for v in verdicts]})
         except Exception as e:  # noqa: BLE001 - a worker that dies without an answer would leave its driver waiting
@@ -425,15 +469,26 @@ class RewardServiceClient:
 
     Each attempt waits up to `timeout_s` for its reply; one that gets none replaces the socket (whose queue
     to a dead service would otherwise be delivered to the next one) and the same request, with the same
-    rid, is sent again, `retries` times. `overloaded` and `timeout` are sent again after `retry_after_ms`.
-    Past the last attempt, or on any other error, RewardServiceError names the service and why."""
+    rid, is sent again, `retries` times, each retry logged. `overloaded` and `timeout` are sent again after
+    `retry_after_ms`. Past the last attempt, or on any other error, RewardServiceError names the service and why.
+    A `ping` waits at most PING_TIMEOUT_S per attempt, PING_PAUSE_S between: a service that is not there is
+    told within seconds.
+    `max_abs_reward`: the bound a score in a reply is held to (RemoteRewardModel)."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 60.0, retries: int = 2, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = 60.0,
+        retries: int = 2,
+        context: zmq.Context | None = None,
+        max_abs_reward: float = DEFAULT_MAX_ABS_REWARD,
+    ) -> None:
         if timeout_s <= 0 or retries < 0:
             raise ValueError(f"a reward service client needs timeout_s > 0 and retries >= 0, got {timeout_s} and {retries}")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.retries = retries
+        self.max_abs_reward = max_abs_reward
         self.ctx = context or zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.attempts = 0  # sends, retries included
@@ -441,31 +496,55 @@ class RewardServiceClient:
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """The service's reply to one request (without its error: that raises RewardServiceError)."""
+        return self._exchange(op, fields, self.timeout_s, self.retries + 1, pause_s=0.0)
+
+    def _exchange(self, op: str, fields: dict[str, Any], timeout_s: float, tries: int, pause_s: float) -> dict[str, Any]:
+        """Send one request up to `tries` times, each waiting `timeout_s` for its reply, `pause_s` between unanswered ones."""
         rid = uuid.uuid4().hex
         data = msgpack.packb({"op": op, "rid": rid, **fields}, use_bin_type=True)
-        tries = self.retries + 1
         why = ""
         with self._lock:
-            for attempt in range(tries):
-                reply = self._attempt(data, rid)
+            for attempt in range(1, tries + 1):
+                reply = self._attempt(data, rid, timeout_s)
                 if reply is None:
-                    why = f"no answer within {self.timeout_s:g} s"
+                    why = f"no answer within {timeout_s:g} s"
+                    if attempt < tries:
+                        then = f"retrying in {pause_s:g} s" if pause_s else "sending it again"
+                        log.warning(
+                            "the reward service at %s: no answer to `%s` within %g s (try %d of %d), %s",
+                            self.endpoint,
+                            op,
+                            timeout_s,
+                            attempt,
+                            tries,
+                            then,
+                        )
+                        time.sleep(pause_s)
                     continue
                 error = reply.get("error")
                 if not error:
                     return reply
                 code, message = (error.get("code"), error.get("message")) if isinstance(error, dict) else (None, error)
                 if code not in RETRIED_CODES:
-                    raise RewardServiceError(f"the reward service at {self.endpoint} refused `{op}`: {code}: {message}")
+                    raise RewardServiceError(f"the reward service at {self.endpoint} refused `{op}`: {code}: {message}", reason="refused")
                 why = f"{code}: {message}"
-                if attempt + 1 < tries:
-                    time.sleep(min(float(reply.get("retry_after_ms") or 0) / 1000, self.timeout_s))
+                if attempt < tries:
+                    log.info(
+                        "the reward service at %s answered `%s` with %s (try %d of %d); sending it again",
+                        self.endpoint,
+                        op,
+                        why,
+                        attempt,
+                        tries,
+                    )
+                    time.sleep(min(float(reply.get("retry_after_ms") or 0) / 1000, timeout_s))
         raise RewardServiceError(
             f"the reward service at {self.endpoint} did not answer `{op}` after {tries} attempts ({why});"
-            " is `ppoz reward-server` running there?"
+            " is `ppoz reward-server` running there?",
+            reason="no_answer",
         )
 
-    def _attempt(self, data: bytes, rid: str) -> dict[str, Any] | None:
+    def _attempt(self, data: bytes, rid: str, timeout_s: float) -> dict[str, Any] | None:
         if self.sock is None:
             self.sock = self.ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
@@ -477,7 +556,7 @@ class RewardServiceClient:
         except zmq.Again:  # its queue is full: nothing reads it
             self._reset()
             return None
-        end = time.monotonic() + self.timeout_s
+        end = time.monotonic() + timeout_s
         while (left := end - time.monotonic()) > 0:
             if not sock.poll(int(left * 1000) + 1):
                 break
@@ -497,7 +576,9 @@ class RewardServiceClient:
             self.sock = None
 
     def ping(self) -> dict[str, Any]:
-        return self.request(OP_PING)
+        """The service's ping reply; RewardServiceError naming `endpoint` within (retries + 1) * PING_TIMEOUT_S
+        + retries * PING_PAUSE_S seconds (6.5 s for a driver's 2 retries) when nothing answers there, each retry logged."""
+        return self._exchange(OP_PING, {}, min(self.timeout_s, PING_TIMEOUT_S), self.retries + 1, PING_PAUSE_S)
 
     def components(self) -> list[str]:
         """What the service hosts: rm_score, judge_score."""
@@ -520,14 +601,33 @@ def chunks(rows: list[list[Any]]) -> list[list[list[Any]]]:
 class RemoteRewardModel(RewardServiceClient):
     """A RewardModel's `score(pairs)` answered by the service's reward model."""
 
-    def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
-        out: list[float] = []
+    def score(self, pairs: Sequence[tuple[str, str]]) -> list[float | RewardError]:
+        """Each pair's score, or the RewardServiceError saying why it has none (the service sent nil for it, or a
+        number that is not finite or is past `max_abs_reward`): that pair alone goes unrewarded. A request the
+        service does not answer raises RewardServiceError for all of them."""
+        out: list[float | RewardError] = []
         for chunk in chunks([[prompt, response] for prompt, response in pairs]):
-            scores = self.request(OP_RM_SCORE, pairs=chunk).get("scores")
-            if not isinstance(scores, list) or len(scores) != len(chunk) or not all(isinstance(s, (int, float)) for s in scores):
+            reply = self.request(OP_RM_SCORE, pairs=chunk)
+            scores, errors = reply.get("scores"), reply.get("errors")
+            if not isinstance(scores, list) or len(scores) != len(chunk) or not all(_score_or_nil(s) for s in scores):
                 raise RewardServiceError(f"the reward service at {self.endpoint} answered rm_score without {len(chunk)} scores")
-            out += [float(s) for s in scores]
+            if not isinstance(errors, list) or len(errors) != len(scores):
+                errors = [""] * len(scores)  # a service from before `errors`
+            out += [self._row(score, error) for score, error in zip(scores, errors)]
         return out
+
+    def _row(self, score: Any, error: Any) -> float | RewardError:
+        if score is None:
+            why = str(error)[:200] if error else "no reason given"
+            return RewardServiceError(f"the reward service at {self.endpoint} sent no rm_score: {why}", reason="refused_by_service")
+        problem = reward_problem(float(score), self.max_abs_reward)
+        if problem:
+            return RewardServiceError(f"the reward service at {self.endpoint} sent rm_score {problem}", reason=bound_reason(float(score)))
+        return float(score)
+
+
+def _score_or_nil(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 class RemoteJudge(RewardServiceClient):

@@ -162,7 +162,7 @@ class BatchingScorer:
         try:
             try:
                 scored = self.reward.score([item for item, _ in batch])
-            except Exception as e:  # noqa: BLE001 - a reward model out of memory, say: these responses get no reward
+            except BaseException as e:  # noqa: BLE001 - out of memory, even SystemExit: these responses get no reward, and each is answered
                 log.exception("scoring %d responses failed", len(batch))
                 scored = [Scored(None, {}, error=f"scoring failed: {type(e).__name__}: {e}") for _ in batch]
             for (_, future), result in zip(batch, scored):

@@ -151,8 +151,37 @@ def test_results_that_are_not_rewards_are_named_never_a_silent_zero() -> None:
         ("1.0", "str '1.0'"),
         ({"reward": 1.0}, "without a 'score'"),
         ({"score": "high"}, "'score' is str"),
-        (math.nan, "nan, not a finite number"),
-        ({"score": math.inf}, "inf, not a finite number"),
+        (math.nan, "score nan is not a finite number"),
+        ({"score": math.inf}, "score inf is not a finite number"),
     ]:
         with pytest.raises(RewardError, match=words):
             as_score(result, "train.jsonl line 3")
+
+
+@pytest.mark.parametrize(
+    "result, reason, words",
+    [
+        (
+            1e300,
+            "out_of_range",
+            r"train.jsonl line 3: the reward function's score 1e\+300 is outside the accepted range \[-1e\+06, 1e\+06\]",
+        ),
+        (-1e300, "out_of_range", r"score -1e\+300 is outside the accepted range"),
+        ({"score": 1e300, "acc": 1.0}, "out_of_range", r"score 1e\+300 is outside"),
+        (1e6 + 1, "out_of_range", r"is outside the accepted range \[-1e\+06, 1e\+06\] \(max_abs_reward\)"),
+        (10**400, "out_of_range", r"an integer of 1329 bits, outside the accepted range"),  # no float holds it
+        (math.nan, "not_finite", "score nan is not a finite number"),
+        (-math.inf, "not_finite", "score -inf is not a finite number"),
+    ],
+)
+def test_a_score_out_of_range_is_refused_never_clipped(result, reason, words) -> None:
+    with pytest.raises(RewardError, match=words) as refused:
+        as_score(result, "train.jsonl line 3")
+    assert refused.value.reason == reason
+
+
+def test_the_bound_itself_is_a_reward_and_a_smaller_bound_is_held() -> None:
+    assert as_score(1e6, "r") == Score(1e6) and as_score({"score": -1e6}, "r") == Score(-1e6)
+    assert as_score(10, "r", max_abs=10) == Score(10.0)
+    with pytest.raises(RewardError, match=r"score 10.5 is outside the accepted range \[-10, 10\]"):
+        as_score(10.5, "r", max_abs=10)

@@ -46,7 +46,7 @@ def test_replies_it_cannot_read_are_counted_never_a_silent_zero() -> None:
         judge = make(server)
         verdicts = [judge.judge(f"p{i}", "r", "1") for i in range(4)]
     assert [v.reward for v in verdicts] == [None, None, 0.5, 1.0]
-    assert "no `Score: N`" in verdicts[0].error and "outside 0 to 1" in verdicts[1].error
+    assert "no `Score: N`" in verdicts[0].error and "outside its scale, 0 to 1" in verdicts[1].error
     assert judge.counts["unreadable"] == 2
     assert parse_score("first Score: 3 then Score: 8", 1, 10) == (8.0, "")  # the last one counts
 
@@ -112,3 +112,58 @@ def test_a_template_of_ones_own_with_its_range() -> None:
         judge = make(server, preset="dialogue", template="Q: {prompt}\nA: {response}", score_low=0, score_high=8)
         verdict = judge.judge("hi", "hello")
     assert verdict.reward == 0.5 and server.requests[0][0]["messages"][1]["content"] == "Q: hi\nA: hello"
+
+
+def reply_for(replies: dict[str, str]):
+    """A judge whose reply is chosen by the response it is shown (the requests overlap, so not by order)."""
+    return lambda body, n: replies[body["messages"][1]["content"].rsplit("\n", 1)[-1]]
+
+
+def test_scores_are_read_by_the_documented_grammar_and_anything_else_is_unreadable(caplog) -> None:
+    """A fraction, an exponent, a number off the scale or two numbers are unreadable; today's `Score: 1e-9`
+    and `Score: 1/10` no longer read as 1 (a reward of 1.0 on the math preset)."""
+    math_replies = {"r1": "Tiny.\nScore: 1e-9", "r2": "Score: 1/10", "r3": "Score: -1", "r4": "Score: 1", "r5": "**Score:** 0.5"}
+    code_replies = {
+        "c1": "Good.\nScore: 7",
+        "c2": "Score: 7.5",
+        "c3": "score: 10",
+        "c4": "Score: 11",
+        "c5": "Score: 7 or 8",
+        "c6": "Score: seven",
+        "c7": "Score: 3\nOn reflection,\nScore: 9.",  # the last label counts
+    }
+    caplog.set_level("WARNING", logger="rewards.judge")
+    with chat_server(reply_for({**math_replies, **code_replies})) as server:
+        math_judge = make(server, template="{prompt}\n{response}")
+        code_judge = make(server, preset="code", template="{prompt}\n{response}")
+        on_math = math_judge.judge_many([("p", r, "1") for r in math_replies])
+        on_code = code_judge.judge_many([("p", r, "") for r in code_replies])
+    assert [v.reward for v in on_math] == [None, None, None, 1.0, 0.5]
+    assert [v.reward for v in on_code] == [0.7, 0.75, 1.0, None, None, None, 0.9]
+    assert "'1e-9' is not one number in digits (an integer or a decimal from 0 to 1)" in on_math[0].error
+    assert "'1/10' is not one number in digits" in on_math[1].error
+    assert "the judge's score -1 is outside its scale, 0 to 1" in on_math[2].error
+    assert "the judge's score 11 is outside its scale, 0 to 10" in on_code[3].error
+    assert "'7 or 8' is not one number" in on_code[4].error and "'seven' is not one number" in on_code[5].error
+    assert math_judge.counts["unreadable"] == 3 and code_judge.counts["unreadable"] == 3
+    logged = [r.getMessage() for r in caplog.records if r.name == "rewards.judge"]
+    assert len(logged) == 6 and any("Tiny.\\nScore: 1e-9" in m for m in logged)  # the raw reply, in the log
+
+
+def test_the_edges_of_the_grammar() -> None:
+    long_reply = "blah " * 2000 + "Score: 1/10"
+    value, why = parse_score(long_reply, 0, 10)
+    assert value is None and len(why) < 200
+    assert parse_score("Score: _7_.", 0, 10) == (7.0, "") and parse_score("Score = +3", 0, 10) == (3.0, "")
+    assert parse_score("Score: " + "9" * 400, 0, 10)[0] is None  # float("99...9") is inf: off any scale
+    assert parse_score("Score:\n7", 0, 10)[0] is None  # the number must be on the label's line
+    assert parse_score("subscore: 7", 0, 10)[0] is None  # a label is the word `score`, not part of one
+
+
+def test_a_long_unreadable_reply_is_truncated_in_the_log(caplog) -> None:
+    caplog.set_level("WARNING", logger="rewards.judge")
+    with chat_server(lambda body, n: "blah " * 2000 + "Score: 1/10") as server:
+        verdict = make(server).judge("p", "r", "1")
+    assert verdict.reward is None
+    [record] = [r for r in caplog.records if r.name == "rewards.judge"]
+    assert len(record.getMessage()) < 600 and record.getMessage().endswith("Score: 1/10'")

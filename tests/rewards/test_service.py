@@ -3,6 +3,7 @@ ROUTER socket, called by the remote clients (and raw DEALER sockets for what a c
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import threading
@@ -24,6 +25,7 @@ from rewards.judge import Judge, JudgeConfig
 from rewards.reward_model import RewardModel, RewardModelConfig
 from rewards.service import RemoteJudge, RemoteRewardModel, RewardService, RewardServiceClient, RewardServiceError
 from tests.processes import free_port
+from tests.rewards.test_composite import poisoned
 from tests.rewards.test_judge import grader
 from tests.rewards.test_reward_model import PAIRS
 
@@ -253,6 +255,110 @@ def test_the_service_config_is_checked_at_start() -> None:
         ({"reward_model": "m", "batch_size": 0}, "batch_size"),
         ({"judge_model": "j", "judge_concurrency": 0}, r"\[reward_service\] judge_concurrency"),
         ({"reward_model": "m", "queue_timeout_s": 0}, "queue_timeout_s"),
+        ({"reward_model": "m", "max_abs_reward": 0}, r"\[reward_service\] max_abs_reward = 0: must be a positive finite number"),
+        ({"reward_model": "m", "max_abs_reward": math.nan}, r"\[reward_service\] max_abs_reward = nan"),
     ]:
         with pytest.raises(ValueError, match=words):
             RewardServiceConfig(**bad)
+    assert RewardServiceConfig(reward_model="m").max_abs_reward == 1e6
+
+
+def test_the_drivers_reward_bounds_are_checked_at_start() -> None:
+    from train.config import TrainConfig
+
+    settings = TrainConfig(data="x.jsonl")
+    assert (settings.max_abs_reward, settings.reward_fn_timeout_s) == (1e6, 30.0)
+    for bad, words in [
+        ({"max_abs_reward": math.inf}, r"\[train\] max_abs_reward = inf: must be a positive finite number"),
+        ({"max_abs_reward": -1.0}, r"\[train\] max_abs_reward = -1.0"),
+        ({"reward_fn_timeout_s": 0}, r"\[train\] reward_fn_timeout_s = 0: must be a positive number of seconds"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            TrainConfig(data="x.jsonl", **bad)
+
+
+# --- issue 28: no number that cannot be a reward crosses the service, either way ------------------------------
+def test_a_score_that_cannot_be_a_reward_goes_out_as_nil_for_its_pair_alone(rm_dir) -> None:
+    model = RewardModel(RewardModelConfig(rm_dir))
+    poisoned(model, "~")  # any pair holding "~" scores NaN
+    pairs = [("Say hi.", "hi"), ("Say hi.", "h~i"), ("Name one.", "one")]
+    local = RewardModel(RewardModelConfig(rm_dir)).score([pairs[0], pairs[2]])
+    with serving(model) as service, dealer(service.endpoint) as sock:
+        raw = ask(sock, {"op": "rm_score", "rid": "r1", "pairs": [list(pair) for pair in pairs]})
+        assert raw["scores"][1] is None and raw["errors"] == ["", "the reward model's score nan is not a finite number", ""]
+        assert all(s is None or math.isfinite(s) for s in raw["scores"])  # no NaN on the wire
+        remote = RemoteRewardModel(service.endpoint, timeout_s=30)
+        scores = remote.score(pairs)
+        reward = CompositeReward({"rm_score": 1.0}, reward_model=remote)
+        scored = reward.score([Item(p, r, where=f"d.jsonl line {n}") for n, (p, r) in enumerate(pairs, 1)])
+        refused = service.counts["rm/refused_scores"]
+    assert [scores[0], scores[2]] == pytest.approx(local, abs=1e-5)
+    assert isinstance(scores[1], RewardServiceError) and scores[1].reason == "refused_by_service"
+    assert (
+        str(scores[1]) == f"the reward service at {service.endpoint} sent no rm_score: the reward model's score nan is not a finite number"
+    )
+    assert [s.reward is None for s in scored] == [False, True, False] and scored[1].error.startswith(
+        "d.jsonl line 2: the reward service at"
+    )
+    assert reward.unrewarded == {"rm_score/refused_by_service": 1} and refused == 3  # the raw request, the client's, the composite's
+
+
+@contextmanager
+def older_service(reply: dict[str, Any]) -> Iterator[str]:
+    """A service of another version that sends `reply` (with the request's op and rid) to every request but ping."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            *envelope, body = sock.recv_multipart()
+            request = msgpack.unpackb(body)
+            answer = {"components": ["rm_score", "judge_score"]} if request["op"] == "ping" else reply
+            sock.send_multipart([*envelope, msgpack.packb({"op": request["op"], "rid": request["rid"], **answer})])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        thread.join(5)
+        sock.close(linger=0)
+
+
+def test_the_clients_hold_a_reply_to_the_bound_whatever_the_service_sends() -> None:
+    scores = [math.nan, 1e300, -math.inf, 0.5, 2e6]
+    with older_service({"scores": scores}) as endpoint:
+        got = RemoteRewardModel(endpoint, timeout_s=5, max_abs_reward=1e6).score([("p", str(n)) for n in range(5)])
+        small = RemoteRewardModel(endpoint, timeout_s=5, max_abs_reward=0.25).score([("p", str(n)) for n in range(5)])
+    assert got[3] == 0.5 and small[3].reason == "out_of_range"  # a smaller bound of the driver's own holds too
+    assert [e.reason for e in got if isinstance(e, RewardServiceError)] == ["not_finite", "out_of_range", "not_finite", "out_of_range"]
+    assert f"the reward service at {endpoint} sent rm_score 1e+300 is outside the accepted range" in str(got[1])
+    verdict = {"raw_score": 1.0, "reply": "Score: 1", "error": "", "cached": False}
+    rewards = [math.nan, 1e300, 1.5, -0.5, 0.75]
+    with older_service({"verdicts": [{**verdict, "reward": r} for r in rewards]}) as endpoint:
+        verdicts = RemoteJudge(endpoint, timeout_s=5).judge_many([("p", str(n), None) for n in range(5)])
+    assert [v.reward for v in verdicts] == [None, None, None, None, 0.75]
+    assert f"the reward service at {endpoint}: the judge's reward 1e+300 is not a number in [0, 1]" == verdicts[1].error
+
+
+def test_a_service_nobody_runs_is_reported_within_seconds_with_its_address_and_each_try_logged(caplog) -> None:
+    """At start a driver asks the service what it hosts: before, that waited 3 silent minutes (60 s x 3 attempts)."""
+    caplog.set_level("WARNING", logger="rewards.service")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    client = RewardServiceClient(endpoint)  # the drivers' defaults: 60 s and 2 retries for a scoring request
+    started = time.monotonic()
+    with pytest.raises(RewardServiceError, match=re.escape(f"the reward service at {endpoint} did not answer `ping` after 3 attempts")):
+        client.components()
+    assert time.monotonic() - started < 15  # 3 x 1.5 s + 2 x 1 s
+    tries = [r.getMessage() for r in caplog.records if "no answer to `ping`" in r.getMessage()]
+    assert tries == [f"the reward service at {endpoint}: no answer to `ping` within 1.5 s (try {n} of 3), retrying in 1 s" for n in (1, 2)]
+    once = RewardServiceClient(endpoint, timeout_s=1.0, retries=0)  # as `ppoz up` polls a service it started: one try
+    started = time.monotonic()
+    with pytest.raises(RewardServiceError, match="after 1 attempts"):
+        once.ping()
+    assert time.monotonic() - started < 2
