@@ -89,9 +89,9 @@ DEFAULT_MAX_ABS_REWARD = 1e6
 def reward_problem(value: float, max_abs: float = DEFAULT_MAX_ABS_REWARD) -> str:
     """Why `value` cannot be a reward ("" if it can): not finite, or |value| above `max_abs`."""
     if not math.isfinite(value):
-        return f"{value} is not a finite number"
-    if abs(value) > max_abs:
-        return f"{value:g} is outside the accepted range [-{max_abs:g}, {max_abs:g}] (max_abs_reward)"
+        return f"{value!r} is not a finite number"
+    if abs(value) > max_abs:  # repr: 1000001.0 must not print as the bound itself (%g gives 1e+06)
+        return f"{value!r} is outside the accepted range [-{max_abs!r}, {max_abs!r}] (max_abs_reward)"
     return ""
 
 

@@ -141,7 +141,7 @@ def _reward_problem(reward: int | float, max_abs: float) -> str:
         value = float(reward)
     except OverflowError:
         return (
-            f"{str(reward)[:20]}... ({len(str(reward))} digits) is outside the accepted range [-{max_abs:g}, {max_abs:g}] (max_abs_reward)"
+            f"{str(reward)[:20]}... ({len(str(reward))} digits) is outside the accepted range [-{max_abs!r}, {max_abs!r}] (max_abs_reward)"
         )
     return reward_problem(value, max_abs)
 
@@ -169,7 +169,7 @@ def _json(body: bytes, required: bool, max_abs_reward: float = DEFAULT_MAX_ABS_R
     where = _first_not_json(data)
     if where is not None:
         path, literal = where
-        bound = f"[-{max_abs_reward:g}, {max_abs_reward:g}] (max_abs_reward)"
+        bound = f"[-{max_abs_reward!r}, {max_abs_reward!r}] (max_abs_reward)"
         rule = f"; a reward must be a finite number within {bound}" if path == "reward" else ""
         message = f"`{path}` is {literal}, which JSON does not have (RFC 8259: no NaN or Infinity){rule}; nothing was forwarded"
         raise HTTPError(400, p.E_BAD_REQUEST, message)

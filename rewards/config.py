@@ -43,11 +43,6 @@ class RewardSources:
         "the largest |value| a reward function, reward model, judge or the weighted sum may give; a larger or"
         " non-finite one leaves that response unrewarded (counted, logged), never clipped",
     )
-    reward_fn_timeout_s: float = option(
-        DEFAULT_REWARD_FN_TIMEOUT_S,
-        "[train]: longest one call of the reward function may take; past it that response is unrewarded and the call"
-        " is abandoned (the reward service hosts no reward function and ignores it)",
-    )
 
     def check_reward_sources(self) -> None:
         """For the embedding config's __post_init__: the judge's numbers (its provider and preset are checked
@@ -58,10 +53,6 @@ class RewardSources:
         check(
             math.isfinite(self.max_abs_reward) and self.max_abs_reward > 0,
             f"[{table}] max_abs_reward = {self.max_abs_reward}: must be a positive finite number",
-        )
-        check(
-            math.isfinite(self.reward_fn_timeout_s) and self.reward_fn_timeout_s > 0,
-            f"[{table}] reward_fn_timeout_s = {self.reward_fn_timeout_s}: must be a positive number of seconds",
         )
 
     def reward_model_config(self, batch_size: int = 8) -> RewardModelConfig:

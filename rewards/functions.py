@@ -277,7 +277,7 @@ def _as_float(value: int | float, where: str, max_abs: float) -> float:
     except OverflowError:  # an int no float holds (Python's ints have no bound): out of any range
         raise RewardError(
             f"{where}: the reward function returned an integer of {int(value).bit_length()} bits, outside the accepted range"
-            f" [-{max_abs:g}, {max_abs:g}] (max_abs_reward)",
+            f" [-{max_abs!r}, {max_abs!r}] (max_abs_reward)",
             reason="out_of_range",
         ) from None
 

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from common.config import check, option, section
-from rewards.config import RewardSources
+from rewards.config import DEFAULT_REWARD_FN_TIMEOUT_S, RewardSources
 
 
 @section("train")
@@ -44,6 +45,10 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
     weights: dict = option({}, "reward component weights (TOML only), e.g. {rule_score = 0.3, rm_score = 0.7}; empty: 1.0 each", cli=False)
     reward_normalise: str = option("none", "none, or running: (r - mean) / std over the rewards so far")
     reward_clip: float = option(0.0, "|reward| <= this after normalisation (0: no clipping)")
+    reward_fn_timeout_s: float = option(
+        DEFAULT_REWARD_FN_TIMEOUT_S,
+        "longest one call of the reward function may take; past it that response is unrewarded and the call is abandoned",
+    )
     output_dir: str = option("outputs", "where the run's state, figures, curve and final adapter go")
     deadline_s: float = option(300.0, "longest wait for one response, retries included")
     reward_timeout_s: float = option(
@@ -68,6 +73,10 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
         check(0 < self.top_p <= 1, f"[train] top_p = {self.top_p}: must be in (0, 1]")
         check(self.reward_normalise in ("none", "running"), f"[train] reward_normalise = {self.reward_normalise!r}: none or running")
         check(self.reward_clip >= 0, f"[train] reward_clip = {self.reward_clip}: must be 0 (none) or more")
+        check(
+            math.isfinite(self.reward_fn_timeout_s) and self.reward_fn_timeout_s > 0,
+            f"[train] reward_fn_timeout_s = {self.reward_fn_timeout_s}: must be a positive number of seconds",
+        )
         check(
             self.deadline_s > 0 and self.report_every_s > 0 and self.reward_timeout_s > 0,
             "[train] deadline_s, reward_timeout_s and report_every_s must be positive",

@@ -65,7 +65,16 @@ def build_reward(cfg: TrainConfig) -> CompositeReward:
 
             judge = Judge(cfg.judge_config())
     reward_fn = load_reward_fn(cfg.reward_fn or "default") if weights.get("rule_score") else None
-    return CompositeReward(weights, reward_fn, reward_model, judge, cfg.reward_normalise, cfg.reward_clip)
+    return CompositeReward(
+        weights,
+        reward_fn,
+        reward_model,
+        judge,
+        cfg.reward_normalise,
+        cfg.reward_clip,
+        max_abs_reward=cfg.max_abs_reward,
+        reward_fn_timeout_s=cfg.reward_fn_timeout_s,
+    )
 
 
 def _service_sources(cfg: TrainConfig) -> tuple[dict[str, float], Any, Any]:
@@ -87,7 +96,7 @@ def _service_sources(cfg: TrainConfig) -> tuple[dict[str, float], Any, Any]:
             continue
         if component not in hosted:
             raise ValueError(f"reward weight {component} is set but the reward service at {endpoint} hosts only {', '.join(hosted)}")
-        clients[component] = client_class(endpoint, timeout, retries)
+        clients[component] = client_class(endpoint, timeout, retries, max_abs_reward=cfg.max_abs_reward)
     return weights, clients.get("rm_score"), clients.get("judge_score")
 
 

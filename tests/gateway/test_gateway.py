@@ -289,14 +289,14 @@ def post_raw(base: str, route: str, text: str) -> requests.Response:
 @pytest.mark.parametrize(
     "reward, words",
     [
-        ("1e300", "`reward` 1e+300 is outside the accepted range [-1e+06, 1e+06] (max_abs_reward)"),
-        ("-1e300", "`reward` -1e+300 is outside the accepted range [-1e+06, 1e+06] (max_abs_reward)"),
+        ("1e300", "`reward` 1e+300 is outside the accepted range [-1000000.0, 1000000.0] (max_abs_reward)"),
+        ("-1e300", "`reward` -1e+300 is outside the accepted range [-1000000.0, 1000000.0] (max_abs_reward)"),
         ("1e400", "`reward` inf is not a finite number"),  # json reads a float past float64's range as inf
-        ("1" + "0" * 400, "(401 digits) is outside the accepted range [-1e+06, 1e+06]"),  # an integer no float holds
+        ("1" + "0" * 400, "(401 digits) is outside the accepted range [-1000000.0, 1000000.0]"),  # an integer no float holds
         (
             "NaN",
             "`reward` is NaN, which JSON does not have (RFC 8259: no NaN or Infinity); a reward must be a finite number"
-            " within [-1e+06, 1e+06] (max_abs_reward)",
+            " within [-1000000.0, 1000000.0] (max_abs_reward)",
         ),
         ("Infinity", "`reward` is Infinity, which JSON does not have"),
         ("-Infinity", "`reward` is -Infinity, which JSON does not have"),
@@ -334,7 +334,7 @@ def test_the_gateways_own_bound_and_a_nan_anywhere_in_a_body(start_broker, start
     assert nan_prompt.status_code == 400 and "`obs.action[1]` is NaN" in nan_prompt.json()["error"]
     requests.post(f"{base}/step", json={"task_id": task, "obs": OBS}, timeout=30).raise_for_status()
     over = requests.post(f"{base}/feedback", json={"task_id": task, "reward": 11, "done": False}, timeout=30)
-    assert over.status_code == 400 and "`reward` 11 is outside the accepted range [-10, 10] (max_abs_reward)" in over.json()["error"]
+    assert over.status_code == 400 and "`reward` 11.0 is outside the accepted range [-10, 10] (max_abs_reward)" in over.json()["error"]
     assert status.status()["counters"]["broker/feedbacks"] == 0  # the broker (bound 1e6) would have taken 11
     assert requests.post(f"{base}/feedback", json={"task_id": task, "reward": -10, "done": False}, timeout=30).status_code == 200
     with pytest.raises(ValueError, match="`max_abs_reward` must be a positive finite number, got inf"):

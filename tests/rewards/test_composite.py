@@ -111,7 +111,7 @@ def test_a_reward_function_out_of_range_leaves_its_response_unrewarded_counted_a
     scored = reward.score([Item("p", v, where=f"train.jsonl line {n}") for n, v in enumerate(values, 1)])
     assert [s.reward for s in scored] == [None, None, 2.0, None, None, 5.0]  # clip bounds good rewards only
     assert scored[0].error == (
-        "train.jsonl line 1: the reward function's score 1e+300 is outside the accepted range [-1e+06, 1e+06] (max_abs_reward)"
+        "train.jsonl line 1: the reward function's score 1e+300 is outside the accepted range [-1000000.0, 1000000.0] (max_abs_reward)"
     )
     assert scored[1].error == "train.jsonl line 2: the reward function's score nan is not a finite number"
     assert "train.jsonl line 4" in scored[3].error and "-inf" in scored[3].error
@@ -132,7 +132,7 @@ def test_a_weighted_sum_past_the_bound_is_refused_and_a_nan_total_never_becomes_
     assert scored[0].error == "a.jsonl line 1: weighted_sum inf is not a finite number"
     heavy = CompositeReward({"rule_score": 10.0}, reward_fn=as_number, normalise="running")
     scored = heavy.score([Item("p", "2e5"), Item("p", "1"), Item("p", "3")])
-    assert scored[0].reward is None and "weighted_sum 2e+06 is outside the accepted range" in scored[0].error
+    assert scored[0].reward is None and "weighted_sum 2000000.0 is outside the accepted range" in scored[0].error
     assert heavy.moments.count == 2 and heavy.moments.mean == pytest.approx(20.0)  # the refused total never reached them
     assert heavy.unrewarded == Counter({"weighted_sum/out_of_range": 1}) and overflowing.unrewarded == Counter(
         {"weighted_sum/not_finite": 1}
@@ -168,7 +168,7 @@ def test_a_reward_model_score_that_is_nan_or_out_of_range_leaves_that_response_a
     with torch.no_grad():
         rm.model.classifier.bias.fill_(1e7)  # every score past the bound
     scored = CompositeReward({"rm_score": 1.0}, reward_model=rm, clip=5.0).score(items[:1])
-    assert scored[0].reward is None and "rm_score 1e+07 is outside the accepted range [-1e+06, 1e+06]" in scored[0].error
+    assert scored[0].reward is None and "rm_score 10000000.0 is outside the accepted range [-1000000.0, 1000000.0]" in scored[0].error
 
 
 def forever_or_exit(data_source, solution_str, ground_truth, extra_info=None):

@@ -164,11 +164,11 @@ def test_results_that_are_not_rewards_are_named_never_a_silent_zero() -> None:
         (
             1e300,
             "out_of_range",
-            r"train.jsonl line 3: the reward function's score 1e\+300 is outside the accepted range \[-1e\+06, 1e\+06\]",
+            r"train.jsonl line 3: the reward function's score 1e\+300 is outside the accepted range \[-1000000.0, 1000000.0\]",
         ),
         (-1e300, "out_of_range", r"score -1e\+300 is outside the accepted range"),
         ({"score": 1e300, "acc": 1.0}, "out_of_range", r"score 1e\+300 is outside"),
-        (1e6 + 1, "out_of_range", r"is outside the accepted range \[-1e\+06, 1e\+06\] \(max_abs_reward\)"),
+        (1e6 + 1, "out_of_range", r"is outside the accepted range \[-1000000.0, 1000000.0\] \(max_abs_reward\)"),
         (10**400, "out_of_range", r"an integer of 1329 bits, outside the accepted range"),  # no float holds it
         (math.nan, "not_finite", "score nan is not a finite number"),
         (-math.inf, "not_finite", "score -inf is not a finite number"),
