@@ -361,6 +361,7 @@ def run_training(
         rewarded=progress.rewarded,
         unrewarded=progress.unrewarded,
         unrewarded_reasons=progress.errors[:5],
+        unrewarded_by_cause=dict(sorted(reward.unrewarded.items())),  # component/reason: out_of_range, timed_out, ...
         **({"groups": progress.groups, "uniform_groups": progress.uniform_groups, "lone": progress.lone} if grouping else {}),
         stopped_workers=progress.stopped_workers,
         reward_mean=progress.reward_sum / progress.rewarded if progress.rewarded else None,

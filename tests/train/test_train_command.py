@@ -6,6 +6,7 @@ stand-in of the chat-completions API) is served by the stack's own reward servic
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -211,3 +212,55 @@ def test_a_run_that_rewarded_nothing_fails_and_its_summary_is_strict_json(stack,
     assert {k: v for k, v in printed.items() if k != "curve"} == summary
     for line in (tmp_path / "out" / "progress.jsonl").read_text().splitlines():
         strict(line)
+
+
+HOSTILE_REWARD_FN = """
+import math, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    colour = extra_info["colour"]
+    if colour == "red":
+        return 1e300  # finite, and absurd: its square overflows any advantage
+    if colour == "green":
+        return math.nan
+    if colour == "blue":
+        raise SystemExit(3)  # a user's sys.exit() in a reward function
+    if colour == "yellow":
+        time.sleep(10_000)  # never returns within the run
+    return -1e300 if colour == "black" else 1.0
+"""
+
+
+@pytest.mark.slow
+def test_absurd_rewards_hanging_and_exiting_reward_functions_leave_those_samples_unrewarded(
+    stack, redis_client, key_prefix, tmp_path
+) -> None:
+    """Issue 28, through the whole driver path: a reward function that returns 1e300, -1e300 or NaN, raises
+    SystemExit or never returns costs those samples their reward, counted by cause; the run finishes (in
+    seconds, not at the sleeper's end), every other sample is rewarded, and the farm's stream holds only
+    finite rewards within the bound."""
+    from tests.broker.test_broker import segments
+
+    colours = ["red", "green", "blue", "yellow", "black", "white", "grey", "pink"]
+    records = [{"prompt": f"say the word {c}", "extra_info": {"colour": c}} for c in colours]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (tmp_path / "hostile.py").write_text(HOSTILE_REWARD_FN)
+    farm = ["--broker", stack.frontend, "--epochs", "1", "--workers", "2", "--max-new-tokens", "2", "--report-every-s", "0.5"]
+    data = ["--data", str(tmp_path / "train.jsonl"), "--reward-fn", f"{tmp_path / 'hostile.py'}:compute_score"]
+    started = time.monotonic()
+    run = ppoz(
+        "train", *farm, *data, "--reward-fn-timeout-s", "2", "--output-dir", str(tmp_path / "out"), "--json", timeout=240, cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert time.monotonic() - started < 120  # the sleeper was abandoned after 2 s, not waited for
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rewarded"] == 3 and summary["unrewarded"] == 5, summary
+    assert summary["unrewarded_by_cause"] == {
+        "rule_score/not_finite": 1,
+        "rule_score/out_of_range": 2,
+        "rule_score/raised": 1,
+        "rule_score/timed_out": 1,
+    }
+    assert "SystemExit" in run.stderr and "did not return within 2 s" in run.stderr
+    rewards = [t.reward for s in segments(redis_client, key_prefix) for t in s.transitions]
+    assert sorted(rewards) == [1.0, 1.0, 1.0]  # only the good ones reached training
