@@ -5,10 +5,10 @@ Components, each named as in the config table:
     rm_score     the local reward model (rewards/reward_model.py), or a reward service's (rewards/service.py)
     judge_score  the LLM judge (rewards/judge.py), or a reward service's, in [0, 1]
 
-    [train.reward]
+    [train]
     weights = { rm_score = 0.7, rule_score = 0.3 }
-    normalise = "running"   # none | running: (r - mean) / std over every reward so far
-    clip = 5.0              # |r| <= clip after normalisation; 0: no clipping
+    reward_normalise = "running"   # none | running: (r - mean) / std over every reward so far
+    reward_clip = 5.0              # |r| <= clip after normalisation; 0: no clipping
 
 A response whose component cannot be computed (the reward function or the reward model raised
 RewardError, the judge's reply was unreadable or its request failed) gets no reward: `Scored.reward`
