@@ -60,6 +60,8 @@ end
 local function store_sample(samples, sample, reward, seg, transition)
   if redis.call('HSETNX', samples, sample, reward) == 1 then
     redis.call('RPUSH', seg, transition)
+  else  -- acknowledged, stored nothing: counted, so that the ledger's acknowledged = stored + these
+    redis.call('INCR', samples .. ':duplicates')
   end
 end
 

@@ -22,6 +22,8 @@ and the demo read the figures. Every key is built here and nowhere else
     P:samples           HASH    sample id -> the reward stored with it: a feedback's          broker -> drivers
                                 `sample`, written in the same script as its transition, and
                                 only once per id (a second feedback with it stores nothing)
+    P:samples:duplicates STRING feedbacks acknowledged with a sample id stored before, which  broker -> ledger
+                                stored nothing (a killed driver's retry after its successor's)
     P:samples:scores    HASH    sample id -> its raw score, written by a GRPO driver before   drivers
                                 its group's feedbacks (a cut group is completed with them)
     P:learner:samples   HASH    sample id -> times an update consumed it: counted in the      learner -> ledger
@@ -105,6 +107,10 @@ class RedisKeys:
     @property
     def sample_scores(self) -> str:
         return f"{self.prefix}:samples:scores"
+
+    @property
+    def duplicate_samples(self) -> str:
+        return f"{self.prefix}:samples:duplicates"
 
     @property
     def samples_trained(self) -> str:

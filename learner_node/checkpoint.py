@@ -1,6 +1,7 @@
 """Checkpoints: everything needed to go on exactly where an update left off, written atomically.
 
-A checkpoint is a directory `ckpt-<update>`: the policy's trainable weights
+A checkpoint is a directory `ckpt-<index>` (the learner's updates and discarded updates so far: every save
+a new, larger index): the policy's trainable weights
 (`policy.safetensors`, the adapter in peft's key names, or all weights without
 one), the value head, both optimizers, RNG states and `state.json` (policy
 version, update count, KL coefficient, the stream entries and segment ids the

@@ -360,8 +360,9 @@ class Learner:
             )
         return metrics
 
-    def _count(self, segments: list[Segment], rollout: Rollout, generated: GenerationBatch, trained: int) -> None:
-        """The checkpointed counters of a rollout read: what was stored, trained and dropped, and why."""
+    def _count(self, segments: list[Segment], rollout: Rollout, generated: GenerationBatch, trained: int, applied: bool = True) -> None:
+        """The checkpointed counters of a rollout read: what was stored, trained and dropped, and why (`applied`:
+        the update was kept; a discarded one's segments are remembered, so never read twice, but not trained)."""
         for kind in (rollout, generated):
             self.counters["transitions_stored"] += kind.stored
             self.counters["dropped_stale"] += kind.dropped_stale
@@ -370,7 +371,7 @@ class Learner:
             for reason, count in kind.mismatched.items():
                 self.counters[f"mismatched_{reason}"] += count
         self.counters["transitions_trained"] += trained
-        self.counters["segments_trained"] += len(segments)
+        self.counters["segments_trained"] += len(segments) if applied else 0
         for seg in segments:
             self._remember(seg.seg_id)
 
@@ -390,7 +391,7 @@ class Learner:
         self.discarded_in_row += 1
         self.counters["discarded_updates"] += 1
         self.counters["dropped_nonfinite"] += dropped
-        self._count(segments, rollout, generated, 0)
+        self._count(segments, rollout, generated, 0, applied=False)
         culprit = likely_culprit(segments)
         log.error(
             "update %d discarded (%d in a row): %s; its %d transitions dropped, the weights kept at policy version %d; %s",
@@ -586,7 +587,10 @@ class Learner:
         }
         checkpoint.save(
             self.cfg.checkpoint_dir,
-            self.updates,
+            # Every save a new, larger index, a discarded update's too (it applies nothing, so `updates` stays): a
+            # save under the latest one's name would first delete it, and a crash between that and the rename
+            # would make the checkpoint before it the latest, while the entries of the update it held are acknowledged.
+            self.updates + self.counters["discarded_updates"],
             policy_state_dict(self.lp.model),
             {**self.lp.value_head.state_dict(), **{TOKEN_HEAD + k: v for k, v in self.lp.token_value_head.state_dict().items()}},
             {
@@ -688,7 +692,10 @@ def likely_culprit(segments: list[Segment]) -> str:
     if worst is None:
         return "the batch held no transitions"
     if worst[0] > DEFAULT_MAX_ABS_REWARD:
-        return f"likely input: {worst[1]}, beyond the bound rewards are checked against where they enter (max_abs_reward)"
+        return (
+            f"likely input: {worst[1]}, beyond the default bound rewards are checked against where they enter "
+            f"(max_abs_reward, {DEFAULT_MAX_ABS_REWARD:g})"
+        )
     return (
         f"no reward of the batch is out of the ordinary (the largest: {worst[1]}); look at the learning rate, the "
         "model's dtype and the behaviour log-probabilities the actors sent"

@@ -359,6 +359,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
 
 
 def cmd_learner(args: argparse.Namespace) -> int:
+    from common.processes import EXIT_STOPPED_ON_INPUT
     from common.redis_server import check_server, connect
     from learner_node.config import LearnerConfig
     from learner_node.worker import Learner, PoisonedInput
@@ -374,7 +375,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
     except PoisonedInput as e:  # its batches are acknowledged as dropped and its checkpoint holds the last good weights
         log.error("learner stopped: %s", e)
         learner.close()
-        return 3
+        return EXIT_STOPPED_ON_INPUT
     log.info("learner stopped after %d updates at policy version %d: %s", learner.updates, learner.version, dict(learner.counters))
     return 0
 
@@ -450,7 +451,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"mismatched {counters.get('dropped_mismatched', 0)}"
                 + (f" ({why})" if why else "")
                 + f", non-finite {counters.get('dropped_nonfinite', 0)}"
-                + (f" ({counters['discarded_updates']} updates discarded)" if counters.get("discarded_updates") else "")
+                + (f" (updates discarded: {counters['discarded_updates']})" if counters.get("discarded_updates") else "")
             )
     else:
         print("  learner: no update yet")

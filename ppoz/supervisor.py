@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
-from common.processes import die_with_parent
+from common.processes import EXIT_STOPPED_ON_INPUT, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -190,10 +190,13 @@ class Supervisor:
         how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
         tail = "\n".join(f"    {line}" for line in c.last_lines) or "    (no output)"
         log.error("%s died (%s); its last lines:\n%s", c.name, how, tail)
-        if not c.restartable or self.on_failure == STOP or c.restarts >= self.max_restarts:
+        stopped_on_input = code == EXIT_STOPPED_ON_INPUT
+        if not c.restartable or stopped_on_input or self.on_failure == STOP or c.restarts >= self.max_restarts:
             reason = (
                 "it is not restartable"
                 if not c.restartable
+                else f"it stopped on its input (exit code {code}): a restart would meet the same input"
+                if stopped_on_input
                 else ("on_failure is stop" if self.on_failure == STOP else f"it was restarted {c.restarts} times already")
             )
             log.error("stopping everything: %s died and %s", c.name, reason)
@@ -286,7 +289,7 @@ def stop_previous(record: Path, timeout_s: float) -> list[str]:
         time.sleep(0.05)
         running = [c for c in running if c.running()]
     if running:
-        raise RuntimeError(f"the previous run's {', '.join(f'{c.name} (pid {c.pid})' for c in running)} would not stop")
+        raise StackBusy(f"the previous run's {', '.join(f'{c.name} (pid {c.pid})' for c in running)} would not stop; stop it first")
     return named
 
 

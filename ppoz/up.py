@@ -129,7 +129,7 @@ def started_stack(
     from broker.config import BrokerConfig
     from common.redis_server import EmbeddedRedis
     from learner_node.config import LearnerConfig
-    from ppoz.supervisor import Supervisor, hold_lock, stop_previous
+    from ppoz.supervisor import StackBusy, Supervisor, hold_lock, stop_previous
     from rewards.config import RewardServiceConfig
 
     policy_flags = {"policy.model": model} if model else {}
@@ -160,7 +160,11 @@ def started_stack(
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = hold_lock(run_dir / "stack.lock")
         record = run_dir / "stack.json"
-        stop_previous(record, up.stop_timeout_s)
+        try:
+            stop_previous(record, up.stop_timeout_s)
+        except StackBusy:  # a survivor of the killed run that would not die: named, and the lock let go
+            lock.close()
+            raise
     if fresh_redis and up.redis_data_dir and not up.redis_url:
         shutil.rmtree(up.redis_data_dir, ignore_errors=True)
     embedded = None

@@ -42,13 +42,14 @@ class Ledger:
     learner_reported: bool = True  # the learner's figures hash exists (False: its counters are unknown, not zero)
     figures_key: str = ""
     dropped_nonfinite: int = 0  # in an update the learner undid because a loss, gradient or weight was not finite
+    duplicate_samples: int = 0  # feedbacks acknowledged whose sample id was stored before: nothing stored for them
 
     @property
     def balanced(self) -> bool:
         return (
             self.learner_reported
             and self.in_stream == 0
-            and self.acknowledged == self.stored + self.still_open
+            and self.acknowledged == self.stored + self.still_open + self.duplicate_samples
             and self.stored == self.trained + self.dropped_stale + self.dropped_truncated + self.dropped_mismatched + self.dropped_nonfinite
         )
 
@@ -68,6 +69,8 @@ class Ledger:
 
     def __str__(self) -> str:
         opened = f" + {self.still_open} in open segments" if self.still_open else ""
+        if self.duplicate_samples:
+            opened += f" + {self.duplicate_samples} duplicate samples (acknowledged, stored once before)"
         if not self.learner_reported:
             return (
                 f"acknowledged {self.acknowledged}; the learner's side is missing: it has published no counters "
@@ -100,6 +103,7 @@ def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_
         bool(figures),
         learner_figures.latest_key(key_prefix),
         counters.get("dropped_nonfinite", 0),
+        int(client.get(RedisKeys(key_prefix, stream_key).duplicate_samples) or 0),
     )
 
 

@@ -32,6 +32,7 @@ import logging
 import math
 import queue
 import threading
+import time
 import traceback
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -117,6 +118,9 @@ class _Call:
     trace: str = ""
 
 
+STOP_POLL_S = 0.1  # how often a wait on the reward function looks whether the run is stopping
+
+
 class RewardFnRunner:
     """Calls a user's reward function one call at a time on a worker thread of its own, each call with a deadline.
 
@@ -138,22 +142,31 @@ class RewardFnRunner:
         self.fn = fn
         self.timeout_s = timeout_s
         self.abandoned = 0  # calls given up on past their deadline
+        self._stopping = threading.Event()  # set by `stop`: the run is ending, no call is waited for any more
         self._calls: queue.SimpleQueue[_Call | None] | None = None  # the current worker's; None: none started yet
 
     def call(self, **kwargs: Any) -> Any:
-        """The function's result; RewardError when it raised anything or did not return within `timeout_s`."""
+        """The function's result; RewardError when it raised anything, did not return within `timeout_s`, or the
+        run is stopping (`stop`)."""
+        if self._stopping.is_set():
+            raise RewardError("the run is stopping: the reward function was not called", reason="stopped")
         if self._calls is None:
             self._calls = self._start_worker()
         call = _Call(kwargs)
         self._calls.put(call)
-        if not call.done.wait(self.timeout_s):
-            self._calls.put(None)  # the abandoned worker ends once (if ever) its call returns
-            self._calls = None
-            self.abandoned += 1
-            raise RewardError(
-                f"the reward function did not return within {self.timeout_s:g} s (reward_fn_timeout_s); the call was abandoned",
-                reason="timed_out",
-            )
+        deadline = time.monotonic() + self.timeout_s
+        # Waited for in short slices, so that `stop` (SIGTERM) ends a wait on a hung function within one slice.
+        while not call.done.wait(min(STOP_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if self._stopping.is_set() or time.monotonic() >= deadline:
+                self._calls.put(None)  # the abandoned worker ends once (if ever) its call returns
+                self._calls = None
+                self.abandoned += 1
+                if self._stopping.is_set():
+                    raise RewardError("the run is stopping: the reward function's call was abandoned", reason="stopped")
+                raise RewardError(
+                    f"the reward function did not return within {self.timeout_s:g} s (reward_fn_timeout_s); the call was abandoned",
+                    reason="timed_out",
+                )
         if call.raised is None:
             return call.result
         if isinstance(call.raised, RewardError):  # the function's own refusal, as it worded it
@@ -165,6 +178,10 @@ class RewardFnRunner:
                 call.trace,
             )
         raise RewardError(f"the reward function raised {type(call.raised).__name__}: {call.raised}", reason="raised")
+
+    def stop(self) -> None:
+        """The run is ending: a call in progress is abandoned within STOP_POLL_S, and later calls fail at once."""
+        self._stopping.set()
 
     def _start_worker(self) -> queue.SimpleQueue[_Call | None]:
         calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
@@ -226,6 +243,12 @@ class CompositeReward:
         # requests overlap; the reward function (a user's, maybe not thread-safe), the reward model and the
         # running moments take one batch at a time.
         self._serial = threading.Lock()
+
+    def stop(self) -> None:
+        """The run is ending (SIGTERM): a reward function's call in progress is abandoned at once and no other is
+        made, so a hung function cannot hold the scorer's threads, and the process, at exit."""
+        if self.runner is not None:
+            self.runner.stop()
 
     def score(self, items: Sequence[Item], raw: bool = False) -> list[Scored]:
         """Each item's reward; `raw`: the weighted sum as it is, neither normalised (nor counted in the

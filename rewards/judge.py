@@ -104,7 +104,7 @@ PRESETS: dict[str, Preset] = {
 }
 # parse_score's grammar (the module's docstring): the last label, then the number alone on its line.
 _SCORE_LABEL = re.compile(r"\bscore\s*[:=]", re.IGNORECASE)
-_SCORE_NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
+_SCORE_NUMBER = re.compile(r"[+-]?[0-9]+(?:\.[0-9]+)?")  # ASCII digits: `\d` would also take "٧" or "７", which float() reads
 _EMPHASIS = "*_"  # markdown bold or italics around the label or the number: `**Score:** 7`, `Score: **7**`
 REPLY_IN_LOG = 300  # characters of an unreadable reply the log shows (its end, where the score should be)
 

@@ -131,7 +131,7 @@ def test_broker_serves_status_and_stops_cleanly_on_sigterm(redis_url, key_prefix
         )
         table = ppoz("status", "--broker", f"tcp://127.0.0.1:{front}")
         assert table.returncode == 0 and "cli-actor" in table.stdout and "sessions 0" in table.stdout
-        assert "non-finite 8 (1 updates discarded)" in table.stdout, table.stdout
+        assert "non-finite 8 (updates discarded: 1)" in table.stdout, table.stdout
         assert "limits: " in table.stdout and "max_message_bytes" in table.stdout, table.stdout  # the client's limits, shown
         assert "at zero not shown" in table.stdout and "replayed" not in table.stdout, table.stdout  # an idle broker's zeros hidden
         for p in (actor, proc):

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +136,20 @@ class BatchingScorer:
         self._queue.put(None)
         self._thread.join(60)
 
+    def abandon(self) -> None:
+        """Stop now (the run was interrupted): what is queued is not scored, its futures cancelled; a batch being
+        scored ends within moments (the reward function's call is abandoned, CompositeReward.stop)."""
+        self.reward.stop()
+        while True:
+            try:
+                pending = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if pending is not None:
+                pending[1].cancel()
+        self._queue.put(None)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def _run(self) -> None:
         stopping = False
         while not stopping:
@@ -155,7 +169,13 @@ class BatchingScorer:
                     stopping = True
                     break
                 batch.append(more)
-            self._pool.submit(self._score, batch)
+            try:
+                self._pool.submit(self._score, batch)
+            except RuntimeError:  # abandoned meanwhile: the pool takes no more work
+                for _, future in batch:
+                    future.cancel()
+                self._slots.release()
+                break
         self._pool.shutdown(wait=True)
 
     def _score(self, batch: list[tuple[Item, Future[Scored]]]) -> None:
@@ -325,6 +345,8 @@ def drive(
             return future.result(timeout=reward_timeout_s)
         except FutureTimeout:
             return Scored(None, {}, error=f"{record.where}: no reward within {reward_timeout_s:g} s")
+        except CancelledError:  # the run was interrupted before this response was scored (BatchingScorer.abandon)
+            return Scored(None, {}, error=f"{record.where}: not scored, the run was stopping")
 
     def play(client: Client, tasks: list[str], group: list[tuple[int, PromptRecord]], pending: set[int], known: list[float]) -> None:
         """One group's turns (one position without `grouping`): responses, their rewards (all asked for

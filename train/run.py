@@ -26,7 +26,7 @@ from typing import Any
 
 from common.protocol import Limits
 from rewards.composite import CompositeReward
-from rewards.functions import load_reward_fn
+from rewards.functions import RewardFn, load_reward_fn
 from rewards.group import GroupAdvantage
 from train.config import TrainConfig
 from train.data import PromptOrder, PromptRecord, load_dataset
@@ -49,8 +49,9 @@ LEARNER_FIGURES = {
 }
 
 
-def build_reward(cfg: TrainConfig) -> CompositeReward:
-    """The composite reward `cfg` describes; each source loaded once here, or asked of the reward service."""
+def build_reward(cfg: TrainConfig, reward_fn: RewardFn | None = None) -> CompositeReward:
+    """The composite reward `cfg` describes; each source loaded once here, or asked of the reward service.
+    `reward_fn`: the reward function `prepare` loaded (a user's module is run once, not once per check)."""
     if cfg.reward_service:
         weights, reward_model, judge = _service_sources(cfg)
     else:
@@ -64,7 +65,10 @@ def build_reward(cfg: TrainConfig) -> CompositeReward:
             from rewards.judge import Judge
 
             judge = Judge(cfg.judge_config())
-    reward_fn = load_reward_fn(cfg.reward_fn or "default") if weights.get("rule_score") else None
+    if not weights.get("rule_score"):
+        reward_fn = None
+    elif reward_fn is None:
+        reward_fn = load_reward_fn(cfg.reward_fn or "default")
     return CompositeReward(
         weights,
         reward_fn,
@@ -118,6 +122,7 @@ class Prepared:
 
     records: list[PromptRecord]
     val: list[PromptRecord]
+    reward_fn: RewardFn | None = None  # None: no rule_score weight
 
 
 def prepare(cfg: TrainConfig, limits: Limits | None = None) -> Prepared:
@@ -129,9 +134,8 @@ def prepare(cfg: TrainConfig, limits: Limits | None = None) -> Prepared:
     records = load_records(cfg.data, cfg.strict, fits=fits)
     greedy = Sampling(cfg.max_new_tokens, 0.0, chat_template=cfg.chat_template)  # validation's requests
     val = load_records(cfg.val, cfg.strict, cfg.val_size, lambda record: request_problem(record, greedy, limits)) if cfg.val else []
-    if cfg.reward_weights().get("rule_score"):
-        load_reward_fn(cfg.reward_fn or "default")
-    return Prepared(records, val)
+    reward_fn = load_reward_fn(cfg.reward_fn or "default") if cfg.reward_weights().get("rule_score") else None
+    return Prepared(records, val, reward_fn)
 
 
 def order_identity(order: PromptOrder, data: str) -> dict[str, Any]:
@@ -255,7 +259,7 @@ def run_training(
     out.mkdir(parents=True, exist_ok=True)
     prepared = prepared or prepare(cfg)
     records, val = prepared.records, prepared.val
-    reward = build_reward(cfg)
+    reward = build_reward(cfg, prepared.reward_fn)
     order = PromptOrder(len(records), cfg.epochs, cfg.rollout_n, cfg.shuffle, cfg.seed)
     state_path = out / "driver_state.json"
     run, start = read_state(state_path, order, cfg.data) if cfg.resume else ("", 0)
@@ -347,7 +351,8 @@ def run_training(
             lines.flush()
             write_state(state_path, order, cfg.data, run, progress.resume_from)
     interrupted = interrupt is not None and interrupt.is_set()
-    if interrupted:  # a batch still being scored is not waited for
+    if interrupted:  # a batch still being scored is not waited for, nor a reward function that hangs
+        scorer.abandon()
         echo(f"ppoz train: the drivers stopped {time.monotonic() - (stopping_since or time.monotonic()):.1f} s after the signal")
     else:
         scorer.close()

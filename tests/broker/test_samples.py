@@ -40,6 +40,8 @@ def test_a_sample_is_marked_with_its_transition_and_stored_once(start_broker, st
     client.step(other, obs(5))
     client.feedback(other, 4.0, done=True, sample="run1:2")
     assert stored(redis_client, key_prefix)[3:] == [("run1:2", 4.0)]
+    # Counted, for the ledger: 6 feedbacks acknowledged = 4 stored + 2 duplicates
+    assert int(redis_client.get(RedisKeys(key_prefix).duplicate_samples)) == 2
 
 
 @pytest.mark.parametrize(

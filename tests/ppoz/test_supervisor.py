@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from common.processes import EXIT_STOPPED_ON_INPUT
 from ppoz.supervisor import Component, Supervisor
 from tests.helpers import wait_for
 
@@ -166,7 +167,7 @@ def test_crash_is_reported_and_restarted_until_out_of_restarts(
     runs = tmp_path / "runs"
     sup, out = make_supervisor(max_restarts=1)
     sleeper = sup.add("sleeper", python(SLEEPER))
-    crasher = sup.add("crasher", python(CRASHER, str(runs), "3"))
+    crasher = sup.add("crasher", python(CRASHER, str(runs), "4"))
     sup.start_all()
     assert watch(sup) == 1
     assert sup.failed == "crasher" and crasher.restarts == 1
@@ -175,7 +176,7 @@ def test_crash_is_reported_and_restarted_until_out_of_restarts(
     starts = [float(t) for t in runs.read_text().split()]
     assert len(starts) == 2 and starts[1] - starts[0] >= 0.9  # the first restart waits 2**0 s
     reports = died_records(caplog, "crasher")
-    assert reports == [f"crasher died (exit code 3); its last lines:\n    run {run}\n    boom on stderr" for run in (0, 1)]
+    assert reports == [f"crasher died (exit code 4); its last lines:\n    run {run}\n    boom on stderr" for run in (0, 1)]
     assert "stopping everything: crasher died and it was restarted 1 times already" in [r.getMessage() for r in caplog.records]
     assert [r.getMessage() for r in caplog.records if "restarting" in r.getMessage()] == ["restarting crasher (restart 1 of 1)"]
     assert [line for line in out.lines() if line.startswith(" crasher | ")] == [
@@ -192,6 +193,14 @@ def test_crash_is_reported_and_restarted_until_out_of_restarts(
         ("stop", True, "1", "exit code 1", "on_failure is stop"),
         ("restart", False, f"signal {int(signal.SIGKILL)}", "killed by SIGKILL", "it is not restartable"),
         ("stop", True, f"signal {int(signal.SIGRTMIN) + 1}", f"killed by signal {int(signal.SIGRTMIN) + 1}", "on_failure is stop"),
+        # a learner that stopped on non-finite updates in a row: a restart would only meet the same input
+        (
+            "restart",
+            True,
+            str(EXIT_STOPPED_ON_INPUT),
+            "exit code 3",
+            "it stopped on its input (exit code 3): a restart would meet the same input",
+        ),
     ],
 )
 def test_first_death_stops_everything_when_configured_so(

@@ -158,6 +158,7 @@ def test_the_edges_of_the_grammar() -> None:
     assert parse_score("Score: " + "9" * 400, 0, 10)[0] is None  # float("99...9") is inf: off any scale
     assert parse_score("Score:\n7", 0, 10)[0] is None  # the number must be on the label's line
     assert parse_score("subscore: 7", 0, 10)[0] is None  # a label is the word `score`, not part of one
+    assert parse_score("Score: \u0667", 0, 10)[0] is None and parse_score("Score: \uff17", 0, 10)[0] is None  # not ASCII digits
 
 
 def test_a_long_unreadable_reply_is_truncated_in_the_log(caplog) -> None:

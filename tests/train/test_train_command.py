@@ -6,11 +6,13 @@ stand-in of the chat-completions API) is served by the stack's own reward servic
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import pytest
 
-from tests.processes import free_port, ppoz
+from tests.helpers import wait_for
+from tests.processes import free_port, ppoz, start_ppoz
 from tests.train.test_driver import COLOURS
 from tests.train.test_run import write_dataset
 
@@ -264,3 +266,29 @@ def test_absurd_rewards_hanging_and_exiting_reward_functions_leave_those_samples
     assert "SystemExit" in run.stderr and "did not return within 2 s" in run.stderr
     rewards = [t.reward for s in segments(redis_client, key_prefix) for t in s.transitions]
     assert sorted(rewards) == [1.0, 1.0, 1.0]  # only the good ones reached training
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_run_whose_reward_function_hangs_within_seconds(stack, tmp_path) -> None:
+    """Every call of this reward function sleeps far past the run; its deadline (600 s) is not what ends the
+    run: SIGTERM abandons the call in progress and what is queued, and the process exits in seconds."""
+    records = [{"prompt": f"say the word {c}"} for c in COLOURS]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (tmp_path / "sleeper.py").write_text("import time\n\ndef compute_score(**kwargs):\n    time.sleep(10_000)\n")
+    farm = ["--broker", stack.frontend, "--epochs", "1", "--workers", "2", "--max-new-tokens", "2", "--report-every-s", "0.5"]
+    data = ["--data", str(tmp_path / "train.jsonl"), "--reward-fn", f"{tmp_path / 'sleeper.py'}:compute_score"]
+    log = tmp_path / "run.log"
+    proc = start_ppoz("train", *farm, *data, "--reward-fn-timeout-s", "600", "--output-dir", str(tmp_path / "out"), log=log, cwd=tmp_path)
+    try:
+        wait_for(lambda: "samples 0/" in log.read_text(), timeout=120, what="the run's first progress line")
+        time.sleep(1.0)  # the scorer is inside a call that never returns
+        asked = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        took = time.monotonic() - asked
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert took < 15, f"SIGTERM took {took:.1f} s with a hung reward function:\n{log.read_text()[-3000:]}"
+    assert "the drivers stopped" in log.read_text()
