@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 from common.config import check, nested, option, section
-from common.protocol import DEFAULT_MAX_ABS_REWARD, Limits
+from common.protocol import DEFAULT_MAX_ABS_REWARD, Limits, is_reward_bound
 from common.security import check_server_settings
 from common.shared_settings import RetrievalConfig
 
@@ -72,7 +71,7 @@ class BrokerConfig:
         for name in ("max_new_tokens", "max_stop_strings", "max_stop_chars", "max_messages"):
             check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
         check(
-            math.isfinite(self.max_abs_reward) and self.max_abs_reward > 0,
+            is_reward_bound(self.max_abs_reward),
             f"`max_abs_reward` must be a positive finite number, got {self.max_abs_reward}",
         )
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")

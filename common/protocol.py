@@ -86,6 +86,11 @@ class ProtocolError(Exception):
 DEFAULT_MAX_ABS_REWARD = 1e6
 
 
+def is_reward_bound(max_abs: float) -> bool:
+    """Whether `max_abs` can be a `max_abs_reward` setting: positive and finite (every config checks it so)."""
+    return math.isfinite(max_abs) and max_abs > 0
+
+
 def reward_problem(value: float, max_abs: float = DEFAULT_MAX_ABS_REWARD) -> str:
     """Why `value` cannot be a reward ("" if it can): not finite, or |value| above `max_abs`."""
     if not math.isfinite(value):

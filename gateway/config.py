@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from common.config import check, option, section
-from common.protocol import DEFAULT_MAX_ABS_REWARD
+from common.protocol import DEFAULT_MAX_ABS_REWARD, is_reward_bound
 from common.security import check_client_settings
 
 
@@ -42,7 +41,7 @@ class GatewayConfig:
         check(self.max_inflight >= 1, f"`max_inflight` must be at least 1, got {self.max_inflight}")
         check(self.max_body_bytes >= 1024, f"`max_body_bytes` must be at least 1024, got {self.max_body_bytes}")
         check(
-            math.isfinite(self.max_abs_reward) and self.max_abs_reward > 0,
+            is_reward_bound(self.max_abs_reward),
             f"`max_abs_reward` must be a positive finite number, got {self.max_abs_reward}",
         )
         check_client_settings(self.curve_secret_key, {"curve_server_key": self.curve_server_key})

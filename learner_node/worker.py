@@ -154,7 +154,8 @@ class Learner:
         self._own_cursor: str | None = "0"
         self._claim_cursor: str | None = "0-0"
         # Work an update left undone when Redis went away after its checkpoint: done before the next rollout.
-        self._unacked: list[str] = []
+        # (entry id, its sample ids; None: not known, read from the stream when acknowledged: a resumed learner's)
+        self._unacked: list[tuple[str, list[str] | None]] = []
         self._unpublished = False
         self._unreported: dict[str, float] = {}  # the last update's figures and counters (common/learner_figures.py)
         self._backlog = 0  # the backlog limit to publish for the broker (0: nothing new)
@@ -202,7 +203,7 @@ class Learner:
         for seg_id in state["recent_segments"]:
             self._remember(seg_id)
         # The update in this checkpoint consumed these entries; the crash may have come before they were acknowledged.
-        self._unacked = list(state["last_entries"]) if self.is_main else []
+        self._unacked = [(entry_id, None) for entry_id in state["last_entries"]] if self.is_main else []
         log.info("resumed from %s: policy version %d after %d updates", path, self.version, self.updates)
 
     # --- the loop ------------------------------------------------------------------------------
@@ -274,7 +275,7 @@ class Learner:
                 self.stop_event.set()
         if not segments:
             if entries:  # only duplicates or malformed entries: nothing to train, but nothing to keep pending either
-                self._unacked = [entry_id for entry_id, _ in entries]
+                self._unacked = _with_samples(entries)
                 self._settle()
             return None
         if self.stop_event.is_set():
@@ -331,7 +332,7 @@ class Learner:
             # before the next rollout is read, so acknowledgement, weights and counters never fall behind silently.
             ids = [entry_id for entry_id, _ in entries]
             self.save_checkpoint(ids)
-            self._unacked = ids
+            self._unacked = _with_samples(entries)
             self._unpublished = bool(train_policy and trained)
             self._unreported = self._figures(metrics, trained)
             self._backlog = backlog_limit(
@@ -406,7 +407,7 @@ class Learner:
         if self.is_main:
             ids = [entry_id for entry_id, _ in entries]
             self.save_checkpoint(ids)
-            self._unacked = ids
+            self._unacked = _with_samples(entries)
             self._unreported = self._figures(metrics, 0)
             if self.writer is not None:
                 for key, value in metrics.items():
@@ -551,15 +552,19 @@ class Learner:
             return
         log.warning("Redis is back after %.1f s; re-reading this learner's pending segments", time.monotonic() - down_since)
 
-    def _ack(self, ids: list[str]) -> None:
+    def _ack(self, unacked: list[tuple[str, list[str] | None]]) -> None:
         """Acknowledge and delete the entries (not needed again; the stream stays small), and count each of their
-        samples once in the ledger's `P:learner:samples`, in the same atomic script (common/segments.py)."""
-        if ids:
+        samples once in the ledger's `P:learner:samples`, in the same atomic script (common/segments.py). Sample
+        ids not known (None: entries a resumed learner's checkpoint names) are read from the stream first."""
+        unknown = [entry_id for entry_id, samples in unacked if samples is None]
+        if unknown:
             pipe = self.redis.pipeline(transaction=False)
-            for entry_id in ids:
+            for entry_id in unknown:
                 pipe.xrange(self.stream, entry_id, entry_id)
-            found = [got[0][1] if got else None for got in pipe.execute()]
-            acknowledge(self.redis, self.keys, self.cfg.consumer_group, [(i, entry_samples(f)) for i, f in zip(ids, found)])
+            read = {i: entry_samples(got[0][1] if got else None) for i, got in zip(unknown, pipe.execute())}
+            unacked = [(entry_id, read[entry_id] if samples is None else samples) for entry_id, samples in unacked]
+        if unacked:
+            acknowledge(self.redis, self.keys, self.cfg.consumer_group, [(i, s or []) for i, s in unacked])
 
     def _remember(self, seg_id: str) -> None:
         if len(self.seen) == self.seen.maxlen:
@@ -700,6 +705,11 @@ def likely_culprit(segments: list[Segment]) -> str:
         f"no reward of the batch is out of the ordinary (the largest: {worst[1]}); look at the learning rate, the "
         "model's dtype and the behaviour log-probabilities the actors sent"
     )
+
+
+def _with_samples(entries: list[tuple[str, dict]]) -> list[tuple[str, list[str] | None]]:
+    """Entries as `_ack` takes them: each id with the sample ids of its fields, read once, here."""
+    return [(entry_id, entry_samples(fields)) for entry_id, fields in entries]
 
 
 def _text(value: bytes | str) -> str:

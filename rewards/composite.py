@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.protocol import DEFAULT_MAX_ABS_REWARD, reward_problem
+from common.protocol import DEFAULT_MAX_ABS_REWARD, is_reward_bound, reward_problem
 from rewards.config import DEFAULT_REWARD_FN_TIMEOUT_S
 from rewards.functions import RewardError, RewardFn, as_score, bound_reason
 
@@ -227,7 +227,7 @@ class CompositeReward:
             raise ValueError(f"reward `normalise` must be one of {', '.join(NORMALISATIONS)}, got {normalise!r}")
         if clip < 0:
             raise ValueError(f"reward `clip` must be >= 0 (0: none), got {clip}")
-        if not (math.isfinite(max_abs_reward) and max_abs_reward > 0):
+        if not is_reward_bound(max_abs_reward):
             raise ValueError(f"reward `max_abs_reward` must be a positive finite number, got {max_abs_reward}")
         self.weights = {name: float(w) for name, w in weights.items() if w != 0}
         self.reward_fn, self.reward_model, self.judge = reward_fn, reward_model, judge

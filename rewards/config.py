@@ -9,12 +9,11 @@ configs inherit them from `RewardSources`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.config import check, option, section
-from common.protocol import DEFAULT_MAX_ABS_REWARD
+from common.protocol import DEFAULT_MAX_ABS_REWARD, is_reward_bound
 
 if TYPE_CHECKING:
     from rewards.judge import JudgeConfig
@@ -51,7 +50,7 @@ class RewardSources:
         check(self.judge_concurrency >= 1, f"[{table}] judge_concurrency = {self.judge_concurrency}: must be at least 1")
         check(self.judge_timeout_s > 0, f"[{table}] judge_timeout_s = {self.judge_timeout_s}: must be positive")
         check(
-            math.isfinite(self.max_abs_reward) and self.max_abs_reward > 0,
+            is_reward_bound(self.max_abs_reward),
             f"[{table}] max_abs_reward = {self.max_abs_reward}: must be a positive finite number",
         )
 

@@ -67,27 +67,24 @@ def main() -> int:
         calls[0] += 1
         return torch.full_like(grad, math.nan) if calls[0] == 2 else grad
 
-    handle = lora.register_hook(nan_on_the_second_backward)
-    before = state()
-    snap = TrainableSnapshot.of([popt, vopt])
-    try:
-        generation_update(lp, popt, vopt, batch, cfg, gen)
-        results["nan_gradient_raised"] = False
-    except NonFiniteUpdate as e:
-        results["nan_gradient_raised"] = e.what
-    snap.restore()
-    handle.remove()
-    results["nan_gradient_restored_exactly"] = same(before, state())
+    def poisoned(name: str) -> None:
+        """One update that must raise NonFiniteUpdate, undone from its snapshot: `name`_raised (what it said) and
+        `name`_restored_exactly in `results`."""
+        snap = TrainableSnapshot.of([popt, vopt])
+        try:
+            generation_update(lp, popt, vopt, batch, cfg, gen)
+            results[f"{name}_raised"] = False
+        except NonFiniteUpdate as e:
+            results[f"{name}_raised"] = e.what
+        snap.restore()
+        results[f"{name}_restored_exactly"] = same(before, state())
 
+    before = state()
+    handle = lora.register_hook(nan_on_the_second_backward)
+    poisoned("nan_gradient")
+    handle.remove()
     batch.rewards[3] = 1e300
-    snap = TrainableSnapshot.of([popt, vopt])
-    try:
-        generation_update(lp, popt, vopt, batch, cfg, gen)
-        results["reward_1e300_raised"] = False
-    except NonFiniteUpdate as e:
-        results["reward_1e300_raised"] = e.what
-    snap.restore()
-    results["reward_1e300_restored_exactly"] = same(before, state())
+    poisoned("reward_1e300")
 
     batch.rewards[3] = 1.0
     sync()
