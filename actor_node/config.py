@@ -23,6 +23,12 @@ class ActorConfig:
     max_batch: int = option(8, "most requests scored in one forward")
     max_batch_tokens: int = option(32768, "most tokens (context + candidates) in one forward")
     max_generate_rows: int = option(16, "generate: most responses decoded at once; more requests wait for a row (keep credits >= this)")
+    max_generate_positions: int = option(
+        4096,
+        "generate: KV positions reserved per row (prompt + max_new_tokens; capped at the model's limit); the KV cache "
+        "holds max_generate_rows x this, allocated on first use",
+    )
+    prefill_tokens: int = option(2048, "generate: most prompt tokens (padded) computed per step; longer prompts prefill in chunks")
     rag: bool = option(
         True,
         "rag_step: put retrieved context (the task's recent steps, the corpus) into the prompt "
@@ -61,6 +67,8 @@ class ActorConfig:
         check(self.credits > 0, f"`credits` must be positive, got {self.credits}")
         check(self.max_batch > 0, f"`max_batch` must be positive, got {self.max_batch}")
         check(self.max_generate_rows > 0, f"`max_generate_rows` must be positive, got {self.max_generate_rows}")
+        check(self.max_generate_positions > 1, f"`max_generate_positions` must be 2 or more, got {self.max_generate_positions}")
+        check(self.prefill_tokens > 0, f"`prefill_tokens` must be positive, got {self.prefill_tokens}")
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
         check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
         check(

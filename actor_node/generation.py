@@ -1,27 +1,32 @@
-"""Batched generation for `generate` jobs: a decode loop over a KV cache that requests join and leave between steps.
+"""Batched generation for `generate` jobs: continuous batching over a KV cache allocated once.
 
-The engine keeps one batch of running responses ("rows"), left-padded in one KV
-cache. Each `step()` feeds every row its last sampled token and samples the next;
-a row that finishes (end-of-sequence token, a stop string, its token budget, its
-deadline) leaves the batch at once and is answered, and requests that arrived
-meanwhile join the batch with `add()` (continuous batching): a long response
-never holds a short one back, and a new request waits at most one decode step
-for a free row (`max_rows`); the actor loop answers one that waited past its
-deadline `timeout`.
+The engine keeps one batch of responses ("rows"). Row i owns slot i of a
+preallocated KV cache (actor_node/kv_slots.py): each forward writes every row's new
+keys and values in place at the row's own positions, and a row that finishes frees
+its slot at once (the last row moves into a freed slot, copying only its own KV, so
+the running rows stay in slots 0..n-1). A long response never holds a short one
+back, and a request waits at most one step for a free row (`max_rows`).
 
-Prefill: each new prompt runs through the model on its own; a prompt whose
-leading tokens the prefix cache holds (the previous turn of a multi-turn task,
-or another sample of the same prompt) computes only the rest; several requests
-with the same prompt in one `add()` share one prefill. The prompt's KV then joins the batch's cache, left-padded to its length.
+Each `step()` is at most one prefill forward, then one decode forward:
+- prefill: the prompts of joining rows, oldest first, several in one forward
+  (right-padded, each at its own positions), at most `prefill_tokens` padded tokens
+  per step; a longer prompt is cut into chunks over several steps, so rows that are
+  decoding wait at most one chunk for a newcomer (chunked prefill, as Sarathi and
+  vLLM). Rows with the same prompt (`rollout_n` > 1, a GRPO group) prefill it once:
+  the others copy its KV into their slots, and so does a request whose prompt a
+  running row already holds. A prompt whose leading tokens the prefix cache holds
+  (the previous turn of a multi-turn task) computes only the rest.
+- decode: every decoding row feeds its last sampled token; rows still prefilling
+  ride along as masked placeholders (their outputs are dropped).
+Then the next token of every row is sampled at once (actor_node/sampling.py).
 
 What is sampled, and logged (docs/design.md, "Generation: the behaviour policy"):
 the logits come from the decoder's last hidden state through the LM head in
 float32 (the function the learner recomputes, common.scoring.head_logits);
-temperature T divides them; top-p keeps the smallest set of most likely tokens
-whose probability reaches p and renormalises over it. The token's log-probability
-under that distribution is what the result carries for each token. T = 0 is greedy
-decoding: the argmax, logged with log-probability 0 (probability 1) and marked
-greedy in the policy stamp.
+temperature T divides them; top-k and top-p keep the most likely tokens, renormalised.
+The token's log-probability under that distribution is what the result carries for
+each token. T = 0 is greedy decoding: the argmax, logged with log-probability 0
+(probability 1) and marked greedy in the policy stamp.
 
 Weights change only while no row is running (the actor loop drains the batch
 first), so every token of a response comes from one policy version.
@@ -37,10 +42,12 @@ from typing import Any
 
 import torch
 
+from actor_node import sampling
+from actor_node.kv_slots import SlotCache
 from actor_node.prefix_cache import PrefixCache
 from common import scoring
 from common.errors import BadInput
-from common.kv_cache import cache_kwargs, returned_cache
+from common.kv_cache import cache_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    top_k: int = 0  # 0: off
 
     @classmethod
     def of(cls, sampling: dict[str, Any]) -> SamplingParams:
@@ -75,6 +83,7 @@ class SamplingParams:
             top_p=float(sampling.get("top_p", 1.0)),
             stop=tuple(sampling.get("stop", ())),
             seed=sampling.get("seed"),
+            top_k=int(sampling.get("top_k") or 0),
         )
 
     @property
@@ -105,16 +114,24 @@ class Generated:
         return float(sum(self.logprobs))
 
 
-@dataclass
+PREFILL, WAITING, DECODE = "prefill", "waiting", "decode"
+
+
+@dataclass(eq=False)
 class _Row:
     job: dict[str, Any]
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int
     deadline: float  # time.monotonic()
+    arrival: int  # the order rows prefill in
+    slot: int = -1
+    state: str = PREFILL  # prefill: its prompt is being computed; waiting: another row computes it; decode
+    filled: int = 0  # positions of this row's KV written (prompt, then every response token fed back)
+    leader: _Row | None = None  # waiting: the row whose prompt KV it will copy
+    first_logits: torch.Tensor | None = None  # the logits after the prompt's last token (shared with later copies)
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    length: int = 0  # real tokens in this row's KV (prompt + response fed so far)
 
 
 def render_prompt(tokenizer: Any, obs: dict[str, Any]) -> list[int]:
@@ -148,43 +165,86 @@ def end_tokens(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """(token, its log-probability under the distribution sampled from): temperature, then top-p renormalised."""
-    if params.greedy:
-        return int(torch.argmax(logits)), 0.0
-    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_logp, order = torch.sort(logp, descending=True)
-        before = torch.cumsum(sorted_logp.exp(), dim=-1) - sorted_logp.exp()  # mass of the tokens above each one
-        keep = before < params.top_p  # the most likely token always stays
-        kept = torch.full_like(logp, float("-inf"))
-        kept[order[keep]] = logp[order[keep]]
-        logp = kept - torch.logsumexp(kept, dim=-1)
-    probs = logp.exp().cpu()
-    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-        raise GenerationError(f"the distribution at temperature {params.temperature:g} cannot be sampled (not finite)")
-    token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(logp[token])
+Answer = tuple[dict[str, Any], "Generated | Exception"]
+
+
+class AttentionMasks:
+    """The 4D masks a forward over the slot cache needs, in the form the decoder takes them.
+
+    A query at position q of a row may attend to keys at positions [0, q] of its slot
+    (and only (q - window, q] in a sliding-window layer); a placeholder (padding, a row
+    still prefilling during a decode step) attends to position 0 of its slot only, so
+    its softmax stays finite, and its output is dropped. Models whose layers mix full
+    and sliding attention (`config.layer_types`) take one mask per layer type."""
+
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        self.use_bool, self.dtype = scoring._mask_value(model)
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types:
+            unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+            if unknown:
+                raise GenerationError(f"generate cannot serve layers of type {', '.join(unknown)} ({type(model).__name__})")
+            self.windows: dict[str, int | None] | None = {
+                kind: window if kind == "sliding_attention" else None for kind in set(layer_types)
+            }
+            self.window = None
+        else:
+            self.windows = None
+            self.window = int(window) if window and getattr(config, "use_sliding_window", True) else None
+
+    def build(self, query_positions: torch.Tensor, real: torch.Tensor, width: int) -> Any:
+        """query_positions [B, q] (absolute positions), real [B, q] bool (False: a placeholder) -> the mask(s)."""
+        keys = torch.arange(width, device=query_positions.device)[None, None, :]
+        q = query_positions[:, :, None]
+        causal = keys <= q
+        placeholder = (~real)[:, :, None] & (keys == 0)
+        real3 = real[:, :, None]
+
+        def one(window: int | None) -> torch.Tensor:
+            allowed = causal if window is None else causal & (keys > q - window)
+            allowed = (allowed & real3) | placeholder
+            return scoring._attention_mask(allowed[:, None], self.use_bool, self.dtype)
+
+        if self.windows is None:
+            return one(self.window)
+        return {kind: one(window) for kind, window in self.windows.items()}
 
 
 class GenerationEngine:
     """The running batch of one actor: `add` requests, `step` until none runs. Not thread-safe: one compute thread."""
 
-    def __init__(self, model: Any, tokenizer: Any, max_rows: int = 16, prefix_cache_mb: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        max_rows: int = 16,
+        prefix_cache_mb: float = 0.0,
+        seed: int = 0,
+        max_positions: int = 4096,
+        prefill_tokens: int = 2048,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_rows = max_rows
+        self.prefill_tokens = prefill_tokens
         self.decoder, self.head, self.post = scoring.model_parts(model)
         self.device = next(model.parameters()).device
-        self.position_limit = scoring.position_limit(model)
+        limit = scoring.position_limit(model)
+        self.capacity = min(max_positions, limit) if limit is not None else max_positions
+        self.capacity_names_model = limit is not None and limit <= max_positions
         self.end_ids = end_tokens(model, tokenizer)
         self.cache = PrefixCache(prefix_cache_mb)
+        self.kv = SlotCache(max_rows, self.capacity, self.device)
+        self.masks = AttentionMasks(model)
         self.seeds = torch.Generator().manual_seed(seed)  # seeds the requests that bring none
-        self.rows: list[_Row] = []
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [rows, heads, width, head_dim], left-padded
-        self.width = 0  # KV positions per row (the longest row's length)
+        self.rows: list[_Row] = []  # rows[i] owns slot i
+        self.arrivals = 0
         self.tokens_out = 0
         self.steps = 0
+        self.prefilled_tokens = 0
+        self.shared_prompts = 0
 
     @property
     def active(self) -> int:
@@ -196,157 +256,186 @@ class GenerationEngine:
 
     def reset(self) -> None:
         """Drop every running row (after a failure; the caller answers their requests)."""
-        self.rows, self.kv, self.width = [], [], 0
+        self.rows = []
 
     def clear_cache(self) -> None:
         """Forget cached prompt KV (the weights changed)."""
         self.cache.clear()
 
     # --- joining ---------------------------------------------------------------------------
-    def add(self, jobs: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], Generated | Exception]]:
-        """Prefill these requests and put them in the batch; what is answered at once (bad input, a
-        one-token budget) comes back. Call with at most `free` jobs."""
-        answered: list[tuple[dict[str, Any], Generated | Exception]] = []
-        new: list[_Row] = []
+    @torch.inference_mode()
+    def add(self, jobs: Sequence[dict[str, Any]]) -> list[Answer]:
+        """Give these requests rows; they prefill in the next steps. What is answered at once (bad input)
+        comes back. Call with at most `free` jobs."""
+        answered: list[Answer] = []
         now = time.monotonic()
         for job in jobs:
+            if len(self.rows) >= self.max_rows:
+                raise RuntimeError(f"add() got more requests than the {self.max_rows} rows hold")
             try:
                 row = self._row(job, now)
             except GenerationError as e:
                 answered.append((job, e))
                 continue
-            new.append(row)
-        if not new:
-            return answered
-        with torch.inference_mode():
-            first_logits = self._prefill(new)
-            for row, logits in zip(new, first_logits):
-                try:
-                    done: Generated | Exception | None = self._take(row, logits)
-                except GenerationError as e:
-                    done = e
-                if done is not None:
-                    answered.append((row.job, done))
-                    row.length = -1  # finished at once: never joins
-            self._join([r for r in new if r.length >= 0])
+            row.slot = len(self.rows)
+            self.rows.append(row)
+            self._share_or_reuse(row)
         return answered
 
     def _row(self, job: dict[str, Any], now: float) -> _Row:
         obs = job["obs"]
         params = SamplingParams.of(obs["sampling"])
         prompt_ids = render_prompt(self.tokenizer, obs)
-        if self.position_limit is not None and len(prompt_ids) + params.max_new_tokens > self.position_limit:
+        if len(prompt_ids) + params.max_new_tokens > self.capacity:
+            limit = "the model's limit" if self.capacity_names_model else "the engine's max_positions"
             raise GenerationError(
                 f"the prompt's {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} = "
-                f"{len(prompt_ids) + params.max_new_tokens} positions, over the model's limit of {self.position_limit}"
+                f"{len(prompt_ids) + params.max_new_tokens} positions, over {limit} of {self.capacity}"
             )
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seeds))
         # the actor loop stamps when the job arrived (`deadline_at`); without it, from now
         deadline = job.get("deadline_at") or now + max(1, int(job.get("deadline_ms", 60_000))) / 1000
-        return _Row(job, prompt_ids, params, torch.Generator().manual_seed(seed), deadline)
+        self.arrivals += 1
+        return _Row(job, prompt_ids, params, seed, deadline, self.arrivals)
 
-    def _prefill(self, rows: list[_Row]) -> list[torch.Tensor]:
-        """Each new row's prompt KV (kept on the row as `_kv`) and the logits after its last prompt token."""
-        groups: dict[tuple[int, ...], list[_Row]] = {}
-        for row in rows:
-            groups.setdefault(tuple(row.prompt_ids), []).append(row)
-        logits: dict[int, torch.Tensor] = {}
-        for ids, members in groups.items():
-            hit = self.cache.lookup(ids)
-            kv, m = hit if hit is not None else (None, 0)
-            hidden, full_kv = self._forward_prompt(ids, kv, m)
-            last = self.post(scoring.head_logits(self.head, hidden))
-            self.cache.insert(str(members[0].job.get("task_id", "")) or f"anon-{id(members[0])}", ids, full_kv)
-            for row in members:
-                row._kv = full_kv  # type: ignore[attr-defined]
-                row.length = len(ids)
-                logits[id(row)] = last
-        return [logits[id(row)] for row in rows]
+    def _share_or_reuse(self, row: _Row) -> None:
+        """A prompt another row holds or computes is not computed again; a cached prefix is copied in."""
+        for other in self.rows:
+            if other is row or other.prompt_ids != row.prompt_ids:
+                continue
+            if other.first_logits is not None:  # its prompt's KV is in its slot: copy it now
+                self._copy_prompt(other, row)
+                return
+            if other.state == PREFILL:
+                row.state, row.leader = WAITING, other
+                return
+        hit = self.cache.lookup(row.prompt_ids)
+        if hit is not None:
+            kv, m = hit
+            self.kv.write(row.slot, kv, m)
+            row.filled = m
 
-    def _forward_prompt(self, ids: tuple[int, ...], kv: Any, m: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Run ids[m:] after the cached KV of ids[:m]; the last hidden state [width] and the whole prompt's KV."""
-        from transformers import DynamicCache
+    def _copy_prompt(self, source: _Row, row: _Row) -> None:
+        self.kv.copy(source.slot, row.slot, len(row.prompt_ids))
+        row.filled = len(row.prompt_ids)
+        row.first_logits = source.first_logits
+        row.state, row.leader = DECODE, None
+        self.shared_prompts += 1
 
-        cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv]) if kv is not None else DynamicCache()
-        rest = torch.tensor([ids[m:]], device=self.device)
-        positions = torch.arange(m, len(ids), device=self.device).unsqueeze(0)
-        out = self.decoder(input_ids=rest, position_ids=positions, **cache_kwargs(self.decoder, cache))
-        layers = [(layer.keys, layer.values) for layer in returned_cache(out).layers]
-        return out.last_hidden_state[0, -1], layers
-
-    def _join(self, rows: list[_Row]) -> None:
-        """Put prefilled rows into the batch's cache, everything left-padded to the longest row."""
-        if not rows:
-            return
-        width = max([self.width, *(r.length for r in rows)])
-        pieces: list[list[torch.Tensor]] = [[], []]
-        new_kv = []
-        for layer in range(len(rows[0]._kv)):  # type: ignore[attr-defined]
-            keys, values = [], []
-            if self.rows:
-                k, v = self.kv[layer]
-                keys.append(_left_pad(k, width))
-                values.append(_left_pad(v, width))
-            for row in rows:
-                k, v = row._kv[layer]  # type: ignore[attr-defined]
-                keys.append(_left_pad(k, width))
-                values.append(_left_pad(v, width))
-            new_kv.append((torch.cat(keys), torch.cat(values)))
-        del pieces
-        for row in rows:
-            del row._kv  # type: ignore[attr-defined]
-        self.kv, self.width = new_kv, width
-        self.rows.extend(rows)
-
-    # --- decoding --------------------------------------------------------------------------
-    def step(self) -> list[tuple[dict[str, Any], Generated | Exception]]:
-        """One decode step for every row: feed its last token, sample the next; the rows that finished, answered."""
-        from transformers import DynamicCache
-
+    # --- stepping --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Answer]:
+        """One step: a prefill chunk for joining rows, then one decode step for the decoding ones; the rows that finished, answered."""
         if not self.rows:
             return []
+        answered: list[Answer] = []
+        finished: set[int] = set()
         now = time.monotonic()
-        answered: list[tuple[dict[str, Any], Generated | Exception]] = []
-        late = [i for i, row in enumerate(self.rows) if now > row.deadline]
-        for i in late:
-            row = self.rows[i]
-            answered.append((row.job, DeadlineExceeded(f"the deadline passed after {len(row.response_ids)} tokens")))
-        if late:
-            self._keep([i for i in range(len(self.rows)) if i not in set(late)])
-            if not self.rows:
-                return answered
-        with torch.inference_mode():
-            n = len(self.rows)
-            width = self.width + 1
-            mask = torch.zeros(n, width, dtype=torch.long, device=self.device)
-            for b, row in enumerate(self.rows):
-                mask[b, width - row.length - 1 :] = 1
-            tokens = torch.tensor([[row.response_ids[-1]] for row in self.rows], device=self.device)
-            positions = torch.tensor([[row.length] for row in self.rows], device=self.device)
-            cache = DynamicCache(ddp_cache_data=self.kv)
-            out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, **cache_kwargs(self.decoder, cache))
-            self.kv = [(layer.keys, layer.values) for layer in returned_cache(out).layers]
-            self.width = width
-            logits = self.post(scoring.head_logits(self.head, out.last_hidden_state[:, -1]))
-            self.steps += 1
-            keep = []
-            for b, row in enumerate(self.rows):
-                row.length += 1
-                try:
-                    done: Generated | Exception | None = self._take(row, logits[b])
-                except GenerationError as e:  # this row's distribution cannot be sampled: it fails alone
-                    done = e
-                if done is None:
-                    keep.append(b)
-                else:
-                    answered.append((row.job, done))
-            if len(keep) < n:
-                self._keep(keep)
+        for row in self.rows:
+            if now > row.deadline:
+                answered.append((row.job, DeadlineExceeded(f"the deadline passed after {len(row.response_ids)} tokens")))
+                finished.add(id(row))
+        if finished:
+            self._remove(finished)
+            finished = set()
+        self._prefill()
+        fresh = [r for r in self.rows if r.state == DECODE and not r.response_ids]
+        if fresh:  # the first token of every row whose prompt's KV is complete
+            self._sample(fresh, torch.stack([r.first_logits for r in fresh]), answered, finished)  # type: ignore[misc]
+        decoding = [r for r in self.rows if r.state == DECODE and id(r) not in finished]
+        if decoding:
+            self._sample(decoding, self._decode(decoding), answered, finished)
+        if finished:
+            self._remove(finished)
+        self.steps += 1
         return answered
 
-    def _take(self, row: _Row, logits: torch.Tensor) -> Generated | None:
-        """Sample the row's next token; the finished response if this token ends it."""
-        token, logprob = sample_token(logits, row.params, row.generator)
+    def _prefill(self) -> None:
+        """One forward over the next chunks of the oldest prompts; the rows whose prompts it completes,
+        and the rows waiting for them (their KV copied in), go on to decode."""
+        queue = sorted((r for r in self.rows if r.state == PREFILL), key=lambda r: r.arrival)
+        if not queue:
+            return
+        chosen: list[tuple[_Row, int]] = []
+        width_q = 0
+        for row in queue:  # the oldest always goes; others while the padded batch stays within the budget
+            take = min(len(row.prompt_ids) - row.filled, self.prefill_tokens)
+            if chosen and (len(chosen) + 1) * max(width_q, take) > self.prefill_tokens:
+                continue  # a shorter prompt further back may still fit
+            chosen.append((row, take))
+            width_q = max(width_q, take)
+        rows = [r for r, _ in chosen]
+        steps = torch.arange(width_q)
+        starts = torch.tensor([r.filled for r in rows])
+        lengths = torch.tensor([take for _, take in chosen])
+        real = steps[None, :] < lengths[:, None]
+        positions = starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)
+        ids = torch.zeros(len(rows), width_q, dtype=torch.long)
+        for b, (row, take) in enumerate(chosen):
+            ids[b, :take] = torch.tensor(row.prompt_ids[row.filled : row.filled + take])
+        width = int((starts + lengths).max())
+        hidden = self._forward([r.slot for r in rows], ids, positions, real, width)
+        self.prefilled_tokens += int(lengths.sum())
+        for b, (row, take) in enumerate(chosen):
+            row.filled += take
+            if row.filled == len(row.prompt_ids):
+                row.first_logits = self.post(scoring.head_logits(self.head, hidden[b, take - 1]))
+                row.state = DECODE
+                if self.cache.enabled:
+                    key = str(row.job.get("task_id", "")) or f"anon-{row.arrival}"
+                    self.cache.insert(key, row.prompt_ids, self.kv.read(row.slot, row.filled))
+        for row in list(self.rows):
+            if row.state == WAITING and row.leader is not None and row.leader.state == DECODE:
+                self._copy_prompt(row.leader, row)
+
+    def _decode(self, decoding: list[_Row]) -> torch.Tensor:
+        """Feed every decoding row its last token (the others ride as placeholders); their logits."""
+        n = len(self.rows)
+        is_decoding = {id(r) for r in decoding}
+        real = torch.tensor([[id(r) in is_decoding] for r in self.rows])
+        ids = torch.tensor([[r.response_ids[-1] if id(r) in is_decoding else 0] for r in self.rows])
+        positions = torch.tensor([[r.filled if id(r) in is_decoding else 0] for r in self.rows])
+        width = max(r.filled for r in decoding) + 1
+        hidden = self._forward(list(range(n)), ids, positions, real, width)
+        for r in decoding:
+            r.filled += 1
+        picked = torch.tensor([r.slot for r in decoding], device=hidden.device)
+        return self.post(scoring.head_logits(self.head, hidden[picked, 0]))
+
+    def _forward(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, width: int) -> torch.Tensor:
+        """The decoder's last hidden states [B, q] for tokens `ids` at `positions` of these slots, writing their KV in place."""
+        writes = torch.where(real, positions, torch.full_like(positions, self.capacity))  # padding goes to the sink column
+        self.kv.plan(slots, writes, width)
+        mask = self.masks.build(positions.to(self.device), real.to(self.device), width)
+        device = self.device
+        cache = cache_kwargs(self.decoder, self.kv)
+        out = self.decoder(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device), **cache)
+        return out.last_hidden_state
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor, answered: list[Answer], finished: set[int]) -> None:
+        """The next token of each of these rows, sampled at once; finished rows answered and marked."""
+        params = [r.params for r in rows]
+        device = logits.device
+        tokens, logprobs, failed = sampling.sample(
+            logits.float(),
+            torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32),
+            torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], device=device),
+            sampling.row_uniforms(torch.tensor([r.seed for r in rows]), torch.tensor([len(r.response_ids) for r in rows])),
+        )
+        for row, token, logprob, bad in zip(rows, tokens.tolist(), logprobs.tolist(), failed.tolist()):
+            if bad:
+                t = row.params.temperature
+                answered.append((row.job, GenerationError(f"the distribution at temperature {t:g} cannot be sampled (not finite)")))
+                finished.add(id(row))
+                continue
+            done = self._take(row, token, logprob)
+            if done is not None:
+                answered.append((row.job, done))
+                finished.add(id(row))
+
+    def _take(self, row: _Row, token: int, logprob: float) -> Generated | None:
+        """Append the row's next token; the finished response if this token ends it."""
         row.response_ids.append(token)
         row.logprobs.append(logprob)
         self.tokens_out += 1
@@ -381,25 +470,29 @@ class GenerationEngine:
             top_p=row.params.top_p,
         )
 
-    def _keep(self, indices: list[int]) -> None:
-        """Keep these rows only, and trim the cache's left padding the remaining rows no longer need."""
-        self.rows = [self.rows[i] for i in indices]
-        if not self.rows:
-            self.kv, self.width = [], 0
-            return
-        width = max(row.length for row in self.rows)
-        index = torch.tensor(indices, device=self.device)
-        self.kv = [(k.index_select(0, index)[:, :, -width:], v.index_select(0, index)[:, :, -width:]) for k, v in self.kv]
-        self.width = width
+    # --- leaving ---------------------------------------------------------------------------
+    def _remove(self, gone: set[int]) -> None:
+        """Free the slots of these rows (ids); the highest surviving rows move into the freed slots, so
+        slots 0..n-1 stay the running rows. A row waiting for a removed leader's prompt computes it itself."""
+        survivors = [r for r in self.rows if id(r) not in gone]
+        promoted: dict[int, _Row] = {}  # a removed leader -> the follower that computes the prompt instead
+        for row in survivors:
+            if row.state == WAITING and row.leader is not None and id(row.leader) in gone:
+                if id(row.leader) in promoted:
+                    row.leader = promoted[id(row.leader)]
+                else:
+                    promoted[id(row.leader)] = row
+                    row.state, row.leader = PREFILL, None
+        holes = sorted(r.slot for r in self.rows if id(r) in gone and r.slot < len(survivors))
+        movers = [r for r in survivors if r.slot >= len(survivors)]
+        for row, hole in zip(movers, holes):
+            if row.filled:
+                self.kv.copy(row.slot, hole, row.filled)
+            row.slot = hole
+        self.rows = sorted(survivors, key=lambda r: r.slot)
 
     def stats(self) -> str:
-        return f"{self.tokens_out} tokens generated in {self.steps} decode steps; prompt cache {self.cache.stats()}"
-
-
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[rows, heads, n, dim] -> [rows, heads, width, dim], zeros before (masked out by the attention mask)."""
-    missing = width - t.shape[2]
-    if missing == 0:
-        return t
-    pad = torch.zeros(t.shape[0], t.shape[1], missing, t.shape[3], dtype=t.dtype, device=t.device)
-    return torch.cat([pad, t], dim=2)
+        return (
+            f"{self.tokens_out} tokens generated in {self.steps} steps, {self.prefilled_tokens} prompt tokens prefilled, "
+            f"{self.shared_prompts} prompts shared; KV slots {self.kv.nbytes / 2**20:.0f} MiB; prompt cache {self.cache.stats()}"
+        )

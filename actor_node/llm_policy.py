@@ -36,6 +36,8 @@ class SamplingConfig:
     max_batch_tokens: int = option(32768, "most tokens (context + candidates) in one forward")
     seed: int = option(0, "seed of the sampling generator")
     max_generate_rows: int = option(16, "most responses generated at once (the decode batch)")
+    max_generate_positions: int = option(4096, "KV positions reserved per generated row (prompt + response)")
+    prefill_tokens: int = option(2048, "most prompt tokens (padded) computed per generation step")
 
 
 class LLMPolicy:
@@ -105,6 +107,8 @@ class LLMPolicy:
                 max_rows=self.sampling.max_generate_rows,
                 prefix_cache_mb=self.prefix_cache_mb,
                 seed=self.sampling.seed,
+                max_positions=self.sampling.max_generate_positions,
+                prefill_tokens=self.sampling.prefill_tokens,
             )
         return self.engine
 

@@ -45,6 +45,8 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
             max_batch_tokens=cfg.max_batch_tokens,
             seed=cfg.seed,
             max_generate_rows=cfg.max_generate_rows,
+            max_generate_positions=cfg.max_generate_positions,
+            prefill_tokens=cfg.prefill_tokens,
         )
         policy = LLMPolicy(model, tokenizer, sampling, cfg.policy.scoring_path, cfg.prefix_cache_mb)
         if cfg.rag:

@@ -249,6 +249,7 @@ class AsyncClient:
         max_new_tokens: int = 256,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         stop: list[str] | None = None,
         seed: int | None = None,
         rid: str | None = None,
@@ -259,7 +260,7 @@ class AsyncClient:
         `feedback`, as a step's. temperature 0 is greedy decoding. `deadline` (seconds, default the client's)
         bounds the request here and, sent as `deadline_ms`, at the broker (which caps it at its generate_timeout_ms)."""
         deadline = self.deadline if deadline is None else deadline  # the broker stops at the same time the caller does
-        fields = generate_fields(task_id, prompt, messages, max_new_tokens, temperature, top_p, stop, seed, deadline)
+        fields = generate_fields(task_id, prompt, messages, max_new_tokens, temperature, top_p, stop, seed, deadline, top_k)
         return await self.request(p.OP_GENERATE, rid=rid, deadline=deadline, **fields)
 
     async def feedback(

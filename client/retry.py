@@ -94,6 +94,7 @@ def generate_fields(
     stop: list[str] | None,
     seed: int | None,
     deadline: float | None,
+    top_k: int = 0,
 ) -> dict[str, Any]:
     """The fields of a `generate` request: exactly one of `prompt` and `messages`, the sampling settings,
     and `deadline_ms` when the caller gave a deadline (the broker's default otherwise)."""
@@ -104,6 +105,8 @@ def generate_fields(
         sampling["stop"] = list(stop)
     if seed is not None:
         sampling["seed"] = seed
+    if top_k:
+        sampling["top_k"] = top_k
     fields: dict[str, Any] = {"task_id": task_id}
     fields.update({"prompt": prompt} if prompt is not None else {"messages": messages})
     fields["sampling"] = sampling  # after the prompt: the key order of docs/protocol.md and the conformance vectors

@@ -168,6 +168,7 @@ class Client:
         max_new_tokens: int = 256,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         stop: list[str] | None = None,
         seed: int | None = None,
         rid: str | None = None,
@@ -178,7 +179,7 @@ class Client:
         `feedback`, as a step's. temperature 0 is greedy decoding. `deadline` (seconds, default the client's)
         bounds the request here and, sent as `deadline_ms`, at the broker (which caps it at its generate_timeout_ms)."""
         deadline = self.deadline if deadline is None else deadline  # the broker stops at the same time the caller does
-        fields = generate_fields(task_id, prompt, messages, max_new_tokens, temperature, top_p, stop, seed, deadline)
+        fields = generate_fields(task_id, prompt, messages, max_new_tokens, temperature, top_p, stop, seed, deadline, top_k)
         return self.request(p.OP_GENERATE, rid=rid, deadline=deadline, **fields)
 
     def feedback(

@@ -116,7 +116,7 @@ class Limits:
 
 
 # generate's sampling settings: each key, what it must be, and its default (None: required)
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
 FINISH_REASONS = ("eos", "stop", "length")  # why a response ended: the end-of-sequence token, a stop string, its token budget
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 MAX_TEMPERATURE = 100.0
@@ -290,7 +290,7 @@ def check_generate(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
 
     The prompt is either `prompt` (a str, tokenized as it is) or `messages` (an array of
     {role, content} maps, rendered with the model's chat template), never both. `sampling`
-    holds `max_new_tokens` (required), `temperature` (0 means greedy), `top_p`, `stop`
+    holds `max_new_tokens` (required), `temperature` (0 means greedy), `top_p`, `top_k` (0: off), `stop`
     (strings that end the response) and `seed`; any other key is refused by name."""
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
@@ -323,6 +323,9 @@ def check_generate(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     top_p = float(optional(sampling, "top_p", (int, float), "a number in (0, 1]", 1.0))
     if not 0 < top_p <= 1:
         raise ProtocolError(E_BAD_REQUEST, f"`sampling.top_p` must be in (0, 1], got {top_p}")
+    top_k = optional(sampling, "top_k", int, "an int from 0 (off) to 2^31 - 1", 0)
+    if not 0 <= top_k < 2**31:
+        raise ProtocolError(E_BAD_REQUEST, f"`sampling.top_k` must be from 0 (off) to 2^31 - 1, got {top_k}")
     stop = optional(sampling, "stop", list, "an array of non-empty str", [])
     if len(stop) > limits.max_stop_strings:
         raise ProtocolError(E_TOO_LARGE, f"`sampling.stop` has {len(stop)} strings, the limit is {limits.max_stop_strings}")
@@ -334,7 +337,7 @@ def check_generate(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     seed = optional(sampling, "seed", int, "an int from 0 to 2^63 - 1", None)
     if seed is not None and not 0 <= seed < 2**63:
         raise ProtocolError(E_BAD_REQUEST, f"`sampling.seed` must be from 0 to 2^63 - 1, got {seed}")
-    obs["sampling"] = {"max_new_tokens": budget, "temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed}
+    obs["sampling"] = {"max_new_tokens": budget, "temperature": temperature, "top_p": top_p, "top_k": top_k, "stop": stop, "seed": seed}
     return obs
 
 

@@ -6,14 +6,13 @@ response, computed here (it shares nothing with the engine's decoder-and-head pa
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import pytest
 import torch
 
-from actor_node.generation import DeadlineExceeded, GenerationEngine, GenerationError, SamplingParams, sample_token
+from actor_node.generation import DeadlineExceeded, GenerationEngine, GenerationError, SamplingParams
 from common.policy_model import ModelSpec, load_policy
 
 
@@ -122,22 +121,6 @@ def test_finish_reasons_stop_strings_and_greedy(tiny_models) -> None:
     assert ended.finish_reason == "eos" and ended.response_ids == greedy.response_ids[:3]
 
 
-def test_top_p_samples_within_the_nucleus_and_logs_its_renormalised_probability() -> None:
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    params = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=0.7)
-    # Nucleus for p = 0.7: tokens 0 (0.5) and 1 (0.5 < 0.7, so 0.3 joins); renormalised 0.625 and 0.375.
-    seen = {0: 0, 1: 0}
-    g = torch.Generator().manual_seed(0)
-    for _ in range(2000):
-        token, logprob = sample_token(logits, params, g)
-        assert token in seen, token
-        assert logprob == pytest.approx(math.log(0.625 if token == 0 else 0.375), abs=1e-5)
-        seen[token] += 1
-    # 2000 draws of p = 0.625: standard error 0.011; a sampler ignoring the nucleus gives 0.5 / 0.8 = 0.625 too,
-    # but never token 2 or 3 (checked above); one ignoring top-p altogether draws them 20% of the time.
-    assert abs(seen[0] / 2000 - 0.625) < 4 * 0.011
-
-
 def test_the_deadline_answers_a_request_without_holding_the_others(tiny_models) -> None:
     model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
     engine = GenerationEngine(model, tokenizer)
@@ -158,7 +141,7 @@ def test_bad_requests_fail_alone_naming_the_limit(tiny_models) -> None:
 
     model, tokenizer = load_policy(ModelSpec(model=tiny_models["gpt2"], device="cpu", lora_rank=0))
     limit = AutoConfig.from_pretrained(tiny_models["gpt2"]).n_positions
-    engine = GenerationEngine(model, tokenizer)
+    engine = GenerationEngine(model, tokenizer, max_rows=4, max_positions=limit)
     long_prompt = job(0, "word " * (limit // 5), max_new_tokens=limit)
     chat = {"job": 1, "task_id": "t1", "obs": {"messages": [{"role": "user", "content": "hi"}], "sampling": {"max_new_tokens": 4}}}
     answers = dict((j["job"], a) for j, a in engine.add([long_prompt, chat, job(2, max_new_tokens=3)]))
@@ -167,6 +150,10 @@ def test_bad_requests_fail_alone_naming_the_limit(tiny_models) -> None:
     while engine.active:
         answers.update((j["job"], a) for j, a in engine.step())
     assert answers[2].finish_reason == "length"
+    # An engine reserving fewer positions per row than the model takes names its own limit.
+    small = GenerationEngine(model, tokenizer, max_rows=4, max_positions=64)
+    over = dict((j["job"], a) for j, a in small.add([job(3, "word " * 10, max_new_tokens=40)]))[3]
+    assert isinstance(over, GenerationError) and "max_positions of 64" in str(over)
 
 
 def test_chat_messages_go_through_the_tokenizers_template(tiny_models) -> None:

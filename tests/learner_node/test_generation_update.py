@@ -260,8 +260,8 @@ def engine_transitions(model_dir: str, n: int, version: int = 0, max_new_tokens:
     rest = jobs[4:]
     while engine.active or rest:
         if rest and engine.free:
-            answers.update((j["job"], a) for j, a in engine.add(rest[: engine.free]))
-            rest = rest[engine.free :]
+            joining, rest = rest[: engine.free], rest[engine.free :]
+            answers.update((j["job"], a) for j, a in engine.add(joining))
         answers.update((j["job"], a) for j, a in engine.step())
     out = []
     for i in range(n):
