@@ -203,9 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         (
             "generate",
-            "responses for many clients at once: one at a time with model.generate vs PPOZ's batching actor",
-            "Greedy responses for concurrent clients, PPOAPI's way (model.generate, one request at a time) and through a "
-            "real broker and PPOZ's actor, side by side on one model: tokens/s, p50/p99 latency, equal outputs.",
+            "PPOZ's generation engine against model.generate one at a time, as a static batch, and generate_batch",
+            "The same requests through transformers (model.generate one at a time and as a static batch, generate_batch) "
+            "and PPOZ (its engine, and a real broker and actor), legs alternating, medians of --repeats runs: tokens/s, "
+            "p50/p99 latency, fraction of the matmul peak, equal greedy outputs (docs/benchmarks.md).",
         ),
         (
             "learning",
