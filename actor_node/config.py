@@ -29,6 +29,9 @@ class ActorConfig:
         "holds max_generate_rows x this, allocated on first use",
     )
     prefill_tokens: int = option(2048, "generate: most prompt tokens (padded) computed per step; longer prompts prefill in chunks")
+    fold_lora: bool = option(
+        True, "generate: fold a float32 model's LoRA adapter into its base weights while responses run (faster; restored exactly after)"
+    )
     rag: bool = option(
         True,
         "rag_step: put retrieved context (the task's recent steps, the corpus) into the prompt "

@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 
-from actor_node import sampling
+from actor_node import lora_merge, sampling
 from actor_node.kv_slots import SlotCache
+from actor_node.lora_merge import FoldedLoRA
 from actor_node.prefix_cache import PrefixCache
 from common import scoring
 from common.errors import BadInput
@@ -224,6 +225,7 @@ class GenerationEngine:
         seed: int = 0,
         max_positions: int = 4096,
         prefill_tokens: int = 2048,
+        fold_lora: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -239,6 +241,8 @@ class GenerationEngine:
         self.kv = SlotCache(max_rows, self.capacity, self.device)
         self.masks = AttentionMasks(model)
         self.seeds = torch.Generator().manual_seed(seed)  # seeds the requests that bring none
+        # the adapter folded into the base weights while rows run (actor_node/lora_merge.py)
+        self.folded = FoldedLoRA(model) if fold_lora and lora_merge.applies(model) else None
         self.rows: list[_Row] = []  # rows[i] owns slot i
         self.arrivals = 0
         self.tokens_out = 0
@@ -257,6 +261,21 @@ class GenerationEngine:
     def reset(self) -> None:
         """Drop every running row (after a failure; the caller answers their requests)."""
         self.rows = []
+        self._drained()
+
+    def _drained(self) -> None:
+        """No row runs: the model goes back to its plain weights (new weights load only now)."""
+        if self.folded is not None and not self.rows:
+            self.folded.restore()
+
+    @torch.inference_mode()
+    def cancel(self, jobs: set[int]) -> int:
+        """Drop the rows of these job ids (their clients gave up) unanswered; how many were dropped."""
+        gone = {id(r) for r in self.rows if r.job.get("job") in jobs}
+        if gone:
+            self._remove(gone)
+        self._drained()
+        return len(gone)
 
     def clear_cache(self) -> None:
         """Forget cached prompt KV (the weights changed)."""
@@ -277,6 +296,8 @@ class GenerationEngine:
             except GenerationError as e:
                 answered.append((job, e))
                 continue
+            if self.folded is not None:
+                self.folded.fold()
             row.slot = len(self.rows)
             self.rows.append(row)
             self._share_or_reuse(row)
@@ -347,6 +368,7 @@ class GenerationEngine:
             self._sample(decoding, self._decode(decoding), answered, finished)
         if finished:
             self._remove(finished)
+        self._drained()
         self.steps += 1
         return answered
 

@@ -38,6 +38,7 @@ class SamplingConfig:
     max_generate_rows: int = option(16, "most responses generated at once (the decode batch)")
     max_generate_positions: int = option(4096, "KV positions reserved per generated row (prompt + response)")
     prefill_tokens: int = option(2048, "most prompt tokens (padded) computed per generation step")
+    fold_lora: bool = option(True, "fold a float32 LoRA adapter into the base weights while responses are generated")
 
 
 class LLMPolicy:
@@ -109,6 +110,7 @@ class LLMPolicy:
                 seed=self.sampling.seed,
                 max_positions=self.sampling.max_generate_positions,
                 prefill_tokens=self.sampling.prefill_tokens,
+                fold_lora=self.sampling.fold_lora,
             )
         return self.engine
 

@@ -47,6 +47,7 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
             max_generate_rows=cfg.max_generate_rows,
             max_generate_positions=cfg.max_generate_positions,
             prefill_tokens=cfg.prefill_tokens,
+            fold_lora=cfg.fold_lora,
         )
         policy = LLMPolicy(model, tokenizer, sampling, cfg.policy.scoring_path, cfg.prefix_cache_mb)
         if cfg.rag:

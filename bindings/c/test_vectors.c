@@ -191,7 +191,7 @@ static const expected_reply REPLIES[] = {
      .has_logprob = 1, .logprob = -1.5, .policy_version = 12, .retry_after_ms = -1, .text = " 5", .n_tokens = 2,
      .finish_reason = "stop"},
     {.name = "generate-error", .op = "generate", .rid = "g3", .status = "", .error_code = "bad_request",
-     .error_message = "unknown `sampling` keys: n; known: max_new_tokens, temperature, top_p, stop, seed",
+     .error_message = "unknown `sampling` keys: n; known: max_new_tokens, temperature, top_p, top_k, stop, seed",
      .rc = PPOZ_ERR_BAD_REQUEST, .action = -1, .policy_version = -1, .retry_after_ms = -1},
     {.name = "feedback-reply", .op = "feedback", .rid = "f1", .status = "ok", .task_id = "emu-7", .action = -1,
      .policy_version = -1, .retry_after_ms = -1},

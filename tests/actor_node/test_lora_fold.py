@@ -1,0 +1,57 @@
+"""The engine folds a float32 LoRA adapter into the base weights while rows run (actor_node/lora_merge.py):
+the same text and log-probabilities as the plain model, the base weights bit-identical afterwards, and a new
+adapter loaded between batches is the one folded next."""
+
+from __future__ import annotations
+
+import torch
+
+from actor_node.generation import GenerationEngine
+from common.policy_model import ModelSpec, load_policy
+from tests.actor_node.test_engine_against_generate import byte_prompt, drive, job
+
+
+def randomise_adapter(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def base_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+
+
+def test_folded_generation_equals_the_plain_model_and_leaves_the_base_weights_exact(tiny_models) -> None:
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=8))
+    randomise_adapter(model, 0)
+    before = base_weights(model)
+    requests = {0: [job(i, byte_prompt(20 + 40 * i, seed=i), 24, temperature=1.0, seed=i) for i in range(4)]}
+    requests[5] = [job(9, byte_prompt(70, seed=9), 30)]
+
+    folded = GenerationEngine(model, tokenizer, max_rows=4)
+    assert folded.folded is not None
+    answers, _ = drive(folded, {k: list(v) for k, v in requests.items()})
+    plain, _ = drive(GenerationEngine(model, tokenizer, max_rows=4, fold_lora=False), {k: list(v) for k, v in requests.items()})
+    for i in answers:
+        assert answers[i].response_ids == plain[i].response_ids, i
+        assert torch.allclose(torch.tensor(answers[i].logprobs), torch.tensor(plain[i].logprobs), atol=1e-5), i
+    after = base_weights(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # restored exactly, not by subtracting
+    assert not folded.folded.folded
+
+    # While rows run, the adapter is folded: peft computes no LoRA product, the base weight holds W + sBA.
+    folded.add([job(20, "hello", 50)])
+    folded.step()
+    layer = folded.folded.layers[0]
+    assert layer.merged and not torch.equal(layer.get_base_layer().weight, folded.folded.originals[0])
+    folded.cancel({20})
+    assert not layer.merged and torch.equal(layer.get_base_layer().weight, folded.folded.originals[0])
+
+    # New adapter weights, loaded between batches, are what the next batch folds.
+    randomise_adapter(model, 1)
+    again, _ = drive(folded, {0: [job(30, byte_prompt(50, seed=3), 20)]})
+    fresh, _ = drive(GenerationEngine(model, tokenizer, max_rows=1, fold_lora=False), {0: [job(30, byte_prompt(50, seed=3), 20)]})
+    assert again[30].response_ids == fresh[30].response_ids
+    assert all(torch.equal(before[n], p) for n, p in base_weights(model).items())
