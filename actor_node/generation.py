@@ -180,6 +180,9 @@ class AttentionMasks:
 
     def __init__(self, model: Any) -> None:
         config = model.config
+        impl = getattr(config, "_attn_implementation", "eager")
+        if impl not in ("sdpa", "eager"):  # flash and flex kernels take no 4D mask: they would attend across rows' padding
+            raise GenerationError(f"generate needs attn_implementation sdpa or eager, this model runs {impl}")
         self.use_bool, self.dtype = scoring._mask_value(model)
         window = getattr(config, "sliding_window", None)
         layer_types = getattr(config, "layer_types", None)
@@ -239,11 +242,16 @@ class GenerationEngine:
         self.end_ids = end_tokens(model, tokenizer)
         self.cache = PrefixCache(prefix_cache_mb)
         self.kv = SlotCache(max_rows, self.capacity, self.device)
-        self.masks = AttentionMasks(model)
+        try:
+            self.masks: AttentionMasks | None = AttentionMasks(model)
+            self.unservable = ""
+        except GenerationError as e:  # the actor still scores; every generate request is answered with this
+            self.masks, self.unservable = None, str(e)
         self.seeds = torch.Generator().manual_seed(seed)  # seeds the requests that bring none
         # the adapter folded into the base weights while rows run (actor_node/lora_merge.py)
         self.folded = FoldedLoRA(model) if fold_lora and lora_merge.applies(model) else None
         self.rows: list[_Row] = []  # rows[i] owns slot i
+        self.answered: list[Answer] = []  # answers of rows already removed in the running step (kept if the step fails)
         self.arrivals = 0
         self.tokens_out = 0
         self.steps = 0
@@ -258,10 +266,13 @@ class GenerationEngine:
     def free(self) -> int:
         return max(0, self.max_rows - len(self.rows))
 
-    def reset(self) -> None:
-        """Drop every running row (after a failure; the caller answers their requests)."""
+    def reset(self) -> list[Answer]:
+        """Drop every running row (after a failure; the caller answers their requests); the answers of rows the
+        failed step had already finished (a deadline), which the caller sends as they are."""
         self.rows = []
         self._drained()
+        answered, self.answered = self.answered, []
+        return answered
 
     def _drained(self) -> None:
         """No row runs: the model goes back to its plain weights (new weights load only now)."""
@@ -304,6 +315,8 @@ class GenerationEngine:
         return answered
 
     def _row(self, job: dict[str, Any], now: float) -> _Row:
+        if self.unservable:
+            raise GenerationError(self.unservable)
         obs = job["obs"]
         params = SamplingParams.of(obs["sampling"])
         prompt_ids = render_prompt(self.tokenizer, obs)
@@ -349,7 +362,9 @@ class GenerationEngine:
         """One step: a prefill chunk for joining rows, then one decode step for the decoding ones; the rows that finished, answered."""
         if not self.rows:
             return []
-        answered: list[Answer] = []
+        if self.folded is not None:
+            self.folded.fold()  # (again, if a scoring job between two steps unmerged a layer)
+        answered = self.answered
         finished: set[int] = set()
         now = time.monotonic()
         for row in self.rows:
@@ -370,6 +385,7 @@ class GenerationEngine:
             self._remove(finished)
         self._drained()
         self.steps += 1
+        self.answered = []
         return answered
 
     def _prefill(self) -> None:
@@ -428,6 +444,7 @@ class GenerationEngine:
         """The decoder's last hidden states [B, q] for tokens `ids` at `positions` of these slots, writing their KV in place."""
         writes = torch.where(real, positions, torch.full_like(positions, self.capacity))  # padding goes to the sink column
         self.kv.plan(slots, writes, width)
+        assert self.masks is not None  # rows exist only where the masks do (_row)
         mask = self.masks.build(positions.to(self.device), real.to(self.device), width)
         device = self.device
         cache = cache_kwargs(self.decoder, self.kv)
@@ -450,6 +467,7 @@ class GenerationEngine:
                 t = row.params.temperature
                 answered.append((row.job, GenerationError(f"the distribution at temperature {t:g} cannot be sampled (not finite)")))
                 finished.add(id(row))
+                self.kv.clear(row.slot)  # its KV may hold NaN: the next row in this slot reads past its own length
                 continue
             done = self._take(row, token, logprob)
             if done is not None:

@@ -66,7 +66,7 @@ class SlotCache(Cache):
         values[slot, :, position] = value_states.transpose(1, 2)
         if isinstance(rows, slice):
             return keys[rows, :, : self._width], values[rows, :, : self._width]
-        return keys.index_select(0, rows)[:, :, : self._width], values.index_select(0, rows)[:, :, : self._width]
+        return keys[:, :, : self._width].index_select(0, rows), values[:, :, : self._width].index_select(0, rows)
 
     def _allocate(self, like: torch.Tensor) -> None:
         shape = (self.slots, like.shape[1], self.capacity + 1, like.shape[3])
@@ -78,7 +78,7 @@ class SlotCache(Cache):
         """Put a cached prompt's KV (per layer [1, heads, >= length, dim]) at positions [0, length) of a slot."""
         if not self.keys:
             for k, _ in kv:
-                self._allocate(k.transpose(1, 2))  # _allocate reads [B, heads, q, dim]
+                self._allocate(k)  # [1, heads, len, dim]: heads and dim where _allocate reads them
         for layer, (k, v) in enumerate(kv):
             self.keys[layer][slot, :, :length] = k[0, :, :length]
             self.values[layer][slot, :, :length] = v[0, :, :length]
@@ -86,6 +86,12 @@ class SlotCache(Cache):
     def read(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of a slot's first `length` positions, per layer [1, heads, length, dim] (for the prefix cache)."""
         return [(k[slot : slot + 1, :, :length].clone(), v[slot : slot + 1, :, :length].clone()) for k, v in zip(self.keys, self.values)]
+
+    def clear(self, slot: int) -> None:
+        """Zero a slot (its row failed on non-finite values: attention reads a slot past its row's own length)."""
+        for keys, values in zip(self.keys, self.values):
+            keys[slot].zero_()
+            values[slot].zero_()
 
     def copy(self, source: int, target: int, length: int) -> None:
         """Positions [0, length) of slot `source` into slot `target`: a row moving, or a shared prompt's KV."""

@@ -11,9 +11,11 @@ last bits (about 1e-6 in float32), as a different batch shape's do. It is undone
 exactly: the base weights are restored from copies taken before the first fold, never by
 subtracting (W + sBA - sBA drifts by a rounding error per update, and a policy served for
 thousands of updates would drift from the learner's). So it is used where the copies are
-cheap and the rounding is float32's: a float32 model (`applies`). The engine folds when
-its first row arrives and restores when the batch drains, which is the only time new
-weights are loaded (actor_node/worker.py), so set_weights always finds the plain model.
+cheap and the rounding is float32's: a float32 model (`applies`); the copies cost the
+adapted layers' memory once more. The engine folds before each step and restores when
+the batch drains, which is the only time new weights are loaded (actor_node/worker.py),
+so set_weights always finds the plain model. Scoring jobs answered between two steps
+run on the folded weights: the same function up to rounding.
 """
 
 from __future__ import annotations
@@ -35,26 +37,31 @@ def applies(model: Any) -> bool:
 
 
 class FoldedLoRA:
+    """Fold and restore every LoRA layer of a model. Both look at each layer's own `merged` flag: something else
+    may unmerge a layer between two steps (peft's `disable_adapter()`, which the rag embedder uses, unmerges a
+    merged layer by subtracting), and `fold()`, called before every step, folds it again from its original weight."""
+
     def __init__(self, model: Any) -> None:
         self.layers = lora_layers(model)
-        self.originals: list[torch.Tensor] = []  # each layer's base weight, taken before the first fold
-        self.folded = False
+        if any(layer.merged for layer in self.layers):
+            raise ValueError("the model's LoRA layers are merged already: their base weights are not the originals")
+        self.originals = [layer.get_base_layer().weight.detach().clone() for layer in self.layers]
+
+    @property
+    def folded(self) -> bool:
+        return any(layer.merged for layer in self.layers)
 
     def fold(self) -> None:
-        if self.folded:
-            return
-        with torch.inference_mode(False), torch.no_grad():
-            if not self.originals:
-                self.originals = [layer.get_base_layer().weight.detach().clone() for layer in self.layers]
-            for layer in self.layers:
-                layer.merge()
-        self.folded = True
-
-    def restore(self) -> None:
-        if not self.folded:
-            return
+        """Every layer that is not merged: its original weight, then W + sBA."""
         with torch.inference_mode(False), torch.no_grad():
             for layer, original in zip(self.layers, self.originals):
-                layer.unmerge()  # peft's flags: the adapter computes again
-                layer.get_base_layer().weight.copy_(original)  # exactly the weights before the fold
-        self.folded = False
+                if not layer.merged:
+                    layer.get_base_layer().weight.copy_(original)
+                    layer.merge()
+
+    def restore(self) -> None:
+        """Every layer back to its original weight, computing its adapter again (not peft's unmerge: no subtraction)."""
+        with torch.inference_mode(False), torch.no_grad():
+            for layer, original in zip(self.layers, self.originals):
+                layer.get_base_layer().weight.copy_(original)
+                layer.merged_adapters.clear()

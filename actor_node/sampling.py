@@ -64,12 +64,15 @@ def sample(
     scaled = logits / torch.where(greedy, 1.0, temperature).to(logits.dtype)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
     vocab = logits.shape[-1]
-    if bool(((top_p < 1) | ((top_k > 0) & (top_k < vocab))).any()):
+    filtered = (top_p < 1) | ((top_k > 0) & (top_k < vocab))
+    if bool(filtered.any()):
         sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
         sorted_probs = sorted_logp.exp()
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # the mass of the tokens above each one
         rank = torch.arange(vocab, device=logits.device)[None, :]
-        keep_sorted = (before < top_p[:, None].to(sorted_probs.dtype)) & ((top_k[:, None] <= 0) | (rank < top_k[:, None]))
+        # top_p 1 keeps everything: a float32 cumulative sum reaches 1 before the tail ends
+        nucleus = (top_p[:, None] >= 1) | (before < top_p[:, None].to(sorted_probs.dtype))
+        keep_sorted = nucleus & ((top_k[:, None] <= 0) | (rank < top_k[:, None]))
         keep_sorted[:, 0] = True  # the most likely token always stays
         keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)  # back in vocabulary order
         kept = logp.masked_fill(~keep, float("-inf"))
@@ -77,12 +80,14 @@ def sample(
     probs = logp.exp()
     cdf = torch.cumsum(probs.double(), dim=-1)
     total = cdf[:, -1]
-    failed = ~torch.isfinite(total) | (total <= 0)
+    broken = torch.isnan(logits).any(dim=-1) | torch.isinf(logits.max(dim=-1).values)  # greedy or not
+    failed = broken | ~torch.isfinite(total) | (total <= 0)
     target = (uniforms.to(cdf.device) * torch.where(failed, 1.0, total))[:, None]
-    index = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
+    last = vocab - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1, keepdim=True)  # the last token u can land on
+    index = torch.minimum(torch.searchsorted(cdf, target, right=True), last)
     tokens = index.squeeze(1)
     logprobs = logp.gather(1, index).squeeze(1)
     best = torch.argmax(logits, dim=-1)
     tokens = torch.where(greedy, best, tokens)
     logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
-    return tokens, logprobs, failed & ~greedy
+    return tokens, logprobs, broken | (failed & ~greedy)

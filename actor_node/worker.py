@@ -101,14 +101,16 @@ def serve(
 
 def _guarded(engine: GenerationEngine, call: Callable[..., list], *args: Any) -> list[tuple[dict[str, Any], Any]]:
     """An engine call whose failure (out of memory, a bug) fails the requests it touched, never the actor:
-    the running rows and the joining ones are answered `internal` and the batch starts afresh."""
+    the running rows and the joining ones are answered `internal`, what the failed step had already
+    finished (a deadline) is answered as it was, and the batch starts afresh."""
     try:
         return call(*args)
     except Exception as e:  # noqa: BLE001 - every job gets an answer; the actor serves on
         log.exception("generation failed; answering its %d requests", engine.active + (len(args[0]) if args else 0))
         touched = list({id(job): job for job in [row.job for row in engine.rows] + (list(args[0]) if args else [])}.values())
-        engine.reset()
-        return [(job, RuntimeError(f"generation failed: {type(e).__name__}: {e}")) for job in touched]
+        finished = engine.reset()
+        done = {id(job) for job, _ in finished}
+        return finished + [(job, RuntimeError(f"generation failed: {type(e).__name__}: {e}")) for job in touched if id(job) not in done]
 
 
 def _score(link: BrokerLink, policy: Policy, jobs: list[dict[str, Any]], retriever: Retriever | None) -> list[dict[str, Any]]:

@@ -94,7 +94,8 @@ def peft_warnings_silenced() -> Iterator[None]:
     """Around get_peft_model: the warnings it gives that are nobody's to act on."""
     with warnings.catch_warnings():
         # A tied head (GPT-2, Qwen2) in modules_to_save: peft warns that its trained copy unties it from
-        # the input embedding. That is what is meant (the embedding stays the base's); PPOZ never merges.
+        # the input embedding. That is what is meant (the embedding stays the base's); PPOZ never merges the head
+        # (the actor folds LoRA layers only, actor_node/lora_merge.py).
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*tied layer is part of the adapter")
         # peft (0.21) reads transformers' deprecated `is_gradient_checkpointing`: theirs to change, not the user's.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

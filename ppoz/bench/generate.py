@@ -9,7 +9,10 @@ weights and the actor's default LoRA adapter, saved and loaded through `from_pre
 - `generate_batch`: transformers' continuous batching (`model.generate_batch`, its paged
   KV cache), started when the last request has arrived, run to the longest budget;
 - `ppoz`: PPOZ's engine (actor_node/generation.py) in this process, requests added as
-  they arrive;
+  they arrive, with the LoRA adapter folded into the base weights while rows run (its
+  default on a float32 model, actor_node/lora_merge.py);
+- `ppoz_unfolded`: the same engine computing the adapter as peft does, as the
+  transformers legs do: the difference from `ppoz` is the fold, the rest is the engine;
 - `ppoz_broker`: the same requests from concurrent clients through a real broker
   (embedded Redis) to one actor process's thread: the whole path a client sees.
 
@@ -50,7 +53,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-LEGS = ("one_at_a_time", "static_batch", "generate_batch", "ppoz", "ppoz_broker")
+LEGS = ("one_at_a_time", "static_batch", "generate_batch", "ppoz", "ppoz_unfolded", "ppoz_broker")
 CASES = ("default", "long_tail", "rollout")
 
 
@@ -214,14 +217,21 @@ def device_type(model: Any) -> str:
 
 def engine_job(i: int, r: Request) -> dict[str, Any]:
     sampling = {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "seed": r.seed}
-    return {"job": i, "task_id": f"r{i}", "obs": {"prompt": r.text, "sampling": sampling}}
+    return {"job": i, "task_id": f"r{i}", "deadline_ms": 3_600_000, "obs": {"prompt": r.text, "sampling": sampling}}
 
 
-def ppoz_engine(model: Any, tokenizer: Any, requests: list[Request], rows: int) -> LegRun:
+def ppoz_engine(model: Any, tokenizer: Any, requests: list[Request], rows: int, fold_lora: bool = True) -> LegRun:
     from actor_node.generation import GenerationEngine
 
     longest = max(r.prompt_tokens + r.max_new_tokens for r in requests)
-    engine = GenerationEngine(model, tokenizer, max_rows=rows, max_positions=longest + 8)
+    engine = GenerationEngine(model, tokenizer, max_rows=rows, max_positions=longest + 8, fold_lora=fold_lora)
+    try:
+        return _drive_engine(engine, tokenizer, requests)
+    finally:
+        engine.reset()  # the model's own weights back, whatever happened
+
+
+def _drive_engine(engine: Any, tokenizer: Any, requests: list[Request]) -> LegRun:
     outputs: list[list[int]] = [[] for _ in requests]
     latencies = [0.0] * len(requests)
     pending = list(enumerate(requests))
@@ -258,6 +268,7 @@ def ppoz_broker(model_dir: str, device: str, tokenizer: Any, requests: list[Requ
     outputs: list[list[int]] = [[] for _ in requests]
     texts = [""] * len(requests)
     latencies = [0.0] * len(requests)
+    answered = [0.0] * len(requests)  # when each answer came, from the start (its feedback is not timed)
     longest = max(r.prompt_tokens + r.max_new_tokens for r in requests)
     with EmbeddedRedis() as redis_server:
         broker = Broker(
@@ -293,7 +304,8 @@ def ppoz_broker(model_dir: str, device: str, tokenizer: Any, requests: list[Requ
             barrier.wait()
             wait_until(started[0], r.arrival)
             reply = clients[i].generate(tasks[i], r.text, max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=r.seed)
-            latencies[i] = (time.perf_counter() - started[0] - r.arrival) * 1000
+            answered[i] = time.perf_counter() - started[0]
+            latencies[i] = (answered[i] - r.arrival) * 1000
             outputs[i] = [0] * int(reply["n_tokens"])  # counted; compared by text
             texts[i] = reply["text"]
             clients[i].feedback(tasks[i], 0.0, done=True)
@@ -305,7 +317,7 @@ def ppoz_broker(model_dir: str, device: str, tokenizer: Any, requests: list[Requ
         barrier.wait()
         for t in threads:
             t.join()
-        elapsed = time.perf_counter() - started[0]
+        elapsed = max(answered)
         for c in clients:
             c.close()
         stop.set()
@@ -354,6 +366,7 @@ def run_case(
         "static_batch": lambda: static_batch(model, tokenizer, requests),
         "generate_batch": lambda: generate_batch(model, tokenizer, requests),
         "ppoz": lambda: ppoz_engine(model, tokenizer, requests, rows),
+        "ppoz_unfolded": lambda: ppoz_engine(model, tokenizer, requests, rows, fold_lora=False),
         "ppoz_broker": lambda: ppoz_broker(model_dir, args.device, tokenizer, requests, rows),
     }
     runs: dict[str, list[LegRun]] = {leg: [] for leg in legs}

@@ -180,3 +180,36 @@ def test_a_seeded_request_writes_the_same_text_alone_and_in_a_busy_batch(lora_ll
     for r in seeded:
         alone, _ = drive(GenerationEngine(model, tokenizer, max_rows=1), {0: [r]})
         assert crowd[r["job"]].text == alone[r["job"]].text, r["job"]
+
+
+def test_a_row_that_fails_on_non_finite_values_leaves_a_clean_slot(lora_llama) -> None:
+    """Attention reads a slot up to the batch's width, past its own row's length: NaN left behind by a failed
+    row would fail the next row given that slot."""
+    model, tokenizer = lora_llama
+    engine = GenerationEngine(model, tokenizer, max_rows=2)
+    long = job(0, byte_prompt(80, seed=1), 30, temperature=1.0, seed=1)
+    short = job(1, byte_prompt(10, seed=2), 30, temperature=1.0, seed=2)
+    engine.add([long, short])
+    for _ in range(4):
+        engine.step()
+    slot = next(r.slot for r in engine.rows if r.job["job"] == 1)
+    with torch.inference_mode():
+        for keys in engine.kv.keys:  # past the short row's length, inside the long row's width
+            keys[slot, :, 40:70] = float("nan")
+    failed = dict((j["job"], a) for j, a in engine.step())
+    assert "not finite" in str(failed[1])
+    later = job(2, byte_prompt(12, seed=3), 10, temperature=1.0, seed=3)
+    answers, _ = drive(engine, {0: [later]})
+    alone, _ = drive(GenerationEngine(model, tokenizer, max_rows=1), {0: [dict(later)]})
+    assert answers[2].response_ids == alone[2].response_ids
+
+
+def test_a_model_the_engine_cannot_mask_still_starts_and_refuses_generate_by_name(tiny_models) -> None:
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
+    model.config._attn_implementation_internal = "flash_attention_2"  # what from_pretrained records for flash-attn
+    try:
+        engine = GenerationEngine(model, tokenizer)
+        answers = engine.add([job(0, "hello", 4)])
+    finally:
+        model.config._attn_implementation_internal = "sdpa"
+    assert "attn_implementation" in str(answers[0][1]) and engine.active == 0

@@ -55,3 +55,27 @@ def test_folded_generation_equals_the_plain_model_and_leaves_the_base_weights_ex
     fresh, _ = drive(GenerationEngine(model, tokenizer, max_rows=1, fold_lora=False), {0: [job(30, byte_prompt(50, seed=3), 20)]})
     assert again[30].response_ids == fresh[30].response_ids
     assert all(torch.equal(before[n], p) for n, p in base_weights(model).items())
+
+
+def test_a_scoring_job_that_disables_the_adapter_between_steps_changes_nothing(tiny_models) -> None:
+    """rag_step's embedder runs under peft's disable_adapter(), which unmerges a merged layer by subtracting:
+    the next step folds it again from the original weight, and the batch drains to the exact base weights."""
+    import warnings
+
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=8))
+    randomise_adapter(model, 2)
+    before = base_weights(model)
+    request = job(0, byte_prompt(60, seed=4), 20)
+    plain, _ = drive(GenerationEngine(model, tokenizer, max_rows=1, fold_lora=False), {0: [dict(request)]})
+    engine = GenerationEngine(model, tokenizer, max_rows=1)
+    engine.add([request])
+    answers = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # peft warns when asked to unmerge what is not merged
+        while engine.active:
+            with torch.inference_mode(), model.disable_adapter():
+                model(input_ids=torch.tensor([[5, 6, 7]]))
+            answers.update((j["job"], a) for j, a in engine.step())
+            assert engine.folded is not None and all(layer.merged for layer in engine.folded.layers) == bool(engine.active)
+    assert answers[0].response_ids == plain[0].response_ids
+    assert all(torch.equal(before[n], p) for n, p in base_weights(model).items())

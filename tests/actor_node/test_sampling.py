@@ -90,3 +90,43 @@ def test_the_draw_inverts_the_cumulative_distribution(u: float) -> None:
     logits = torch.log(torch.tensor([[0.3, 0.0, 0.7]]))  # a token of probability 0 is never drawn
     tokens, _, _ = sampling.sample(logits, *settings(1), torch.tensor([u], dtype=torch.float64))
     assert tokens.item() == (0 if u < 0.3 else 2)
+
+
+def splitmix64_reference(seed: int, t: int) -> float:
+    """docs/protocol.md's draw in plain Python integers: state = mix(seed + gamma), u = mix(state + (t + 1) gamma) >> 11 / 2^53."""
+    mask, gamma = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+    def mix(z: int) -> int:
+        z &= mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    state = mix(seed + gamma)
+    return (mix(state + (t + 1) * gamma) >> 11) / 2**53
+
+
+def test_the_draw_is_splitmix64_of_the_seed_and_the_index() -> None:
+    seeds = [0, 1, 7, 2**40 + 5, 2**63 - 1]
+    counters = [0, 3, 1000, 2**20, 5]
+    got = sampling.row_uniforms(torch.tensor(seeds, dtype=torch.long), torch.tensor(counters, dtype=torch.long))
+    assert got.tolist() == [splitmix64_reference(s, t) for s, t in zip(seeds, counters)]
+
+
+def test_a_row_without_top_p_or_top_k_is_not_changed_by_a_neighbour_that_has_them() -> None:
+    """A float32 cumulative sum reaches 1 before the vocabulary ends: a top_p = 1 row must not lose its tail."""
+    vocab = 50_000
+    logits = torch.full((vocab,), -12.0)
+    logits[:10] = torch.linspace(8.0, 4.0, 10)
+    u = torch.tensor([0.9999999, 0.5], dtype=torch.float64)
+    alone = sampling.sample(logits[None], torch.ones(1), torch.ones(1), torch.zeros(1, dtype=torch.long), u[:1])
+    beside = sampling.sample(logits.repeat(2, 1), torch.ones(2), torch.tensor([1.0, 0.5]), torch.zeros(2, dtype=torch.long), u)
+    assert alone[0][0] == beside[0][0] and alone[0][0] >= 10  # the tail token u lands on, alone and beside
+    # (log-softmax over a batch of two may sum in another order than over one: equal to float32 rounding)
+    assert torch.allclose(alone[1][0], beside[1][0], atol=1e-3)
+
+
+def test_greedy_rows_with_non_finite_logits_fail_too() -> None:
+    logits = torch.tensor([[0.0, float("nan")], [float("inf"), 0.0], [0.0, 1.0]])
+    _, _, failed = sampling.sample(logits, torch.zeros(3), torch.ones(3), torch.zeros(3, dtype=torch.long), torch.zeros(3))
+    assert failed.tolist() == [True, True, False]
