@@ -321,7 +321,7 @@ class GenerationEngine:
         params = SamplingParams.of(obs["sampling"])
         prompt_ids = render_prompt(self.tokenizer, obs)
         if len(prompt_ids) + params.max_new_tokens > self.capacity:
-            limit = "the model's limit" if self.capacity_names_model else "the engine's max_positions"
+            limit = "the model's limit" if self.capacity_names_model else "the actor's limit (max_generate_positions)"
             raise GenerationError(
                 f"the prompt's {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} = "
                 f"{len(prompt_ids) + params.max_new_tokens} positions, over {limit} of {self.capacity}"

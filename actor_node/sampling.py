@@ -1,8 +1,9 @@
 """Sampling the next token of every row at once: temperature, top-k, top-p, and a seeded draw per row.
 
 For each row the distribution sampled from is: logits / T, log-softmax; top-k keeps the
-k most likely tokens (0: all); top-p keeps the smallest set of most likely tokens whose
-probability reaches p (the most likely always stays); the kept tokens are renormalised.
+k most likely tokens (0: all); top-p then keeps the smallest set of the most likely of
+those whose probability, renormalised over them, reaches p (the most likely always
+stays), as transformers and vLLM apply the two; the kept tokens are renormalised.
 The token is drawn by inverting that distribution's cumulative sum, in vocabulary
 order, at one uniform number u (so a row's draw never depends on what other rows
 ask), and its log-probability under the renormalised distribution is what the
@@ -67,16 +68,20 @@ def sample(
     filtered = (top_p < 1) | ((top_k > 0) & (top_k < vocab))
     if bool(filtered.any()):
         sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
-        sorted_probs = sorted_logp.exp()
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # the mass of the tokens above each one
         rank = torch.arange(vocab, device=logits.device)[None, :]
+        in_top_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+        # top-p over the top-k tokens renormalised: transformers' and vLLM's order (top-k, then top-p)
+        mass = sorted_logp.exp() * in_top_k
+        mass = mass / mass.sum(dim=-1, keepdim=True)
+        before = torch.cumsum(mass, dim=-1) - mass  # the mass of the tokens above each one
         # top_p 1 keeps everything: a float32 cumulative sum reaches 1 before the tail ends
-        nucleus = (top_p[:, None] >= 1) | (before < top_p[:, None].to(sorted_probs.dtype))
-        keep_sorted = nucleus & ((top_k[:, None] <= 0) | (rank < top_k[:, None]))
+        nucleus = (top_p[:, None] >= 1) | (before < top_p[:, None].to(mass.dtype))
+        keep_sorted = in_top_k & nucleus
         keep_sorted[:, 0] = True  # the most likely token always stays
         keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)  # back in vocabulary order
         kept = logp.masked_fill(~keep, float("-inf"))
-        logp = kept - torch.logsumexp(kept, dim=-1, keepdim=True)
+        # rows without top-k or top-p keep their log-softmax bit for bit, whatever their neighbours ask
+        logp = torch.where(filtered[:, None], kept - torch.logsumexp(kept, dim=-1, keepdim=True), logp)
     probs = logp.exp()
     cdf = torch.cumsum(probs.double(), dim=-1)
     total = cdf[:, -1]

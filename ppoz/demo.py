@@ -57,10 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="arithmetic: gae (a critic), grpo or rloo (critic-free, 4 responses per sum compared with each other) (default: gae)",
     )
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to train (default: 5)")
-    parser.add_argument("--clients", type=int, default=4, help="simulated Kea clients (default: 4)")
+    parser.add_argument(
+        "--clients", type=int, default=None, help="simulated clients: Kea emulators (default: 4), arithmetic's driver workers (default: 8)"
+    )
     parser.add_argument("--model", default="", help="a local model directory or Hugging Face id (default: a tiny model built locally)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    parser.add_argument("--seed", type=int, default=0, help="the simulated app's layout (default: 0)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto), for the actor and the learner")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="kea: the simulated app's layout; arithmetic: prompt order and sampling seeds (default: 0)"
+    )
     parser.add_argument("--out", default="runs/demo", help="learning curve, checkpoints and TensorBoard logs go here (default: runs/demo)")
     parser.add_argument("--report-every", type=float, default=10.0, help="seconds between progress lines (default: 10)")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -68,10 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not args.minutes > 0 or (args.clients is not None and args.clients < 1):
+        given = f"got --minutes {args.minutes:g}, --clients {args.clients}"
+        print(f"ppoz demo: --minutes must be positive and --clients at least 1 ({given})", file=sys.stderr)
+        return 2
     if args.task == "arithmetic":
         from ppoz import demo_arithmetic
 
         return demo_arithmetic.main(args)
+    args.clients = args.clients or 4
     import redis
 
     from actor_node.config import ActorConfig
@@ -89,9 +98,6 @@ def main(args: argparse.Namespace) -> int:
     from learner_node.worker import Learner
     from ppoz.curve import write_learning_curve
 
-    if args.minutes <= 0 or args.clients < 1:
-        print("ppoz demo: --minutes must be positive and --clients at least 1", file=sys.stderr)
-        return 2
     for noisy in ("broker", "actor_node", "learner_node", "common", "envs"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     out = Path(args.out)

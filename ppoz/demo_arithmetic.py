@@ -5,7 +5,10 @@ said in words. The policy is a tiny Llama-style model built locally with a word-
 the number words (common/tiny_models.py `numbers`), so its first word is a number word and the
 reward is verifiable: 1 when the response's first word is the sum, else 0 (chance: 1 in 17 tokens).
 All its weights train (`lora_rank = 0`): on this task a rank-4 adapter learned slower (validation
-0.24 against 0.40 after 90 s on the CPU VM, and it collapsed onto one answer first).
+0.24 against 0.40 after 90 s on the CPU VM, and it collapsed onto one answer first). A model given
+with `--model` trains a rank-8 LoRA adapter at the learning rate for its size (1e-5), as the kea
+demo does. `--clients` sets the driver workers (8), `--seed` the prompts' order and the sampling
+seeds, `--device` the actor's and the learner's device.
 `ppoz train` starts the stack as processes (embedded Redis, broker, one actor, the learner), validates
 greedily on the 25 sums, trains for `--minutes`, and validates again. The validation set is the
 training set: a model this size learns the table, it does not generalise addition; the figure shows
@@ -44,43 +47,52 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stack_config(out: Path) -> str:
+def stack_config(out: Path, lora_rank: int = 0, device: str = "auto") -> str:
     """The stack's settings: small rollouts and a one-transition segment per response (each turn ends its episode)."""
     front, back, weights = _free_port(), _free_port(), _free_port()
+    on = f"device = {json.dumps(device)}\n"
     return (
-        "[policy]\nlora_rank = 0\n"
+        f"[policy]\nlora_rank = {lora_rank}\n"
         f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nsegment_len = 1\n'
-        f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 32\npolicy_minibatch = 16\n'
+        f'[learner]\n{on}weights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 32\npolicy_minibatch = 16\n'
         f'tensorboard_dir = "{out / "tensorboard"}"\n'
         "[generation]\nvalue_hidden = [64]\n"
-        "[actor]\nweights_poll_s = 1.0\n"
+        f"[actor]\n{on}weights_poll_s = 1.0\n"
         "[up]\nactors = 1\nstop_timeout_s = 60\n"
     )
 
 
-def main(args: argparse.Namespace) -> int:
-    from common.tiny_models import build_tiny_model
-    from ppoz.train import advantage_settings, finish, on_this_machine
+def settings(args: argparse.Namespace, out: Path, model: str) -> tuple[str, Any]:
+    """The stack's TOML and the run's TrainConfig for these demo flags."""
     from train.config import TrainConfig
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sums.jsonl").write_text("\n".join(json.dumps(row) for row in sums()) + "\n")
-    config = out / "stack.toml"
-    config.write_text(stack_config(out))
-    model = args.model or str(build_tiny_model(Path.home() / ".cache" / "ppoz" / "numbers-llama", "llama", tokenizer="numbers"))
     cfg = TrainConfig(
         data=str(out / "sums.jsonl"),
         val=str(out / "sums.jsonl"),
         epochs=0,
         rollout_n=GRPO_GROUP if args.advantage != "gae" else 1,
         resume=False,
-        workers=8,
+        workers=args.clients or 8,
+        seed=args.seed,
         max_new_tokens=2,
         reward_fn=REWARD_FN,
         output_dir=str(out / "train"),
         report_every_s=args.report_every,
     )
+    return stack_config(out, lora_rank=8 if args.model else 0, device=args.device), cfg
+
+
+def main(args: argparse.Namespace) -> int:
+    from common.tiny_models import build_tiny_model
+    from ppoz.train import advantage_settings, finish, on_this_machine
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sums.jsonl").write_text("\n".join(json.dumps(row) for row in sums()) + "\n")
+    model = args.model or str(build_tiny_model(Path.home() / ".cache" / "ppoz" / "numbers-llama", "llama", tokenizer="numbers"))
+    stack, cfg = settings(args, out, model)
+    config = out / "stack.toml"
+    config.write_text(stack)
     print(f"ppoz demo: arithmetic in words on {model}, {args.minutes:g} minutes; outputs in {out}", flush=True)
     stop = threading.Event()
     timer = threading.Timer(args.minutes * 60, stop.set)

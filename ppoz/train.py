@@ -126,6 +126,9 @@ def finish(cfg: Any, summary: dict[str, Any], as_json: bool, learner_started_her
     if summary.get("val_after") is not None and summary.get("val_before") is not None:
         line += f"; validation reward {summary['val_before']:.3f} before, {summary['val_after']:.3f} after"
     print(line, flush=True)
+    if summary.get("adapter") or summary.get("weights"):
+        what = f"adapter in {summary['adapter']}" if summary.get("adapter") else f"weights in {summary['weights']}"
+        print(f"ppoz train: the trained {what}", flush=True)
     if summary.get("stopped"):
         print(f"ppoz train: stopped at sample {summary['resume_from']}; run it again (resume is on) to go on from there", flush=True)
     stopped = summary.get("stopped_workers") or []
@@ -219,8 +222,11 @@ def on_this_machine(
         )
         if stack.supervisor.failed:
             raise RuntimeError(f"the stack stopped because {stack.supervisor.failed} died")
-    adapters = sorted(Path(checkpoints or learner_table["checkpoint_dir"]).glob("ckpt-*/adapter"))
-    summary["adapter"] = str(adapters[-1]) if adapters else None  # the learner's last (it checkpoints as it stops)
+    # the learner's last checkpoint (it checkpoints as it stops): a LoRA run's adapter, or every trained weight
+    saved = sorted(Path(checkpoints or learner_table["checkpoint_dir"]).glob("ckpt-*"))
+    summary["checkpoint"] = str(saved[-1]) if saved else None
+    summary["adapter"] = str(saved[-1] / "adapter") if saved and (saved[-1] / "adapter").is_dir() else None
+    summary["weights"] = str(saved[-1] / "policy.safetensors") if saved and summary["adapter"] is None else None
     return summary
 
 

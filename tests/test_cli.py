@@ -158,6 +158,14 @@ def test_status_without_a_broker_fails_clearly():
     assert result.returncode == 1 and "no answer from" in result.stderr
 
 
+@pytest.mark.parametrize("task", ["kea", "arithmetic"])
+@pytest.mark.parametrize("flags", [["--minutes", "-1"], ["--minutes", "0"], ["--clients", "0"]])
+def test_demo_refuses_a_run_that_would_train_nothing(task, flags, tmp_path):
+    result = ppoz("demo", "--task", task, *flags, "--out", str(tmp_path / "demo"), timeout=120)
+    assert result.returncode == 2 and "--minutes must be positive" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "demo").exists()
+
+
 @pytest.mark.slow
 def test_demo_shows_progress_and_writes_a_learning_curve(tmp_path):
     # Learning itself is asserted in tests/test_end_to_end.py; this is the demo's display and files.

@@ -17,6 +17,7 @@ import torch
 
 from actor_node.generation import GenerationEngine
 from common.policy_model import ModelSpec, load_policy
+from tests.actor_node.test_generation import with_nonzero_adapter
 
 
 def byte_prompt(n: int, seed: int) -> str:
@@ -110,12 +111,7 @@ def check_against_generate(model: Any, tokenizer: Any, longest: int, **engine_se
 
 @pytest.fixture(scope="module")
 def lora_llama(tiny_models):
-    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4))
-    with torch.no_grad():  # a non-zero adapter
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return model, tokenizer
+    return with_nonzero_adapter(tiny_models["llama"])
 
 
 def test_llama_with_lora_equals_generate_with_long_prompts_prefilled_in_chunks(lora_llama) -> None:

@@ -42,14 +42,19 @@ def run(engine: GenerationEngine, jobs: list[dict[str, Any]], join_after: int = 
     return answers
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
-def policy(request, tiny_models):
-    model, tokenizer = load_policy(ModelSpec(model=tiny_models[request.param], device="cpu", lora_rank=4))
-    with torch.no_grad():  # a non-zero adapter: the engine must score with it on
+def with_nonzero_adapter(model_dir: str) -> tuple[Any, Any]:
+    """A tiny model with a rank-4 adapter whose B is not zero: the engine must score with it on."""
+    model, tokenizer = load_policy(ModelSpec(model=model_dir, device="cpu", lora_rank=4))
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     return model, tokenizer
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+def policy(request, tiny_models):
+    return with_nonzero_adapter(tiny_models[request.param])
 
 
 def test_logged_logprobs_are_the_models_own_for_requests_that_join_a_running_batch(policy) -> None:
@@ -153,7 +158,7 @@ def test_bad_requests_fail_alone_naming_the_limit(tiny_models) -> None:
     # An engine reserving fewer positions per row than the model takes names its own limit.
     small = GenerationEngine(model, tokenizer, max_rows=4, max_positions=64)
     over = dict((j["job"], a) for j, a in small.add([job(3, "word " * 10, max_new_tokens=40)]))[3]
-    assert isinstance(over, GenerationError) and "max_positions of 64" in str(over)
+    assert isinstance(over, GenerationError) and "the actor's limit (max_generate_positions) of 64" in str(over)
 
 
 def test_chat_messages_go_through_the_tokenizers_template(tiny_models) -> None:

@@ -122,11 +122,19 @@ def test_a_row_without_top_p_or_top_k_is_not_changed_by_a_neighbour_that_has_the
     alone = sampling.sample(logits[None], torch.ones(1), torch.ones(1), torch.zeros(1, dtype=torch.long), u[:1])
     beside = sampling.sample(logits.repeat(2, 1), torch.ones(2), torch.tensor([1.0, 0.5]), torch.zeros(2, dtype=torch.long), u)
     assert alone[0][0] == beside[0][0] and alone[0][0] >= 10  # the tail token u lands on, alone and beside
-    # (log-softmax over a batch of two may sum in another order than over one: equal to float32 rounding)
-    assert torch.allclose(alone[1][0], beside[1][0], atol=1e-3)
+    assert torch.equal(alone[1][0], beside[1][0])
 
 
 def test_greedy_rows_with_non_finite_logits_fail_too() -> None:
     logits = torch.tensor([[0.0, float("nan")], [float("inf"), 0.0], [0.0, 1.0]])
     _, _, failed = sampling.sample(logits, torch.zeros(3), torch.ones(3), torch.zeros(3, dtype=torch.long), torch.zeros(3))
     assert failed.tolist() == [True, True, False]
+
+
+def test_top_k_comes_first_then_top_p_over_the_renormalised_top_k() -> None:
+    """transformers' and vLLM's order: top-2 of (0.4, 0.3, 0.2, 0.1) renormalised is (4/7, 3/7); a nucleus of 0.5
+    over that holds the first token alone (over the whole distribution it would hold two)."""
+    n = 200
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1])).repeat(n, 1)
+    tokens, logprobs, _ = sampling.sample(logits, *settings(n, top_p=0.5, top_k=2), draws(n, seed=4))
+    assert set(tokens.tolist()) == {0} and torch.allclose(logprobs, torch.zeros(n), atol=1e-6)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -31,9 +32,31 @@ def test_the_arithmetic_demo_learns_and_stays_learned(tmp_path) -> None:
     assert summary["val_after"] >= summary["val_before"] + 0.2, trace
     assert min(rewards[-len(rewards) // 3 :]) >= 3 * chance and statistics.mean(rewards[-3:]) >= 0.2, trace
     assert summary["unrewarded"] == 0 and summary["learner"]["version"] >= 20, trace
+    # all weights trained: the summary points to them (no adapter), and the closing lines say where
+    assert summary["adapter"] is None and summary["weights"].endswith("policy.safetensors"), summary
+    assert (out / "train").exists() and Path(summary["weights"]).is_file() and f"weights in {summary['weights']}" in run.stdout
 
 
 def test_the_dataset_and_its_reward() -> None:
     rows = sums()
     assert len(rows) == 25 and rows[7] == {"prompt": "what is one plus two", "ground_truth": "three", "data_source": "arithmetic_words"}
     assert first_word_score("", "three four", "three") == 1.0 and first_word_score("", "four three", "three") == 0.0
+
+
+def test_the_demo_flags_reach_the_run(tmp_path) -> None:
+    """--clients, --seed, --device and --model are the run's, not ignored (issue 29)."""
+    import argparse
+
+    import tomllib
+
+    from ppoz.demo_arithmetic import settings
+
+    given = argparse.Namespace(advantage="grpo", clients=3, seed=7, device="cpu", model="some/model", report_every=10.0)
+    stack, cfg = settings(given, tmp_path, "some/model")
+    table = tomllib.loads(stack)
+    assert cfg.workers == 3 and cfg.seed == 7 and cfg.rollout_n == 4
+    assert table["actor"]["device"] == "cpu" and table["learner"]["device"] == "cpu"
+    assert table["policy"]["lora_rank"] == 8  # a model of one's own trains a rank-8 adapter (at its default lr, 1e-5)
+    default = argparse.Namespace(advantage="gae", clients=None, seed=0, device="auto", model="", report_every=10.0)
+    stack, cfg = settings(default, tmp_path, "tiny")
+    assert cfg.workers == 8 and tomllib.loads(stack)["policy"]["lora_rank"] == 0
