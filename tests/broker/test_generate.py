@@ -114,7 +114,8 @@ def test_bad_generate_requests_are_refused_naming_the_value(start_broker, make_c
 def test_a_prompt_over_the_models_context_fails_alone(start_broker, start_actor, make_client, tiny_models):
     model, tokenizer = load_policy(ModelSpec(model=tiny_models["gpt2"], device="cpu", lora_rank=0))  # 8192 positions
     broker = start_broker()
-    start_actor(broker.backend, policy=LLMPolicy(model, tokenizer, SamplingConfig()))
+    # KV reserved per row for all the model's positions, so the model's limit is the one a request meets
+    start_actor(broker.backend, policy=LLMPolicy(model, tokenizer, SamplingConfig(max_generate_positions=8192)))
     client = make_client(broker.frontend, deadline=60, attempt_timeout=30)
     wait_for(lambda: actors_ready(client, 1), what="the actor")
     a, b = client.attach(), client.attach()
@@ -127,7 +128,7 @@ def test_a_generate_past_its_deadline_is_answered_timeout_and_the_actor_gives_it
     start_broker, start_actor, make_client, llm, redis_client, key_prefix
 ):
     model, tokenizer = llm
-    policy = LLMPolicy(model, tokenizer, SamplingConfig(seed=1))
+    policy = LLMPolicy(model, tokenizer, SamplingConfig(seed=1, max_generate_positions=8192))  # room for an 8,000-token response
     engine = policy.generation_engine()
     engine.end_ids = set()  # no end-of-sequence token: the response would run its whole budget
     broker = start_broker(max_new_tokens=8000)
@@ -149,7 +150,7 @@ def test_a_generate_waiting_for_a_row_is_answered_timeout_at_its_deadline_never_
     """One row, held by a long response: a request behind it waits at the actor, and its deadline counts
     from its arrival there; it is answered timeout then, not admitted when the row frees."""
     model, tokenizer = llm
-    policy = LLMPolicy(model, tokenizer, SamplingConfig(seed=1, max_generate_rows=1))
+    policy = LLMPolicy(model, tokenizer, SamplingConfig(seed=1, max_generate_rows=1, max_generate_positions=8192))
     engine = policy.generation_engine()
     engine.end_ids = set()
     admitted: list[str] = []
