@@ -118,7 +118,7 @@ class Generated:
 PREFILL, WAITING, DECODE = "prefill", "waiting", "decode"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False)  # compared and hashed by identity: rows go in sets
 class _Row:
     job: dict[str, Any]
     prompt_ids: list[int]
@@ -282,7 +282,7 @@ class GenerationEngine:
     @torch.inference_mode()
     def cancel(self, jobs: set[int]) -> int:
         """Drop the rows of these job ids (their clients gave up) unanswered; how many were dropped."""
-        gone = {id(r) for r in self.rows if r.job.get("job") in jobs}
+        gone = {r for r in self.rows if r.job.get("job") in jobs}
         if gone:
             self._remove(gone)
         self._drained()
@@ -365,12 +365,12 @@ class GenerationEngine:
         if self.folded is not None:
             self.folded.fold()  # (again, if a scoring job between two steps unmerged a layer)
         answered = self.answered
-        finished: set[int] = set()
+        finished: set[_Row] = set()
         now = time.monotonic()
         for row in self.rows:
             if now > row.deadline:
                 answered.append((row.job, DeadlineExceeded(f"the deadline passed after {len(row.response_ids)} tokens")))
-                finished.add(id(row))
+                finished.add(row)
         if finished:
             self._remove(finished)
             finished = set()
@@ -378,7 +378,7 @@ class GenerationEngine:
         fresh = [r for r in self.rows if r.state == DECODE and not r.response_ids]
         if fresh:  # the first token of every row whose prompt's KV is complete
             self._sample(fresh, torch.stack([r.first_logits for r in fresh]), answered, finished)  # type: ignore[misc]
-        decoding = [r for r in self.rows if r.state == DECODE and id(r) not in finished]
+        decoding = [r for r in self.rows if r.state == DECODE and r not in finished]
         if decoding:
             self._sample(decoding, self._decode(decoding), answered, finished)
         if finished:
@@ -429,10 +429,10 @@ class GenerationEngine:
     def _decode(self, decoding: list[_Row]) -> torch.Tensor:
         """Feed every decoding row its last token (the others ride as placeholders); their logits."""
         n = len(self.rows)
-        is_decoding = {id(r) for r in decoding}
-        real = torch.tensor([[id(r) in is_decoding] for r in self.rows])
-        ids = torch.tensor([[r.response_ids[-1] if id(r) in is_decoding else 0] for r in self.rows])
-        positions = torch.tensor([[r.filled if id(r) in is_decoding else 0] for r in self.rows])
+        is_decoding = set(decoding)
+        real = torch.tensor([[r in is_decoding] for r in self.rows])
+        ids = torch.tensor([[r.response_ids[-1] if r in is_decoding else 0] for r in self.rows])
+        positions = torch.tensor([[r.filled if r in is_decoding else 0] for r in self.rows])
         width = max(r.filled for r in decoding) + 1
         hidden = self._forward(list(range(n)), ids, positions, real, width)
         for r in decoding:
@@ -451,7 +451,7 @@ class GenerationEngine:
         out = self.decoder(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device), **cache)
         return out.last_hidden_state
 
-    def _sample(self, rows: list[_Row], logits: torch.Tensor, answered: list[Answer], finished: set[int]) -> None:
+    def _sample(self, rows: list[_Row], logits: torch.Tensor, answered: list[Answer], finished: set[_Row]) -> None:
         """The next token of each of these rows, sampled at once; finished rows answered and marked."""
         params = [r.params for r in rows]
         device = logits.device
@@ -466,13 +466,13 @@ class GenerationEngine:
             if bad:
                 t = row.params.temperature
                 answered.append((row.job, GenerationError(f"the distribution at temperature {t:g} cannot be sampled (not finite)")))
-                finished.add(id(row))
+                finished.add(row)
                 self.kv.clear(row.slot)  # its KV may hold NaN: the next row in this slot reads past its own length
                 continue
             done = self._take(row, token, logprob)
             if done is not None:
                 answered.append((row.job, done))
-                finished.add(id(row))
+                finished.add(row)
 
     def _take(self, row: _Row, token: int, logprob: float) -> Generated | None:
         """Append the row's next token; the finished response if this token ends it."""
@@ -511,19 +511,19 @@ class GenerationEngine:
         )
 
     # --- leaving ---------------------------------------------------------------------------
-    def _remove(self, gone: set[int]) -> None:
-        """Free the slots of these rows (ids); the highest surviving rows move into the freed slots, so
+    def _remove(self, gone: set[_Row]) -> None:
+        """Free the slots of these rows; the highest surviving rows move into the freed slots, so
         slots 0..n-1 stay the running rows. A row waiting for a removed leader's prompt computes it itself."""
-        survivors = [r for r in self.rows if id(r) not in gone]
-        promoted: dict[int, _Row] = {}  # a removed leader -> the follower that computes the prompt instead
+        survivors = [r for r in self.rows if r not in gone]
+        promoted: dict[_Row, _Row] = {}  # a removed leader -> the follower that computes the prompt instead
         for row in survivors:
-            if row.state == WAITING and row.leader is not None and id(row.leader) in gone:
-                if id(row.leader) in promoted:
-                    row.leader = promoted[id(row.leader)]
+            if row.state == WAITING and row.leader is not None and row.leader in gone:
+                if row.leader in promoted:
+                    row.leader = promoted[row.leader]
                 else:
-                    promoted[id(row.leader)] = row
+                    promoted[row.leader] = row
                     row.state, row.leader = PREFILL, None
-        holes = sorted(r.slot for r in self.rows if id(r) in gone and r.slot < len(survivors))
+        holes = sorted(r.slot for r in self.rows if r in gone and r.slot < len(survivors))
         movers = [r for r in survivors if r.slot >= len(survivors)]
         for row, hole in zip(movers, holes):
             if row.filled:

@@ -223,10 +223,11 @@ def on_this_machine(
         if stack.supervisor.failed:
             raise RuntimeError(f"the stack stopped because {stack.supervisor.failed} died")
     # the learner's last checkpoint (it checkpoints as it stops): a LoRA run's adapter, or every trained weight
-    saved = sorted(Path(checkpoints or learner_table["checkpoint_dir"]).glob("ckpt-*"))
-    summary["checkpoint"] = str(saved[-1]) if saved else None
-    summary["adapter"] = str(saved[-1] / "adapter") if saved and (saved[-1] / "adapter").is_dir() else None
-    summary["weights"] = str(saved[-1] / "policy.safetensors") if saved and summary["adapter"] is None else None
+    last = max(Path(checkpoints or learner_table["checkpoint_dir"]).glob("ckpt-*"), default=None)
+    adapter = last / "adapter" if last is not None and (last / "adapter").is_dir() else None
+    summary["checkpoint"] = str(last) if last is not None else None
+    summary["adapter"] = str(adapter) if adapter is not None else None
+    summary["weights"] = str(last / "policy.safetensors") if last is not None and adapter is None else None
     return summary
 
 
