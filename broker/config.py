@@ -44,6 +44,12 @@ class BrokerConfig:
         " (what it trains within its policy-lag bound; none until a learner has read a rollout), 0: no limit",
     )
     retry_after_ms: int = option(1000, "the `retry_after_ms` the broker suggests when it applies back-pressure")
+    ask_hold_ms: int = option(
+        500,
+        "an `ask` met by the stream backlog is held up to this long and answered `ok` as soon as the learner has read"
+        " (else `wait` with retry_after_ms 1, to ask again at once): clients resume within moments of the learner, not"
+        " after a retry_after_ms sleep; 0: answer at once. Keep it well below the clients' attempt timeout",
+    )
     max_message_bytes: int = option(4 * 1024 * 1024, "largest request accepted; larger ones get `too_large`")
     max_actions: int = option(256, "most candidate actions in one observation")
     max_action_chars: int = option(4096, "most characters in one candidate action")
@@ -85,6 +91,7 @@ class BrokerConfig:
             f"`max_stream_backlog` must be -1 (the learner's limit), 0 (none) or a positive count, got {self.max_stream_backlog}",
         )
         check(self.retry_after_ms > 0, f"`retry_after_ms` must be positive, got {self.retry_after_ms}")
+        check(0 <= self.ask_hold_ms <= 5000, f"`ask_hold_ms` must be 0 to 5000 (below clients' attempt timeouts), got {self.ask_hold_ms}")
         check(self.max_message_bytes >= 1024, f"`max_message_bytes` must be at least 1024, got {self.max_message_bytes}")
         check(self.max_actions > 0, f"`max_actions` must be positive, got {self.max_actions}")
         check(self.max_action_chars > 0, f"`max_action_chars` must be positive, got {self.max_action_chars}")

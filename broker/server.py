@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_BATCH = 512  # messages taken from one socket per loop turn, so neither side starves the other
 HOUSEKEEPING_S = 0.05
+ASK_RECHECK_S = 0.01  # while asks are held: how often the stream's length is re-read from Redis
 SESSION_SCAN_S = 1.0
 HWM = 100_000
 
@@ -72,6 +73,9 @@ class Broker:
         # Back-pressure: `ask` answers wait while the stream holds more than this (0: no limit). With
         # max_stream_backlog -1 it is what the learner publishes, re-read with the stream length.
         self.backlog_limit = max(0, self.cfg.max_stream_backlog)
+        # `ask`s held while the stream backlog is over its limit (envelope, rid, task id, answer `wait` at), oldest first
+        self.held_asks: collections.deque[tuple[tuple[bytes, ...], Any, str, float]] = collections.deque()
+        self._stream_read_at = 0.0
         self.started = time.monotonic()
         self.now = time.monotonic()
         self.running = False
@@ -174,7 +178,7 @@ class Broker:
                     if fd is not None:
                         poller.register(fd, zmq.POLLIN)
                     redis_fd = fd
-                events = dict(poller.poll(int(HOUSEKEEPING_S * 1000)))
+                events = dict(poller.poll(int((ASK_RECHECK_S if self.held_asks else HOUSEKEEPING_S) * 1000)))
                 self.now = time.monotonic()
                 if frontend in events:
                     self._drain(frontend, self.on_client_frames)
@@ -182,9 +186,11 @@ class Broker:
                     self._drain(backend, self.on_actor_frames)
                 if self.now >= self._next_housekeeping:
                     self.housekeeping()
+                self.release_asks()
                 self.commit()
                 self.dispatch()
         finally:
+            self.release_asks(closing=True)
             self.flush()
             self.close()
 
@@ -408,6 +414,9 @@ class Broker:
         reason = self._backpressure()
         body = p.header(p.OP_ASK, rid)
         body["task_id"] = session.task_id
+        if reason == "stream_backlog" and self.cfg.ask_hold_ms:  # answered by release_asks once the learner has read
+            self.held_asks.append((envelope, rid, session.task_id, self.now + self.cfg.ask_hold_ms / 1000))
+            return
         if reason:
             body.update(status="wait", retry_after_ms=self.cfg.retry_after_ms, reason=reason)
             self.metrics["broker/ask_wait"] += 1
@@ -415,12 +424,36 @@ class Broker:
             body["status"] = "ok"
         self.reply(envelope, body)
 
+    def release_asks(self, closing: bool = False) -> None:
+        """Answer the held asks: all `ok` once the stream backlog is under its limit (re-read every ASK_RECHECK_S
+        while any is held, so clients resume within moments of the learner's read instead of a retry_after_ms
+        sleep); `wait` to those held ask_hold_ms, with retry_after_ms 1 (ask again at once: a long poll), or with
+        the usual retry_after_ms once another reason holds (draining, no actor, ...) or the broker is closing."""
+        if not self.held_asks:
+            return
+        if not closing and self.now - self._stream_read_at >= ASK_RECHECK_S:
+            self._refresh_stream_state()
+        reason = "draining" if closing else "storage" if not self.storage_ok else self._backpressure()
+        while self.held_asks:
+            envelope, rid, task_id, until = self.held_asks[0]
+            if reason == "stream_backlog" and until > self.now:
+                return  # the oldest is not due yet, nor is any younger one
+            self.held_asks.popleft()
+            body = p.header(p.OP_ASK, rid)
+            body.update(task_id=task_id, status="ok")
+            if reason:
+                retry = 1 if reason == "stream_backlog" else self.cfg.retry_after_ms
+                body.update(status="wait", retry_after_ms=retry, reason=reason)
+                self.metrics["broker/ask_wait"] += 1
+            self.reply(envelope, body)
+
     def _count_closed(self, n: int) -> None:
         self.metrics["broker/segments_closed"] += n
         self.stream_length += n  # refreshed from Redis every second; counted here so back-pressure reacts at once
 
     def _read_stream_state(self) -> None:
         """The stream's length, and the learner's backlog limit where the broker follows it (max_stream_backlog -1)."""
+        self._stream_read_at = self.now
         length, learner_limit = self.store.stream_state()
         self.stream_length = length
         if self.cfg.max_stream_backlog < 0:
@@ -878,13 +911,16 @@ class Broker:
                 self._reload()
                 return
             self.expire_sessions()
-            try:
-                self._read_stream_state()
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-                # Idle clients write nothing, so this read may be the first to find Redis gone.
-                self._storage_lost(f"Redis read failed (stream length): {e}")
-            except redis.RedisError as e:
-                log.warning("cannot read the stream length: %s", e)
+            self._refresh_stream_state()
+
+    def _refresh_stream_state(self) -> None:
+        try:
+            self._read_stream_state()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            # Idle clients write nothing, so this read may be the first to find Redis gone.
+            self._storage_lost(f"Redis read failed (stream length): {e}")
+        except redis.RedisError as e:
+            log.warning("cannot read the stream length: %s", e)
 
     def expire_sessions(self) -> None:
         """Flush sessions that went silent (an emulator killed without detach) as truncated segments."""

@@ -109,27 +109,35 @@ def packed_hidden(
         # packed: as long as the group's fullest row; padded: every row as long as the call's longest sequence, as a
         # trainer without packing holds its batch (right-padded to its longest, micro-batches sliced from it)
         length = max(sum(len(sequences[i]) for i in row) for row in group) if layout == "packed" else longest
-        ids = torch.zeros(len(group), length, dtype=torch.long, device=device)
-        pos = torch.zeros(len(group), length, dtype=torch.long, device=device)
-        mask = torch.zeros(len(group), length, dtype=torch.long, device=device)
+        # Built on the host as lists and copied once per tensor: a tensor op per sequence costs more than
+        # the forward itself on short responses (the arithmetic demo's 2 tokens).
+        ids: list[list[int]] = []
+        pos: list[list[int]] = []
+        mask: list[list[int]] = []
+        gather: list[int] = []  # each sequence's scored positions in the forward's flattened [rows * length]
+        order: list[int] = []
         for b, row in enumerate(group):
-            start = 0
+            row_ids: list[int] = []
+            row_pos: list[int] = []
             for i in row:
-                n = len(sequences[i])
-                ids[b, start : start + n] = torch.tensor(list(sequences[i]), device=device)
-                pos[b, start : start + n] = torch.arange(n, device=device)
-                mask[b, start : start + n] = 1
-                start += n
-            pos[b, start:] = torch.arange(length - start, device=device)  # padding: a sequence of its own, never read
+                start = b * length + len(row_ids)
+                gather.extend(start + q for q in positions[i])
+                order.append(i)
+                row_ids.extend(sequences[i])
+                row_pos.extend(range(len(sequences[i])))
+            pad = length - len(row_ids)
+            mask.append([1] * len(row_ids) + [0] * pad)
+            ids.append(row_ids + [0] * pad)
+            pos.append(row_pos + list(range(pad)))  # padding: a sequence of its own, never read
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         if layout == "packed":
-            hidden = decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+            hidden = decoder(input_ids=input_ids, position_ids=torch.tensor(pos, dtype=torch.long, device=device), use_cache=False)
         else:
-            hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        for b, row in enumerate(group):
-            start = 0
-            for i in row:
-                out[i] = hidden[b, start + torch.tensor(list(positions[i]), dtype=torch.long, device=device)]
-                start += len(sequences[i])
+            hidden = decoder(input_ids=input_ids, attention_mask=torch.tensor(mask, dtype=torch.long, device=device), use_cache=False)
+        states = hidden.last_hidden_state
+        scored = states.reshape(-1, states.shape[-1])[torch.tensor(gather, dtype=torch.long, device=device)]
+        for i, h in zip(order, scored.split([len(positions[i]) for i in order])):
+            out[i] = h
     return out
 
 
@@ -399,7 +407,8 @@ class GenerationUpdate:
         """[len(rows), width] float32 on the model's device, each row right-padded with 0; gradients kept."""
         if not rows:
             return torch.zeros(0, self.width, device=self.device)
-        return torch.stack([torch.nn.functional.pad(r.float().to(self.device), (0, self.width - len(r))) for r in rows])
+        out = torch.nn.utils.rnn.pad_sequence([r.float().to(self.device) for r in rows], batch_first=True)
+        return torch.nn.functional.pad(out, (0, self.width - out.shape[1])) if out.shape[1] < self.width else out
 
     def targets(self, metrics: dict[str, float]) -> Targets:
         b, gen, n = self.batch, self.gen, len(self.batch)

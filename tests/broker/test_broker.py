@@ -390,6 +390,58 @@ def test_a_task_id_attached_again_after_detach_gets_new_segment_ids(stack, redis
     assert len(ids) == 2 and len(set(ids)) == 2 and all(i.startswith("emulator-7:") and i.endswith(":0") for i in ids)
 
 
+def _over_the_backlog(client, task, limit=2):
+    """Over a backlog limit of 2: one-step segments (each closed by the next step), nobody reading them."""
+    for n in range(limit + 2):
+        client.step(task, obs(n))
+        client.feedback(task, reward=0.0, done=False)
+    assert client.status()["stream_length"] > limit
+
+
+def test_an_ask_over_the_backlog_is_held_and_answered_ok_as_soon_as_the_learner_reads(
+    start_broker, start_actor, make_client, redis_client, key_prefix
+):
+    """Held, not told to sleep retry_after_ms: answered `ok` within moments of the stream shrinking (the learner's
+    XDEL after an update), by the broker's own re-read of the stream's length, long before the hold or the retry."""
+    broker, client = running(start_broker, start_actor, make_client, segment_len=1, max_stream_backlog=2, ask_hold_ms=4000)
+    task = client.attach()
+    asker = make_client(broker.frontend)
+    stream = RedisKeys(key_prefix).stream
+    for _ in range(3):  # three times: the broker's once-a-second housekeeping read cannot pass them all by chance
+        _over_the_backlog(client, task)
+        replies: list[tuple[dict, float]] = []
+        thread = threading.Thread(target=lambda got=replies: got.append((asker.ask(task), time.monotonic())), daemon=True)
+        thread.start()
+        time.sleep(0.6)
+        assert not replies, f"answered while the backlog was over its limit: {replies}"
+        redis_client.xdel(stream, *[entry_id for entry_id, _ in redis_client.xrange(stream)])  # the learner read and acknowledged them
+        read_at = time.monotonic()
+        thread.join(5)
+        assert replies and replies[0][0]["status"] == "ok" and replies[0][0]["task_id"] == task
+        assert replies[0][1] - read_at < 0.3, f"answered {replies[0][1] - read_at:.2f} s after the learner read, not at once"
+
+
+@pytest.mark.parametrize("hold_ms", [0, 300])
+def test_an_ask_held_past_ask_hold_ms_is_told_to_ask_again_at_once_and_without_a_hold_to_wait(
+    start_broker, start_actor, make_client, hold_ms
+):
+    """Past the hold: `wait` with retry_after_ms 1 (a long poll: the client asks again and is held again); with
+    ask_hold_ms 0, the broker's retry_after_ms at once, as before holding existed."""
+    broker, client = running(
+        start_broker, start_actor, make_client, segment_len=1, max_stream_backlog=2, ask_hold_ms=hold_ms, retry_after_ms=1500
+    )
+    task = client.attach()
+    _over_the_backlog(client, task)
+    started = time.monotonic()
+    reply = client.ask(task)
+    waited = time.monotonic() - started
+    assert reply["status"] == "wait" and reply["reason"] == "stream_backlog"
+    if hold_ms:
+        assert reply["retry_after_ms"] == 1 and 0.25 <= waited < 2.0, (reply, waited)
+    else:
+        assert reply["retry_after_ms"] == 1500 and waited < 0.25, (reply, waited)
+
+
 def test_default_back_pressure_follows_the_limit_the_learner_publishes(start_broker, start_actor, make_client, redis_client, key_prefix):
     """max_stream_backlog -1 (the default): no limit until a learner publishes one, then `ask` waits above it."""
     broker, client = running(start_broker, start_actor, make_client, segment_len=1)
