@@ -47,6 +47,9 @@ from learner_node.update import Forward, LossSettings, Targets, ppo_update
 log = logging.getLogger(__name__)
 
 HEAD_CHUNK = 1024  # positions whose logits are computed at once
+# Logits of a chunk up to this many values (4 MB in float32) are kept for the backward pass: recomputing them
+# saves no memory worth having and costs the checkpoint's machinery on every small forward.
+KEEP_LOGITS = 1 << 20
 
 
 # --- packed forwards --------------------------------------------------------------------
@@ -197,7 +200,7 @@ def head_logprobs(
     logps, ents = [], []
     for start in range(0, hidden.shape[0], HEAD_CHUNK):
         args = (hidden[start : start + HEAD_CHUNK], targets[start : start + HEAD_CHUNK], temps[start : start + HEAD_CHUNK])
-        if torch.is_grad_enabled() and hidden.requires_grad:
+        if torch.is_grad_enabled() and hidden.requires_grad and args[0].shape[0] * head.weight.shape[0] > KEEP_LOGITS:
             lp, ent = checkpoint(_logprob_entropy, head, post, *args, use_reentrant=False)
         else:
             lp, ent = _logprob_entropy(head, post, *args)

@@ -20,11 +20,10 @@ on the same batch.
 from __future__ import annotations
 
 import collections
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,6 +46,17 @@ class NonFiniteUpdate(RuntimeError):
         self.what = what
 
 
+def _cloned(value: Any) -> Any:
+    """A copy of an optimizer's state dict: its tensors cloned, its dicts and lists rebuilt, the rest (immutable) shared."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
 def _require_finite(name: str, values: torch.Tensor) -> None:
     if not bool(torch.isfinite(values).all()):
         bad = values[~torch.isfinite(values)]
@@ -65,7 +75,9 @@ class TrainableSnapshot:
     @classmethod
     def of(cls, optimizers: list[torch.optim.Optimizer]) -> TrainableSnapshot:
         params = [(p, p.detach().clone()) for opt in optimizers for group in opt.param_groups for p in group["params"]]
-        return cls(params, [(opt, copy.deepcopy(opt.state_dict())) for opt in optimizers])
+        # tensors cloned, containers rebuilt, numbers and names shared: deepcopy's per-object bookkeeping took 4% of a
+        # small model's update cycle (arithmetic demo)
+        return cls(params, [(opt, _cloned(opt.state_dict())) for opt in optimizers])
 
     def restore(self) -> None:
         with torch.no_grad():

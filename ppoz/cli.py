@@ -228,6 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
             "with an LLM judge (a local chat-completions stand-in with a set latency) at several judge_concurrency settings, "
             "end to end against a real stack and through the scoring path alone (docs/benchmarks.md).",
         ),
+        (
+            "train",
+            "the arithmetic demo's GRPO training: PPOZ against trl's GRPOTrainer on the same work and wall-clock budget",
+            "Train the arithmetic demo's work (the tiny numbers model, the 25 sums, the first_word reward, GRPO groups of 4) "
+            "for the same wall-clock budget two ways, legs alternating, medians of --repeats runs: `ppoz demo --task "
+            "arithmetic --advantage grpo`, and trl's GRPOTrainer in a virtual environment of its own that the bench creates "
+            "on first use (trl is no dependency of PPOZ): responses/s, validation after, the first time at 0.7, CPU cores "
+            "used and peak memory.",
+        ),
     ):
         benches.add_parser(name, help=help_text, description=description, module=f"ppoz.bench.{name}")
 

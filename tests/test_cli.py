@@ -31,6 +31,7 @@ SUBCOMMANDS = [
     ["bench", "learning"],
     ["bench", "generate"],
     ["bench", "drivers"],
+    ["bench", "train"],
     ["train"],
     ["reward-server"],
     ["fuzz"],

@@ -154,6 +154,43 @@ def test_a_nan_gradient_once_discards_exactly_that_update_and_the_next_one_appli
     assert any(not torch.equal(after[name], before[name]) for name in before)
 
 
+def test_an_update_undone_mid_way_restores_adam_moments_that_earlier_updates_built(
+    tiny_models, redis_url, redis_client, key_prefix, tmp_path
+) -> None:
+    """[clean, NaN gradient after one applied step, clean] ends bit for bit where [clean, clean] does: the
+    moments and step counts the first update left are restored as they were, not as the undone steps left them."""
+    poisoned, clean = f"{key_prefix}:poisoned", f"{key_prefix}:clean"
+    for prefix in (poisoned, clean):
+        write_batch(redis_client, prefix, responses(CLEAN), "first")
+    write_batch(redis_client, poisoned, responses(CLEAN, offset=2), "poisoned")
+    for prefix in (poisoned, clean):
+        write_batch(redis_client, prefix, responses(CLEAN, offset=1), "second")
+    a = make(tiny_models, redis_url, redis_client, poisoned, tmp_path / "a", warmup_updates=0, value_epochs=1)
+    b = make(tiny_models, redis_url, redis_client, clean, tmp_path / "b", warmup_updates=0, value_epochs=1)
+    lora = next(p for name, p in a.lp.model.named_parameters() if p.requires_grad and "lora_B" in name)
+    steps: list[int] = []
+    a.policy_opt.register_step_post_hook(lambda *_: steps.append(1))
+    a.step()
+    assert a.version == 1 and len(steps) > 1
+    first_update = len(steps)
+    fired: list[int] = []
+
+    def nan_after_one_step(grad: torch.Tensor) -> torch.Tensor:
+        if len(steps) == first_update + 1 and not fired:
+            fired.append(1)
+            return torch.full_like(grad, math.nan)
+        return grad
+
+    lora.register_hook(nan_after_one_step)
+    second = a.step()
+    assert second is not None and second["charts/dropped_nonfinite"] == N and len(steps) == first_update + 1
+    a.step()
+    b.step()
+    b.step()
+    assert a.version == b.version == 2
+    assert_same(trainable(a), trainable(b))
+
+
 def test_updates_non_finite_in_a_row_stop_the_learner_naming_the_reward(tiny_models, redis_url, redis_client, key_prefix, tmp_path) -> None:
     write_batch(redis_client, key_prefix, responses([*CLEAN[:7], 3e300]), "first")
     write_batch(redis_client, key_prefix, responses([*CLEAN[:7], 3e300], offset=2), "second")
