@@ -57,7 +57,7 @@ def stack_config(out: Path, lora_rank: int = 0, device: str = "auto") -> str:
         f'[learner]\n{on}weights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 32\npolicy_minibatch = 16\n'
         f'tensorboard_dir = "{out / "tensorboard"}"\n'
         "[generation]\nvalue_hidden = [64]\n"
-        f"[actor]\n{on}weights_poll_s = 1.0\n"
+        f"[actor]\n{on}weights_poll_s = 1.0\nmax_generate_rows = 32\ncredits = 32\n"  # 8 workers x groups of 4 in one batch
         "[up]\nactors = 1\nstop_timeout_s = 60\n"
     )
 

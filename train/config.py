@@ -20,12 +20,16 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
     chat_template: bool = option(False, "send plain-text prompts as a user message through the model's chat template")
     strict: bool = option(False, "a bad record stops the run (default: skipped, counted and named)")
     epochs: int = option(1, "passes over the training prompts (0: until stopped)")
-    rollout_n: int = option(1, "responses sampled per prompt, one after the other (verl's rollout.n)")
+    rollout_n: int = option(1, "responses sampled per prompt, asked for at once (verl's rollout.n)")
     shuffle: bool = option(True, "each epoch in its own seeded order (false: file order)")
     seed: int = option(0, "the order of the prompts and the sampling seeds")
     max_samples: int = option(0, "stop after this many responses (0: when the epochs end)")
     resume: bool = option(True, "start where the last run with this output directory stopped")
-    workers: int = option(8, "driver threads, each one client and one task (keep [actor] max_generate_rows >= this)")
+    workers: int = option(
+        8,
+        "driver threads, each with a client and a task per response of its group, whose requests go at once"
+        " (keep [actor] max_generate_rows >= workers x rollout_n)",
+    )
     max_new_tokens: int = option(256, "response budget in tokens (verl's response_length)")
     temperature: float = option(1.0, "sampling temperature of the responses trained on (validation is greedy)")
     top_p: float = option(1.0, "nucleus sampling of the responses trained on")

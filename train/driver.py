@@ -348,20 +348,33 @@ def drive(
         except CancelledError:  # the run was interrupted before this response was scored (BatchingScorer.abandon)
             return Scored(None, {}, error=f"{record.where}: not scored, the run was stopping")
 
-    def play(client: Client, tasks: list[str], group: list[tuple[int, PromptRecord]], pending: set[int], known: list[float]) -> None:
+    def play(
+        clients: list[Client],
+        each: Callable[[Callable[[int], Any], list[int]], list[Any]],
+        tasks: list[str],
+        group: list[tuple[int, PromptRecord]],
+        pending: set[int],
+        known: list[float],
+    ) -> None:
         """One group's turns (one position without `grouping`): responses, their rewards (all asked for
         before any is awaited, so a reward model batches them and a judge runs them at once), the feedback;
+        the members' requests travel together (`each`, a client per member), so the actor takes a group's
+        rows into one batch and computes their shared prompt once, and the broker writes their feedback at once;
         a turn with no reward (or alone in its group) is dropped without a transition, never trained on a
         made-up reward. `known`: raw scores of the group's members an earlier run stored, which count in
         the group's statistics. Positions leave `pending` as they are counted; on `stop`, turns not yet
         fed back are abandoned (left pending, never stored)."""
+        if stop.is_set():
+            return
+
+        def ask(k: int) -> dict[str, Any] | None:
+            tasks[k], reply = respond(clients[k], tasks[k], *group[k])
+            return reply
+
         replies: dict[int, dict[str, Any]] = {}  # by member, those that got a response
-        for k, (position, record) in enumerate(group):
-            if stop.is_set():
-                return
-            tasks[k], reply = respond(client, tasks[k], position, record)
+        for k, reply in enumerate(each(ask, list(range(len(group))))):
             if reply is None:
-                pending.discard(position)
+                pending.discard(group[k][0])
             else:
                 replies[k] = reply
         futures = {k: scorer.submit(item_for(group[k][1], reply["text"])) for k, reply in replies.items()}
@@ -376,21 +389,33 @@ def drive(
             progress.count_group(pool)
             if sent and samples is not None:  # durable before any feedback: a group cut by a kill is completed with them
                 samples.record_scores({group[k][0]: rewards[k] for k in sent})
-        for k, reply in replies.items():
+
+        def send(k: int) -> None:
             position, record = group[k]
+            client = clients[k]
             try:
                 if k in sent:
                     client.feedback(tasks[k], sent[k], done=True, sample=samples.id(position) if samples is not None else None)
                 else:  # the step is dropped without a transition
                     tasks[k] = _reattach(client, tasks[k])
-                progress.record(position, scored[k], int(reply.get("n_tokens", 0)))
+                progress.record(position, scored[k], int(replies[k].get("n_tokens", 0)))
             except RECORD_ERRORS as e:
                 progress.record(position, Scored(None, {}, error=f"{record.where}: {type(e).__name__}: {e}"), 0)
                 tasks[k] = _reattach(client, tasks[k])
             pending.discard(position)
 
+        each(send, list(replies))
+
     def work(worker: int) -> None:
         client = make_client(frontend, deadline=deadline_s)
+        clients = [client]  # one per member of a group (a blocking client has one request out at a time)
+        members: ThreadPoolExecutor | None = None  # runs a group's requests at once
+
+        def each(call: Callable[[int], Any], ks: list[int]) -> list[Any]:
+            if len(ks) < 2 or members is None:
+                return [call(k) for k in ks]
+            return list(members.map(call, ks))  # an error other than the record's own raises here, as it would alone
+
         tasks: list[str] = []
         pending: set[int] = set()  # positions taken and not yet counted
         try:
@@ -401,7 +426,11 @@ def drive(
                 pending = {position for position, _ in group}
                 while len(tasks) < len(group):  # one task per response of a group: each holds one step
                     tasks.append(client.attach())
-                play(client, tasks, group, pending, known)
+                while len(clients) < len(group):
+                    clients.append(make_client(frontend, deadline=deadline_s))
+                if len(group) > 1 and members is None:
+                    members = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix=f"driver-{worker}-member")
+                play(clients, each, tasks, group, pending, known)
                 if stop.is_set():
                     pending.clear()  # abandoned, not done: a resumed run plays them
                     break
@@ -412,12 +441,15 @@ def drive(
             with progress.lock:
                 progress.stopped_workers.append(f"worker {worker}: {type(e).__name__}: {e}")
         finally:
+            if members is not None:
+                members.shutdown(wait=True)
             for task in tasks:
                 try:
                     client.detach(task)
                 except PPOZError:
                     pass
-            client.close()
+            for each_client in clients:
+                each_client.close()
 
     threads = [threading.Thread(target=work, args=(i,), name=f"driver-{i}", daemon=True) for i in range(workers)]
     for t in threads:

@@ -155,6 +155,40 @@ def test_grpo_sends_each_groups_advantages_and_skips_groups_that_cannot_be_compa
     assert got[0] == pytest.approx([-1 / (1 + 1e-6), 0.0, 1 / (1 + 1e-6)]) and got[1] == got[0] and got[2] == [0.0, 0.0, 0.0]
 
 
+def test_a_groups_requests_travel_together_and_the_actor_computes_their_prompt_once(
+    start_broker, start_actor, make_client, words_llm
+) -> None:
+    """With grouping, a worker sends its group's rollout_n generate requests at once (a client per member): they
+    reach the actor together, which prefills the shared prompt once and copies it to the other rows. Sent one
+    after another, each would arrive after the one before had finished, and nothing would be shared."""
+    from actor_node.llm_policy import LLMPolicy, SamplingConfig
+    from rewards.group import GroupAdvantage
+    from tests.helpers import actors_ready
+
+    model, tokenizer = words_llm
+    broker = start_broker(segment_len=4)
+    policy = LLMPolicy(model, tokenizer, SamplingConfig(seed=1))
+    start_actor(broker.backend, credits=8, policy=policy)
+    wait_for(lambda: actors_ready(make_client(broker.frontend), 1), what="the actor to register")
+    data = [PromptRecord(f"say the word {c} again and again", c, "colours", {}, f"t.jsonl line {i + 1}") for i, c in enumerate(COLOURS)]
+    scorer = BatchingScorer(CompositeReward({"rule_score": 1.0}, reward_fn=first_word_is), max_batch=8)
+    try:
+        progress = drive(
+            broker.frontend,
+            data,
+            PromptOrder(4, rollout_n=4, seed=1),
+            scorer,
+            Sampling(max_new_tokens=6),
+            workers=1,
+            grouping=GroupAdvantage(),
+        )
+    finally:
+        scorer.close()
+    assert progress.done == set(range(16)) and progress.groups == 4
+    shared = policy.generation_engine().shared_prompts
+    assert shared >= 8, f"{shared} of the 12 followers' prompts were copied from their group's leader"
+
+
 def test_the_scorer_overlaps_batches_at_a_slow_judge_but_runs_the_reward_function_one_batch_at_a_time() -> None:
     """A judge answers in seconds: a batch that arrives while another is at the judge goes to the judge too
     (up to `batches_in_flight`), instead of waiting for the first batch's slowest answer. The reward function
