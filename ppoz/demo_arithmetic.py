@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 REWARD_FN = "first_word"
 GRPO_GROUP = 4  # --advantage grpo or rloo: responses per sum, compared with each other
+GAE_BACKLOG = 32  # --advantage gae: the stream holds one rollout beyond the one being trained
 
 
 def sums() -> list[dict[str, Any]]:
@@ -47,13 +48,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stack_config(out: Path, lora_rank: int = 0, device: str = "auto") -> str:
-    """The stack's settings: small rollouts and a one-transition segment per response (each turn ends its episode)."""
+def stack_config(out: Path, lora_rank: int = 0, device: str = "auto", max_stream_backlog: int = -1) -> str:
+    """The stack's settings: small rollouts and a one-transition segment per response (each turn ends its episode).
+    `max_stream_backlog` -1 is the learner's own limit (four rollouts at its max_policy_lag of 8)."""
     front, back, weights = _free_port(), _free_port(), _free_port()
     on = f"device = {json.dumps(device)}\n"
     return (
         f"[policy]\nlora_rank = {lora_rank}\n"
         f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nsegment_len = 1\n'
+        f"max_stream_backlog = {max_stream_backlog}\n"
         f'[learner]\n{on}weights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 32\npolicy_minibatch = 16\n'
         f'tensorboard_dir = "{out / "tensorboard"}"\n'
         "[generation]\nvalue_hidden = [64]\n"
@@ -79,7 +82,11 @@ def settings(args: argparse.Namespace, out: Path, model: str) -> tuple[str, Any]
         output_dir=str(out / "train"),
         report_every_s=args.report_every,
     )
-    return stack_config(out, lora_rank=8 if args.model else 0, device=args.device), cfg
+    # The critic (GAE) learned worse from the older samples a four-rollout backlog gives once the drivers no longer
+    # sleep behind it (validation 0.52 and 0.60 after 5 minutes, against 0.84 with one rollout: docs/benchmarks.md);
+    # GRPO keeps the learner's limit, which fed it at 188 responses/s in `ppoz bench train`.
+    backlog = GAE_BACKLOG if args.advantage == "gae" else -1
+    return stack_config(out, lora_rank=8 if args.model else 0, device=args.device, max_stream_backlog=backlog), cfg
 
 
 def main(args: argparse.Namespace) -> int:
