@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from ppoz.bench import load_at_start
+
 log = logging.getLogger(__name__)
 
 LEGS = ("one_at_a_time", "static_batch", "generate_batch", "ppoz", "ppoz_unfolded", "ppoz_broker")
@@ -418,10 +420,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"ppoz bench generate: --spread must be from 0 to 600 seconds, got {args.spread}")
     for noisy in ("broker", "actor_node", "common", "client"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    load = os.getloadavg()[0]
-    cores = os.cpu_count() or 1
-    if load > 0.5:
-        log.warning("load average %.2f on %d cores before the bench: other work is running and will skew the legs", load, cores)
+    load = load_at_start("generate")
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "model", args.hidden, args.layers)
@@ -444,7 +443,7 @@ def main(args: argparse.Namespace) -> int:
         "dtype": str(dtype).replace("torch.", ""),
         "matmul_gflops": peak / 1e9,
         "load_average_at_start": load,
-        "machine": f"{platform.machine()}, {cores} cores, {torch.get_num_threads()} torch threads",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads",
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
     }

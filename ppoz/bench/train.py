@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ppoz.bench import load_at_start
+
 log = logging.getLogger(__name__)
 
 LEGS = ("ppoz", "trl")
@@ -343,11 +345,7 @@ def main(args: argparse.Namespace) -> int:
     if args.repeats < 1 or not 0 < args.seconds <= 24 * 3600 or args.trl_threads < 0:
         given = f"got --repeats {args.repeats}, --seconds {args.seconds:g}, --trl-threads {args.trl_threads}"
         raise SystemExit(f"ppoz bench train: --repeats must be at least 1, --seconds positive and --trl-threads not negative; {given}")
-    load = os.getloadavg()[0]
-    cores = os.cpu_count() or 1
-    print(f"ppoz bench train: load average {load:.2f} on {cores} cores at the start", file=sys.stderr, flush=True)
-    if load > 0.5:
-        log.warning("load average %.2f on %d cores before the bench: other work is running and will skew the legs", load, cores)
+    load = load_at_start("train")
     python = ensure_trl(Path(args.trl_venv).expanduser()) if "trl" in legs else None
     runs: dict[str, list[LegRun]] = {leg: [] for leg in legs}
     errors: dict[str, str] = {}
@@ -377,7 +375,7 @@ def main(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "order": order,
         "load_average_at_start": load,
-        "machine": f"{platform.machine()}, {cores} cores",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "trl": TRL_VERSION if python else None,
