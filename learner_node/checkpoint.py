@@ -4,25 +4,67 @@ A checkpoint is a directory `ckpt-<index>` (the learner's updates and discarded 
 a new, larger index): the policy's trainable weights
 (`policy.safetensors`, the adapter in peft's key names, or all weights without
 one), the value head, both optimizers, RNG states and `state.json` (policy
-version, update count, KL coefficient, the stream entries and segment ids the
-update consumed). It is written under a temporary name and renamed, so a
-crash never leaves a half-written checkpoint that looks complete.
+version, update count, KL coefficient, the stream entries the update
+consumed) and `recent_segments.msgpack` (the segment ids trained recently, which
+the learner drops when they come again). It is written under a temporary name
+and renamed, so a crash never leaves a half-written checkpoint that looks
+complete.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import torch
 from safetensors.torch import load_file, save_file
 
 log = logging.getLogger(__name__)
+
+RECENT_FILE = "recent_segments.msgpack"
+
+
+class RecentIds:
+    """The last `maxlen` ids, for membership tests, and for every checkpoint as one msgpack array.
+
+    Each id is encoded once, when it is added, and a checkpoint joins the encoded ids: re-encoding the whole
+    window at every checkpoint (json.dumps of 100k ids: 33 ms, then 11 ms with msgpack) made a long run's
+    checkpoint cost 72 ms against 21 ms with an empty window, as much as the demo's whole update.
+    """
+
+    def __init__(self, maxlen: int) -> None:
+        self._ids: collections.deque[str] = collections.deque(maxlen=maxlen)
+        self._packed: collections.deque[bytes] = collections.deque(maxlen=maxlen)
+        self._set: set[str] = set()
+
+    def add(self, seg_id: str) -> None:
+        if len(self._ids) == self._ids.maxlen:
+            self._set.discard(self._ids[0])
+        self._ids.append(seg_id)
+        self._packed.append(msgpack.packb(seg_id))
+        self._set.add(seg_id)
+
+    def __contains__(self, seg_id: object) -> bool:
+        return seg_id in self._set
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def packed(self) -> bytes:
+        """The ids, oldest first, as one msgpack array."""
+        header = msgpack.Packer().pack_array_header(len(self._packed))
+        return header + b"".join(self._packed)
 
 
 def save(
@@ -34,6 +76,7 @@ def save(
     state: dict[str, Any],
     keep: int,
     model: Any = None,
+    recent: RecentIds | None = None,
 ) -> Path:
     """Write checkpoint `update`; with a peft `model`, also its adapter as `adapter/` (loadable with PeftModel.from_pretrained)."""
     root = Path(directory)
@@ -46,6 +89,7 @@ def save(
     save_file({k: v.contiguous() for k, v in value_head.items()}, str(tmp / "value_head.safetensors"))
     torch.save({"optimizers": optimizers, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, tmp / "optim.pt")
     (tmp / "state.json").write_text(json.dumps(state))
+    (tmp / RECENT_FILE).write_bytes(recent.packed() if recent is not None else msgpack.packb([]))
     if model is not None and hasattr(model, "peft_config"):
         model.save_pretrained(str(tmp / "adapter"))
     for f in (p for p in tmp.rglob("*") if p.is_file()):  # on disk before the rename makes it visible
@@ -70,5 +114,15 @@ def load(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     extra = torch.load(path / "optim.pt", weights_only=False)
     torch.set_rng_state(extra["rng"]["torch"])
     random.setstate(extra["rng"]["python"])
-    state = json.loads((path / "state.json").read_text())
+    state = read_state(path)
     return load_file(str(path / "policy.safetensors")), load_file(str(path / "value_head.safetensors")), extra["optimizers"], state
+
+
+def read_state(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's state.json, with its `recent_segments` (oldest first) from their own file; checkpoints
+    written before that file existed hold them in state.json."""
+    path = Path(path)
+    state: dict[str, Any] = json.loads((path / "state.json").read_text())
+    if (path / RECENT_FILE).exists():
+        state["recent_segments"] = msgpack.unpackb((path / RECENT_FILE).read_bytes())
+    return state

@@ -126,8 +126,7 @@ class Learner:
             self.run_id = shared_run[0]
         self.updates = 0
         self.discarded_in_row = 0  # updates left out in a row because they were not finite (see _discard)
-        self.seen: collections.deque[str] = collections.deque(maxlen=RECENT_SEGMENTS)
-        self.seen_set: set[str] = set()
+        self.seen = checkpoint.RecentIds(RECENT_SEGMENTS)
         self.counters: collections.Counter[str] = collections.Counter()
         self.episodes = EpisodeReturns()  # returns of episodes that span segments and rollouts (not checkpointed)
         self._largest_segment: int | None = None  # transitions in the largest segment read so far (see _entries_for)
@@ -201,7 +200,7 @@ class Learner:
         self.run_id = state.get("run_id") or self.run_id  # a checkpoint from before run ids: a new one
         self.counters.update(state["counters"])
         for seg_id in state["recent_segments"]:
-            self._remember(seg_id)
+            self.seen.add(seg_id)
         # The update in this checkpoint consumed these entries; the crash may have come before they were acknowledged.
         self._unacked = [(entry_id, None) for entry_id in state["last_entries"]] if self.is_main else []
         log.info("resumed from %s: policy version %d after %d updates", path, self.version, self.updates)
@@ -374,7 +373,7 @@ class Learner:
         self.counters["transitions_trained"] += trained
         self.counters["segments_trained"] += len(segments) if applied else 0
         for seg in segments:
-            self._remember(seg.seg_id)
+            self.seen.add(seg.seg_id)
 
     def _discard(
         self,
@@ -452,7 +451,7 @@ class Learner:
                     log.error("stream entry %s is not a segment (%s); skipping it", entry_id, e)
                     self.counters["malformed_segments"] += 1
                     continue
-                if seg.seg_id in self.seen_set:
+                if seg.seg_id in self.seen:
                     self.counters["duplicate_segments"] += 1
                     continue
                 rollout.append(seg)
@@ -566,12 +565,6 @@ class Learner:
         if unacked:
             acknowledge(self.redis, self.keys, self.cfg.consumer_group, [(i, s or []) for i, s in unacked])
 
-    def _remember(self, seg_id: str) -> None:
-        if len(self.seen) == self.seen.maxlen:
-            self.seen_set.discard(self.seen[0])
-        self.seen.append(seg_id)
-        self.seen_set.add(seg_id)
-
     def _values(self, observations: list[dict[str, Any]]) -> list[float]:
         """Critic values for GAE; the features are kept (by observation object) for the update's critic epochs."""
         features, values = self.lp.values(observations)
@@ -587,7 +580,6 @@ class Learner:
             "kl_coef": self.kl.value,
             "counters": dict(self.counters),
             "last_entries": entry_ids,
-            "recent_segments": list(self.seen),
             "config": asdict(self.cfg),
         }
         checkpoint.save(
@@ -606,6 +598,7 @@ class Learner:
             state,
             self.cfg.keep_checkpoints,
             self.lp.model,
+            self.seen,
         )
 
     def stamp(self) -> PolicyStamp:

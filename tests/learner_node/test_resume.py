@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import time
@@ -15,6 +14,7 @@ from broker.store import Batch, SessionStore
 from common import weights
 from common.protocol import encode
 from common.segments import RedisKeys
+from learner_node import checkpoint
 from tests.processes import PPOZ
 
 
@@ -101,11 +101,11 @@ def test_learner_killed_mid_run_resumes_without_loss_or_double_training(tiny_mod
     time.sleep(0.15)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    killed_at = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "state.json").read_text())
+    killed_at = checkpoint.read_state(checkpoint.latest(ckpt) or ckpt)
 
     proc = learner(tiny_models["llama"], redis_url, key_prefix, ckpt, resume=True, max_updates=10)
     assert proc.wait(180) == 0
-    final = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "state.json").read_text())
+    final = checkpoint.read_state(checkpoint.latest(ckpt) or ckpt)
     assert final["updates"] == 10 and final["version"] == 10  # the version sequence went on from the checkpoint
     assert final["version"] > killed_at["version"]
     trained = final["recent_segments"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import threading
@@ -16,6 +15,7 @@ import pytest
 
 from common.redis_server import connect
 from common.shared_settings import PolicySpec
+from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
 from tests.processes import PPOZ
@@ -46,7 +46,7 @@ class RunningLearner:
     stop: Callable[[], None]
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return json.loads((sorted(self.ckpt.glob("ckpt-*"))[-1] / "state.json").read_text())
+        return checkpoint.read_state(checkpoint.latest(self.ckpt) or self.ckpt)
 
 
 @pytest.fixture

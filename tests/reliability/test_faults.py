@@ -7,7 +7,6 @@ trained or dropped by a counted rule. The learner is the real one.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ import pytest
 
 from client import Client
 from common.redis_server import EmbeddedRedis, connect
+from learner_node import checkpoint
 from reliability.ledger import Ledger, settle_ledger
 from tests.helpers import OBS, wait_for
 from tests.processes import PPOZ, BrokerProcess
@@ -336,7 +336,7 @@ def test_learner_killed_mid_update_resumes_and_the_ledger_balances(
         )
         learner.send_signal(signal.SIGKILL)
         learner.wait(10)
-        killed_at = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "state.json").read_text())
+        killed_at = checkpoint.read_state(checkpoint.latest(ckpt) or ckpt)
         assert redis_client.xpending(stream, "learners")["pending"] >= 1  # left pending by the dead learner
         for t in threads:
             t.join(180)
@@ -349,7 +349,7 @@ def test_learner_killed_mid_update_resumes_and_the_ledger_balances(
             learner.terminate()
             learner.wait(60)
     assert ledger.balanced and ledger.stored == 96, str(ledger)
-    final = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "state.json").read_text())
+    final = checkpoint.read_state(checkpoint.latest(ckpt) or ckpt)
     assert final["version"] > killed_at["version"] and final["updates"] > killed_at["updates"]  # the sequence goes on
     trained = final["recent_segments"]
     assert len(trained) == len(set(trained)), "a segment was trained twice"
