@@ -51,7 +51,7 @@ from learner_node.core_algos import AdaptiveKLController
 from learner_node.generation import GenerationBatch, build_generation_batch, check_layout, generation_update, split_by_mode
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import EpisodeReturns, Rollout, build_rollout, candidate_update
-from learner_node.update import NonFiniteUpdate, TrainableSnapshot
+from learner_node.update import NonFiniteUpdate, TrainableSnapshot, adam
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +112,9 @@ class Learner:
         )
         policy_lr = cfg.resolved_policy_lr()
         log.info("policy learning rate %g%s", policy_lr, "" if cfg.policy_lr else " (by the model: [learner] policy_lr = 0)")
-        self.policy_opt = torch.optim.Adam(self.lp.trainable_parameters(), lr=policy_lr, eps=1e-5)
-        self.value_opt = torch.optim.Adam(self.lp.value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
-        self.token_value_opt = torch.optim.Adam(self.lp.token_value_head.parameters(), lr=cfg.value_lr, eps=1e-5)
+        self.policy_opt = adam(self.lp.trainable_parameters(), policy_lr)
+        self.value_opt = adam(self.lp.value_head.parameters(), cfg.value_lr)
+        self.token_value_opt = adam(self.lp.token_value_head.parameters(), cfg.value_lr)
         self.kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target or None)
         self.version = 0
         # This run's id: announced with every snapshot and stamped on every choice made with its weights,

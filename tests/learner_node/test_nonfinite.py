@@ -18,6 +18,7 @@ from broker.store import Batch, SessionStore
 from common import learner_figures
 from common.segments import RedisKeys, Segment, pack, unpack
 from learner_node import checkpoint
+from learner_node.update import _all_finite, adam
 from learner_node.worker import Learner, PoisonedInput
 from tests.learner_node.test_async_ppo import learner_on
 from tests.learner_node.test_generation_update import gen_transition
@@ -215,3 +216,35 @@ def test_the_candidate_path_leaves_out_a_poisoned_choice_too(tiny_models, redis_
     metrics = learner.step()
     assert metrics is not None and metrics["charts/dropped_nonfinite"] == 4
     assert_same(trainable(learner), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_check_after_each_step_finds_one_nan_or_inf_among_many_parameters_and_passes_absurd_finite_ones(dtype) -> None:
+    """The check that a step overflowed no parameter (learner_node/update.py, `_all_finite`): a max-abs norm per
+    tensor, so a finite 3e38 passes (an L2 norm would overflow to inf and discard a sound update)."""
+    params = [torch.nn.Parameter(torch.randn(shape).to(dtype)) for shape in [(7, 5), (3,), (0,), (4, 4, 2), (1,)]]
+    assert _all_finite(params) and _all_finite([params[2]])  # an empty parameter alone, too
+    params[3].data[2, 1, 0] = 3e38  # bfloat16 holds it too (its max is 3.39e38, as float32's)
+    params[3].data[0, 0, 1] = -3e38
+    assert _all_finite(params)
+    for bad in (math.nan, math.inf, -math.inf):
+        params[-1].data[0] = bad  # the last parameter, one element
+        assert not _all_finite(params), bad
+        params[-1].data[0] = 0.5
+
+
+def test_the_learners_adam_is_fused_on_cpu_and_steps_as_adam_does() -> None:
+    torch.manual_seed(0)
+    shapes = [(16, 8), (8,), (3, 5, 2)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    fused, reference = adam(ours, 3e-3), torch.optim.Adam(plain, lr=3e-3, eps=1e-5, foreach=False)
+    assert fused.defaults["fused"] and fused.defaults["eps"] == 1e-5
+    for step in range(5):
+        for a, b in zip(ours, plain):
+            grad = torch.randn(a.shape) * 10.0 ** (step - 2)  # gradients from 1e-2 to 1e2
+            a.grad, b.grad = grad.clone(), grad.clone()
+        fused.step()
+        reference.step()
+    for a, b in zip(ours, plain):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
