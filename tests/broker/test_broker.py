@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import collections
+import json
+import queue
+import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
+from typing import IO
 
 import msgpack
 import pytest
 import zmq
 
 from actor_node.policies import UniformPolicy
+from broker.config import BrokerConfig
 from client import BadRequest, FeedbackWithoutStep, InternalError, RequestTimeout, UnknownTask
 from common import protocol as p
 from common.segments import RedisKeys, Segment
@@ -440,6 +449,237 @@ def test_an_ask_held_past_ask_hold_ms_is_told_to_ask_again_at_once_and_without_a
         assert reply["retry_after_ms"] == 1 and 0.25 <= waited < 2.0, (reply, waited)
     else:
         assert reply["retry_after_ms"] == 1500 and waited < 0.25, (reply, waited)
+
+
+@pytest.mark.parametrize("hold_ms", [-1, 5001])
+def test_ask_hold_ms_out_of_its_bounds_is_refused_by_name(tmp_path, hold_ms):
+    """0 to 5000: a hold past the clients' attempt timeouts would have them resend asks the broker still holds."""
+    import argparse
+
+    from common.config import ConfigError, add_flags, load
+
+    words = f"`ask_hold_ms` must be 0 to 5000 (below clients' attempt timeouts), got {hold_ms}"
+    with pytest.raises(ValueError, match=re.escape(words)):
+        BrokerConfig(ask_hold_ms=hold_ms)
+    path = tmp_path / "ppoz.toml"
+    path.write_text(f"[broker]\nask_hold_ms = {hold_ms}\n")
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load(BrokerConfig, path)
+    parser = argparse.ArgumentParser()
+    add_flags(parser, BrokerConfig)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load(BrokerConfig, None, parser.parse_args(["--ask-hold-ms", str(hold_ms)]))
+
+
+@pytest.mark.parametrize("hold_ms", [0, 5000])
+def test_ask_hold_ms_at_its_bounds_is_accepted(tmp_path, hold_ms):
+    from common.config import load
+
+    assert BrokerConfig(ask_hold_ms=hold_ms).ask_hold_ms == hold_ms
+    path = tmp_path / "ppoz.toml"
+    path.write_text(f"[broker]\nask_hold_ms = {hold_ms}\n")
+    assert load(BrokerConfig, path).ask_hold_ms == hold_ms
+
+
+# A client in a process of its own: asks for each task id read from stdin, prints the reply and when it came
+ASKER = """
+import json, sys, time
+from client import Client
+client = Client(sys.argv[1], deadline=10, attempt_timeout=5)
+print("ready", flush=True)
+for line in sys.stdin:
+    reply = client.ask(line.strip())
+    print(json.dumps({"reply": reply, "at": time.monotonic()}), flush=True)
+"""
+
+
+def test_the_asks_of_many_clients_and_processes_are_all_held_and_all_answered_ok_as_soon_as_the_learner_reads(
+    start_broker, start_actor, make_client, redis_client, key_prefix
+):
+    """16 threads (a client each) and 3 processes ask at once over the backlog: each ask is held (the broker holds
+    one entry per ask: none answered early, none lost), and every one is answered `ok` within moments of the
+    learner's read, three times over (as above: the once-a-second housekeeping read cannot pass them all). A
+    blocking client drops a second reply to its rid; the flood below, on raw sockets, sees one."""
+    broker, client = running(start_broker, start_actor, make_client, segment_len=1, max_stream_backlog=2, ask_hold_ms=4000)
+    held = broker.broker.held_asks  # the broker's own queue of held asks (its length read from this thread)
+    stream = RedisKeys(key_prefix).stream
+    n_threads, n_procs = 16, 3
+    task = client.attach()
+    tasks = [client.attach() for _ in range(n_threads + n_procs)]  # an asker each
+    askers = [make_client(broker.frontend) for _ in range(n_threads)]
+    root = Path(__file__).resolve().parents[2]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", ASKER, broker.frontend], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(n_procs)
+    ]
+    lines: queue.Queue[tuple[int, str]] = queue.Queue()  # (process, line): read by threads, so a silent process fails the test
+
+    def read(n: int, out: IO[str]) -> None:
+        for line in out:
+            lines.put((n, line))
+
+    def next_line(timeout: float) -> tuple[int, str]:
+        try:
+            return lines.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(f"an asking process printed nothing in {timeout:.0f} s (its ask lost?)")
+
+    for n, proc in enumerate(procs):
+        assert proc.stdout is not None
+        threading.Thread(target=read, args=(n, proc.stdout), daemon=True).start()
+    try:
+        assert sorted(next_line(30) for _ in procs) == [(n, "ready\n") for n in range(n_procs)]
+        for _ in range(3):
+            _over_the_backlog(client, task)
+            waits = client.status()["counters"].get("broker/ask_wait", 0)
+            replies: dict[str, list[tuple[dict, float]]] = collections.defaultdict(list)  # by task id, every reply
+            lock = threading.Lock()
+
+            def ask(asker, task_id, replies=replies, lock=lock):
+                try:
+                    reply = asker.ask(task_id)
+                except Exception as e:  # (a lost ask times out) shown in the assertions, not left to the thread
+                    reply = {"error": repr(e)}
+                with lock:
+                    replies[task_id].append((reply, time.monotonic()))
+
+            threads = [threading.Thread(target=ask, args=(askers[k], tasks[k]), daemon=True) for k in range(n_threads)]
+            for thread in threads:
+                thread.start()
+            for proc, task_id in zip(procs, tasks[n_threads:]):
+                assert proc.stdin is not None
+                proc.stdin.write(task_id + "\n")
+                proc.stdin.flush()
+            wait_for(lambda: len(held) == len(tasks), timeout=5, what=f"all {len(tasks)} asks held (held now: {len(held)})")
+            time.sleep(0.3)
+            assert len(held) == len(tasks) and not replies, f"answered while the backlog was over its limit: {dict(replies)}"
+            dropped_at = time.monotonic()
+            redis_client.xdel(stream, *[entry_id for entry_id, _ in redis_client.xrange(stream)])  # the learner read them
+            read_at = time.monotonic()
+            for thread in threads:
+                thread.join(5)
+            for _ in procs:
+                n, line = next_line(10)
+                printed = json.loads(line)
+                replies[tasks[n_threads + n]].append((printed["reply"], printed["at"]))  # the same clock: CLOCK_MONOTONIC
+            assert sorted(replies) == sorted(tasks), f"{len(tasks) - len(replies)} asks lost"
+            assert all(len(got) == 1 for got in replies.values())
+            assert all(r["status"] == "ok" and r["task_id"] == t for t, [(r, _)] in replies.items()), dict(replies)
+            assert all(at > dropped_at for [(_, at)] in replies.values()), "answered before the learner read"
+            late = max(at for [(_, at)] in replies.values()) - read_at
+            assert late < 0.3, f"answered up to {late:.3f} s after the learner read, not at once"
+            assert len(held) == 0 and client.status()["counters"].get("broker/ask_wait", 0) == waits
+    finally:
+        for proc in procs:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _flood(socks, tag: str, per_socket: int, task: str) -> dict[str, float]:
+    """Send `per_socket` asks on each raw socket without waiting for replies; when each rid was sent."""
+    sent = {}
+    for i in range(per_socket):
+        for s, sock in enumerate(socks):
+            rid = f"{tag}-{s}-{i}"
+            sock.send_multipart([b"", p.encode(p.header("ask", rid) | {"task_id": task})])
+            sent[rid] = time.monotonic()
+    return sent
+
+
+def _collect(socks, until: float) -> dict[str, list[tuple[dict, float]]]:
+    """Every reply the sockets get until `until` (monotonic), by rid, with when it came."""
+    got: dict[str, list[tuple[dict, float]]] = collections.defaultdict(list)
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    while (left := until - time.monotonic()) > 0:
+        for sock in dict(poller.poll(max(1, int(left * 1000)))):
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                reply = p.decode(frames[-1])
+                got[reply["rid"]].append((reply, time.monotonic()))
+    return got
+
+
+@pytest.mark.slow
+def test_a_flood_of_held_asks_gets_one_answer_each_and_the_broker_keeps_serving(
+    start_broker, start_actor, make_client, zmq_context, redis_client, key_prefix
+):
+    """2,000 asks from four sockets at once over the backlog: all held (none lost), each answered exactly once,
+    `wait` after its own hold (not before, and not long after) or `ok` within moments of the learner's read; a
+    `ping` from another client is answered at once all along, and the broker holds nothing once they are answered."""
+    hold_ms, per_socket = 1000, 500
+    broker, client = running(start_broker, start_actor, make_client, segment_len=1, max_stream_backlog=2, ask_hold_ms=hold_ms)
+    held = broker.broker.held_asks
+    task = client.attach()
+    _over_the_backlog(client, task)
+    stream = RedisKeys(key_prefix).stream
+    socks = []
+    for _ in range(4):
+        sock = zmq_context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(broker.frontend)
+        socks.append(sock)
+    total = per_socket * len(socks)
+    pinger = make_client(broker.frontend)
+    pinger.ping()  # connected before the flood
+    pings: list[float] = []
+    flooding = threading.Event()
+
+    def ping_along():
+        while flooding.is_set():
+            started = time.monotonic()
+            try:
+                ok = pinger.ping()["status"] == "ok"
+            except Exception:  # the broker stopped answering: counted below as a ping that took forever
+                ok = False
+            pings.append(time.monotonic() - started if ok else float("inf"))
+            time.sleep(0.02)
+
+    for tag in ("expire", "release"):  # held to the end of the hold; then released by the learner's read
+        waits = client.status()["counters"].get("broker/ask_wait", 0)
+        flooding.set()
+        pings.clear()
+        pinging = threading.Thread(target=ping_along, daemon=True)
+        pinging.start()
+        try:
+            sent = _flood(socks, tag, per_socket, task)
+            wait_for(lambda: len(held) == total, timeout=0.5, what=f"all {total} asks held (held now: {len(held)})")
+            if tag == "release":
+                redis_client.xdel(stream, *[entry_id for entry_id, _ in redis_client.xrange(stream)])  # the learner read them
+                read_at = time.monotonic()
+            got = _collect(socks, max(sent.values()) + hold_ms / 1000 + 1.0)  # every reply (a second one too) in that time
+        finally:
+            flooding.clear()
+            pinging.join(15)
+        assert len(pings) >= 10 and max(pings) < 0.25, f"{len(pings)} pings during the flood, the slowest {max(pings):.3f} s"
+        assert sorted(got) == sorted(sent), f"{len(set(sent) - set(got))} asks unanswered, {len(set(got) - set(sent))} strangers"
+        twice = [rid for rid, replies in got.items() if len(replies) != 1]
+        assert not twice, f"{len(twice)} asks answered more than once, e.g. {got[twice[0]]}"
+        answers = {rid: replies[0] for rid, replies in got.items()}
+        assert all(reply["task_id"] == task for reply, _ in answers.values())
+        if tag == "expire":
+            assert all(r["status"] == "wait" and r["reason"] == "stream_backlog" and r["retry_after_ms"] == 1 for r, _ in answers.values())
+            held_for = sorted(at - sent[rid] for rid, (_, at) in answers.items())
+            assert hold_ms / 1000 - 0.1 < held_for[0] and held_for[-1] < hold_ms / 1000 + 0.5, (held_for[0], held_for[-1])
+            assert client.status()["counters"]["broker/ask_wait"] == waits + len(sent)
+        else:
+            assert all(r["status"] == "ok" for r, _ in answers.values())
+            late = sorted(at - read_at for _, at in answers.values())
+            assert late[-1] < 0.5, f"answered up to {late[-1]:.2f} s after the learner read, not at once"
+            assert client.status()["counters"].get("broker/ask_wait", 0) == waits
+        assert len(held) == 0
+        _over_the_backlog(client, task)  # for the next round
+    assert client.status()["counters"].get("dropped/unroutable_replies", 0) == 0
 
 
 def test_default_back_pressure_follows_the_limit_the_learner_publishes(start_broker, start_actor, make_client, redis_client, key_prefix):
