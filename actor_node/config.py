@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import check, nested, option, section
+from common.redis_server import password_in_url
 from common.security import check_client_settings
 from common.shared_settings import PolicySpec, RetrievalConfig
 
@@ -73,6 +74,7 @@ class ActorConfig:
         check(self.max_generate_positions > 1, f"`max_generate_positions` must be 2 or more, got {self.max_generate_positions}")
         check(self.prefill_tokens > 0, f"`prefill_tokens` must be positive, got {self.prefill_tokens}")
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
+        check(not (secret := password_in_url(self.redis_url)), secret or "")
         check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
         check(
             not self.curve_learner_key or bool(self.weights),

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from common.config import check, nested, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, Limits, is_reward_bound
+from common.redis_server import password_in_url
 from common.security import check_server_settings
 from common.shared_settings import RetrievalConfig
 
@@ -100,6 +101,7 @@ class BrokerConfig:
             value = getattr(self, name)
             check("://" in value, f"`{name}` must be a ZeroMQ endpoint such as tcp://127.0.0.1:5555, got {value!r}")
         check(self.key_prefix != "" and " " not in self.key_prefix, f"`key_prefix` must be a non-empty word, got {self.key_prefix!r}")
+        check(not (secret := password_in_url(self.redis_url)), secret or "")
         check_server_settings(
             self.curve_secret_key, {"curve_allowed_clients": self.curve_allowed_clients, "curve_allowed_actors": self.curve_allowed_actors}
         )

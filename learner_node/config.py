@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from common.config import check, nested, option, section
 from common.options import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OBJECTIVES
+from common.redis_server import password_in_url
 from common.security import check_server_settings
 from common.shared_settings import PolicySpec
 
@@ -184,6 +185,7 @@ class LearnerConfig(UpdateConfig):
         super().__post_init__()
         check(self.policy.model != "", "`model` is required: a local directory or a Hugging Face id ([policy] model, or --model)")
         check(self.redis_url != "", "`redis_url` is required: the Redis the broker writes segments to")
+        check(not (secret := password_in_url(self.redis_url)), secret or "")
         check(self.rollout_batch > 0, f"`rollout_batch` must be positive, got {self.rollout_batch}")
         check(self.rollout_timeout_s >= 0, f"`rollout_timeout_s` must be 0 or more, got {self.rollout_timeout_s}")
         check(self.max_policy_lag >= 0, f"`max_policy_lag` must be 0 or more, got {self.max_policy_lag}")

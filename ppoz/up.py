@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import check, load, option, read_toml, section
+from common.redis_server import password_in_url
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class UpConfig:
         check(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be 0 or more")
         check(self.stop_timeout_s > 0, f"stop_timeout_s={self.stop_timeout_s}: must be positive")
         check(self.cpu_threads >= 0, f"cpu_threads={self.cpu_threads}: must be 0 (share the cores) or more")
+        check(not (secret := password_in_url(self.redis_url)), secret or "")
         check(
             self.redis_appendfsync in ("always", "everysec", "no"),
             f"redis_appendfsync={self.redis_appendfsync!r}: must be always, everysec or no",

@@ -216,6 +216,11 @@ class Judge:
         key = api_key(cfg)
         self._errors = openai
         self.client = openai.OpenAI(api_key=key, base_url=base_url, timeout=cfg.timeout_s, max_retries=cfg.retries)
+        if base_url != PROVIDERS["openai"][0]:
+            # The openai package reads OPENAI_ORG_ID and OPENAI_PROJECT_ID from the environment and sends them as
+            # headers to whatever server it is given: they name the user's OpenAI account, and go to OpenAI alone.
+            self.client.organization = None
+            self.client.project = None
         preset = PRESETS[cfg.preset]
         self.system = cfg.system_prompt or preset.system
         self.template = cfg.template or preset.template

@@ -95,6 +95,25 @@ def test_keys_providers_and_settings_are_checked(monkeypatch) -> None:
         Judge(JudgeConfig(model="m", base_url=server.base_url, retries=0)).judge("p", "r")
         Judge(JudgeConfig(model="m", base_url=server.base_url, api_key_env="GOOGLE_API_KEY", retries=0)).judge("q", "r")
     assert [h["authorization"] for _, h in server.requests] == ["Bearer none", "Bearer g-key"]
+
+
+def test_the_openai_account_headers_go_to_openai_alone(monkeypatch) -> None:
+    """The openai package sends OPENAI_ORG_ID and OPENAI_PROJECT_ID as headers to any base_url: they name the
+    user's OpenAI account, so a judge of one's own (or another provider) must not get them."""
+    monkeypatch.setenv("OPENAI_ORG_ID", "org-private")
+    monkeypatch.setenv("OPENAI_PROJECT_ID", "proj-private")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    with chat_server(lambda body, n: "Score: 1") as server:
+        Judge(JudgeConfig(model="m", base_url=server.base_url, retries=0)).judge("p", "r")
+        Judge(JudgeConfig(model="m", base_url=server.base_url, api_key_env="OPENAI_API_KEY", retries=0)).judge("q", "r")
+    assert len(server.requests) == 2
+    for _, headers in server.requests:
+        assert not {"openai-organization", "openai-project"} & headers.keys(), headers
+    assert all("private" not in value for _, headers in server.requests for value in headers.values())
+    own = Judge(JudgeConfig(model="gpt-x", provider="openai"))  # OpenAI's own endpoint keeps them (nothing is sent here)
+    assert (own.client.organization, own.client.project) == ("org-private", "proj-private")
+    assert own.client.default_headers["OpenAI-Organization"] == "org-private"
+    own.close()
     for bad, words in [
         (dict(model=""), "needs `model`"),
         (dict(model="m", provider="acme"), "provider"),

@@ -1,0 +1,113 @@
+"""A Redis password is read from the environment, never from a URL: not in argv (`ps`), not in checkpoints."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import redis
+
+from actor_node.config import ActorConfig
+from broker.config import BrokerConfig
+from common.redis_server import PASSWORD_ENV, PASSWORD_FILE_ENV, EmbeddedRedis, RedisUnavailable, connect, redis_password
+from common.shared_settings import PolicySpec
+from learner_node.config import LearnerConfig
+from ppoz.up import UpConfig
+from tests.learner_node.test_resume import learner, write_segments
+from tests.processes import PPOZ
+
+SECRET = "hunter2-Zq8"
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda url: BrokerConfig(redis_url=url),
+        lambda url: LearnerConfig(redis_url=url, policy=PolicySpec(model="m")),
+        lambda url: ActorConfig(redis_url=url),
+        lambda url: UpConfig(redis_url=url),
+    ],
+    ids=["broker", "learner", "actor", "up"],
+)
+@pytest.mark.parametrize("url", [f"redis://:{SECRET}@127.0.0.1:6379/0", f"rediss://worker:{SECRET}@redis.farm:6380"])
+def test_a_url_with_a_password_is_refused_by_every_component_without_repeating_it(make, url) -> None:
+    with pytest.raises(ValueError) as refused:
+        make(url)
+    message = str(refused.value)
+    assert "`redis_url` carries a password" in message and PASSWORD_ENV in message and PASSWORD_FILE_ENV in message
+    assert SECRET not in message
+    make(url.replace(f":{SECRET}", ""))  # the same URL without it is accepted (a user name is no secret)
+
+
+def test_the_command_line_refuses_it_and_says_where_the_password_goes() -> None:
+    done = subprocess.run([*PPOZ, "broker", "--redis-url", f"redis://:{SECRET}@127.0.0.1:1/0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert PASSWORD_ENV in done.stderr and SECRET not in done.stderr + done.stdout
+
+
+def test_the_password_from_the_environment_or_a_file_opens_a_server_that_asks_for_it(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv(PASSWORD_FILE_ENV, raising=False)
+    monkeypatch.setenv(PASSWORD_ENV, SECRET + ' "quoted" \\ and spaced')
+    with EmbeddedRedis() as server:
+        assert connect(server.url).ping()
+        with pytest.raises(redis.AuthenticationError):  # a client without it is refused: the server asks for it
+            redis.Redis.from_url(server.url).ping()
+        assert SECRET not in _cmdline(server.process.pid)  # given on its stdin, not in argv
+
+    monkeypatch.delenv(PASSWORD_ENV)
+    secret_file = tmp_path / "redis.password"
+    secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o600)
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(secret_file))
+    assert redis_password() == SECRET
+    with EmbeddedRedis() as server:
+        assert connect(server.url).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(server.url, password="wrong").ping()
+
+    for content, words in [("", "is empty"), ("\n\n", "is empty")]:
+        secret_file.write_text(content)
+        with pytest.raises(RedisUnavailable, match=words):
+            redis_password()
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(RedisUnavailable, match="cannot read the Redis password file .*missing"):
+        redis_password()
+    monkeypatch.setenv(PASSWORD_ENV, "line\nbreak")  # the variable wins over the file, and is checked
+    with pytest.raises(RedisUnavailable, match="control character"):
+        redis_password()
+
+
+@pytest.mark.slow
+def test_a_learner_given_the_password_in_a_file_keeps_it_out_of_argv_and_its_checkpoints(
+    tiny_models, key_prefix, tmp_path, monkeypatch
+) -> None:
+    secret_file = tmp_path / "redis.password"
+    secret_file.write_text(SECRET)
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(secret_file))  # inherited by the learner process
+    ckpt = tmp_path / "ckpt"
+    with EmbeddedRedis() as server:
+        write_segments(connect(server.url), key_prefix, 8)
+        proc = learner(tiny_models["llama"], server.url, key_prefix, ckpt, resume=False, max_updates=1)
+        try:
+            assert SECRET not in _cmdline(proc.pid)
+            assert proc.wait(180) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    saved = sorted(ckpt.glob("ckpt-*"))
+    assert saved, "the learner wrote no checkpoint"
+    for path in [ckpt, *ckpt.rglob("*")]:
+        if path == ckpt:
+            continue  # the folder it was given may be shared; what it writes in it is not
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), f"{path} is {oct(mode)}"
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), f"{path} holds the password"
+    assert stat.S_IMODE(ckpt.stat().st_mode) == 0o700  # made by the learner, so the owner's alone too
