@@ -14,9 +14,10 @@ DEALER socket sends [empty frame, request] and gets [empty frame, reply]:
                                                               {op, rid, verdicts: [{reward, raw_score, reply, error, cached}, ...]}
     any refused request                                       {op, rid, error: {code, message}}
 
-`rid` is the client's request id (1 to 64 bytes), echoed in the reply. A request sent again with the
-same rid while the first is still being scored joins it rather than being scored twice (a client that
-timed out and retried). `components` names what the service hosts, as CompositeReward names them
+`rid` is the client's request id (1 to 64 bytes), echoed in the reply. A request sent again, byte for
+byte, while the first is still being scored joins it rather than being scored twice (a client that timed
+out and retried, from a new socket). Only a byte-identical request joins: another client that happens to
+use the same rid with other pairs or items gets its own scores, never the first one's. `components` names what the service hosts, as CompositeReward names them
 (rm_score, judge_score). A verdict's `reward` is in [0, 1], or nil with `error` saying why (the judge's
 reply was unreadable, its request failed): that response gets no reward, never a 0. `ground_truth` is
 any msgpack value; the clients here send its text, which is what the judge's template makes of it.
@@ -37,6 +38,7 @@ scoring itself is the RewardModel's and the Judge's (rewards/reward_model.py, re
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -175,7 +177,16 @@ class Job:
     rid: Any
     rows: list[tuple[Any, ...]]
     envelopes: list[tuple[bytes, ...]]
+    key: tuple[str, bytes] = ("", b"")  # what a retry must match (`request_key`)
     received: float = field(default_factory=time.monotonic)
+
+
+def request_key(op: str, body: bytes) -> tuple[str, bytes]:
+    """A request's identity for joining retries: its op and a digest of its whole encoded body (rid, rows and
+    all), so a retry, which sends the same bytes, joins the request in progress, and a request of another
+    client that reuses the rid with other content is scored on its own (the rid alone let one client read
+    another's verdict)."""
+    return op, hashlib.blake2b(body, digest_size=16).digest()
 
 
 class RewardService:
@@ -196,7 +207,7 @@ class RewardService:
         self._counts_lock = threading.Lock()
         self.notifier = Notifier()
         self._stopping = threading.Event()
-        self._in_progress: dict[tuple[str, Any], Job] = {}  # the loop's own: only its thread reads or writes it
+        self._in_progress: dict[tuple[str, bytes], Job] = {}  # the loop's own: only its thread reads or writes it
         self._finished: queue.SimpleQueue[tuple[Job, dict[str, Any]]] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()  # a worker's finished job wakes the loop's poll
         os.set_blocking(self._wake_write, False)
@@ -300,7 +311,7 @@ class RewardService:
             if op == OP_PING:
                 self._send(sock, [envelope], self.ping_reply(msg["rid"]))
             elif op in COMPONENT_OF_OP:
-                self._admit(op, msg, envelope)
+                self._admit(op, msg, envelope, request_key(op, body))
             else:
                 raise p.ProtocolError(p.E_UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(OPS)}")
         except p.ProtocolError as e:
@@ -322,9 +333,8 @@ class RewardService:
             "max_items": self.limits.max_items,
         }
 
-    def _admit(self, op: str, msg: dict[str, Any], envelope: tuple[bytes, ...]) -> None:
+    def _admit(self, op: str, msg: dict[str, Any], envelope: tuple[bytes, ...], key: tuple[str, bytes]) -> None:
         """Queue a scoring request (a retry of one in progress joins it), or raise why it is refused."""
-        key = (op, msg["rid"])
         if key in self._in_progress:  # only this thread touches it: a worker's finished job is popped here too
             self._in_progress[key].envelopes.append(envelope)
             self._count("retries_joined")
@@ -342,7 +352,7 @@ class RewardService:
             raise p.ProtocolError(
                 p.E_OVERLOADED, f"{len(self._in_progress)} requests in progress, the limit", retry_after_ms=self.cfg.retry_after_ms
             )
-        job = Job(op, msg["rid"], rows, [envelope])
+        job = Job(op, msg["rid"], rows, [envelope], key)
         self._in_progress[key] = job
         if op == OP_RM_SCORE:
             self._rm_queue.put(job)
@@ -355,7 +365,7 @@ class RewardService:
                 job, reply = self._finished.get_nowait()
             except queue.Empty:
                 return
-            self._in_progress.pop((job.op, job.rid), None)
+            self._in_progress.pop(job.key, None)
             self._count(f"answered/{job.op}")
             self._send(sock, job.envelopes, reply)
 

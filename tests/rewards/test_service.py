@@ -249,6 +249,22 @@ def test_a_retried_request_joins_the_one_in_progress_and_is_judged_once() -> Non
     assert len(api.requests) == 1 and service.counts["retries_joined"] == 1
 
 
+def test_two_clients_with_one_rid_get_their_own_verdicts_never_each_others() -> None:
+    """A second client that reuses a rid in progress, with other items, is judged on its own items: the rid
+    alone once joined it to the first request, and it read the first client's verdict."""
+    with chat_server(lambda body, n: (200, 0.8, "Score: 1" if "the right answer" in str(body) else "Score: 0")) as api:
+        with serving(judge=local_judge(api.base_url)) as service, dealer(service.endpoint) as first, dealer(service.endpoint) as second:
+            rid = uuid.uuid4().hex
+            first.send_multipart([b"", msgpack.packb({"op": "judge", "rid": rid, "items": [["p", "the right answer", "1"]]})])
+            time.sleep(0.2)  # the first is at the judge
+            theirs = ask(second, {"op": "judge", "rid": rid, "items": [["p", "a wrong one", "1"]]})
+            assert first.poll(5000)
+            mine = msgpack.unpackb(first.recv_multipart()[-1])
+    assert mine["rid"] == theirs["rid"] == rid
+    assert (mine["verdicts"][0]["reward"], theirs["verdicts"][0]["reward"]) == (1.0, 0.0)
+    assert len(api.requests) == 2 and service.counts["retries_joined"] == 0
+
+
 def test_the_service_config_is_checked_at_start() -> None:
     for bad, words in [
         ({}, "hosts nothing"),
