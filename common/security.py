@@ -327,6 +327,21 @@ def apply_server(sock: zmq.Socket, secret_key_file: str, allowed: str, name: str
 
 
 # --- config checks (for __post_init__) -------------------------------------------------------
+LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether only this machine can reach a ZeroMQ `endpoint` bound here: ipc:// and inproc://, or tcp:// on a
+    loopback address (127.0.0.0/8, ::1, localhost). `*`, 0.0.0.0, an interface name or address: reachable."""
+    transport, _, rest = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport != "tcp":
+        return False
+    host = rest.rsplit(":", 1)[0]
+    return host in LOOPBACK_HOSTS or (host.startswith("127.") and all(p.isdigit() for p in host.split(".")) and host.count(".") == 3)
+
+
 def check_allow_list(value: str, what: str) -> None:
     """An allow-list setting must be ALLOW_ANY or an existing directory."""
     if value == ALLOW_ANY:
@@ -375,6 +390,7 @@ def _require_curve() -> None:
 
 __all__ = [
     "ALLOW_ANY",
+    "is_local_endpoint",
     "AllowList",
     "ClientKeys",
     "KeyFileError",

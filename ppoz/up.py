@@ -151,6 +151,11 @@ def started_stack(
     }
     for name, endpoint in binds.items():
         check(not endpoint.endswith(":*"), f"{name} = {endpoint!r}: `ppoz up` needs fixed ports to wire components together")
+    check(
+        not (rewards and rewards.curve_secret_key),
+        "[reward_service] curve_secret_key is set: `ppoz up`'s readiness probe speaks plain ZeroMQ; on one machine bind the"
+        " service on loopback without CURVE, and for a farm run `ppoz reward-server` on its own (docs/security.md)",
+    )
     if up.actors and not actor.policy.model:
         log.warning("[policy] model is empty: the actors serve the uniform random policy")
     client_broker = connect_address(broker.frontend) if up.broker else up.env_broker

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from common.config import check, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, is_reward_bound
+from common.security import check_server_settings, is_local_endpoint
 
 if TYPE_CHECKING:
     from rewards.judge import JudgeConfig
@@ -90,11 +91,19 @@ class RewardServiceConfig(RewardSources):
     )
     retry_after_ms: int = option(500, "the `retry_after_ms` sent with `overloaded`")
     drain_timeout_s: float = option(30.0, "on SIGTERM, how long requests in progress may take to finish before the service exits anyway")
+    curve_secret_key: str = option(
+        "",
+        "CURVE: the service's key pair file (NAME.key_secret from `ppoz keygen`); required to bind an address other"
+        " machines can reach (docs/security.md)",
+    )
+    curve_allowed_clients: str = option(
+        "", 'CURVE: a directory of the drivers\' NAME.key files allowed to connect, or "*" for any key (encryption only)'
+    )
 
     def __post_init__(self) -> None:
         self.check_reward_sources()
         check(bool(self.reward_model or self.judge_model), "[reward_service] hosts nothing: set reward_model, judge_model or both")
-        check(bool(self.bind), "[reward_service] bind is empty: the service needs an endpoint, e.g. tcp://0.0.0.0:5560")
+        check(bool(self.bind), "[reward_service] bind is empty: the service needs an endpoint, e.g. tcp://127.0.0.1:5560")
         check(self.batch_size >= 1, f"[reward_service] batch_size = {self.batch_size}: must be at least 1")
         check(self.batch_wait_ms >= 0, f"[reward_service] batch_wait_ms = {self.batch_wait_ms}: must be 0 or more")
         check(self.judge_workers >= 1, f"[reward_service] judge_workers = {self.judge_workers}: must be at least 1")
@@ -104,3 +113,10 @@ class RewardServiceConfig(RewardSources):
         check(self.queue_timeout_s > 0, f"[reward_service] queue_timeout_s = {self.queue_timeout_s}: must be positive")
         check(self.retry_after_ms >= 0, f"[reward_service] retry_after_ms = {self.retry_after_ms}: must be 0 or more")
         check(self.drain_timeout_s >= 0, f"[reward_service] drain_timeout_s = {self.drain_timeout_s}: must be 0 or more")
+        check_server_settings(self.curve_secret_key, {"curve_allowed_clients": self.curve_allowed_clients})
+        check(
+            bool(self.curve_secret_key) or is_local_endpoint(self.bind),
+            f"[reward_service] bind = {self.bind!r} is reachable from other machines, and without CURVE anyone there could"
+            " spend the judge's key and read every verdict: set curve_secret_key and curve_allowed_clients"
+            " (docs/security.md), or bind a loopback address such as tcp://127.0.0.1:5560",
+        )

@@ -8,7 +8,7 @@ The contract (docs/train.md, "A shared reward service"). Every message is one ms
 DEALER socket sends [empty frame, request] and gets [empty frame, reply]:
 
     request                                                   reply
-    {op: "ping", rid}                                         {op, rid, components, reward_model, judge_model, max_items}
+    {op: "ping", rid}                                         {op, rid, components, max_items}
     {op: "rm_score", rid, pairs: [[prompt, response], ...]}   {op, rid, scores: [float or nil, ...], errors: [str, ...]}  (in order)
     {op: "judge", rid, items: [[prompt, response, ground_truth], ...]}
                                                               {op, rid, verdicts: [{reward, raw_score, reply, error, cached}, ...]}
@@ -17,10 +17,11 @@ DEALER socket sends [empty frame, request] and gets [empty frame, reply]:
 `rid` is the client's request id (1 to 64 bytes), echoed in the reply. A request sent again, byte for
 byte, while the first is still being scored joins it rather than being scored twice (a client that timed
 out and retried, from a new socket). Only a byte-identical request joins: another client that happens to
-use the same rid with other pairs or items gets its own scores, never the first one's. `components` names what the service hosts, as CompositeReward names them
-(rm_score, judge_score). A verdict's `reward` is in [0, 1], or nil with `error` saying why (the judge's
-reply was unreadable, its request failed): that response gets no reward, never a 0. `ground_truth` is
-any msgpack value; the clients here send its text, which is what the judge's template makes of it.
+use the same rid with other pairs or items gets its own scores, never the first one's. `components` names
+what the service hosts, as CompositeReward names them (rm_score, judge_score). A verdict's `reward` is in
+[0, 1], or nil with `error` saying why (the judge's reply was unreadable, its request failed): that
+response gets no reward, never a 0. `ground_truth` is any msgpack value; the clients here send its text,
+which is what the judge's template makes of it.
 
 No number that cannot be a reward leaves the service: a reward model's score that is not finite or is
 past `max_abs_reward` goes out as nil, its `errors` entry saying why ("" beside a score), and a verdict's
@@ -58,6 +59,7 @@ import zmq
 from common import protocol as p
 from common.protocol import DEFAULT_MAX_ABS_REWARD, reward_problem
 from common.sd_notify import Notifier
+from common.security import AllowList, ClientKeys, apply_server
 from common.zmqio import bound, recv_frames, send_frames, split_envelope
 from rewards.config import RewardServiceConfig
 from rewards.functions import RewardError, bound_reason
@@ -207,6 +209,7 @@ class RewardService:
         self._counts_lock = threading.Lock()
         self.notifier = Notifier()
         self._stopping = threading.Event()
+        self._allow_list: AllowList | None = None  # CURVE's check of the drivers' keys
         self._in_progress: dict[tuple[str, bytes], Job] = {}  # the loop's own: only its thread reads or writes it
         self._finished: queue.SimpleQueue[tuple[Job, dict[str, Any]]] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()  # a worker's finished job wakes the loop's poll
@@ -225,6 +228,8 @@ class RewardService:
         # Requests far over the limit are refused by libzmq itself, so they never fill memory; those a little
         # over it get `too_large`.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.cfg.max_request_bytes + 65536)
+        if self.cfg.curve_secret_key:  # before bind, as every CURVE server socket
+            self._allow_list = apply_server(sock, self.cfg.curve_secret_key, self.cfg.curve_allowed_clients, "reward service")
         sock.bind(self.cfg.bind)
         self.sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -282,6 +287,9 @@ class RewardService:
         self._judge_pool.shutdown(wait=False, cancel_futures=True)
         if self.sock is not None and not self.sock.closed:
             self.sock.close(linger=0)
+        if self._allow_list is not None:  # after its socket: the last one stops the ZAP handler
+            self._allow_list.close()
+            self._allow_list = None
         self.notifier.close()
 
     def summary(self) -> str:
@@ -324,14 +332,9 @@ class RewardService:
             self._send(sock, [envelope], error_reply(msg.get("op"), msg.get("rid"), p.ProtocolError(p.E_INTERNAL, "see the service's log")))
 
     def ping_reply(self, rid: Any) -> dict[str, Any]:
-        return {
-            "op": OP_PING,
-            "rid": rid,
-            "components": self.components,
-            "reward_model": self.cfg.reward_model if self.reward_model is not None else "",
-            "judge_model": self.cfg.judge_model if self.judge is not None else "",
-            "max_items": self.limits.max_items,
-        }
+        """What a client needs: the components hosted and the most rows a request may hold. Not the reward model's
+        path or the judge's model (they told anyone who could connect where the files are and whose API is paid)."""
+        return {"op": OP_PING, "rid": rid, "components": self.components, "max_items": self.limits.max_items}
 
     def _admit(self, op: str, msg: dict[str, Any], envelope: tuple[bytes, ...], key: tuple[str, bytes]) -> None:
         """Queue a scoring request (a retry of one in progress joins it), or raise why it is refused."""
@@ -492,6 +495,7 @@ class RewardServiceClient:
         retries: int = 2,
         context: zmq.Context | None = None,
         max_abs_reward: float = DEFAULT_MAX_ABS_REWARD,
+        curve: ClientKeys | None = None,
     ) -> None:
         if timeout_s <= 0 or retries < 0:
             raise ValueError(f"a reward service client needs timeout_s > 0 and retries >= 0, got {timeout_s} and {retries}")
@@ -499,6 +503,7 @@ class RewardServiceClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.max_abs_reward = max_abs_reward
+        self.curve = curve  # CURVE keys for every socket it opens (common/security.py); None: plain
         self.ctx = context or zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.attempts = 0  # sends, retries included
@@ -558,6 +563,8 @@ class RewardServiceClient:
         if self.sock is None:
             self.sock = self.ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:  # before connect
+                self.curve.apply(self.sock)
             self.sock.connect(self.endpoint)
         sock = self.sock
         self.attempts += 1

@@ -8,6 +8,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from common.config import check, option, section
+from common.security import ClientKeys, check_client_settings, client_keys
 from rewards.config import DEFAULT_REWARD_FN_TIMEOUT_S, RewardSources
 
 
@@ -46,6 +47,14 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
     )
     reward_service_timeout_s: float = option(60.0, "longest wait for one answer of the reward service before the request is sent again")
     reward_service_retries: int = option(2, "times an unanswered request to the reward service is sent again (then: unrewarded)")
+    reward_service_curve_key: str = option(
+        "", "CURVE: the reward service's public key file (NAME.key from `ppoz keygen`); set, the drivers connect to it with CURVE"
+    )
+    reward_service_curve_secret_key: str = option(
+        "",
+        "CURVE: the drivers' key pair file (NAME.key_secret), whose NAME.key is in the service's curve_allowed_clients;"
+        ' empty: a fresh pair, which only a service accepting "*" lets in',
+    )
     weights: dict = option({}, "reward component weights (TOML only), e.g. {rule_score = 0.3, rm_score = 0.7}; empty: 1.0 each", cli=False)
     reward_normalise: str = option("none", "none, or running: (r - mean) / std over the rewards so far")
     reward_clip: float = option(0.0, "|reward| <= this after normalisation (0: no clipping)")
@@ -99,6 +108,7 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
             timeout, retries = self.reward_service_timeout_s, self.reward_service_retries
             check(timeout > 0, f"[train] reward_service_timeout_s = {timeout}: must be positive")
             check(retries >= 0, f"[train] reward_service_retries = {retries}: must be 0 or more")
+        check_client_settings(self.reward_service_curve_secret_key, {"reward_service_curve_key": self.reward_service_curve_key})
 
     def reward_weights(self, service_components: Collection[str] = ()) -> dict[str, float]:
         """The weights given, or 1.0 for each configured source (the built-in function when none is);
@@ -113,3 +123,11 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
         if self.judge_model or "judge_score" in service_components:
             out["judge_score"] = 1.0
         return out or {"rule_score": 1.0}  # nothing set: the built-in reward `data_source` picks
+
+    def reward_service_keys(self) -> ClientKeys | None:
+        """The drivers' CURVE keys for the reward service; None: plain ZeroMQ."""
+        return client_keys(
+            self.reward_service_curve_secret_key,
+            self.reward_service_curve_key,
+            ("reward_service_curve_secret_key", "reward_service_curve_key"),
+        )

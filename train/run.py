@@ -87,7 +87,8 @@ def _service_sources(cfg: TrainConfig) -> tuple[dict[str, float], Any, Any]:
     from rewards.service import RemoteJudge, RemoteRewardModel, RewardServiceClient
 
     endpoint, timeout, retries = cfg.reward_service, cfg.reward_service_timeout_s, cfg.reward_service_retries
-    probe = RewardServiceClient(endpoint, timeout, retries)
+    keys = cfg.reward_service_keys()
+    probe = RewardServiceClient(endpoint, timeout, retries, curve=keys)
     try:
         hosted = probe.components()
     finally:
@@ -100,7 +101,7 @@ def _service_sources(cfg: TrainConfig) -> tuple[dict[str, float], Any, Any]:
             continue
         if component not in hosted:
             raise ValueError(f"reward weight {component} is set but the reward service at {endpoint} hosts only {', '.join(hosted)}")
-        clients[component] = client_class(endpoint, timeout, retries, max_abs_reward=cfg.max_abs_reward)
+        clients[component] = client_class(endpoint, timeout, retries, max_abs_reward=cfg.max_abs_reward, curve=keys)
     return weights, clients.get("rm_score"), clients.get("judge_score")
 
 

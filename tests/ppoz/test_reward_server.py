@@ -82,7 +82,7 @@ def test_up_starts_the_reward_service_and_restarts_it_when_it_dies(tmp_path) -> 
         config = tmp_path / "up.toml"
         config.write_text(
             "[up]\nbroker = false\nlearner = false\nactors = 0\nreward_service = true\nstop_timeout_s = 20\n"
-            f'[reward_service]\nbind = "tcp://0.0.0.0:{port}"\njudge_model = "judge-1"\njudge_base_url = "{api.base_url}"\n'
+            f'[reward_service]\nbind = "tcp://127.0.0.1:{port}"\njudge_model = "judge-1"\njudge_base_url = "{api.base_url}"\n'
         )
         up = Up(config)
         try:

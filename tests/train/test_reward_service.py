@@ -56,12 +56,12 @@ def test_the_service_is_configured_in_the_same_file_as_train(tmp_path) -> None:
     path = tmp_path / "train.toml"
     path.write_text(
         '[train]\nreward_service = "tcp://127.0.0.1:5560"\nreward_service_timeout_s = 20\n'
-        '[reward_service]\nbind = "tcp://0.0.0.0:5560"\nreward_model = "rm-dir"\njudge_model = "judge-1"\njudge_preset = "dialogue"\n'
+        '[reward_service]\nbind = "tcp://127.0.0.1:5561"\nreward_model = "rm-dir"\njudge_model = "judge-1"\njudge_preset = "dialogue"\n'
     )
     train = load(TrainConfig, path)
     service = load(RewardServiceConfig, path)
     assert train.reward_service == "tcp://127.0.0.1:5560" and train.reward_service_timeout_s == 20.0
-    assert (service.bind, service.reward_model, service.judge_config().preset) == ("tcp://0.0.0.0:5560", "rm-dir", "dialogue")
+    assert (service.bind, service.reward_model, service.judge_config().preset) == ("tcp://127.0.0.1:5561", "rm-dir", "dialogue")
     path.write_text('[reward_service]\nreward_model = "rm-dir"\nbatch_size = 0\n')
     with pytest.raises(ConfigError, match="batch_size = 0"):
         load(RewardServiceConfig, path)
