@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.config import check, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, is_reward_bound
 from common.security import check_client_settings
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+TOKEN_ENV = "PPOZ_GATEWAY_TOKEN"
 
 
 @section("gateway")
@@ -32,6 +38,28 @@ class GatewayConfig:
     curve_server_key: str = option(
         "", "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)"
     )
+    allowed_hosts: list = option(
+        list(LOOPBACK_NAMES),
+        "names a request's Host header may give (with any port), so a web page cannot reach the gateway by a name of"
+        " its own (DNS rebinding); `host`, when a specific address, is added. Bound to 0.0.0.0: add the names and"
+        " addresses the emulators use",
+    )
+    allowed_origins: list = option(
+        [],
+        'browser origins (e.g. "http://localhost:3000") whose requests are served; any other Origin header gets 403,'
+        " so a web page open on the machine cannot attach, step or send rewards (emulators send none)",
+    )
+    token_file: str = option(
+        "",
+        f"a file whose first line is the bearer token every request must carry (Authorization: Bearer TOKEN); or set"
+        f" {TOKEN_ENV}. Empty and unset: no token (unmodified Kea builds send none)",
+    )
+    read_deadline_s: float = option(
+        10.0,
+        "longest a connection may take to send one request's line, headers and body, and to stay idle between requests;"
+        " past it the connection is closed, so a slow sender never holds a worker",
+    )
+    max_connections: int = option(512, "connections served at once (a thread each); one more is answered 503 and closed at once")
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, f"`port` must be 0-65535, got {self.port}")
@@ -45,3 +73,44 @@ class GatewayConfig:
             f"`max_abs_reward` must be a positive finite number, got {self.max_abs_reward}",
         )
         check_client_settings(self.curve_secret_key, {"curve_server_key": self.curve_server_key})
+        check(self.read_deadline_s > 0, f"`read_deadline_s` must be positive, got {self.read_deadline_s}")
+        check(self.max_connections >= 1, f"`max_connections` must be at least 1, got {self.max_connections}")
+        check(
+            all(_is_host(h) for h in self.allowed_hosts),
+            f"`allowed_hosts` must be host names or addresses without a port, got {self.allowed_hosts!r}",
+        )
+        check(
+            all(isinstance(o, str) and "://" in o and not o.endswith("/") for o in self.allowed_origins),
+            f'`allowed_origins` must be origins such as "http://localhost:3000" (no path), got {self.allowed_origins!r}',
+        )
+        check(not self.token_file or os.path.isfile(self.token_file), f"`token_file` {self.token_file!r} is not a file")
+
+    def hosts(self) -> frozenset[str]:
+        """The Host names accepted: `allowed_hosts`, and `host` when it is one address (not every interface)."""
+        names = {h.strip("[]").lower() for h in self.allowed_hosts}
+        if self.host not in ("", "0.0.0.0", "::"):
+            names.add(self.host.strip("[]").lower())
+        return frozenset(names)
+
+    def token(self) -> str | None:
+        """The bearer token (TOKEN_ENV, else `token_file`'s first line), or None: no token required."""
+        if os.environ.get(TOKEN_ENV):
+            return os.environ[TOKEN_ENV]
+        if not self.token_file:
+            return None
+        lines = Path(self.token_file).read_text().splitlines()
+        if not lines or not lines[0].strip():
+            raise ValueError(f"`token_file` {self.token_file} is empty")
+        return lines[0].strip()
+
+
+def _is_host(value: object) -> bool:
+    """A host name or an address (IPv6 bare or in brackets), without a port or a path."""
+    if not isinstance(value, str) or not value:
+        return False
+    bare = value.strip("[]")
+    try:
+        ipaddress.ip_address(bare)
+        return True
+    except ValueError:
+        return ":" not in bare and "/" not in bare and " " not in bare

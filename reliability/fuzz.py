@@ -41,7 +41,7 @@ import zmq
 
 from common import protocol as p
 from common.redis_server import connect
-from reliability.fuzz_cases import FUZZ_TASK, OBS, Case, HTTPCase, cases, http_case, request_body
+from reliability.fuzz_cases import FUZZ_TASK, HOST_PLACEHOLDER, OBS, Case, HTTPCase, cases, http_case, request_body
 from reliability.ledger import settle_ledger
 from reliability.output import print_report, run_as_script
 
@@ -106,8 +106,9 @@ def send_http(base: str, case: HTTPCase, timeout: float = 30.0) -> tuple[int | N
     """Send the raw request, shut the write side, read to EOF; (status, problem) with problem "" when the answer is JSON."""
     url = urlsplit(base)
     with socket.create_connection((url.hostname or "127.0.0.1", url.port or 80), timeout=timeout) as s:
+        raw = case.raw.replace(f"Host: {HOST_PLACEHOLDER}\r\n".encode(), f"Host: {url.netloc}\r\n".encode(), 1)
         try:
-            s.sendall(case.raw)
+            s.sendall(raw)
             s.shutdown(socket.SHUT_WR)
         except OSError:
             pass  # the server may answer (413) and close before reading a huge body

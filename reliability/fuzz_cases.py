@@ -304,8 +304,11 @@ def cases(seed: int) -> Callable[[int], Case]:
 
 
 # --- HTTP cases ------------------------------------------------------------------------------------
+HOST_PLACEHOLDER = "gateway.invalid"  # replaced by the gateway's own host:port when sent (it refuses other Host names)
+
+
 def http_request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None, length: int | None = None) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: fuzz", "Connection: close"]
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {HOST_PLACEHOLDER}", "Connection: close"]
     hdrs = {"Content-Type": "application/json", **(headers or {})}
     if length is not None or body:
         hdrs["Content-Length"] = str(len(body) if length is None else length)

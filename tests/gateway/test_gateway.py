@@ -79,6 +79,9 @@ def start_gateway() -> Iterator[Callable[..., Gateway]]:
         thread.join(10)
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 def url(gateway: Gateway) -> str:
     return f"http://127.0.0.1:{gateway.port}"
 
@@ -149,7 +152,8 @@ def test_bad_http_requests_are_named(start_broker, start_gateway):
     cases = [
         (requests.post(f"{base}/ask", timeout=30), 400, "task_id"),
         (requests.post(f"{base}/ask", params={"task_id": "nobody"}, timeout=30), 404, "unknown_task"),
-        (requests.post(f"{base}/step", data=b"{not json", timeout=30), 400, "not valid JSON"),
+        (requests.post(f"{base}/step", data=b"{not json", headers=JSON, timeout=30), 400, "not valid JSON"),
+        (requests.post(f"{base}/step", data=b"{not json", timeout=30), 415, "Content-Type: application/json"),
         (requests.post(f"{base}/step", json=["a"], timeout=30), 400, "JSON object"),
         (requests.post(f"{base}/step", json={"obs": OBS}, timeout=30), 400, "task_id"),
         (requests.post(f"{base}/step", json={"task_id": "t", "obs": "text"}, timeout=30), 400, "`obs`"),
