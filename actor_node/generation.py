@@ -153,6 +153,34 @@ def render_prompt(tokenizer: Any, obs: dict[str, Any]) -> list[int]:
     return list(ids)
 
 
+def prompt_chars(obs: dict[str, Any]) -> int:
+    """The characters other than white space of a request's prompt, or of its messages' text contents (a chat
+    template only adds to them). White space is left out: a word-level tokenizer drops it, so no token covers it."""
+    messages = obs.get("messages")
+    texts = [obs.get("prompt") or ""] if messages is None else [m["content"] for m in messages if isinstance(m, dict)]
+    return sum(len("".join(text.split())) for text in texts if isinstance(text, str))
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token of `tokenizer` stands for, from its vocabulary's spellings, when that bounds
+    them: a BPE whose every byte has a token (byte-level, as GPT-2's, Llama 3's and Qwen's) or that falls back to
+    bytes (SentencePiece's byte_fallback, as Llama 2's). A spelling is then never shorter than the text it covers.
+    None otherwise: a word-level or WordPiece tokenizer turns a whole unknown word of any length into one unknown
+    token, and a BPE without byte fallback drops characters it has no token for."""
+    try:
+        backend = tokenizer.backend_tokenizer.model
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return None
+    if type(backend).__name__ != "BPE":
+        return None
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    if not getattr(backend, "byte_fallback", False) and not all(c in vocab for c in ByteLevel.alphabet()):
+        return None
+    return max((len(token) for token in vocab), default=1) or 1
+
+
 def end_tokens(model: Any, tokenizer: Any) -> set[int]:
     """The ids that end a response: the generation config's eos ids, else the tokenizer's eos."""
     ids: set[int] = set()
@@ -239,6 +267,11 @@ class GenerationEngine:
         limit = scoring.position_limit(model)
         self.capacity = min(max_positions, limit) if limit is not None else max_positions
         self.capacity_names_model = limit is not None and limit <= max_positions
+        # No token covers more characters than the tokenizer's longest token: a prompt of more characters than
+        # capacity x that has more tokens than the capacity, known without tokenizing it (a 999,000-character prompt
+        # took 23.9 s to tokenize, every other row waiting, only to be refused).
+        self.longest_token = longest_token_chars(tokenizer)
+        self.max_prompt_chars = self.capacity * self.longest_token if self.longest_token else None
         self.end_ids = end_tokens(model, tokenizer)
         self.cache = PrefixCache(prefix_cache_mb)
         self.kv = SlotCache(max_rows, self.capacity, self.device)
@@ -319,6 +352,12 @@ class GenerationEngine:
             raise GenerationError(self.unservable)
         obs = job["obs"]
         params = SamplingParams.of(obs["sampling"])
+        chars = prompt_chars(obs) if self.max_prompt_chars is not None else 0
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise GenerationError(
+                f"the prompt's {chars} characters (white space not counted) cannot fit in {self.capacity} positions: no"
+                f" token of this model's tokenizer covers more than {self.longest_token} characters (refused before tokenizing)"
+            )
         prompt_ids = render_prompt(self.tokenizer, obs)
         if len(prompt_ids) + params.max_new_tokens > self.capacity:
             limit = "the model's limit" if self.capacity_names_model else "the actor's limit (max_generate_positions)"
