@@ -39,6 +39,7 @@ scoring itself is the RewardModel's and the Judge's (rewards/reward_model.py, re
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import math
@@ -171,6 +172,41 @@ def split(values: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
 
 
 # --- The server ----------------------------------------------------------------------------------
+@dataclass
+class Scoring:
+    """A reward-model request's progress: its first `done` pairs are scored (`scores`)."""
+
+    job: Job
+    done: int = 0
+    scores: list[float] = field(default_factory=list)
+    failed: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.failed or self.done == len(self.job.rows)
+
+
+def fair_shares(active: Sequence[Scoring], batch_size: int) -> list[tuple[Scoring, int]]:
+    """How many of its next pairs each request in progress gets in a batch of at most `batch_size`: equal shares in
+    turn (the first in `active` first), what one leaves unused going to the others."""
+    left = {id(s): len(s.job.rows) - s.done for s in active}
+    taken = {id(s): 0 for s in active}
+    room = batch_size
+    while room > 0:
+        wanting = [s for s in active if left[id(s)] > 0]
+        if not wanting:
+            break
+        each = max(1, room // len(wanting))
+        for s in wanting:
+            n = min(each, left[id(s)], room)
+            taken[id(s)] += n
+            left[id(s)] -= n
+            room -= n
+            if room == 0:
+                break
+    return [(s, taken[id(s)]) for s in active if taken[id(s)]]
+
+
 @dataclass
 class Job:
     """One request being scored; `envelopes`: where its reply goes (more than one when a retry joined it)."""
@@ -402,53 +438,75 @@ class RewardService:
         return True
 
     def _reward_model_loop(self) -> None:
-        """Take the queued requests of every driver, up to batch_size pairs (waiting batch_wait_ms for more), score them together."""
-        closing = False
-        while not closing:
-            first = self._rm_queue.get()
-            if first is None:
-                return
-            batch, pairs = [first], len(first.rows)
+        """Score the queued requests of every driver in batches of at most batch_size pairs, shared round-robin.
+
+        Each batch gives every request in progress an equal share of its pairs (waiting batch_wait_ms for more
+        requests when it is not full), so a request of 1,000 long pairs is scored a batch at a time while a small
+        request that arrives meanwhile is done in the next batch: scored whole, the large one held every driver
+        for 20 to 83 s."""
+        active: collections.deque[Scoring] = collections.deque()
+        while True:
+            if not active:
+                first = self._rm_queue.get()
+                if first is None:
+                    return
+                active.append(Scoring(first))
+            pending = sum(len(s.job.rows) - s.done for s in active)
             until = time.monotonic() + self.cfg.batch_wait_ms / 1000
-            while pairs < self.cfg.batch_size:
+            while True:  # every request that has arrived joins; more are waited for only while the batch is not full
+                wait = max(0.0, until - time.monotonic()) if pending < self.cfg.batch_size else 0.0
                 try:
-                    more = self._rm_queue.get(timeout=max(0.0, until - time.monotonic()))
+                    more = self._rm_queue.get(timeout=wait) if wait else self._rm_queue.get_nowait()
                 except queue.Empty:
                     break
                 if more is None:
-                    closing = True
-                    break
-                batch.append(more)
-                pairs += len(more.rows)
-            self._score_batch([job for job in batch if not self._expired(job)])
+                    return  # closing: the service answered or gave up on what was in progress (drain_timeout_s)
+                active.append(Scoring(more))
+                pending += len(more.rows)
+            for scoring in [s for s in active if self._expired(s.job)]:
+                active.remove(scoring)
+            if active:
+                self._score_shares(fair_shares(active, self.cfg.batch_size))
+                for scoring in [s for s in active if s.finished]:
+                    active.remove(scoring)
+                active.rotate(-1)  # the next batch starts with the next request
 
-    def _score_batch(self, jobs: list[Job]) -> None:
-        if not jobs:
-            return
+    def _score_shares(self, shares: list[tuple[Scoring, int]]) -> None:
+        """Score each request's next `n` pairs in one call; a failure is retried per request, and fails only the
+        request whose pairs the model cannot take (its remaining pairs are not scored)."""
+        rows = [pair for scoring, n in shares for pair in scoring.job.rows[scoring.done : scoring.done + n]]
         try:
-            scores = self.reward_model.score([(prompt, response) for job in jobs for prompt, response in job.rows])
+            scores = self.reward_model.score([(prompt, response) for prompt, response in rows])
         except Exception as e:  # noqa: BLE001 - one request's pair the model cannot take fails that request alone
-            if len(jobs) > 1:
-                for job in jobs:
-                    self._score_batch([job])
+            if len(shares) > 1:
+                for share in shares:
+                    self._score_shares([share])
                 return
-            log.warning("the reward model failed on a request of %d pairs: %s: %s", len(jobs[0].rows), type(e).__name__, e)
-            self._fail(jobs[0], E_SCORING_FAILED, f"the reward model failed: {type(e).__name__}: {e}")
+            scoring = shares[0][0]
+            log.warning("the reward model failed on a request of %d pairs: %s: %s", len(scoring.job.rows), type(e).__name__, e)
+            self._fail(scoring.job, E_SCORING_FAILED, f"the reward model failed: {type(e).__name__}: {e}")
+            scoring.failed = True
             return
         self._count("rm/batches")
         self._count("rm/pairs", len(scores))
-        for job, part in zip(jobs, split(scores, [len(job.rows) for job in jobs])):
-            sent, errors = checked_scores(part, self.cfg.max_abs_reward)
-            refused = [e for e in errors if e]
-            if refused:
-                self._count("rm/refused_scores", len(refused))
-                log.warning(
-                    "the reward model gave %d of %d scores that cannot be rewards, sent as nil; first: %s",
-                    len(refused),
-                    len(part),
-                    refused[0],
-                )
-            self._finish(job, {"scores": sent, "errors": errors})
+        for (scoring, n), part in zip(shares, split(scores, [n for _, n in shares])):
+            scoring.scores += part
+            scoring.done += n
+            if scoring.done == len(scoring.job.rows):
+                self._send_scores(scoring.job, scoring.scores)
+
+    def _send_scores(self, job: Job, scores: list[float]) -> None:
+        sent, errors = checked_scores(scores, self.cfg.max_abs_reward)
+        refused = [e for e in errors if e]
+        if refused:
+            self._count("rm/refused_scores", len(refused))
+            log.warning(
+                "the reward model gave %d of %d scores that cannot be rewards, sent as nil; first: %s",
+                len(refused),
+                len(scores),
+                refused[0],
+            )
+        self._finish(job, {"scores": sent, "errors": errors})
 
     def _judge_request(self, job: Job) -> None:
         try:

@@ -24,6 +24,7 @@ from rewards.config import RewardServiceConfig
 from rewards.judge import Judge, JudgeConfig
 from rewards.reward_model import RewardModel, RewardModelConfig
 from rewards.service import RemoteJudge, RemoteRewardModel, RewardService, RewardServiceClient, RewardServiceError
+from tests.helpers import wait_for
 from tests.processes import free_port
 from tests.rewards.test_composite import poisoned
 from tests.rewards.test_judge import grader
@@ -378,3 +379,38 @@ def test_a_service_nobody_runs_is_reported_within_seconds_with_its_address_and_e
     with pytest.raises(RewardServiceError, match="after 1 attempts"):
         once.ping()
     assert time.monotonic() - started < 2
+
+
+def test_fair_shares_give_each_request_its_turn_in_a_batch() -> None:
+    from rewards.service import Job, Scoring, fair_shares
+
+    def scoring(rows: int, done: int = 0) -> Scoring:
+        return Scoring(Job("rm_score", "r", [("p", "r")] * rows, []), done=done)
+
+    big, small = scoring(1000), scoring(3)
+    assert [(s is big, n) for s, n in fair_shares([big, small], 32)] == [(True, 29), (False, 3)]  # 16 and 3, then 13 more
+    a, b, c = scoring(10, done=5), scoring(5), scoring(100)
+    assert [n for _, n in fair_shares([a, b, c], 8)] == [3, 3, 2]  # 2 each, then 1 each in turn until the batch is full
+    assert [n for _, n in fair_shares([c, a, b], 8)] == [3, 3, 2]  # the first in turn gets the odd pair
+    assert fair_shares([scoring(4, done=4)], 8) == [] and [n for _, n in fair_shares([scoring(3)], 8)] == [3]
+
+
+def test_a_large_rm_score_request_does_not_hold_up_a_small_one_for_more_than_a_batch_or_two(rm_dir) -> None:
+    """320 pairs of 2,000-character texts (40 batches of 8), then a request of 2 pairs: scored whole, the large one
+    held every other driver until its last pair (20 to 83 s for 10-30 MB requests)."""
+    long_pairs = [[f"prompt {i} " + "x" * 2000, "y" * 2000] for i in range(320)]
+    with serving(RewardModel(RewardModelConfig(rm_dir, batch_size=8)), batch_size=8, batch_wait_ms=0) as service:
+        with dealer(service.endpoint) as big, dealer(service.endpoint) as small:
+            big.send_multipart([b"", msgpack.packb({"op": "rm_score", "rid": "big", "pairs": long_pairs})])
+            wait_for(lambda: service.counts["rm/batches"] >= 3, timeout=60, what="the large request's first batches")
+            at_arrival = service.counts["rm/batches"]
+            answer = ask(small, {"op": "rm_score", "rid": "small", "pairs": PAIRS[:2]})
+            batches_waited = service.counts["rm/batches"] - at_arrival
+            assert len(answer["scores"]) == 2 and all(isinstance(x, float) for x in answer["scores"])
+            assert not big.poll(0), "the large request finished first"
+            assert batches_waited <= 3, f"the small request waited {batches_waited} batches"
+            assert big.poll(120_000)
+            reply = msgpack.unpackb(big.recv_multipart()[-1])
+    assert len(reply["scores"]) == 320 and all(isinstance(x, float) for x in reply["scores"])
+    alone = RewardModel(RewardModelConfig(rm_dir, batch_size=8)).score([tuple(pair) for pair in long_pairs[:16]])
+    assert reply["scores"][:16] == pytest.approx(alone, abs=1e-5)  # the shares change when a pair is scored, not its score
