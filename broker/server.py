@@ -527,7 +527,14 @@ class Broker:
         truncated = p.optional(msg, "truncated", bool, "a bool", False)
         sample = p.check_sample(msg)
         next_obs = None
-        if isinstance(msg.get("next_obs"), dict) and msg["next_obs"]:  # older Kea clients send next_obs: {}
+        given = msg.get("next_obs")
+        if given is not None and not isinstance(given, dict):
+            raise p.ProtocolError(
+                p.E_BAD_REQUEST,
+                f"`next_obs` must be a map (an observation) or nil, got {type(given).__name__}; nothing was recorded,"
+                " the step still waits for its feedback",
+            )
+        if given:  # older Kea clients send next_obs: {}, which is ignored
             next_obs = p.check_obs(msg, self.limits, name="next_obs")
         if session.pending is None:
             self.metrics["broker/feedback_without_step"] += 1

@@ -156,10 +156,18 @@ def error_body(rid: Any, op: Any, code: str, message: str, **extra: Any) -> dict
 # --- Validation of requests -----------------------------------------------------------
 def check_header(body: dict[str, Any]) -> tuple[str, Any]:
     """Check protocol id, version, op and rid; return (op, rid)."""
-    if body.get("proto") != PROTOCOL_ID or body.get("v") != PROTOCOL_VERSION or isinstance(body.get("v"), bool):
+    proto, version = body.get("proto"), body.get("v")
+    if not isinstance(proto, str) or not isinstance(version, int) or isinstance(version, bool):
+        # A header that is missing or of the wrong type is a malformed request, not another version of the protocol.
+        raise ProtocolError(
+            E_BAD_REQUEST,
+            f"the header needs `proto` (a str, {PROTOCOL_ID!r}) and `v` (an int, {PROTOCOL_VERSION}), got proto of type"
+            f" {type(proto).__name__} and v of type {type(version).__name__}",
+        )
+    if proto != PROTOCOL_ID or version != PROTOCOL_VERSION:
         raise ProtocolError(
             E_UNSUPPORTED_VERSION,
-            f"this peer speaks proto={PROTOCOL_ID!r} v={PROTOCOL_VERSION}, got proto={body.get('proto')!r} v={body.get('v')!r}",
+            f"this peer speaks proto={PROTOCOL_ID!r} v={PROTOCOL_VERSION}, got proto={proto!r} v={version!r}",
         )
     rid = body.get("rid")
     check_rid(rid)

@@ -12,6 +12,7 @@ import zmq
 from actor_node.policies import UniformPolicy
 from broker.metrics import COUNTERS
 from broker.sessions import RECENT_REPLIES
+from client.errors import BadRequest
 from common import protocol as p
 from tests.broker.test_broker import obs, raw_request, running, segments, stack  # noqa: F401 (stack: a fixture)
 from tests.helpers import OBS, wait_for
@@ -240,3 +241,17 @@ def test_error_replies_carry_no_task_id(stack, zmq_context):
     reply = request(zmq_context, broker.frontend, p.header("feedback", "fw-1") | {"task_id": task, "reward": 1.0})
     assert reply["error"]["code"] == p.E_FEEDBACK_WITHOUT_STEP and "task_id" not in reply
     assert list(reply) == ["proto", "v", "op", "rid", "error"]
+
+
+@pytest.mark.parametrize("next_obs", ["the home screen", [1, 2], 3, True, b"raw"])
+def test_a_truncated_feedback_whose_next_obs_is_not_a_map_is_refused_and_the_step_still_waits(stack, next_obs):  # noqa: F811
+    """docs/protocol.md: `next_obs` is a map or nil. A str, array, number or bin was accepted and dropped."""
+    broker, client = stack
+    task = client.attach()
+    client.step(task, obs(0))
+    fields = {"task_id": task, "reward": 0.0, "done": False, "truncated": True, "next_obs": next_obs}
+    with pytest.raises(BadRequest, match=f"`next_obs` must be a map \\(an observation\\) or nil, got {type(next_obs).__name__}"):
+        client.request(p.OP_FEEDBACK, **fields)
+    assert client.feedback(task, 0.5, next_obs={})["status"] == "ok"  # the step had waited; Kea's empty map is ignored
+    client.step(task, obs(1))
+    assert client.feedback(task, 0.5, truncated=True, next_obs=obs(2))["status"] == "ok"

@@ -39,7 +39,12 @@ def test_decode_refuses_deep_nesting():
     [
         ({"proto": "ppoz", "v": 2, "op": "ask", "rid": "r"}, p.E_UNSUPPORTED_VERSION, "v=2"),
         ({"proto": "PPO", "v": 1, "op": "ask", "rid": "r"}, p.E_UNSUPPORTED_VERSION, "proto='PPO'"),
-        ({"proto": "ppoz", "v": True, "op": "ask", "rid": "r"}, p.E_UNSUPPORTED_VERSION, "v=True"),
+        ({"proto": "ppoz", "v": True, "op": "ask", "rid": "r"}, p.E_BAD_REQUEST, "v of type bool"),
+        ({"proto": "ppoz", "v": "1", "op": "ask", "rid": "r"}, p.E_BAD_REQUEST, "v of type str"),
+        ({"proto": "ppoz", "v": 1.0, "op": "ask", "rid": "r"}, p.E_BAD_REQUEST, "v of type float"),
+        ({"proto": b"ppoz", "v": 1, "op": "ask", "rid": "r"}, p.E_BAD_REQUEST, "proto of type bytes"),
+        ({"v": 1, "op": "ask", "rid": "r"}, p.E_BAD_REQUEST, "proto of type NoneType"),
+        ({"proto": "ppoz", "op": "ask", "rid": "r"}, p.E_BAD_REQUEST, "v of type NoneType"),
         ({"proto": "ppoz", "v": 1, "op": "ask"}, p.E_BAD_REQUEST, "`rid`"),
         ({"proto": "ppoz", "v": 1, "op": "ask", "rid": "x" * 65}, p.E_BAD_REQUEST, "longer than 64"),
         ({"proto": "ppoz", "v": 1, "op": 3, "rid": "r"}, p.E_BAD_REQUEST, "`op` must be a str"),
