@@ -25,7 +25,9 @@ from tests.processes import free_port, ppoz, start_ppoz
 from tests.train.test_driver import records
 from tests.train.test_run import write_dataset
 
-RECORDS = 200
+# Enough that five killed runs and the stopped one cannot finish the epoch: with 200 (400 samples) the killed runs
+# had done 330 once the drivers stopped waiting on the learner (held asks), and the stopped run finished before its signal.
+RECORDS = 500
 ROLLOUT_N = 2  # GRPO groups of two: a kill between a group's feedbacks leaves a cut group for the resumed run
 
 
