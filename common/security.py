@@ -24,6 +24,7 @@ config's __post_init__ can raise it and `ppoz` reports it as a config error.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import struct
@@ -327,7 +328,18 @@ def apply_server(sock: zmq.Socket, secret_key_file: str, allowed: str, name: str
 
 
 # --- config checks (for __post_init__) -------------------------------------------------------
-LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")  # the names of this machine that no other machine reaches
+
+
+def is_loopback_host(host: str) -> bool:
+    """`localhost`, or an address in 127.0.0.0/8 or ::1 (bare or in brackets)."""
+    bare = host.strip("[]").lower()
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False
 
 
 def is_local_endpoint(endpoint: str) -> bool:
@@ -336,10 +348,7 @@ def is_local_endpoint(endpoint: str) -> bool:
     transport, _, rest = endpoint.partition("://")
     if transport in ("ipc", "inproc"):
         return True
-    if transport != "tcp":
-        return False
-    host = rest.rsplit(":", 1)[0]
-    return host in LOOPBACK_HOSTS or (host.startswith("127.") and all(p.isdigit() for p in host.split(".")) and host.count(".") == 3)
+    return transport == "tcp" and is_loopback_host(rest.rsplit(":", 1)[0])
 
 
 def check_allow_list(value: str, what: str) -> None:
@@ -390,7 +399,9 @@ def _require_curve() -> None:
 
 __all__ = [
     "ALLOW_ANY",
+    "LOOPBACK_NAMES",
     "is_local_endpoint",
+    "is_loopback_host",
     "AllowList",
     "ClientKeys",
     "KeyFileError",

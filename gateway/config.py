@@ -9,9 +9,8 @@ from pathlib import Path
 
 from common.config import check, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, is_reward_bound
-from common.security import check_client_settings
+from common.security import LOOPBACK_NAMES, check_client_settings
 
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 TOKEN_ENV = "PPOZ_GATEWAY_TOKEN"
 
 

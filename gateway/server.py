@@ -189,8 +189,7 @@ class Gateway:
             def process_request_thread(self, request: Any, client_address: Any) -> None:
                 try:
                     super().process_request_thread(request, client_address)
-                finally:
-                    gateway.deadlines.done(request)
+                finally:  # each request's deadline is cleared by its handler (handle_one_request)
                     gateway.connections.release()
 
         self.httpd = Server((self.cfg.host, self.cfg.port), Handler)
