@@ -25,6 +25,7 @@ class Job:
     waiters: list[tuple[bytes, ...]]
     deadline: float  # monotonic seconds
     created: float
+    client: bytes  # the asking connection's routing id: the step queue takes turns between clients (broker/scheduling.py)
     actor: bytes | None = None
     dispatched_at: float = 0.0
     attempts: int = 0

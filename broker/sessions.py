@@ -167,7 +167,7 @@ class Session:
 
         Kept: the replies of the last RECENT_REPLIES writes, the ones whose Redis slots
         (`recent:<n mod RECENT_REPLIES>`) they still hold, so memory and Redis agree."""
-        key = _rid_key(entry.rid)
+        key = rid_key(entry.rid)
         self.recent.pop(key, None)  # a rid used again for another write: its newest reply is the one to give
         self.recent[key] = entry
         self.writes = max(self.writes, entry.n + 1)
@@ -176,10 +176,10 @@ class Session:
 
     def replay(self, rid: Any) -> bytes | None:
         """The reply already given to this request id (one of the task's last RECENT_REPLIES writes), if any."""
-        entry = self.recent.get(_rid_key(rid))
+        entry = self.recent.get(rid_key(rid))
         if entry is not None:
             return entry.reply
-        if self.pending is not None and _rid_key(self.pending.rid) == _rid_key(rid):
+        if self.pending is not None and rid_key(self.pending.rid) == rid_key(rid):
             return self.pending.reply  # a pending step written by a broker older than `recent`
         return None
 
@@ -243,6 +243,6 @@ class Session:
         return [close]
 
 
-def _rid_key(rid: Any) -> Any:
-    # str and bin rids are distinct on the wire; keep them distinct here too.
+def rid_key(rid: Any) -> Any:
+    """A rid as a dict key: a str and a bin of the same bytes are distinct rids on the wire, and here too."""
     return (type(rid).__name__, rid)

@@ -65,7 +65,7 @@ def test_a_benchmark_gets_its_own_options_when_it_is_chosen():
     args = build_parser().parse_args(["bench", "scoring", "--repeats", "2"])
     assert args.repeats == 2 and args.func.__module__ == "ppoz.bench.scoring"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "broker", "--repeats", "2"])  # another benchmark's option
+        build_parser().parse_args(["bench", "broker", "--lora-rank", "2"])  # another benchmark's option
 
 
 @pytest.mark.parametrize("words", SUBCOMMANDS, ids=lambda w: " ".join(w))
@@ -205,6 +205,19 @@ def test_bench_rag_runs_and_reports_retrieval_cost_side_by_side(tmp_path):
     assert figures["steps"] == 3 and figures["corpus_chunks"] >= 2
     assert figures["step_ms"] > 0 and figures["retrieve_ms"] > 0 and figures["rag_step_ms"] >= figures["retrieve_ms"]
     assert 0 < figures["added_tokens_max"] <= 128  # the token budget holds
+
+
+@pytest.mark.slow
+def test_bench_broker_fairness_runs_both_queues_and_reports_the_polite_client_s_latency():
+    """Runs, and runs both queues: not a timing test (the figures live in docs/benchmarks.md), but the flooded
+    first come, first served queue must at least show the flood (its p99 above the round-robin's)."""
+    small = ("--seconds", "1.5", "--flood", "200", "--repeats", "1", "--batch-ms", "20")
+    result = ppoz("bench", "broker", "--scenario", "fairness", *small, "--json", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout)
+    assert figures["errors"] == 0 and set(figures["summary"]) == {"fair", "fifo"}
+    assert all(len(runs) == 1 and runs[0]["flooded"]["n"] > 5 for runs in figures["runs"].values())
+    assert figures["summary"]["fifo"]["flooded_p99_ms"] > figures["summary"]["fair"]["flooded_p99_ms"]
 
 
 @pytest.mark.parametrize("rank", ["4", "0"])

@@ -11,23 +11,35 @@ Two phases in one run:
 2. latency: pairs started at a fixed --rate (open loop); gives p50/p99/max
    of each request's round trip seen by the client. The actor answers at once,
    so this round trip is what the broker adds plus two loopback hops.
+
+`--scenario fairness` (issue 30) measures instead what one client's flood does
+to another client: an actor that takes --batch-ms a batch (a model's forward),
+a polite client stepping at a fixed rate on one socket, alone and then beside a
+flooding client that keeps --flood steps in flight on one socket of its own.
+It runs the broker's round-robin queue and, for comparison, a first come,
+first served queue (the broker before issue 30) in alternating order,
+--repeats times each, and reports the polite client's step latency (p50, p99,
+in ms and in batches) with medians over the runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import logging
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import threading
 import time
 from typing import Any
 
 from common.stats import percentiles
 from common.zmqio import recv_frames, send_frames
+from ppoz.bench import load_at_start
 
 log = logging.getLogger(__name__)
 
@@ -47,32 +59,84 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--segment-len", type=int, default=32, help="broker segment length (default: 32)")
     parser.add_argument("--redis-url", default="", help="Redis to use (default: an embedded redis-server)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--scenario",
+        choices=("throughput", "fairness"),
+        default="throughput",
+        help="throughput: pairs/s and latency with instant actors; fairness: a flooding client beside a polite one (default: throughput)",
+    )
+    parser.add_argument("--flood", type=int, default=3000, help="fairness: steps the flooding client keeps in flight (default: 3000)")
+    parser.add_argument("--batch-ms", type=float, default=20.0, help="fairness: the actor's time per batch (default: 20)")
+    parser.add_argument("--credits", type=int, default=8, help="fairness: the actor's credits, its largest batch (default: 8)")
+    parser.add_argument("--repeats", type=int, default=3, help="fairness: runs of each queue; figures are medians (default: 3)")
+
+
+def _stop_all(stop: Any, procs: list[Any]) -> None:
+    """Tell the bench's processes to stop; wait for each up to 10 s, then terminate it."""
+    stop.set()
+    for proc in procs:
+        if proc.pid is None:  # never started
+            continue
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
 
 
 def _past(due: float) -> bool:
     return time.perf_counter() >= due
 
 
-def _broker_process(redis_url: str, segment_len: int, endpoints: Any, stop: Any) -> None:
+def _broker_process(redis_url: str, segment_len: int, endpoints: Any, stop: Any, queue: str = "fair") -> None:
     from broker.config import BrokerConfig
+    from broker.scheduling import FairQueue
     from broker.server import Broker
     from common.redis_server import connect
 
+    class FirstComeFirstServed(FairQueue):
+        """The step queue before issue 30, for comparison: every client in one line."""
+
+        def append(self, job: Any) -> None:
+            self._lines.setdefault(b"", collections.deque()).append(job)
+            self._turns = collections.deque([b""])
+            self._length += 1
+
+        def appendleft(self, job: Any) -> None:
+            self._lines.setdefault(b"", collections.deque()).appendleft(job)
+            self._turns = collections.deque([b""])
+            self._length += 1
+
+        def admits(self, client: bytes, limit: int) -> bool:
+            return self._length < limit
+
     cfg = BrokerConfig(
-        frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_url, segment_len=segment_len, key_prefix="bench"
+        frontend="tcp://127.0.0.1:*",
+        backend="tcp://127.0.0.1:*",
+        redis_url=redis_url,
+        segment_len=segment_len,
+        key_prefix="bench",
+        request_timeout_ms=120_000,
     )
     broker = Broker(cfg, connect(redis_url))
+    if queue == "fifo":
+        broker.queue = FirstComeFirstServed()
     broker.start()
     endpoints.put((broker.frontend_endpoint, broker.backend_endpoint))
     broker.run(until=stop.is_set)
 
 
-def _actor_process(endpoint: str, stop: Any) -> None:
+def _actor_process(endpoint: str, stop: Any, batch_ms: float = 0.0, credits: int = 64) -> None:
     from actor_node.link import BrokerLink
     from actor_node.policies import UniformPolicy
     from actor_node.worker import serve
 
-    link = BrokerLink(endpoint, credits=64).start()
+    class Timed(UniformPolicy):
+        """The uniform policy, taking `batch_ms` a batch as a model's forward would."""
+
+        def choose_batch(self, jobs: list[dict[str, Any]]) -> list[Any]:
+            time.sleep(batch_ms / 1000)
+            return super().choose_batch(jobs)
+
+    link = BrokerLink(endpoint, credits=credits).start()
     done = threading.Event()
 
     def relay_stop() -> None:  # a multiprocessing Event to the threading Event serve() polls
@@ -80,14 +144,14 @@ def _actor_process(endpoint: str, stop: Any) -> None:
         done.set()
 
     threading.Thread(target=relay_stop, daemon=True).start()
-    serve(link, UniformPolicy(0), done, max_batch=64)
+    serve(link, Timed(0) if batch_ms else UniformPolicy(0), done, max_batch=credits)
     link.close()
 
 
 class LoadGenerator:
     """N client tasks over a few DEALER sockets; each task alternates step and feedback."""
 
-    def __init__(self, endpoint: str, n_tasks: int, n_sockets: int) -> None:
+    def __init__(self, endpoint: str, n_tasks: int, n_sockets: int, name: str = "bench") -> None:
         import zmq
 
         from common import protocol as p
@@ -104,7 +168,7 @@ class LoadGenerator:
         self.poller = zmq.Poller()
         for s in self.socks:
             self.poller.register(s, zmq.POLLIN)
-        self.tasks = [f"bench-{i}" for i in range(n_tasks)]
+        self.tasks = [f"{name}-{i}" for i in range(n_tasks)]
         self.sock_of = {t: self.socks[i % n_sockets] for i, t in enumerate(self.tasks)}
         self.seq = 0
         self.inflight: dict[str, tuple[str, str, float]] = {}  # rid -> (task, op, sent)
@@ -247,13 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stream = connect(url).xlen("bench:segments")
         commit = commit_costs(url)
     finally:
-        stop.set()
-        for proc in procs:
-            if proc.pid is None:
-                continue
-            proc.join(10)
-            if proc.is_alive():
-                proc.terminate()
+        _stop_all(stop, procs)
         if embedded is not None:
             embedded.stop()
     return {
@@ -359,7 +417,125 @@ def _wait_for_actors(frontend: str, n: int, timeout: float = 30.0) -> None:
             time.sleep(0.1)
 
 
+def _flood_process(endpoint: str, n_tasks: int, seconds: float, flooding: Any, out: Any) -> None:
+    """The flooding client: one socket, `n_tasks` tasks, each with a step or feedback always in flight."""
+    gen = LoadGenerator(endpoint, n_tasks, 1, name="flood")
+    flooding.set()
+    out.put(gen.throughput(seconds) | {"errors": gen.errors})
+    gen.close()
+
+
+def _fairness_leg(args: argparse.Namespace, url: str, queue: str) -> dict[str, Any]:
+    """One broker with `queue`, one timed actor: the polite client alone, then beside the flood."""
+    from common.redis_server import connect
+
+    ctx = mp.get_context("spawn")
+    stop, flooding = ctx.Event(), ctx.Event()
+    endpoints, out = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_broker_process, args=(url, args.segment_len, endpoints, stop, queue), daemon=True)]
+    polite_rate = 20.0
+    client = connect(url)
+    for key in client.scan_iter("bench:*"):  # each leg from a clean slate: no session, no kept reply of the last one
+        client.delete(key)
+    try:
+        procs[0].start()
+        frontend, backend = endpoints.get(timeout=60)
+        procs.append(ctx.Process(target=_actor_process, args=(backend, stop, args.batch_ms, args.credits), daemon=True))
+        procs[-1].start()
+        _wait_for_actors(frontend, 1)
+        polite = LoadGenerator(frontend, 64, 1, name="polite")
+        alone = polite.latency(polite_rate, args.seconds)
+        flood_seconds = args.seconds + 3.0
+        procs.append(ctx.Process(target=_flood_process, args=(frontend, args.flood, flood_seconds, flooding, out), daemon=True))
+        procs[-1].start()
+        if not flooding.wait(120):
+            raise RuntimeError("the flooding client did not start within 120 s")
+        time.sleep(1.5)  # its steps queued
+        beside = polite.latency(polite_rate, args.seconds)
+        flood = out.get(timeout=flood_seconds + 120)
+        errors = polite.errors
+        polite.close()
+    finally:
+        _stop_all(stop, procs)
+    return {
+        "queue": queue,
+        "alone": alone["step"],
+        "flooded": beside["step"],
+        "polite_late_starts": beside["late_starts"],
+        "flood_pairs_per_s": round(flood["pairs_per_s"], 1),
+        "errors": errors + flood["errors"],
+    }
+
+
+def run_fairness(args: argparse.Namespace) -> dict[str, Any]:
+    """Both queues, alternating (fair, fifo, fifo, fair, ...), --repeats runs each; medians of each figure."""
+    from common.redis_server import redis_url_or_embedded
+
+    load = load_at_start("broker")
+    url, embedded = redis_url_or_embedded(args.redis_url)
+    runs: dict[str, list[dict[str, Any]]] = {"fair": [], "fifo": []}
+    try:
+        for r in range(args.repeats):
+            for queue in ("fair", "fifo") if r % 2 == 0 else ("fifo", "fair"):
+                leg = _fairness_leg(args, url, queue)
+                log.info("%s: polite p99 %s ms alone, %s ms flooded", queue, leg["alone"].get("p99_ms"), leg["flooded"].get("p99_ms"))
+                runs[queue].append(leg)
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+    def med(queue: str, phase: str, key: str) -> float:
+        return round(statistics.median(run[phase].get(key, float("nan")) for run in runs[queue]), 1)
+
+    summary = {
+        queue: {f"{phase}_{key}": med(queue, phase, key) for phase in ("alone", "flooded") for key in ("p50_ms", "p99_ms", "max_ms")}
+        | {
+            "flooded_p99_batches": round(med(queue, "flooded", "p99_ms") / args.batch_ms, 1),
+            "flood_pairs_per_s": statistics.median(run["flood_pairs_per_s"] for run in runs[queue]),
+        }
+        for queue in runs
+    }
+    return {
+        "bench": "broker",
+        "scenario": "fairness",
+        "summary": summary,
+        "flooded_p99_fifo_over_fair": round(summary["fifo"]["flooded_p99_ms"] / summary["fair"]["flooded_p99_ms"], 1),
+        "runs": runs,
+        "errors": sum(run["errors"] for legs in runs.values() for run in legs),
+        "flood": args.flood,
+        "batch_ms": args.batch_ms,
+        "credits": args.credits,
+        "seconds": args.seconds,
+        "load_at_start": round(load, 2),
+        "machine": f"{platform.node()} {platform.machine()} {mp.cpu_count()} cores, Python {platform.python_version()}",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def main_fairness(args: argparse.Namespace) -> int:
+    result = run_fairness(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"fairness: a client keeping {result['flood']} steps in flight beside a polite one stepping 20 times a second; "
+            f"the actor takes {result['batch_ms']:g} ms a batch of up to {result['credits']}; medians of {args.repeats} runs"
+        )
+        print("  polite client's step latency, ms:    alone p50 / p99      flooded p50 / p99 / max    flooded p99 in batches")
+        for queue, row in result["summary"].items():
+            name = "round-robin (now)" if queue == "fair" else "first come, first served"
+            print(
+                f"    {name:<26} {row['alone_p50_ms']:>8.1f} / {row['alone_p99_ms']:<8.1f}   "
+                f"{row['flooded_p50_ms']:>8.1f} / {row['flooded_p99_ms']:.1f} / {row['flooded_max_ms']:.1f}   "
+                f"{row['flooded_p99_batches']:>8.1f}"
+            )
+        print(f"  flooded p99, first come first served / round-robin: {result['flooded_p99_fifo_over_fair']}x; errors {result['errors']}")
+    return 0 if result["errors"] == 0 else 1
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.scenario == "fairness":
+        return main_fairness(args)
     result = run(args)
     if args.json:
         print(json.dumps(result))

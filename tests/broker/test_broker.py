@@ -242,18 +242,54 @@ def test_ask_says_wait_without_actors_and_steps_time_out(start_broker, make_clie
     assert client.status()["counters"]["errors/timeout"] >= 2  # each attempt got its `timeout` from the broker
 
 
-def test_overloaded_when_the_queue_is_full(start_broker, make_client, zmq_context):
-    broker = start_broker(max_queue=1, request_timeout_ms=2000)
+def test_overloaded_when_the_queue_is_full_for_the_client_that_filled_it(start_broker, make_client, zmq_context):
+    """The client holding the whole queue gets `overloaded`; another client, under its share, is still queued, and
+    then it too is refused past its share."""
+    broker = start_broker(max_queue=2, request_timeout_ms=3000)
     client = make_client(broker.frontend)
-    a, b = client.attach(), client.attach()
-    first = zmq_context.socket(zmq.DEALER)
-    first.connect(broker.frontend)
-    first.send_multipart([b"", p.encode(p.header("step", "q1") | {"task_id": a, "obs": obs(0)})])
-    wait_for(lambda: client.status()["queued_jobs"] == 1, what="the first step to queue")
-    reply = raw_request(zmq_context, broker.frontend, [b"", p.encode(p.header("step", "q2") | {"task_id": b, "obs": obs(0)})])
-    assert reply["error"]["code"] == p.E_OVERLOADED and reply["retry_after_ms"] > 0
+    a, b, c, d, e = (client.attach() for _ in range(5))
+    flood, polite = zmq_context.socket(zmq.DEALER), zmq_context.socket(zmq.DEALER)
+    for sock in (flood, polite):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(broker.frontend)
+    for n, task in enumerate((a, b)):
+        flood.send_multipart([b"", p.encode(p.header("step", f"q{n}") | {"task_id": task, "obs": obs(0)})])
+    wait_for(lambda: client.status()["queued_jobs"] == 2, what="the flood to fill the queue")
+    flood.send_multipart([b"", p.encode(p.header("step", "q2") | {"task_id": c, "obs": obs(0)})])
+    assert flood.poll(2000), "no answer to a step past the queue's limit"
+    reply = p.decode(flood.recv_multipart()[-1])
+    assert reply["rid"] == "q2" and reply["error"]["code"] == p.E_OVERLOADED and reply["retry_after_ms"] > 0
+    assert "2 of them yours" in reply["error"]["message"]
+    polite.send_multipart([b"", p.encode(p.header("step", "p1") | {"task_id": d, "obs": obs(0)})])
+    wait_for(lambda: client.status()["queued_jobs"] == 3, what="the polite client's step queued past the limit")
+    assert not polite.poll(200), "the polite client's step was answered, not queued"
+    polite.send_multipart([b"", p.encode(p.header("step", "p2") | {"task_id": e, "obs": obs(0)})])
+    assert polite.poll(2000), "no answer to the polite client's step past its share"
+    assert p.decode(polite.recv_multipart()[-1])["error"]["code"] == p.E_OVERLOADED
     assert client.ask(b)["reason"] == "no_actor"
-    first.close(linger=0)
+    flood.close(linger=0)
+    polite.close(linger=0)
+
+
+def test_a_step_refused_for_its_deadline_leaves_the_task_s_running_step_alone(start_broker, make_client, zmq_context):
+    """A newer step supersedes the running one only once it is accepted: one refused for its `deadline_ms` must not
+    answer the running step `timeout` (found by reading on_step: the deadline was checked after the superseding)."""
+    broker = start_broker(request_timeout_ms=5000)
+    client = make_client(broker.frontend)
+    task = client.attach()
+    sock = zmq_context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker.frontend)
+    sock.send_multipart([b"", p.encode(p.header("step", "s1") | {"task_id": task, "obs": obs(0)})])
+    wait_for(lambda: client.status()["queued_jobs"] == 1, what="the first step queued (no actor)")
+    for bad in (0, -5, "soon"):
+        sock.send_multipart([b"", p.encode(p.header("step", f"s-{bad}") | {"task_id": task, "obs": obs(1), "deadline_ms": bad})])
+        assert sock.poll(2000), "no answer to a bad deadline"
+        reply = p.decode(sock.recv_multipart()[-1])
+        assert reply["rid"] == f"s-{bad}" and reply["error"]["code"] == p.E_BAD_REQUEST and "deadline_ms" in reply["error"]["message"]
+    assert not sock.poll(300), "the running step was answered (superseded by a refused request)"
+    assert client.status()["jobs"] == 1
+    sock.close(linger=0)
 
 
 def test_actor_errors_and_invalid_results_become_internal_errors(broker, start_actor, make_client):
@@ -405,6 +441,40 @@ def _over_the_backlog(client, task, limit=2):
         client.step(task, obs(n))
         client.feedback(task, reward=0.0, done=False)
     assert client.status()["stream_length"] > limit
+
+
+def test_one_ask_is_held_per_task_and_an_ended_task_s_held_ask_gets_unknown_task(start_broker, start_actor, make_client, zmq_context):
+    """What the broker holds is bounded by its sessions: a task's second ask takes the place of its first, which is
+    answered `wait` at once; and a held ask of a task detached meanwhile is answered `unknown_task`, not `ok`."""
+    broker, client = running(start_broker, start_actor, make_client, segment_len=1, max_stream_backlog=2, ask_hold_ms=5000)
+    held = broker.broker.held_asks
+    task, other = client.attach(), client.attach()
+    _over_the_backlog(client, task)
+    sock = zmq_context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker.frontend)
+
+    def ask(rid: str, task_id: str) -> None:
+        sock.send_multipart([b"", p.encode(p.header("ask", rid) | {"task_id": task_id})])
+
+    def answer(timeout_ms: int = 2000) -> dict:
+        assert sock.poll(timeout_ms), "no answer"
+        return p.decode(sock.recv_multipart()[-1])
+
+    ask("k1", task)
+    wait_for(lambda: len(held) == 1, what="the first ask held")
+    started = time.monotonic()
+    ask("k2", task)
+    first = answer()
+    assert first["rid"] == "k1" and first["status"] == "wait" and first["retry_after_ms"] == 1, first
+    assert time.monotonic() - started < 1.0 and len(held) == 1
+    ask("k3", other)
+    wait_for(lambda: len(held) == 2, what="the other task's ask held")
+    client.detach(other)
+    ended = answer()
+    assert ended["rid"] == "k3" and ended["error"]["code"] == p.E_UNKNOWN_TASK and "detached" in ended["error"]["message"], ended
+    assert list(held) == [task]
+    sock.close(linger=0)
 
 
 def test_an_ask_over_the_backlog_is_held_and_answered_ok_as_soon_as_the_learner_reads(
@@ -581,15 +651,17 @@ def test_the_asks_of_many_clients_and_processes_are_all_held_and_all_answered_ok
                 proc.wait()
 
 
-def _flood(socks, tag: str, per_socket: int, task: str) -> dict[str, float]:
-    """Send `per_socket` asks on each raw socket without waiting for replies; when each rid was sent."""
-    sent = {}
+def _flood(socks, tag: str, per_socket: int, tasks: list[str]) -> tuple[dict[str, float], dict[str, str]]:
+    """Send `per_socket` asks on each raw socket without waiting for replies, each for a task of its own (the broker
+    holds one ask per task); when each rid was sent, and its task."""
+    sent, task_of = {}, {}
     for i in range(per_socket):
         for s, sock in enumerate(socks):
             rid = f"{tag}-{s}-{i}"
-            sock.send_multipart([b"", p.encode(p.header("ask", rid) | {"task_id": task})])
+            task_of[rid] = tasks[i * len(socks) + s]
+            sock.send_multipart([b"", p.encode(p.header("ask", rid) | {"task_id": task_of[rid]})])
             sent[rid] = time.monotonic()
-    return sent
+    return sent, task_of
 
 
 def _collect(socks, until: float) -> dict[str, list[tuple[dict, float]]]:
@@ -614,7 +686,7 @@ def _collect(socks, until: float) -> dict[str, list[tuple[dict, float]]]:
 def test_a_flood_of_held_asks_gets_one_answer_each_and_the_broker_keeps_serving(
     start_broker, start_actor, make_client, zmq_context, redis_client, key_prefix
 ):
-    """2,000 asks from four sockets at once over the backlog: all held (none lost), each answered exactly once,
+    """2,000 asks (a task each) from four sockets at once over the backlog: all held (none lost), each answered exactly once,
     `wait` after its own hold (not before, and not long after) or `ok` within moments of the learner's read; a
     `ping` from another client is answered at once all along, and the broker holds nothing once they are answered."""
     hold_ms, per_socket = 1000, 500
@@ -623,6 +695,7 @@ def test_a_flood_of_held_asks_gets_one_answer_each_and_the_broker_keeps_serving(
     task = client.attach()
     _over_the_backlog(client, task)
     stream = RedisKeys(key_prefix).stream
+    tasks = [client.attach() for _ in range(4 * per_socket)]
     socks = []
     for _ in range(4):
         sock = zmq_context.socket(zmq.DEALER)
@@ -652,7 +725,7 @@ def test_a_flood_of_held_asks_gets_one_answer_each_and_the_broker_keeps_serving(
         pinging = threading.Thread(target=ping_along, daemon=True)
         pinging.start()
         try:
-            sent = _flood(socks, tag, per_socket, task)
+            sent, task_of = _flood(socks, tag, per_socket, tasks)
             wait_for(lambda: len(held) == total, timeout=0.5, what=f"all {total} asks held (held now: {len(held)})")
             if tag == "release":
                 redis_client.xdel(stream, *[entry_id for entry_id, _ in redis_client.xrange(stream)])  # the learner read them
@@ -666,7 +739,7 @@ def test_a_flood_of_held_asks_gets_one_answer_each_and_the_broker_keeps_serving(
         twice = [rid for rid, replies in got.items() if len(replies) != 1]
         assert not twice, f"{len(twice)} asks answered more than once, e.g. {got[twice[0]]}"
         answers = {rid: replies[0] for rid, replies in got.items()}
-        assert all(reply["task_id"] == task for reply, _ in answers.values())
+        assert all(reply["task_id"] == task_of[rid] for rid, (reply, _) in answers.items())
         if tag == "expire":
             assert all(r["status"] == "wait" and r["reason"] == "stream_backlog" and r["retry_after_ms"] == 1 for r, _ in answers.values())
             held_for = sorted(at - sent[rid] for rid, (_, at) in answers.items())

@@ -121,12 +121,15 @@ def test_requests_in_flight_survive_a_broker_restart(start_broker, start_actor, 
 def test_overloaded_replies_are_retried_after_retry_after_ms(start_broker, start_actor, make_client, zmq_context):
     broker = start_broker(max_queue=1, retry_after_ms=200, request_timeout_ms=10_000)
     probe = make_client(broker.frontend)
-    a, b = probe.attach(), probe.attach()
-    blocker = zmq_context.socket(zmq.DEALER)  # its step fills the queue while no actor is there
-    blocker.setsockopt(zmq.LINGER, 0)
-    blocker.connect(broker.frontend)
-    blocker.send_multipart([b"", p.encode(p.header("step", "blocker") | {"task_id": a, "obs": pick(0)})])
-    wait_for(lambda: probe.status()["queued_jobs"] == 1, what="the first step to fill the queue")
+    a, b, c = probe.attach(), probe.attach(), probe.attach()
+    # Two clients' steps fill the queue while no actor is there: a third client is refused only once the queue
+    # holds twice max_queue (under that, a client below its share is still queued: broker/scheduling.py).
+    blockers = [zmq_context.socket(zmq.DEALER) for _ in range(2)]
+    for blocker, task in zip(blockers, (a, c)):
+        blocker.setsockopt(zmq.LINGER, 0)
+        blocker.connect(broker.frontend)
+        blocker.send_multipart([b"", p.encode(p.header("step", "blocker") | {"task_id": task, "obs": pick(0)})])
+    wait_for(lambda: probe.status()["queued_jobs"] == 2, what="two steps to fill the queue")
 
     async def main() -> tuple[dict, int, float]:
         async with AsyncClient(broker.frontend, deadline=10, attempt_timeout=5, context=zmq_context) as client:
@@ -141,7 +144,8 @@ def test_overloaded_replies_are_retried_after_retry_after_ms(start_broker, start
     try:
         reply, attempts, elapsed = asyncio.run(main())
     finally:
-        blocker.close(linger=0)
+        for blocker in blockers:
+            blocker.close(linger=0)
     assert reply["action"] == 3
     assert probe.status()["counters"]["errors/overloaded"] == attempts - 1 >= 3
     assert attempts <= elapsed / 0.2 + 2, "the client must wait retry_after_ms between attempts"
