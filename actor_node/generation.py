@@ -502,9 +502,9 @@ class GenerationEngine:
             sampling.row_uniforms(torch.tensor([r.seed for r in rows]), torch.tensor([len(r.response_ids) for r in rows])),
         )
         for row, token, logprob, bad in zip(rows, tokens.tolist(), logprobs.tolist(), failed.tolist()):
-            if bad:
-                t = row.params.temperature
-                answered.append((row.job, GenerationError(f"the distribution at temperature {t:g} cannot be sampled (not finite)")))
+            if bad:  # named by all its settings: the temperature alone blamed it when a top_p was what the client had set
+                settings = f"temperature {row.params.temperature:g}, top_p {row.params.top_p:g}, top_k {row.params.top_k}"
+                answered.append((row.job, GenerationError(f"the distribution at {settings} cannot be sampled (not finite)")))
                 finished.add(row)
                 self.kv.clear(row.slot)  # its KV may hold NaN: the next row in this slot reads past its own length
                 continue

@@ -129,15 +129,40 @@ def encode(body: dict[str, Any]) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
+def _no_extension(code: int, data: bytes) -> Any:
+    raise ValueError(f"extension type {code}")
+
+
 def decode(frame: bytes) -> dict[str, Any]:
-    """Unpack one message body, refusing anything that is not a well-formed map."""
+    """Unpack one message body, refusing anything that is not a well-formed map of the protocol's types.
+
+    Extension types (a timestamp, say) are refused wherever they are, ignored fields included:
+    docs/protocol.md allows none. msgpack builds timestamps without calling ext_hook, so
+    max_ext_len=0 refuses every extension that carries data and the hook the empty ones."""
     try:
-        body = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, ext_hook=_no_extension, max_ext_len=0)
     except Exception as e:  # msgpack raises several types for truncated or hostile input
+        if _extension_only(frame):
+            raise ProtocolError(
+                E_BAD_REQUEST,
+                "body holds a msgpack extension type (a timestamp, say); this protocol has none:"
+                " send str, int, float, bool, nil, bin, array and map only",
+            ) from e
         raise ProtocolError(E_BAD_REQUEST, f"body is not valid msgpack ({type(e).__name__}: {e})") from e
     if not isinstance(body, dict):
         raise ProtocolError(E_BAD_REQUEST, f"body must be a msgpack map, got {type(body).__name__}")
     return body
+
+
+def _extension_only(frame: bytes) -> bool:
+    """Whether a body decode() refused is valid msgpack once extension types are allowed: then they were
+    its only fault, and the reply can say so instead of quoting msgpack's max_ext_len. Only refused bodies
+    are read twice."""
+    try:
+        msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+    except Exception:  # noqa: BLE001 - another fault as well: decode() names msgpack's own words
+        return False
+    return True
 
 
 def header(op: str | None, rid: Any = None) -> dict[str, Any]:
@@ -283,6 +308,8 @@ def check_obs(body: dict[str, Any], limits: Limits, name: str = "obs") -> dict[s
     for i, action in enumerate(actions):
         if not isinstance(action, str):
             raise ProtocolError(E_BAD_REQUEST, f"`{name}.action[{i}]` must be a str, got {_wire_type(action)}")
+        if not action:  # nothing to score: the actor refused it, and in a next_obs the learner could not score it either
+            raise ProtocolError(E_BAD_REQUEST, f"`{name}.action[{i}]` is empty; a candidate needs at least one character")
         if len(action) > limits.max_action_chars:
             raise ProtocolError(E_TOO_LARGE, f"`{name}.action[{i}]` has {len(action)} characters, the limit is {limits.max_action_chars}")
     if len(prompt) + len(question) > limits.max_prompt_chars:

@@ -22,7 +22,11 @@ class GatewayConfig:
     broker: str = option("tcp://127.0.0.1:5555", "the broker's client endpoint (its `frontend`)")
     request_deadline_s: float = option(60.0, "longest one HTTP request waits for the broker, retries included")
     attempt_timeout_s: float = option(10.0, "longest wait for one attempt's reply before the request is sent again")
-    generate_deadline_s: float = option(300.0, "POST /generate without deadline_ms: longest it waits for the response, retries included")
+    generate_deadline_s: float = option(
+        300.0,
+        "POST /generate: longest it waits for the response, retries included; a request's deadline_ms may shorten it,"
+        " and a longer one is lowered to it (as the broker lowers it to its generate_timeout_ms)",
+    )
     max_inflight: int = option(256, "most requests forwarded at once; more wait for a free slot until their deadline")
     max_body_bytes: int = option(8 * 1024 * 1024, "largest HTTP request body accepted")
     max_abs_reward: float = option(

@@ -61,11 +61,14 @@ class ClientPool:
     def request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         deadline = self.cfg.request_deadline_s
         if op == p.OP_GENERATE:  # a response takes as many forwards as it has tokens: its own deadline
+            deadline = self.cfg.generate_deadline_s
             asked = fields.get("deadline_ms")
-            if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
-                deadline = asked / 1000
-            else:
-                deadline = self.cfg.generate_deadline_s
+            if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:  # else the broker names what is wrong
+                # Capped as the broker caps it (at generate_timeout_ms): 1e13 ms overflowed the waits' time_t (a 400), and
+                # the broker is asked to stop when the gateway does. Compared as ints: 10**400 / 1000 is no float.
+                capped = min(asked, max(1, int(self.cfg.generate_deadline_s * 1000)))
+                fields = {**fields, "deadline_ms": capped}
+                deadline = capped / 1000
         end = time.monotonic() + deadline
         if not self.slots.acquire(timeout=deadline):
             raise ppoapi.HTTPError(503, p.E_OVERLOADED, f"the gateway has {self.cfg.max_inflight} requests in flight; try again")

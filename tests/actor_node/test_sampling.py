@@ -63,6 +63,15 @@ def test_rows_with_different_settings_in_one_batch_each_get_their_own() -> None:
     assert logprobs[:3].tolist() == [0.0, 0.0, 0.0] and not failed.any()
 
 
+@pytest.mark.parametrize("top_p", [0.1, 1e-30, 1e-45, 5e-324])  # the last two are 0 once in float32, as the engine holds them
+def test_a_top_p_below_the_most_likely_tokens_probability_keeps_that_token_alone(top_p: float) -> None:
+    """docs/protocol.md: any top_p in (0, 1] is served; one that small is greedy decoding, logged with log-probability 0."""
+    logits = torch.log(torch.tensor([[0.2, 0.5, 0.3]] * 3))
+    temperature, top_ps, top_k = settings(3, top_p=top_p)
+    tokens, logprobs, failed = sampling.sample(logits, temperature, top_ps.float(), top_k, torch.tensor([0.0, 0.5, 0.9999]))
+    assert tokens.tolist() == [1, 1, 1] and logprobs.tolist() == [0.0, 0.0, 0.0] and not failed.any()
+
+
 def test_draws_depend_on_the_seed_and_the_index_only() -> None:
     seeds = torch.tensor([5, 5, 7, 2**62 + 3], dtype=torch.long)
     counters = torch.tensor([0, 1, 0, 9], dtype=torch.long)

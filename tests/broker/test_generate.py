@@ -64,6 +64,8 @@ def test_generate_then_feedback_stores_a_transition_with_the_tokens_and_their_lo
     again = client.generate(task, "turn 3", max_new_tokens=2, rid="gen-rid-1")
     client.feedback(task, reward=1.0)
     assert client.generate(task, "turn 3", max_new_tokens=2, rid="gen-rid-1") == again
+    counters = client.status()["counters"]  # docs/protocol.md: a generate is a step, counted and replayed as one
+    assert (counters["broker/steps"], counters["broker/replayed"], counters["broker/orphan_steps"]) == (4, 1, 1), counters
 
 
 def test_a_chat_request_and_a_greedy_one(start_broker, start_actor, make_client, llm):

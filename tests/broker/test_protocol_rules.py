@@ -6,6 +6,7 @@ import re
 import threading
 from pathlib import Path
 
+import msgpack
 import pytest
 import zmq
 
@@ -255,3 +256,31 @@ def test_a_truncated_feedback_whose_next_obs_is_not_a_map_is_refused_and_the_ste
     assert client.feedback(task, 0.5, next_obs={})["status"] == "ok"  # the step had waited; Kea's empty map is ignored
     client.step(task, obs(1))
     assert client.feedback(task, 0.5, truncated=True, next_obs=obs(2))["status"] == "ok"
+
+
+def test_the_error_vectors_are_what_the_broker_sends_byte_for_byte(broker, make_client, zmq_context):
+    """docs/protocol.md's error examples for an unknown task's ask, an empty candidate, a float deadline_ms and a
+    msgpack extension type: each request sent raw, its reply compared with conformance/vectors/NAME.msgpack."""
+    vectors = ROOT / "conformance" / "vectors"
+    client = make_client(broker.frontend)
+    client.attach("emu-7")
+    client.attach("qa-3")
+    generate = {"task_id": "qa-3", "prompt": "hi", "sampling": {"max_new_tokens": 4}, "deadline_ms": 20000.0}
+    timestamp = {"sent": msgpack.Timestamp(1_700_000_000, 0)}  # a field the broker would ignore, were it no extension
+    sent = {
+        "ask-error-2": p.encode(p.header("ask", "k2") | {"task_id": "emu-9"}),
+        "step-error": p.encode(p.header("step", "s2") | {"task_id": "emu-7", "obs": {**OBS, "action": ["0: TouchEvent(Cart)", ""]}}),
+        "generate-error-2": p.encode(p.header("generate", "g4") | generate),
+        "ping-error": msgpack.packb(p.header("ping", "p2") | timestamp),
+    }
+    for name, body in sent.items():
+        sock = zmq_context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(broker.frontend)
+        try:
+            sock.send_multipart([b"", body])
+            assert sock.poll(5000), name
+            assert sock.recv_multipart()[-1] == (vectors / f"{name}.msgpack").read_bytes(), name
+        finally:
+            sock.close()
+    assert client.status()["queued_jobs"] == 0  # none of them was queued

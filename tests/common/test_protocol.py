@@ -28,6 +28,29 @@ def test_decode_refuses_non_map_and_invalid_utf8():
         p.decode(b"\x81\xa1a\xa2\xff\xfe")  # {"a": <invalid utf-8 str>}
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        msgpack.Timestamp(1_700_000_000, 0),  # timestamp 32: fixext 4, type -1
+        msgpack.Timestamp(1_700_000_000, 5),  # timestamp 64
+        msgpack.Timestamp(2**40, 5),  # timestamp 96: ext 8
+        msgpack.ExtType(5, b"abc"),
+        msgpack.ExtType(5, b""),  # no data: not caught by max_ext_len, by the hook
+    ],
+    ids=["ts32", "ts64", "ts96", "ext5", "ext5-empty"],
+)
+def test_decode_refuses_extension_types_even_in_fields_it_ignores(value):
+    """docs/protocol.md, section 2: no extension types. They were decoded (a Timestamp, an ExtType) and, in a field
+    the broker ignores, accepted. The rid can still be read, so the reply names it."""
+    body = msgpack.packb({"proto": "ppoz", "v": 1, "op": "ping", "rid": "p2", "sent": value}, use_bin_type=True)
+    with pytest.raises(p.ProtocolError, match="extension type") as e:
+        p.decode(body)
+    assert e.value.code == p.E_BAD_REQUEST
+    assert p.read_header(body) == {"op": "ping", "rid": "p2"}
+    with pytest.raises(p.ProtocolError, match="not valid msgpack"):  # another fault as well: msgpack's own words
+        p.decode(body.replace(b"\xa2p2", b"\xa2\xff\xfe"))
+
+
 def test_decode_refuses_deep_nesting():
     deep = b"\x91" * 100_000 + b"\xc0"
     with pytest.raises(p.ProtocolError):
@@ -61,6 +84,8 @@ def test_check_obs_accepts_the_kea_shape_and_drops_unknown_keys():
     obs = p.check_obs({"obs": {"prompt": "p", "question": "q", "action": ["a", "b"], "extra": 1}}, p.Limits())
     assert obs == {"prompt": "p", "question": "q", "action": ["a", "b"]}
     assert p.check_obs({"obs": {"prompt": "p", "action": ["a"]}}, p.Limits())["question"] == ""
+    # empty text is accepted where it can be scored: prompt and question, and a candidate of white space only
+    assert p.check_obs({"obs": {"prompt": "", "question": "", "action": [" "]}}, p.Limits())["action"] == [" "]
 
 
 @pytest.mark.parametrize(
@@ -70,6 +95,7 @@ def test_check_obs_accepts_the_kea_shape_and_drops_unknown_keys():
         ({"prompt": "p"}, p.E_BAD_REQUEST, "`action` is missing"),
         ({"prompt": 5, "action": ["a"]}, p.E_BAD_REQUEST, "`prompt` must be a str"),
         ({"prompt": "p", "action": ["a", 7]}, p.E_BAD_REQUEST, "`obs.action[1]` must be a str, got int"),
+        ({"prompt": "p", "action": ["a", ""]}, p.E_BAD_REQUEST, "`obs.action[1]` is empty"),
         ({"prompt": "p", "action": ["a"] * 5}, p.E_TOO_LARGE, "5 candidates, the limit is 4"),
         ({"prompt": "p" * 100, "action": ["a"]}, p.E_TOO_LARGE, "the limit is 50"),
         ({"prompt": "p", "action": ["a" * 11]}, p.E_TOO_LARGE, "11 characters, the limit is 10"),

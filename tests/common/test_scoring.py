@@ -80,6 +80,24 @@ def test_scores_with_trained_tokenizers_equal_the_models_own_logits(trained_toke
         assert torch.allclose(g, own_logits_scores(model, item), atol=1e-4)
 
 
+def test_a_candidate_that_merges_into_the_contexts_last_token_is_tokenized_on_its_own(trained_tokenizer_models):
+    """docs/protocol.md, "How the candidates are scored": with no pre-tokenizer boundary at the join ("go nor" +
+    "th" is one BPE word) the candidate's tokens are its own, without special tokens, after the unchanged context."""
+    tok = AutoTokenizer.from_pretrained(trained_tokenizer_models["bpe"])
+    item = s.tokenize_observation(tok, "go nor", "", ["th", "th now"])
+    assert list(item.context) + list(item.actions[0]) != tok("go north")["input_ids"]  # it merges: the joined text reads otherwise
+    assert item.context == tuple(tok("go nor")["input_ids"])
+    assert [list(a) for a in item.actions] == [tok(a, add_special_tokens=False)["input_ids"] for a in ("th", "th now")]
+
+
+def test_a_word_is_a_run_of_characters_other_than_white_space_and_a_candidate_has_at_least_one(tiny_models):
+    """`word` normalisation's count: white space is what str.isspace() says (U+3000 and U+001F are, the zero-width
+    space U+200B is not); a candidate of white space only counts 1."""
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    item = s.tokenize_observation(tok, "Screen", ": ", ["pick up  the\ttomato", " ", "a\u3000b\x1fc", "x\u200by"])
+    assert item.words == (4, 1, 3, 1)
+
+
 def test_empty_candidate_or_list_is_refused(tiny_models):
     _, tok = load(tiny_models["llama"])
     with pytest.raises(s.ScoringError, match="candidate 1"):

@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 import requests
+import zmq
 
 from actor_node.policies import UniformPolicy
+from common import protocol as p
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from tests.helpers import OBS, actors_ready, wait_for
@@ -283,6 +285,41 @@ def test_generate_over_http(start_broker, start_actor, make_client, start_gatewa
     assert unknown.status_code == 400 and "unknown `sampling` keys: n" in unknown.json()["error"]
     empty = requests.post(f"{base}/generate", json={"task_id": task, "prompt": "", "sampling": {"max_new_tokens": 4}}, timeout=30)
     assert empty.status_code == 400 and "`prompt` is empty" in empty.json()["error"]
+
+
+@pytest.fixture
+def echo_broker(zmq_context) -> Iterator[str]:
+    """A stand-in broker that answers every generate `ok` with the `deadline_ms` it was sent as the text."""
+    sock = zmq_context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            *envelope, body = sock.recv_multipart()
+            msg = p.decode(body)
+            reply = p.header(msg["op"], msg["rid"]) | {"task_id": msg["task_id"], "status": "ok", "text": repr(msg.get("deadline_ms"))}
+            sock.send_multipart([*envelope, p.encode(reply)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"tcp://127.0.0.1:{port}"
+    stop.set()
+    thread.join(5)
+    sock.close()
+
+
+def test_a_generate_deadline_past_the_gateways_is_lowered_to_it(echo_broker, start_gateway):
+    """deadline_ms 1e13 was a 400 about time_t (the waits' timeout overflowed); 10**400 no float holds. Both are
+    capped at generate_deadline_s, and the broker is sent the capped value, so it stops when the gateway does."""
+    base = url(start_gateway(echo_broker, generate_deadline_s=20.0))
+    body = {"task_id": "qa-3", "prompt": "hi", "sampling": {"max_new_tokens": 4}}
+    for asked, sent in ((10_000_000_000_000, 20_000), (10**400, 20_000), (1500, 1500), (None, None)):
+        reply = requests.post(f"{base}/generate", json={**body, "deadline_ms": asked}, timeout=30)
+        assert reply.status_code == 200 and reply.json()["text"] == repr(sent), (str(asked)[:20], reply.text)
 
 
 def post_raw(base: str, route: str, text: str) -> requests.Response:
