@@ -111,3 +111,39 @@ def test_a_learner_given_the_password_in_a_file_keeps_it_out_of_argv_and_its_che
         if path.is_file():
             assert SECRET.encode() not in path.read_bytes(), f"{path} holds the password"
     assert stat.S_IMODE(ckpt.stat().st_mode) == 0o700  # made by the learner, so the owner's alone too
+
+
+def test_a_broker_on_a_password_protected_redis_keeps_it_out_of_its_status_and_its_log(monkeypatch, caplog, zmq_context) -> None:
+    """`ppoz status` shows the broker's `status` reply (limits, counters, the learner's figures): none of it, nor
+    any log line of a broker that loses and finds Redis again, may hold the password."""
+    import json
+    import logging
+    import threading
+
+    from broker.server import Broker
+    from client import Client
+
+    monkeypatch.delenv(PASSWORD_FILE_ENV, raising=False)
+    monkeypatch.setenv(PASSWORD_ENV, SECRET)
+    caplog.set_level(logging.DEBUG)
+    with EmbeddedRedis() as server:
+        cfg = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=server.url, key_prefix="secret")
+        broker = Broker(cfg, connect(server.url), zmq_context)
+        broker.start()
+        thread = threading.Thread(target=broker.run, daemon=True)
+        thread.start()
+        try:
+            with Client(broker.frontend_endpoint, deadline=5, context=zmq_context) as client:
+                task = client.attach()
+                status = client.status()
+                server.stop()  # Redis gone: the broker logs what it found
+                with pytest.raises(Exception):  # noqa: B017 - whichever error the lost write gives; its text is checked below
+                    client.detach(task)
+                status_after = client.status()
+        finally:
+            broker.stop()
+            thread.join(15)
+    assert status["storage_ok"] and not status_after["storage_ok"]
+    for text in (json.dumps(status), json.dumps(status_after), caplog.text):
+        assert SECRET not in text
+    assert "Redis" in caplog.text  # the loss was logged, so the log was looked at
