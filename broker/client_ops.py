@@ -21,7 +21,7 @@ import redis
 
 from broker.actors import Job
 from broker.metrics import latency_summary
-from broker.sessions import REASON_DETACH, REASON_EXPIRED, Session, now_ms, rid_key
+from broker.sessions import REASON_DETACH, REASON_EXPIRED, Session, attach_key, now_ms, rid_key
 from broker.state import BrokerState
 from common import protocol as p
 from common.zmqio import split_envelope
@@ -48,9 +48,11 @@ class ClientOps(BrokerState):
             p.OP_PING: self.on_ping,
         }
 
-    def on_client_frames(self, frames: list[bytes]) -> None:
-        """Split the envelope, decode, check, and hand the request to its handler."""
+    def on_client_frames(self, frames: list[bytes], sender: str = "") -> None:
+        """Split the envelope, decode, check, and hand the request to its handler; `sender`: who sent it
+        (recv_frames_and_sender), read by attach."""
         self.metrics["broker/requests"] += 1  # every message, well framed or not
+        self.sender = sender
         split = split_envelope(frames)
         if split is None:
             self.metrics["dropped/malformed_frames"] += 1
@@ -100,13 +102,13 @@ class ClientOps(BrokerState):
         self._require_storage()
         task_id = p.check_optional_task_id(msg)
         if task_id is None:
-            task_id = self.attach_rids.get(rid_key(rid)) or uuid.uuid4().hex
+            task_id = self.attach_rids.get(attach_key(self.sender, rid)) or uuid.uuid4().hex
         session = self.sessions.get(task_id)
         resumed = session is not None
         if session is None:
-            session = Session(task_id, self.cfg.segment_len, attach_rid=rid, epoch=uuid.uuid4().hex[:12])
+            session = Session(task_id, self.cfg.segment_len, attach_rid=rid, attach_sender=self.sender, epoch=uuid.uuid4().hex[:12])
             self.sessions[task_id] = session
-            self.attach_rids[rid_key(rid)] = task_id
+            self.attach_rids[attach_key(self.sender, rid)] = task_id
             self.store.stage_create(self.outbox.batch, session)
             self.metrics["broker/attached"] += 1
         session.last_seen_ms = now_ms()
@@ -151,7 +153,7 @@ class ClientOps(BrokerState):
             message = f"task {session.task_id!r} was {ended} while this ask was held; attach again"
             self._error(held[0], p.header(p.OP_ASK, held[1]), p.ProtocolError(p.E_UNKNOWN_TASK, message))
         del self.sessions[session.task_id]
-        self.attach_rids.pop(rid_key(session.attach_rid), None)
+        self.attach_rids.pop(attach_key(session.attach_sender, session.attach_rid), None)
         self._count_closed(len(closes))
         return len(closes)
 

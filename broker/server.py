@@ -33,7 +33,7 @@ from broker.metrics import MetricsServer
 from common import protocol as p
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
-from common.zmqio import bound, recv_frames
+from common.zmqio import bound, recv_frames, recv_frames_and_sender
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class Broker(ClientOps, ActorOps):
                 events = dict(poller.poll(int((ASK_RECHECK_S if self.held_asks else HOUSEKEEPING_S) * 1000)))
                 self.now = time.monotonic()
                 if frontend in events:
-                    self._drain(frontend, self.on_client_frames)
+                    self._drain_clients(frontend)
                 if backend in events:
                     self._drain(backend, self.on_actor_frames)
                 if self.now >= self._next_housekeeping:
@@ -166,6 +166,16 @@ class Broker(ClientOps, ActorOps):
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
+
+    def _drain_clients(self, sock: zmq.Socket) -> None:
+        """As _drain, each request with its sender (an attach retried from a new socket is told from another client)."""
+        curve = bool(self.cfg.curve_secret_key)
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames, sender = recv_frames_and_sender(sock, curve)
+            except zmq.Again:
+                return
+            self.on_client_frames(frames, sender)
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
         for _ in range(DRAIN_BATCH):

@@ -150,6 +150,7 @@ class Session:
     open_len: int = 0  # transitions in the open segment
     pending: PendingStep | None = None
     attach_rid: Any = None
+    attach_sender: str = ""  # who attached (CURVE key or address): a retried attach must come from the same client
     writes: int = 0  # steps and feedbacks recorded in this session's life: numbers the next Replied
     recent: OrderedDict = field(default_factory=OrderedDict)  # rid -> Replied, the last RECENT_REPLIES writes, oldest first
     history: list[dict[str, Any]] = field(default_factory=list)  # rag_step: the task's recent steps, oldest first (in Redis too)
@@ -241,6 +242,12 @@ class Session:
         self.seq += 1
         self.open_len = 0
         return [close]
+
+
+def attach_key(sender: str, rid: Any) -> Any:
+    """Where an attach's rid is looked up: a retry from the same client finds its task, another client reusing
+    the rid does not (issue 30: "one client can read another's verdict")."""
+    return (sender, rid_key(rid))
 
 
 def rid_key(rid: Any) -> Any:

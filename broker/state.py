@@ -29,7 +29,7 @@ from broker.config import BrokerConfig
 from broker.metrics import RateWindow, new_counters
 from broker.outbox import Outbox, StorageFailure
 from broker.scheduling import FairQueue
-from broker.sessions import Session, rid_key
+from broker.sessions import Session, attach_key
 from broker.store import SessionStore
 from common import protocol as p
 from common.learner_figures import read_latest
@@ -47,7 +47,8 @@ class BrokerState:
         self.redis = redis_client
         self.store = SessionStore(redis_client, RedisKeys(config.key_prefix, config.stream_key), config.consumer_group)
         self.sessions: dict[str, Session] = {}
-        self.attach_rids: dict[Any, str] = {}  # attach rid -> task_id, so a retried attach gets the same task
+        self.attach_rids: dict[Any, str] = {}  # (sender, attach rid) -> task_id, so a retried attach gets the same task
+        self.sender = ""  # who sent the client request being handled (recv_frames_and_sender): attach keys its rid by it
         self.registry = ActorRegistry()
         self.queue = FairQueue()  # jobs waiting for an actor, taking turns between clients
         self.jobs: dict[int, Job] = {}  # every job not yet answered, queued or in flight
@@ -133,7 +134,7 @@ class BrokerState:
     def _adopt(self, sessions: dict[str, Session]) -> None:
         """Sessions read from Redis become the broker's, with the index of their attach rids."""
         self.sessions = sessions
-        self.attach_rids = {rid_key(s.attach_rid): s.task_id for s in sessions.values() if s.attach_rid is not None}
+        self.attach_rids = {attach_key(s.attach_sender, s.attach_rid): s.task_id for s in sessions.values() if s.attach_rid is not None}
 
     def _require_storage(self) -> None:
         if not self.storage_ok:

@@ -198,6 +198,7 @@ class SessionStore:
                 s.restore(entry)
             if fields.get(b"attach_rid"):
                 s.attach_rid = unpack(fields[b"attach_rid"])
+                s.attach_sender = fields.get(b"attach_sender", b"").decode()  # "" in a hash from before it was kept
             sessions[task_id] = s
         return sessions
 
@@ -220,6 +221,8 @@ class SessionStore:
             b"",
             "attach_rid",
             seg.pack(s.attach_rid),
+            "attach_sender",
+            s.attach_sender,
             "epoch",
             s.epoch,
         )

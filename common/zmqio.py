@@ -38,6 +38,22 @@ def split_envelope(frames: list[bytes]) -> tuple[tuple[bytes, ...], bytes] | Non
     return None
 
 
+def recv_frames_and_sender(sock: zmq.Socket, curve: bool) -> tuple[list[bytes], str]:
+    """`recv_frames`, and who sent the message: with CURVE the client's public key (the ZAP handler's
+    User-Id, Z85), else the peer's address ("" over ipc or inproc). Unlike the routing id, both stay the
+    same when a client reconnects on a new socket (the retry rule), so they can tell a retry from another
+    client reusing the same rid."""
+    first = _raw_recv(sock, _NOBLOCK, copy=False)
+    try:
+        sender = first.get("User-Id" if curve else "Peer-Address")
+    except zmq.ZMQError:  # the property is not set for this transport
+        sender = ""
+    frames = [first.bytes]
+    while _raw_get(sock, _RCVMORE):
+        frames.append(_raw_recv(sock, _NOBLOCK))
+    return frames, str(sender) if sender else ""
+
+
 def send_frames(sock: zmq.Socket, frames: list[bytes] | tuple[bytes, ...]) -> None:
     """Send a multipart message without blocking."""
     last = len(frames) - 1

@@ -242,6 +242,36 @@ def test_ask_says_wait_without_actors_and_steps_time_out(start_broker, make_clie
     assert client.status()["counters"]["errors/timeout"] >= 2  # each attempt got its `timeout` from the broker
 
 
+def test_an_attach_rid_reused_by_another_client_gets_a_task_of_its_own_and_a_retry_on_a_new_socket_the_same(
+    start_broker, zmq_context
+):
+    """Two clients (two addresses: 127.0.0.1 and 127.0.0.2) sending `attach` with one rid get two tasks; the first
+    client's retry on a new socket (retry rule 3) gets its own task again. Before, the rid alone found the task: a
+    client reusing a rid got another's task id, and with it a way to write rewards into it."""
+    broker = start_broker()
+    port = broker.frontend.rsplit(":", 1)[1]
+
+    def attach(source: str, rid: str = "a1") -> dict:
+        sock = zmq_context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{source}:0;127.0.0.1:{port}")  # the connection's source address
+        try:
+            sock.send_multipart([b"", p.encode(p.header("attach", rid))])
+            assert sock.poll(5000), f"no answer to an attach from {source}"
+            return p.decode(sock.recv_multipart()[-1])
+        finally:
+            sock.close(linger=0)
+
+    first = attach("127.0.0.1")
+    again = attach("127.0.0.1")
+    other = attach("127.0.0.2")
+    assert again["task_id"] == first["task_id"] and other["task_id"] != first["task_id"]
+    assert not other["resumed"] and not again["resumed"]
+    stored = broker.broker.store.load_sessions(32, 0)  # kept in Redis: a restarted broker tells them apart too
+    assert (stored[first["task_id"]].attach_sender, stored[other["task_id"]].attach_sender) == ("127.0.0.1", "127.0.0.2")
+    assert attach("127.0.0.2")["task_id"] == other["task_id"]
+
+
 def test_overloaded_when_the_queue_is_full_for_the_client_that_filled_it(start_broker, make_client, zmq_context):
     """The client holding the whole queue gets `overloaded`; another client, under its share, is still queued, and
     then it too is refused past its share."""

@@ -230,6 +230,19 @@ def test_client_keeps_curve_on_the_sockets_it_opens_after_a_timeout(start_broker
 
 
 # --- 2, 3. unknown keys and plain peers are refused ----------------------------------------------------
+def test_with_curve_an_attach_rid_is_the_client_key_s_own(curve_broker, make_curve_client, keys):
+    """Under CURVE the client is its key: another allowed key reusing an attach rid from the same address gets a
+    task of its own; the same key on a new socket (a retry, rule 3) gets its task again."""
+    keys.allow("stranger", keys.allowed_clients)
+    broker = curve_broker()
+    mine = make_curve_client(broker.frontend, name="client").request("attach", rid="shared-rid")["task_id"]
+    again = make_curve_client(broker.frontend, name="client").request("attach", rid="shared-rid")["task_id"]
+    theirs = make_curve_client(broker.frontend, name="stranger").request("attach", rid="shared-rid")["task_id"]
+    assert again == mine and theirs != mine
+    stored = broker.broker.store.load_sessions(32, 0)
+    assert stored[mine].attach_sender == keys.client("client").public.decode()  # Z85, as the ZAP handler names it
+
+
 def test_client_with_an_unknown_key_gets_no_answer(curve_broker, make_curve_client):
     broker = curve_broker()
     stranger = make_curve_client(broker.frontend, name="stranger", deadline=REFUSED_DEADLINE_S, attempt_timeout=0.5)
