@@ -90,3 +90,38 @@ class Notifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class NotifyListener:
+    """The protocol's receiving end, for a parent that starts a component and waits until it serves (`ppoz up`).
+
+    An abstract unix datagram socket whose name goes into the child's NOTIFY_SOCKET: the child says READY=1
+    itself once it serves, so readiness needs no request to its own sockets, which under CURVE and
+    allow-lists a parent without keys could not make. Later notifications (status, watchdog) queue in the
+    kernel up to its limit, and past it the child's non-blocking sends drop them."""
+
+    def __init__(self, component: str) -> None:
+        self.name = f"ppoz-{os.getpid()}-{component}-{os.urandom(4).hex()}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self.sock.bind("\0" + self.name)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The child's environment entry that points its Notifier here."""
+        return {"NOTIFY_SOCKET": "@" + self.name}
+
+    def ready(self, timeout: float) -> bool:
+        """Whether READY=1 came within `timeout` seconds; other notifications are read and dropped."""
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                return False
+            if b"READY=1" in data.split(b"\n"):
+                return True
+        return False
+
+    def close(self) -> None:
+        self.sock.close()

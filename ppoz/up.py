@@ -21,13 +21,14 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.config import check, load, option, read_toml, section
 from common.redis_server import password_in_url
+from common.sd_notify import NotifyListener
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +153,9 @@ def started_stack(
     for name, endpoint in binds.items():
         check(not endpoint.endswith(":*"), f"{name} = {endpoint!r}: `ppoz up` needs fixed ports to wire components together")
     check(
-        not (rewards and rewards.curve_secret_key),
-        "[reward_service] curve_secret_key is set: `ppoz up`'s readiness probe speaks plain ZeroMQ; on one machine bind the"
-        " service on loopback without CURVE, and for a farm run `ppoz reward-server` on its own (docs/security.md)",
+        not (up.env and up.broker and broker.curve_secret_key),
+        "[up] env starts `ppoz play` clients, which have no CURVE keys, and [broker] curve_secret_key is set: they could"
+        " not connect; run CURVE clients of your own (docs/security.md) or leave [up] env empty",
     )
     if up.actors and not actor.policy.model:
         log.warning("[policy] model is empty: the actors serve the uniform random policy")
@@ -217,10 +218,15 @@ def _started(
     common = [sys.executable, "-m", "ppoz.cli", "--log-level", log_level]
     torch_env = thread_env(up.cpu_threads, up.actors + int(up.learner) + int(bool(rewards and rewards.reward_model)))
     config = ["--config", config_file] if config_file else []
+    # Readiness as each component reports it itself (READY=1 on a notify socket of ours): no request to its sockets,
+    # which under CURVE this process could not make.
+    ready: dict[str, NotifyListener] = {}
     if rewards:  # first: its model loads while the others start, and it stops last, after every driver's broker
-        sup.add("reward-server", [*common, "reward-server", *config], torch_env)
+        ready["reward-server"] = NotifyListener("reward-server")
+        sup.add("reward-server", [*common, "reward-server", *config], {**torch_env, **ready["reward-server"].env})
     if up.broker:
-        sup.add("broker", [*common, "broker", *config, "--redis-url", redis_url])
+        ready["broker"] = NotifyListener("broker")
+        sup.add("broker", [*common, "broker", *config, "--redis-url", redis_url], ready["broker"].env)
     if up.learner:
         sup.add("learner", [*common, "learner", *config, "--redis-url", redis_url, "--resume", *learner_args], torch_env)
     for i in range(up.actors):
@@ -247,10 +253,15 @@ def _started(
             "clients",
             [*common, "play", "--env", up.env, "--clients", str(up.env_clients), "--broker", client_broker, "--report-every", "30"],
         )
-    sup.start_all(lambda c: _wait_ready(c.name, client_broker, up.ready_timeout_s, sup))
-    if rewards:
-        _wait_answering("reward-server", connect_address(rewards.bind), _reward_service_answers, up.ready_timeout_s, sup)
-    yield Stack(client_broker, redis_url, broker.key_prefix, sup, connect_address(rewards.bind) if rewards else "")
+    try:
+        # the others start once the broker serves, so that they find it there
+        sup.start_all(lambda c: _wait_ready(c.name, ready["broker"], up.ready_timeout_s, sup) if c.name == "broker" else None)
+        if rewards:
+            _wait_ready("reward-server", ready["reward-server"], up.ready_timeout_s, sup)
+        yield Stack(client_broker, redis_url, broker.key_prefix, sup, connect_address(rewards.bind) if rewards else "")
+    finally:
+        for listener in ready.values():
+            listener.close()
 
 
 def check_ports_free(binds: dict[str, str]) -> None:
@@ -345,47 +356,18 @@ def thread_env(cpu_threads: int, torch_processes: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // torch_processes))}
 
 
-def _wait_ready(name: str, frontend: str, timeout: float, sup: Any) -> None:
-    """After the broker starts, wait until it answers, so that the others find it there."""
-    if name == "broker":
-        _wait_answering("broker", frontend, _broker_answers, timeout, sup)
-
-
-def _wait_answering(name: str, address: str, answers: Callable[[str], bool], timeout: float, sup: Any) -> None:
-    """Ask `answers(address)` (one try of about a second) until it is true, `timeout` passes, or the stack stops."""
+def _wait_ready(name: str, listener: NotifyListener, timeout: float, sup: Any) -> None:
+    """Wait for a component's READY=1 until `timeout` passes or the stack stops; a component that dies at start
+    is reported at once, not after the timeout."""
     end = time.monotonic() + timeout
     while time.monotonic() < end and not sup.stop_event.is_set():
-        if answers(address):
+        if listener.ready(min(1.0, max(0.0, end - time.monotonic()))):
             return
-        sup.check()  # a component that dies at start is reported now, not after the timeout
+        sup.check()
     if not sup.stop_event.is_set():
-        log.error("the %s did not answer at %s within %.0f s", name, address, timeout)
+        log.error("the %s did not report ready within %.0f s", name, timeout)
         sup.failed = name
         sup.stop()
-
-
-def _broker_answers(frontend: str) -> bool:
-    from client import Client, PPOZError
-
-    with Client(frontend, deadline=1.0, attempt_timeout=1.0) as c:
-        try:
-            c.ping()
-            return True
-        except PPOZError:
-            return False
-
-
-def _reward_service_answers(endpoint: str) -> bool:
-    from rewards.service import RewardServiceClient, RewardServiceError
-
-    client = RewardServiceClient(endpoint, timeout_s=1.0, retries=0)
-    try:
-        client.ping()
-        return True
-    except RewardServiceError:
-        return False
-    finally:
-        client.close()
 
 
 def _warn_if_unused(config_file: str | None, bind: str) -> None:

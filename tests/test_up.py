@@ -105,3 +105,45 @@ def test_up_stops_everything_when_a_component_dies_and_on_failure_is_stop(tmp_pa
     assert "actor-1 died (killed by SIGKILL)" in text and "stopping everything: actor-1 died and on_failure is stop" in text
     assert "ppoz up: stopped because actor-1 died" in text
     assert not alive(up.pid("broker")) and not alive(up.pid("actor-0"))
+
+
+def test_up_starts_a_curve_farm_its_readiness_reported_by_the_broker_itself(tmp_path):
+    """docs/farm.md's example is secure by default, so `ppoz up` must start a CURVE broker: it waits for the broker's
+    own READY=1 on a notify socket, not for an answer to a ping it could not send without keys (before: the ping
+    went unanswered until `ready_timeout_s` and the stack stopped)."""
+    import shutil
+
+    from client import Client
+    from common.security import generate_keypair
+
+    keys, allowed_clients, allowed_actors = tmp_path / "keys", tmp_path / "allowed-clients", tmp_path / "allowed-actors"
+    for name in ("broker", "actor", "emulator"):
+        generate_keypair(keys, name)
+    allowed_clients.mkdir()
+    allowed_actors.mkdir()
+    shutil.copy(keys / "emulator.key", allowed_clients)
+    shutil.copy(keys / "actor.key", allowed_actors)
+    front, back, weights = free_port(), free_port(), free_port()
+    config = write_config(tmp_path / "up.toml", front, back, weights)
+    config.write_text(
+        config.read_text().replace(
+            "heartbeat_ms = 200\n",
+            f'heartbeat_ms = 200\ncurve_secret_key = "{keys / "broker.key_secret"}"\n'
+            f'curve_allowed_clients = "{allowed_clients}"\ncurve_allowed_actors = "{allowed_actors}"\n',
+        )
+        + f'[actor]\ncurve_secret_key = "{keys / "actor.key_secret"}"\ncurve_broker_key = "{keys / "broker.key"}"\n'
+        + "[up]\nready_timeout_s = 20\n"
+    )
+    up = Up(config, "--no-learner", "--actors", "1")
+    try:
+        with Client(
+            f"tcp://127.0.0.1:{front}",
+            deadline=5,
+            curve_secret_key=str(keys / "emulator.key_secret"),
+            curve_server_key=str(keys / "broker.key"),
+        ) as client:
+            wait_for(lambda: len(client.status()["actors"]) == 1, timeout=60, what=f"the CURVE actor\n{up.text()[-2000:]}")
+        assert up.proc.poll() is None, up.text()[-2000:]
+    finally:
+        assert up.stop() == 0, up.text()[-2000:]
+    assert "did not report ready" not in up.text()
