@@ -255,6 +255,12 @@ class GenerationBatch(Tally):
     def __len__(self) -> int:
         return len(self.responses)
 
+    def pop(self) -> list[int]:
+        """Take the last sample back out of the batch; its prompt."""
+        for column in (self.responses, self.behaviour, self.temperatures, self.rewards, self.dones, self.lags):
+            column.pop()
+        return self.prompts.pop()
+
 
 def build_generation_batch(
     segments: list[Segment],
@@ -263,14 +269,17 @@ def build_generation_batch(
     episodes: EpisodeReturns | None = None,
     expected: PolicyStamp | None = None,
     vocab_size: int | None = None,
+    position_limit: int | None = None,
 ) -> GenerationBatch:
     """Generate transitions -> a batch. Bootstrap rules as the candidate rollout's: a segment closed by `done`
     ends its chain; one with a next observation bootstraps from that prompt's value; a truncated one with
     none drops its last turn (counted) and bootstraps from that turn's prompt. A turn that is stale, from
     a version ahead, greedy or from another run or adapter is dropped and counted, and cuts the chain
     there (the part before bootstraps from the dropped turn's prompt). So is a turn holding a token id
-    outside the learner's vocabulary (`vocab_size`: an actor serving another model would crash the update);
-    a next prompt holding one counts as no successor."""
+    outside the learner's vocabulary (`vocab_size`: an actor serving another model would crash the update).
+    A prompt to bootstrap from that the critic cannot score (a token id outside the vocabulary, or more
+    tokens than the model's `position_limit`) counts as no successor: the turn before it is dropped as a
+    truncated segment's last turn, counted in `dropped_truncated` and `dropped_unscorable_next_obs`."""
     out = GenerationBatch()
     episodes = episodes if episodes is not None else EpisodeReturns()
     for seg in segments:
@@ -279,9 +288,14 @@ def build_generation_batch(
         transitions = list(seg.transitions)
         next_prompt: list[int] | None = None
         if not seg.done:
-            if seg.next_obs is not None and seg.next_obs.get("prompt_ids") and _in_vocabulary(seg.next_obs["prompt_ids"], vocab_size):
-                next_prompt = list(seg.next_obs["prompt_ids"])
+            given = seg.next_obs.get("prompt_ids") if seg.next_obs is not None else None
+            why = _unscorable(given, vocab_size, position_limit) if given else None
+            if given and why is None:
+                next_prompt = list(given)
             else:  # truncated with no successor: the last turn has no observed successor
+                if why is not None:
+                    out.dropped_unscorable_next_obs += 1
+                    out.unscorable_reason = why
                 out.dropped_truncated += 1
                 next_prompt = list(transitions[-1].obs["prompt_ids"])
                 transitions = transitions[:-1]
@@ -299,7 +313,16 @@ def build_generation_batch(
                     out.dropped_mismatched += 1
                     out.mismatched[reason] += 1
                 if chain:
-                    out.chains.append(Chain(chain, list(t.obs["prompt_ids"])))
+                    boot: list[int] = list(t.obs["prompt_ids"])
+                    why = _unscorable(boot, vocab_size, position_limit)
+                    if why is not None:  # it cannot bootstrap the turn before, which then has no successor: dropped too
+                        out.dropped_unscorable_next_obs += 1
+                        out.unscorable_reason = why
+                        out.dropped_truncated += 1
+                        boot = out.pop()
+                        chain.pop()
+                    if chain:
+                        out.chains.append(Chain(chain, boot))
                 chain = []
                 continue
             chain.append(len(out.responses))
@@ -318,6 +341,15 @@ def build_generation_batch(
 
 def _in_vocabulary(ids: list[int], vocab_size: int | None) -> bool:
     return vocab_size is None or max(ids, default=0) < vocab_size
+
+
+def _unscorable(prompt_ids: list[int], vocab_size: int | None, position_limit: int | None) -> str | None:
+    """Why the critic cannot value a prompt (checked before any forward), or None."""
+    if not _in_vocabulary(prompt_ids, vocab_size):
+        return f"a prompt holds token id {max(prompt_ids)}, outside the model's vocabulary of {vocab_size}"
+    if position_limit is not None and len(prompt_ids) > position_limit:
+        return f"a prompt of {len(prompt_ids)} tokens, over the model's limit of {position_limit} positions"
+    return None
 
 
 def _dropped(t: Transition, current_version: int, max_policy_lag: int, expected: PolicyStamp | None) -> str | None:

@@ -72,12 +72,24 @@ class LearnerPolicy:
         width = model.get_output_embeddings().weight.shape[1]
         # token ids a transition may hold: an id past the embedding table would fail the whole update
         self.vocab_size = min(model.get_input_embeddings().num_embeddings, model.get_output_embeddings().weight.shape[0])
+        # positions the model was built for: a longer sequence fails on a learned position table (GPT-2), or costs
+        # attention memory quadratic in its length, so none is fed to it (see `tokenize_checked`)
+        self.position_limit = scoring.position_limit(model)
         self.value_head = ValueHead(width, value_hidden).to(device)
         # generate transitions: the value of each response token, from the same frozen features (learner_node/generation.py)
         self.token_value_head = ValueHead(width, token_value_hidden).to(device)
 
     def tokenize(self, obs: dict[str, Any]) -> scoring.Tokenized:
         return scoring.tokenize_observation(self.tokenizer, obs["prompt"], obs.get("question", ""), obs["action"])
+
+    def tokenize_checked(self, obs: dict[str, Any]) -> scoring.Tokenized:
+        """`tokenize`, raising ScoringError for an observation this model cannot score, before any forward: one
+        that tokenizes to nothing (an empty prompt + question and a tokenizer that adds no BOS), or whose context
+        and longest candidate run past the model's position limit (the actor's own check, actor_node/llm_policy.py).
+        A client's `next_obs` reaches the learner with nothing but the broker's character limits checked."""
+        item = self.tokenize(obs)
+        scoring.check_length(item, self.position_limit)
+        return item
 
     @contextlib.contextmanager
     def checkpointing(self) -> Iterator[None]:
@@ -136,8 +148,14 @@ class LearnerPolicy:
 
     @torch.no_grad()
     def values(self, observations: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The critic on observations: (the frozen base's features [N, width], the values [N])."""
-        features = self.features([self.tokenize(o) for o in observations])
+        """The critic on observations: (the frozen base's features [N, width], the values [N]); ScoringError,
+        before any forward, if one of them cannot be scored (`tokenize_checked`)."""
+        return self.values_of([self.tokenize_checked(o) for o in observations])
+
+    @torch.no_grad()
+    def values_of(self, items: Sequence[scoring.Tokenized]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The critic on tokenized observations: (features [N, width], values [N])."""
+        features = self.features(items)
         return features, self.value_head(features)
 
     def trainable_parameters(self) -> list[nn.Parameter]:

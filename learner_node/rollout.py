@@ -7,6 +7,10 @@ Bootstrap rules for a segment (docs/design.md, "Learner"):
 - truncated with nothing after it (detach, expiry without a pending step): the
   last transition has no observed successor, so it is not trained on (counted as
   `dropped_truncated`); its observation's value bootstraps the transition before it.
+- carries a `next_obs` the critic cannot score (the critic gives None: it tokenizes to
+  nothing, or runs past the model's positions; a client's feedback sends it, checked by
+  the broker for types and sizes only): as if truncated with nothing after it, counted
+  in `dropped_truncated` and, of those, in `dropped_unscorable_next_obs`.
 Transitions whose behaviour policy is more than `max_policy_lag` versions old are
 dropped after GAE (they still shape their neighbours' targets) and counted
 (`dropped_stale`); so are transitions from a version ahead of the learner's, which
@@ -22,12 +26,13 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.scoring import ScoringError
 from common.segments import Segment, Transition
 from common.shared_settings import PolicyStamp
 from learner_node import core_algos
@@ -45,6 +50,8 @@ class Tally:
     episodic_returns: list[float] = field(default_factory=list)
     dropped_stale: int = 0
     dropped_truncated: int = 0
+    dropped_unscorable_next_obs: int = 0  # of dropped_truncated: the segment's next observation could not be scored
+    unscorable_reason: str = ""  # why the last of those could not be (the learner logs it)
     dropped_mismatched: int = 0
     mismatched: collections.Counter[str] = field(default_factory=collections.Counter)  # by the field that disagreed
     stored: int = 0  # transitions in the segments taken
@@ -104,7 +111,7 @@ class EpisodeReturns:
 
 def build_rollout(
     segments: list[Segment],
-    value_of: Callable[[list[dict[str, Any]]], list[float]],
+    value_of: Callable[[list[dict[str, Any]]], Sequence[float | None]],
     gamma: float,
     lam: float,
     current_version: int,
@@ -112,7 +119,9 @@ def build_rollout(
     episodes: EpisodeReturns | None = None,
     expected: PolicyStamp | None = None,
 ) -> Rollout:
-    """Turn decoded segments into a Rollout; `value_of(observations)` is the critic (no gradients).
+    """Turn decoded segments into a Rollout; `value_of(observations)` is the critic (no gradients), None for an
+    observation it cannot score: a segment's `next_obs` so valued ends it as if truncated with no successor
+    (counted `dropped_unscorable_next_obs`); a transition's own observation, which the actor scored, must be scored.
 
     `episodes` carries episode returns across calls (the learner keeps one); by default a fresh
     one, so an episode's return counts only if it starts and ends within these segments.
@@ -133,14 +142,17 @@ def build_rollout(
         transitions = seg.transitions
         n = len(transitions)
         out.stored += n
-        seg_values = values[cursor : cursor + n]
+        seg_values = _scored(values[cursor : cursor + n], seg)
         cursor += n
+        next_value: float | None = None
         if seg.done:
             next_value = 0.0
         elif seg.next_obs is not None:
             next_value = values[cursor]
             cursor += 1
-        else:  # truncated with no successor: drop the last transition, bootstrap from its observation
+            if next_value is None:  # a next observation the critic cannot score: no successor known
+                out.dropped_unscorable_next_obs += 1
+        if next_value is None:  # truncated with no successor: drop the last transition, bootstrap from its observation
             out.dropped_truncated += 1
             transitions, next_value, seg_values = transitions[:-1], seg_values[-1], seg_values[:-1]
             n -= 1
@@ -171,6 +183,14 @@ def build_rollout(
             out.values.append(float(v))
             out.seg_ids.append(seg.seg_id)
     return out
+
+
+def _scored(values: Sequence[float | None], seg: Segment) -> list[float]:
+    """The critic's values of a segment's own observations, which must all have been scored."""
+    missing = [i for i, v in enumerate(values) if v is None]
+    if missing:
+        raise ScoringError(f"the critic could not score transition {missing[0]} of segment {seg.seg_id}, which an actor scored")
+    return [float(v) for v in values if v is not None]
 
 
 def _disagreement(t: Transition, expected: PolicyStamp | None) -> str | None:

@@ -61,6 +61,7 @@ RECENT_SEGMENTS = 100_000  # segment ids remembered to drop duplicates
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # redis-py's own retries gave up: Redis is down or restarting
 REDIS_BACKOFF_FIRST_S = 0.1
 REDIS_BACKOFF_CAP_S = 5.0
+UNSCORABLE_LOG_INTERVAL_S = 60.0  # at most one log line this often about next observations the model cannot score
 
 
 def backlog_limit(rollout_batch: int, max_policy_lag: int, transitions_per_segment: float) -> int:
@@ -149,6 +150,9 @@ class Learner:
 
             self.writer = SummaryWriter(cfg.tensorboard_dir)
         self._features: dict[int, torch.Tensor] = {}
+        self._unscorable_reason = ""  # why the critic could not score the last observation it could not (`_values`)
+        self._unscorable_unlogged = 0  # next observations left unscored since the last log line about them
+        self._unscorable_logged_at = -math.inf
         # Read positions of the rollout being collected (`collect`): own pending entries, then claimed ones.
         self._own_cursor: str | None = "0"
         self._claim_cursor: str | None = "0-0"
@@ -294,8 +298,15 @@ class Learner:
             self.stamp(),
         )
         generated = build_generation_batch(
-            generate_segments, self.version, self.cfg.max_policy_lag, self.episodes, self.stamp(), self.lp.vocab_size
+            generate_segments,
+            self.version,
+            self.cfg.max_policy_lag,
+            self.episodes,
+            self.stamp(),
+            self.lp.vocab_size,
+            self.lp.position_limit,
         )
+        self._log_unscorable(rollout, generated)
         train_policy = self.updates >= self.cfg.warmup_updates
         before = TrainableSnapshot.of([self.policy_opt, self.value_opt, self.token_value_opt])
         kl_before = self.kl.value
@@ -323,6 +334,7 @@ class Learner:
                 "charts/policy_version": self.version,
                 "charts/dropped_stale": rollout.dropped_stale + generated.dropped_stale,
                 "charts/dropped_truncated": rollout.dropped_truncated + generated.dropped_truncated,
+                "charts/dropped_unscorable_next_obs": rollout.dropped_unscorable_next_obs + generated.dropped_unscorable_next_obs,
                 "charts/dropped_mismatched": rollout.dropped_mismatched + generated.dropped_mismatched,
             }
         )
@@ -367,6 +379,7 @@ class Learner:
             self.counters["transitions_stored"] += kind.stored
             self.counters["dropped_stale"] += kind.dropped_stale
             self.counters["dropped_truncated"] += kind.dropped_truncated
+            self.counters["dropped_unscorable_next_obs"] += kind.dropped_unscorable_next_obs  # of dropped_truncated
             self.counters["dropped_mismatched"] += kind.dropped_mismatched
             for reason, count in kind.mismatched.items():
                 self.counters[f"mismatched_{reason}"] += count
@@ -565,11 +578,46 @@ class Learner:
         if unacked:
             acknowledge(self.redis, self.keys, self.cfg.consumer_group, [(i, s or []) for i, s in unacked])
 
-    def _values(self, observations: list[dict[str, Any]]) -> list[float]:
-        """Critic values for GAE; the features are kept (by observation object) for the update's critic epochs."""
-        features, values = self.lp.values(observations)
-        self._features = {id(o): f for o, f in zip(observations, features)}
-        return values.cpu().tolist()
+    def _values(self, observations: list[dict[str, Any]]) -> list[float | None]:
+        """Critic values for GAE, None for an observation the model cannot score (`LearnerPolicy.tokenize_checked`:
+        a client's next_obs that tokenizes to nothing or runs past the model's positions), which is never fed to
+        it; the features are kept (by observation object) for the update's critic epochs."""
+        items: list[scoring.Tokenized] = []
+        scored: list[int] = []
+        for i, obs in enumerate(observations):
+            try:
+                items.append(self.lp.tokenize_checked(obs))
+            except scoring.ScoringError as e:
+                self._unscorable_reason = str(e)
+                continue
+            scored.append(i)
+        out: list[float | None] = [None] * len(observations)
+        self._features = {}
+        if items:
+            features, values = self.lp.values_of(items)
+            for i, f, v in zip(scored, features, values.cpu().tolist(), strict=True):
+                self._features[id(observations[i])] = f
+                out[i] = v
+        return out
+
+    def _log_unscorable(self, rollout: Rollout, generated: GenerationBatch) -> None:
+        """One warning, at most every UNSCORABLE_LOG_INTERVAL_S, about the next observations left unscored since the
+        last: a client can send one with every feedback, and a line per segment would flood the log. Rank 0 alone
+        logs it (every rank builds the same rollout)."""
+        if not self.is_main:
+            return
+        self._unscorable_unlogged += rollout.dropped_unscorable_next_obs + generated.dropped_unscorable_next_obs
+        now = time.monotonic()
+        if not self._unscorable_unlogged or now - self._unscorable_logged_at < UNSCORABLE_LOG_INTERVAL_S:
+            return
+        reason = generated.unscorable_reason if generated.dropped_unscorable_next_obs else self._unscorable_reason
+        log.warning(
+            "%d segments' next observations could not be scored (the last: %s); each was trained as truncated with no "
+            "successor, its last transition dropped (counters dropped_unscorable_next_obs and dropped_truncated)",
+            self._unscorable_unlogged,
+            reason,
+        )
+        self._unscorable_unlogged, self._unscorable_logged_at = 0, now
 
     # --- persistence and publication -----------------------------------------------------------
     def save_checkpoint(self, entry_ids: list[str]) -> None:

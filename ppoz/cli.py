@@ -457,8 +457,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
             print(
                 f"  transitions: stored {counters.get('transitions_stored', 0)}, trained {counters.get('transitions_trained', 0)}, "
-                f"dropped stale {counters.get('dropped_stale', 0)}, truncated {counters.get('dropped_truncated', 0)}, "
-                f"mismatched {counters.get('dropped_mismatched', 0)}"
+                f"dropped stale {counters.get('dropped_stale', 0)}, truncated {counters.get('dropped_truncated', 0)}"
+                + (
+                    f" (next_obs unscorable: {counters['dropped_unscorable_next_obs']})"
+                    if counters.get("dropped_unscorable_next_obs")
+                    else ""
+                )
+                + f", mismatched {counters.get('dropped_mismatched', 0)}"
                 + (f" ({why})" if why else "")
                 + f", non-finite {counters.get('dropped_nonfinite', 0)}"
                 + (f" (updates discarded: {counters['discarded_updates']})" if counters.get("discarded_updates") else "")

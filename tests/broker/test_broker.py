@@ -242,9 +242,7 @@ def test_ask_says_wait_without_actors_and_steps_time_out(start_broker, make_clie
     assert client.status()["counters"]["errors/timeout"] >= 2  # each attempt got its `timeout` from the broker
 
 
-def test_an_attach_rid_reused_by_another_client_gets_a_task_of_its_own_and_a_retry_on_a_new_socket_the_same(
-    start_broker, zmq_context
-):
+def test_an_attach_rid_reused_by_another_client_gets_a_task_of_its_own_and_a_retry_on_a_new_socket_the_same(start_broker, zmq_context):
     """Two clients (two addresses: 127.0.0.1 and 127.0.0.2) sending `attach` with one rid get two tasks; the first
     client's retry on a new socket (retry rule 3) gets its own task again. Before, the rid alone found the task: a
     client reusing a rid got another's task id, and with it a way to write rewards into it."""
