@@ -82,7 +82,11 @@ class RewardServiceConfig(RewardSources):
     bind: str = option(DEFAULT_SERVICE_ENDPOINT, "ZeroMQ endpoint the service binds (ROUTER); drivers set [train] reward_service to it")
     batch_size: int = option(32, "most pairs in one forward of the reward model; requests of several drivers are scored together up to it")
     batch_wait_ms: float = option(5.0, "how long the reward model waits for more drivers' requests to fill a batch")
-    judge_workers: int = option(16, "judge requests (of any driver) handled at once; the judge's own limit is judge_concurrency")
+    judge_workers: int = option(
+        16,
+        "judge calls in flight at once, for the items of every driver's requests, shared round-robin among the requests;"
+        " at most judge_concurrency (more would only wait inside the judge, first come first served)",
+    )
     max_items: int = option(1024, "most pairs or items in one request; more get `too_large`")
     max_request_bytes: int = option(64 * 1024 * 1024, "largest request accepted; larger ones get `too_large`")
     max_pending: int = option(1024, "most requests waiting or being scored; past it new ones get `overloaded`")

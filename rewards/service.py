@@ -32,9 +32,17 @@ Error codes (`ERROR_CODES`): bad_request, unknown_op, not_hosted, too_large, ove
 `retry_after_ms`), timeout (the request waited past `queue_timeout_s`), scoring_failed, internal.
 
 Threads of the server: the socket's loop (reads, checks, answers `ping` at once, sends every reply);
-one reward-model thread (batches the queued `rm_score` requests of all drivers); `judge_workers`
-threads for `judge` requests, so a slow judge never holds up a reward-model request or a ping. The
-scoring itself is the RewardModel's and the Judge's (rewards/reward_model.py, rewards/judge.py).
+one reward-model thread (batches the pairs of the `rm_score` requests of all drivers); one judge thread
+that hands the items of `judge` requests to at most min(judge_workers, judge_concurrency) judge calls at
+once, so a slow judge never holds up a reward-model request or a ping. Both share their work among the
+requests in progress the same way (`_round_robin`): each request gets an equal share of every batch of
+pairs, or of the judge calls that come free, in turn, so a small request is not held behind a large one
+for longer than a batch or a judge call or two. The scoring itself is the RewardModel's and the Judge's
+(rewards/reward_model.py, rewards/judge.py).
+
+A request is checked against the limits before any of it is scored, tokenized or even decoded: its size
+(`max_request_bytes`) and the length of its `pairs` or `items` (`max_items`, read from the array's header:
+decoding 20 million empty pairs took the loop 11 s, every other request waiting, only to refuse them).
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +97,8 @@ ERROR_CODES: dict[str, str] = {
 RETRIED_CODES = frozenset({p.E_OVERLOADED, p.E_TIMEOUT})  # sent again by the clients; the others are final
 CLIENT_CHUNK = 256  # pairs or items per request from the clients here (below the service's default max_items)
 VERDICT_FIELDS = ("reward", "raw_score", "reply", "error", "cached")
+ROWS_FIELDS = {OP_RM_SCORE: "pairs", OP_JUDGE: "items"}
+SLOT_FREED = "slot freed"  # on the judge's queue: a judge call finished, there is room for another
 # A ping is answered by the service's socket loop at once, never queued behind scoring: a short wait per
 # attempt tells a service that is not there within seconds (a scoring request waits `timeout_s`, 60 s for a
 # driver: 3 silent minutes at start before this).
@@ -162,6 +172,28 @@ def check_rows(body: dict[str, Any], name: str, columns: tuple[str, ...], limits
     return [tuple(row) for row in rows]
 
 
+def rows_over(body: bytes, limit: int) -> tuple[str, int] | None:
+    """The name and length of an array under `pairs` or `items` in a request's top-level map that is longer than
+    `limit`, read from its header before anything is decoded (the other values are skipped unbuilt); None when
+    there is none, or where the body cannot be read so far (decode() then says why)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(1, len(body)))
+    try:
+        unpacker.feed(body)
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key not in ROWS_FIELDS.values():
+                unpacker.skip()
+                continue
+            rows = unpacker.read_array_header()
+            if rows > limit:
+                return key, rows
+            for _ in range(rows):
+                unpacker.skip()
+    except Exception:  # noqa: BLE001 - msgpack raises several types for hostile input; decode() names the problem
+        pass
+    return None
+
+
 def split(values: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
     """`values` cut into consecutive runs of `sizes` (one batch's scores, back to the requests it joined)."""
     out, start = [], 0
@@ -174,16 +206,40 @@ def split(values: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
 # --- The server ----------------------------------------------------------------------------------
 @dataclass
 class Scoring:
-    """A reward-model request's progress: its first `done` pairs are scored (`scores`)."""
+    """A request's progress: its first `done` rows are handed out to be scored; `results` in order as they come
+    back (from the judge's calls, in any order: `record` and `give_up` may be called from any thread)."""
 
     job: Job
     done: int = 0
-    scores: list[float] = field(default_factory=list)
-    failed: bool = False
+    failed: bool = False  # answered with an error (or timed out): nothing more of it is scored or sent
+    answered: int = 0
+    results: list[Any] = field(init=False)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.job.rows)
 
     @property
     def finished(self) -> bool:
+        """Nothing more to hand out: every row handed out, or the request failed."""
         return self.failed or self.done == len(self.job.rows)
+
+    def record(self, start: int, values: Sequence[Any]) -> bool:
+        """Keep the results of the rows from `start`; True when they were its last (its reply is due now)."""
+        with self.lock:
+            if self.failed:
+                return False
+            self.results[start : start + len(values)] = values
+            self.answered += len(values)
+            return self.answered == len(self.results)
+
+    def give_up(self) -> bool:
+        """Mark it failed; True the one time that its error reply is due (not when it was answered or failed before)."""
+        with self.lock:
+            if self.failed or self.answered == len(self.results):
+                return False
+            self.failed = True
+            return True
 
 
 def fair_shares(active: Sequence[Scoring], batch_size: int) -> list[tuple[Scoring, int]]:
@@ -252,9 +308,15 @@ class RewardService:
         os.set_blocking(self._wake_write, False)
         self._wake_lock = threading.Lock()  # a late worker must never write to a closed (and maybe reused) descriptor
         self._closed = False
-        self._rm_queue: queue.Queue[Job | None] = queue.Queue()
+        self._rm_queue: queue.Queue[Job | str | None] = queue.Queue()
         self._rm_thread: threading.Thread | None = None
-        self._judge_pool = ThreadPoolExecutor(max_workers=cfg.judge_workers, thread_name_prefix="judge-request")
+        # judge calls in flight at once: more than the judge's own limit would only wait inside it, first come first served
+        self._judge_slots = min(cfg.judge_workers, cfg.judge_concurrency)
+        self._judge_in_flight = 0  # under _judge_lock: the judge thread adds, the calls that finish take away
+        self._judge_lock = threading.Lock()
+        self._judge_queue: queue.Queue[Job | str | None] = queue.Queue()
+        self._judge_thread: threading.Thread | None = None
+        self._judge_pool = ThreadPoolExecutor(max_workers=self._judge_slots, thread_name_prefix="judge-call")
 
     def start(self) -> None:
         """Bind the socket (an endpoint ending in `:*` takes a free port: `endpoint` says which) and start the workers."""
@@ -272,6 +334,9 @@ class RewardService:
         if self.reward_model is not None:
             self._rm_thread = threading.Thread(target=self._reward_model_loop, name="reward-model", daemon=True)
             self._rm_thread.start()
+        if self.judge is not None:
+            self._judge_thread = threading.Thread(target=self._judge_loop, name="judge", daemon=True)
+            self._judge_thread.start()
         self.notifier.ready(f"rewards on {self.endpoint}: {', '.join(self.components)}")
 
     def stop(self) -> None:
@@ -318,8 +383,10 @@ class RewardService:
             os.close(self._wake_write)
         self._stopping.set()
         self._rm_queue.put(None)
-        if self._rm_thread is not None:
-            self._rm_thread.join(self.cfg.drain_timeout_s + 5)
+        self._judge_queue.put(None)
+        for thread in (self._rm_thread, self._judge_thread):
+            if thread is not None:
+                thread.join(self.cfg.drain_timeout_s + 5)
         self._judge_pool.shutdown(wait=False, cancel_futures=True)
         if self.sock is not None and not self.sock.closed:
             self.sock.close(linger=0)
@@ -349,6 +416,9 @@ class RewardService:
         try:
             if len(body) > self.limits.max_request_bytes:
                 raise p.ProtocolError(p.E_TOO_LARGE, f"the request is {len(body)} bytes, the limit is {self.limits.max_request_bytes}")
+            over = rows_over(body, self.limits.max_items)  # before decoding: millions of empty rows fit in the bytes
+            if over is not None:
+                raise p.ProtocolError(p.E_TOO_LARGE, f"`{over[0]}` has {over[1]} entries, the limit is {self.limits.max_items}")
             msg = p.decode(body)
             p.check_rid(msg.get("rid"))
             op = p.require(msg, "op", str, f"a str: {', '.join(OPS)}")
@@ -393,10 +463,7 @@ class RewardService:
             )
         job = Job(op, msg["rid"], rows, [envelope], key)
         self._in_progress[key] = job
-        if op == OP_RM_SCORE:
-            self._rm_queue.put(job)
-        else:
-            self._judge_pool.submit(self._judge_request, job)
+        (self._rm_queue if op == OP_RM_SCORE else self._judge_queue).put(job)
 
     def _send_finished(self, sock: zmq.Socket) -> None:
         while True:
@@ -431,50 +498,72 @@ class RewardService:
         self._count(f"errors/{code}")
         self._finish(job, {"error": {"code": code, "message": message}})
 
-    def _expired(self, job: Job) -> bool:
-        if time.monotonic() - job.received <= self.cfg.queue_timeout_s:
+    def _expired(self, scoring: Scoring) -> bool:
+        if time.monotonic() - scoring.job.received <= self.cfg.queue_timeout_s:
             return False
-        self._fail(job, p.E_TIMEOUT, f"waited more than queue_timeout_s ({self.cfg.queue_timeout_s:g} s) to be scored")
+        if scoring.give_up():
+            self._fail(scoring.job, p.E_TIMEOUT, f"waited more than queue_timeout_s ({self.cfg.queue_timeout_s:g} s) to be scored")
         return True
 
-    def _reward_model_loop(self) -> None:
-        """Score the queued requests of every driver in batches of at most batch_size pairs, shared round-robin.
+    def _round_robin(
+        self,
+        jobs: queue.Queue[Job | str | None],
+        room: Callable[[], int],
+        wait_s: float,
+        hand_out: Callable[[list[tuple[Scoring, int, int]]], None],
+    ) -> None:
+        """Hand out the rows of the requests in progress, as many at a time as `room()` allows, shared round-robin:
+        each request gets an equal share (fair_shares) of each hand-out, what one leaves unused going to the others,
+        and the first in turn moves on after each. `hand_out` gets (request, its first row, rows) for each share.
+        Every request that has arrived joins each hand-out; more are waited for (`wait_s`) only while the rows
+        waiting would not fill the room. Returns when `jobs` gives None; any other item than a Job only wakes it
+        (`room()` may have grown).
 
-        Each batch gives every request in progress an equal share of its pairs (waiting batch_wait_ms for more
-        requests when it is not full), so a request of 1,000 long pairs is scored a batch at a time while a small
-        request that arrives meanwhile is done in the next batch: scored whole, the large one held every driver
-        for 20 to 83 s."""
+        Both scorers run on it: the reward model's batches (room: batch_size; hand_out scores them, and returns
+        when they are scored) and the judge's calls (room: the calls free; hand_out starts them). First come, first
+        served, a request of 1,000 long pairs held every driver until its last pair (20 to 83 s), and one of many
+        judge items held every other judge request until its last verdict."""
         active: collections.deque[Scoring] = collections.deque()
+
+        def take(item: Job | str | None) -> bool:
+            if isinstance(item, Job):
+                active.append(Scoring(item))
+            return item is not None
+
         while True:
-            if not active:
-                first = self._rm_queue.get()
-                if first is None:
+            while not active or room() < 1:  # nothing to hand out, or no room for it
+                if not take(jobs.get()):
                     return
-                active.append(Scoring(first))
-            pending = sum(len(s.job.rows) - s.done for s in active)
-            until = time.monotonic() + self.cfg.batch_wait_ms / 1000
-            while True:  # every request that has arrived joins; more are waited for only while the batch is not full
-                wait = max(0.0, until - time.monotonic()) if pending < self.cfg.batch_size else 0.0
+            until = time.monotonic() + wait_s
+            while True:
+                waiting = sum(len(s.job.rows) - s.done for s in active)
+                wait = until - time.monotonic() if waiting < room() else 0.0
                 try:
-                    more = self._rm_queue.get(timeout=wait) if wait else self._rm_queue.get_nowait()
+                    item = jobs.get(timeout=wait) if wait > 0 else jobs.get_nowait()
                 except queue.Empty:
                     break
-                if more is None:
+                if not take(item):
                     return  # closing: the service answered or gave up on what was in progress (drain_timeout_s)
-                active.append(Scoring(more))
-                pending += len(more.rows)
-            for scoring in [s for s in active if self._expired(s.job)]:
+            for scoring in [s for s in active if s.failed or self._expired(s)]:
                 active.remove(scoring)
-            if active:
-                self._score_shares(fair_shares(active, self.cfg.batch_size))
-                for scoring in [s for s in active if s.finished]:
-                    active.remove(scoring)
-                active.rotate(-1)  # the next batch starts with the next request
+            if not active:
+                continue
+            shares = [(scoring, scoring.done, n) for scoring, n in fair_shares(active, room())]
+            for scoring, _, n in shares:
+                scoring.done += n
+            hand_out(shares)
+            for scoring in [s for s in active if s.finished]:
+                active.remove(scoring)
+            active.rotate(-1)  # the next hand-out starts with the next request
 
-    def _score_shares(self, shares: list[tuple[Scoring, int]]) -> None:
-        """Score each request's next `n` pairs in one call; a failure is retried per request, and fails only the
+    def _reward_model_loop(self) -> None:
+        """The reward model's batches of at most batch_size pairs, shared round-robin among the `rm_score` requests."""
+        self._round_robin(self._rm_queue, lambda: self.cfg.batch_size, self.cfg.batch_wait_ms / 1000, self._score_shares)
+
+    def _score_shares(self, shares: list[tuple[Scoring, int, int]]) -> None:
+        """Score each request's share of pairs in one call; a failure is retried per request, and fails only the
         request whose pairs the model cannot take (its remaining pairs are not scored)."""
-        rows = [pair for scoring, n in shares for pair in scoring.job.rows[scoring.done : scoring.done + n]]
+        rows = [pair for scoring, start, n in shares for pair in scoring.job.rows[start : start + n]]
         try:
             scores = self.reward_model.score([(prompt, response) for prompt, response in rows])
         except Exception as e:  # noqa: BLE001 - one request's pair the model cannot take fails that request alone
@@ -484,16 +573,14 @@ class RewardService:
                 return
             scoring = shares[0][0]
             log.warning("the reward model failed on a request of %d pairs: %s: %s", len(scoring.job.rows), type(e).__name__, e)
-            self._fail(scoring.job, E_SCORING_FAILED, f"the reward model failed: {type(e).__name__}: {e}")
-            scoring.failed = True
+            if scoring.give_up():
+                self._fail(scoring.job, E_SCORING_FAILED, f"the reward model failed: {type(e).__name__}: {e}")
             return
         self._count("rm/batches")
         self._count("rm/pairs", len(scores))
-        for (scoring, n), part in zip(shares, split(scores, [n for _, n in shares])):
-            scoring.scores += part
-            scoring.done += n
-            if scoring.done == len(scoring.job.rows):
-                self._send_scores(scoring.job, scoring.scores)
+        for (scoring, start, _), part in zip(shares, split(scores, [n for _, _, n in shares])):
+            if scoring.record(start, part):
+                self._send_scores(scoring.job, scoring.results)
 
     def _send_scores(self, job: Job, scores: list[float]) -> None:
         sent, errors = checked_scores(scores, self.cfg.max_abs_reward)
@@ -508,16 +595,36 @@ class RewardService:
             )
         self._finish(job, {"scores": sent, "errors": errors})
 
-    def _judge_request(self, job: Job) -> None:
+    def _judge_loop(self) -> None:
+        """The judge's calls, one item each, started as calls come free, shared round-robin among the `judge` requests."""
+        self._round_robin(self._judge_queue, self._judge_room, 0.0, self._start_judge_calls)
+
+    def _judge_room(self) -> int:
+        with self._judge_lock:
+            return self._judge_slots - self._judge_in_flight
+
+    def _start_judge_calls(self, shares: list[tuple[Scoring, int, int]]) -> None:
+        for scoring, start, n in shares:
+            for i in range(start, start + n):
+                with self._judge_lock:
+                    self._judge_in_flight += 1
+                self._judge_pool.submit(self._judge_call, scoring, i)
+
+    def _judge_call(self, scoring: Scoring, i: int) -> None:
+        """Judge the request's item i; the request's reply goes out with its last verdict."""
         try:
-            if self._expired(job):
-                return
-            verdicts = [checked_verdict(v, "the reward service") for v in self.judge.judge_many(job.rows)]
-            self._count("judge/items", len(verdicts))
-            self._finish(job, {"verdicts": [verdict_to_wire(v) for v in verdicts]})
-        except Exception as e:  # noqa: BLE001 - a worker that dies without an answer would leave its driver waiting
-            log.exception("the judge failed on a request of %d items", len(job.rows))
-            self._fail(job, E_SCORING_FAILED, f"the judge failed: {type(e).__name__}: {e}")
+            (verdict,) = self.judge.judge_many([scoring.job.rows[i]])
+            self._count("judge/items")
+            if scoring.record(i, [checked_verdict(verdict, "the reward service")]):
+                self._finish(scoring.job, {"verdicts": [verdict_to_wire(v) for v in scoring.results]})
+        except Exception as e:  # noqa: BLE001 - a call that dies without an answer would leave its driver waiting
+            log.exception("the judge failed on an item of a request of %d items", len(scoring.job.rows))
+            if scoring.give_up():
+                self._fail(scoring.job, E_SCORING_FAILED, f"the judge failed: {type(e).__name__}: {e}")
+        finally:
+            with self._judge_lock:
+                self._judge_in_flight -= 1
+            self._judge_queue.put(SLOT_FREED)
 
 
 def error_reply(op: Any, rid: Any, e: p.ProtocolError) -> dict[str, Any]:

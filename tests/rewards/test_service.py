@@ -18,10 +18,11 @@ import pytest
 import zmq
 from transformers import AutoTokenizer
 
+from common import protocol
 from ppoz.bench.judge_stand_in import chat_server
 from rewards.composite import CompositeReward, Item
 from rewards.config import RewardServiceConfig
-from rewards.judge import Judge, JudgeConfig
+from rewards.judge import Judge, JudgeConfig, Verdict
 from rewards.reward_model import RewardModel, RewardModelConfig
 from rewards.service import RemoteJudge, RemoteRewardModel, RewardService, RewardServiceClient, RewardServiceError
 from tests.helpers import wait_for
@@ -414,3 +415,91 @@ def test_a_large_rm_score_request_does_not_hold_up_a_small_one_for_more_than_a_b
     assert len(reply["scores"]) == 320 and all(isinstance(x, float) for x in reply["scores"])
     alone = RewardModel(RewardModelConfig(rm_dir, batch_size=8)).score([tuple(pair) for pair in long_pairs[:16]])
     assert reply["scores"][:16] == pytest.approx(alone, abs=1e-5)  # the shares change when a pair is scored, not its score
+
+
+def test_a_30_mb_pair_does_not_hold_up_a_small_request(rm_dir) -> None:
+    """One pair of 30 MB (a 20 MB prompt, a 10 MB response), then a request of 2 pairs: the tiny model tokenized whole
+    texts before cutting them to 512 tokens (a 30 MB prompt beside a short response: 133 s, tokenized twice), every
+    other request waiting. Now only the end of each text that truncation keeps is tokenized (rewards/reward_model.py,
+    `text_bound`): both are answered at once (0.2 to 0.3 s, the 30 MB transfer included)."""
+    words = "the emulator clicked the button, then scrolled down. " * 400_000
+    pair = [words[:20_000_000], words[:10_000_000]]
+    with serving(RewardModel(RewardModelConfig(rm_dir, batch_size=8)), batch_size=8, batch_wait_ms=0) as service:
+        with dealer(service.endpoint) as big, dealer(service.endpoint) as small:
+            started = time.monotonic()
+            big.send_multipart([b"", msgpack.packb({"op": "rm_score", "rid": "huge", "pairs": [pair]})])
+            wait_for(lambda: service.counts["requests"] >= 1, timeout=10, what="the 30 MB request's arrival")  # read before the small one
+            answer = ask(small, {"op": "rm_score", "rid": "small", "pairs": [list(p) for p in PAIRS[:2]]})
+            small_s = time.monotonic() - started
+            assert big.poll(10_000), "the 30 MB pair was not scored within 10 s"
+            big_s = time.monotonic() - started
+            reply = msgpack.unpackb(big.recv_multipart()[-1])
+    assert answer["scores"] == pytest.approx(RewardModel(RewardModelConfig(rm_dir)).score(PAIRS[:2]), abs=1e-5)
+    assert small_s < 2.0, f"the small request waited {small_s:.2f} s behind the 30 MB pair"
+    assert isinstance(reply["scores"][0], float) and reply["errors"] == [""] and big_s < 5.0
+
+
+def test_a_large_judge_request_does_not_hold_up_a_small_one_for_more_than_a_few_calls() -> None:
+    """80 items, then a request of 1, at a judge of 2 calls at once (50 ms each): every item went into the judge's own
+    queue as it came, so the small request's call started after the large one's 80. Now the judge's calls are shared
+    round-robin among the requests in progress as they come free, as the reward model's batches are."""
+    with chat_server(lambda body, n: (200, 0.05, "Score: 1")) as api:
+        judge = Judge(JudgeConfig(model="judge-1", base_url=api.base_url, retries=0, concurrency=2))
+        with serving(judge=judge, judge_concurrency=2) as service, dealer(service.endpoint) as big, dealer(service.endpoint) as small:
+            items = [[f"large {i}", "r", "1"] for i in range(80)]
+            big.send_multipart([b"", msgpack.packb({"op": "judge", "rid": "large", "items": items})])
+            wait_for(lambda: len(api.requests) >= 6, timeout=30, what="the large request's first judge calls")
+            calls_at_arrival, started = len(api.requests), time.monotonic()
+            answer = ask(small, {"op": "judge", "rid": "small", "items": [["the small one", "r", "1"]]})
+            small_s = time.monotonic() - started
+            order = [body["messages"][1]["content"] for body, _ in api.requests]
+            calls_before = next(i for i, content in enumerate(order) if "the small one" in content) - calls_at_arrival
+            assert not big.poll(0), "the large request finished first"
+            assert big.poll(30_000)
+            reply = msgpack.unpackb(big.recv_multipart()[-1])
+            most_in_flight = api.most_in_flight
+    assert answer["verdicts"][0]["reward"] == 1.0
+    assert calls_before <= 4, f"{calls_before} judge calls of the large request started before the small one's ({small_s:.2f} s)"
+    assert len(reply["verdicts"]) == 80 and all(v["reward"] == 1.0 for v in reply["verdicts"]) and most_in_flight <= 2
+    assert [v["reply"] for v in reply["verdicts"]] == ["Score: 1"] * 80  # each verdict back in its item's place
+
+
+def test_the_record_count_and_size_are_refused_before_anything_is_decoded_or_scored(monkeypatch) -> None:
+    """5 million empty pairs fit in 15 MB: decoding them took the service's loop seconds (11 s for 20 million), every
+    other request waiting, only to refuse them for their number. The length of `pairs` or `items` is read from the
+    array's header, and a request over `max_request_bytes` is refused by its size, before anything is decoded."""
+
+    class Spy:
+        calls = 0
+
+        def score(self, pairs: list[tuple[str, str]]) -> list[float]:
+            self.calls += 1
+            return [0.5] * len(pairs)
+
+        def judge_many(self, items: list[tuple[str, str, Any]]) -> list[Verdict]:
+            self.calls += 1
+            return [Verdict(1.0, 1.0, "Score: 1")] * len(items)
+
+    def many(op: str, field: str, row: bytes, n: int) -> bytes:  # {op, rid, field: [row] * n}, written by hand
+        head = b"".join(msgpack.packb(x) for x in ("op", op, "rid", f"many-{field}", field))
+        return b"\x83" + head + b"\xdd" + n.to_bytes(4, "big") + row * n
+
+    decoded: list[int] = []
+    decode = protocol.decode
+    monkeypatch.setattr(protocol, "decode", lambda frame: decoded.append(len(frame)) or decode(frame))
+    spy = Spy()
+    limit = 24 * 1024 * 1024
+    with serving(spy, spy, max_request_bytes=limit) as service, dealer(service.endpoint) as sock:
+        cases = [
+            (many("rm_score", "pairs", b"\x92\xa0\xa0", 5_000_000), "`pairs` has 5000000 entries, the limit is 1024"),
+            (many("judge", "items", b"\x93\xa0\xa0\xc0", 5_000_000), "`items` has 5000000 entries, the limit is 1024"),
+            (msgpack.packb({"op": "rm_score", "rid": "big", "pairs": [["p" * limit, "r"]]}), f"the limit is {limit}"),
+        ]
+        for body, words in cases:
+            started = time.monotonic()
+            reply = ask(sock, None, body)
+            took = time.monotonic() - started
+            assert reply["error"]["code"] == "too_large" and words in reply["error"]["message"], reply
+            assert reply["rid"] is not None and took < 1.0, f"refused after {took:.2f} s"
+        assert max(decoded, default=0) < 1024 and spy.calls == 0  # nothing of them decoded, nothing scored
+        assert ask(sock, {"op": "rm_score", "rid": "ok", "pairs": [["p", "r"]]})["scores"] == [0.5] and spy.calls == 1
