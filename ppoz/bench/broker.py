@@ -163,6 +163,8 @@ class LoadGenerator:
         for _ in range(n_sockets):
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 100_000)  # a flood of thousands sent at once: queued, not refused (zmq.Again)
+            s.setsockopt(zmq.RCVHWM, 100_000)
             s.connect(endpoint)
             self.socks.append(s)
         self.poller = zmq.Poller()
