@@ -247,16 +247,16 @@ class LoadGenerator:
 
         start = time.perf_counter()
         started = 0
-        late = 0
+        late = 0  # starts skipped: every task was busy when one was due (the offered rate is above what is served)
         while (now := time.perf_counter()) - start < seconds:
             due = int((now - start) * rate)
-            while started < due:
+            while started + late < due:
                 if not idle:
-                    late += 1  # every task busy: the offered rate is above what the system serves
-                    break
+                    late += 1
+                    continue
                 self.send(idle.pop(0), p.OP_STEP)
                 started += 1
-            next_due = start + (started + 1) / rate
+            next_due = start + (started + late + 1) / rate
             self.collect(on_reply, until=functools.partial(_past, next_due), timeout=max(0.0, next_due - time.perf_counter()))
         self.collect(on_reply, until=lambda: not self.inflight, timeout=30)
         both = latencies[p.OP_STEP] + latencies[p.OP_FEEDBACK]
