@@ -161,26 +161,6 @@ def prompt_chars(obs: dict[str, Any]) -> int:
     return sum(len("".join(text.split())) for text in texts if isinstance(text, str))
 
 
-def longest_token_chars(tokenizer: Any) -> int | None:
-    """The most characters one token of `tokenizer` stands for, from its vocabulary's spellings, when that bounds
-    them: a BPE whose every byte has a token (byte-level, as GPT-2's, Llama 3's and Qwen's) or that falls back to
-    bytes (SentencePiece's byte_fallback, as Llama 2's). A spelling is then never shorter than the text it covers.
-    None otherwise: a word-level or WordPiece tokenizer turns a whole unknown word of any length into one unknown
-    token, and a BPE without byte fallback drops characters it has no token for."""
-    try:
-        backend = tokenizer.backend_tokenizer.model
-        vocab = tokenizer.get_vocab()
-    except (AttributeError, NotImplementedError):
-        return None
-    if type(backend).__name__ != "BPE":
-        return None
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    if not getattr(backend, "byte_fallback", False) and not all(c in vocab for c in ByteLevel.alphabet()):
-        return None
-    return max((len(token) for token in vocab), default=1) or 1
-
-
 def end_tokens(model: Any, tokenizer: Any) -> set[int]:
     """The ids that end a response: the generation config's eos ids, else the tokenizer's eos."""
     ids: set[int] = set()
@@ -270,7 +250,7 @@ class GenerationEngine:
         # No token covers more characters than the tokenizer's longest token: a prompt of more characters than
         # capacity x that has more tokens than the capacity, known without tokenizing it (a 999,000-character prompt
         # took 23.9 s to tokenize, every other row waiting, only to be refused).
-        self.longest_token = longest_token_chars(tokenizer)
+        self.longest_token = scoring.longest_token_chars(tokenizer)
         self.max_prompt_chars = self.capacity * self.longest_token if self.longest_token else None
         self.end_ids = end_tokens(model, tokenizer)
         self.cache = PrefixCache(prefix_cache_mb)

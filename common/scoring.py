@@ -102,6 +102,27 @@ def tokenize_observation(tokenizer: Any, prompt: str, question: str, actions: Se
     return Tokenized(context, tuple(encoded), words)
 
 
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token of `tokenizer` stands for, from its vocabulary's spellings, when that bounds
+    them (the actor's prompt bound, the reward model's text cut): a BPE whose every byte has a token (byte-level,
+    as GPT-2's, Llama 3's and Qwen's) or that falls back to bytes (SentencePiece's byte_fallback, as Llama 2's).
+    A spelling is then never shorter than the text it covers. None otherwise: a word-level or WordPiece tokenizer
+    turns a whole unknown word of any length into one unknown token, and a BPE without byte fallback drops
+    characters it has no token for."""
+    try:
+        backend = tokenizer.backend_tokenizer.model
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return None
+    if type(backend).__name__ != "BPE":
+        return None
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    if not getattr(backend, "byte_fallback", False) and not all(c in vocab for c in ByteLevel.alphabet()):
+        return None
+    return max((len(token) for token in vocab), default=1) or 1
+
+
 def position_limit(model: Any) -> int | None:
     """The most positions the model was built for (learned position tables fail past it, RoPE degrades)."""
     config = getattr(model, "config", None)

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from common.scoring import longest_token_chars
 from rewards.functions import RewardError
 
 log = logging.getLogger(__name__)
@@ -60,25 +61,6 @@ UNBOUNDED_LENGTH = 1_000_000  # tokenizers without a limit say 1e30; the model's
 KEEPING_NORMALIZERS = ("NFC", "NFD", "NFKC", "NFKD", "Prepend")
 KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits", "Split")
 WORD_START = re.compile(r" (?=\S)")  # searched in reversed text: a space after a character other than white space
-
-
-def longest_token_chars(tokenizer: Any) -> int | None:
-    """The most characters one token of `tokenizer` stands for, when that bounds them: a BPE whose every byte has
-    a token (byte-level) or that falls back to bytes. None otherwise (a word-level or WordPiece tokenizer turns an
-    unknown word of any length into one token). The same rule as the actor's (actor_node/generation.py), which
-    the layering keeps this package from importing."""
-    try:
-        backend = tokenizer.backend_tokenizer.model
-        vocab = tokenizer.get_vocab()
-    except (AttributeError, NotImplementedError):
-        return None
-    if type(backend).__name__ != "BPE":
-        return None
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    if not getattr(backend, "byte_fallback", False) and not all(c in vocab for c in ByteLevel.alphabet()):
-        return None
-    return max((len(token) for token in vocab), default=1) or 1
 
 
 def keeps_white_space(tokenizer: Any) -> bool:
