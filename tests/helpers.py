@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import zmq
 
 from client import Client
 
@@ -72,3 +74,28 @@ def own_logits_scores(model: Any, item: Any) -> Any:
             c = len(item.context)
             sums.append(sum(logp[c - 1 + j, token] for j, token in enumerate(action)))
     return torch.stack(sums)
+
+
+@contextlib.contextmanager
+def router_stand_in(context: zmq.Context, answer: Callable[[bytes], bytes]) -> Iterator[str]:
+    """A neighbour's stand-in on loopback: a ROUTER that sends `answer(body)` back for every request's body, in a
+    thread, until the block ends; yields its endpoint."""
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                *envelope, body = sock.recv_multipart()
+                sock.send_multipart([*envelope, answer(body)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        thread.join(5)
+        sock.close(linger=0)

@@ -11,13 +11,12 @@ from typing import Any
 
 import pytest
 import requests
-import zmq
 
 from actor_node.policies import UniformPolicy
 from common import protocol as p
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
-from tests.helpers import OBS, actors_ready, wait_for
+from tests.helpers import OBS, actors_ready, router_stand_in, wait_for
 from tests.processes import PPOZ, free_port
 
 
@@ -290,26 +289,13 @@ def test_generate_over_http(start_broker, start_actor, make_client, start_gatewa
 @pytest.fixture
 def echo_broker(zmq_context) -> Iterator[str]:
     """A stand-in broker that answers every generate `ok` with the `deadline_ms` it was sent as the text."""
-    sock = zmq_context.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    stop = threading.Event()
 
-    def serve() -> None:
-        while not stop.is_set():
-            if not sock.poll(50):
-                continue
-            *envelope, body = sock.recv_multipart()
-            msg = p.decode(body)
-            reply = p.header(msg["op"], msg["rid"]) | {"task_id": msg["task_id"], "status": "ok", "text": repr(msg.get("deadline_ms"))}
-            sock.send_multipart([*envelope, p.encode(reply)])
+    def answer(body: bytes) -> bytes:
+        msg = p.decode(body)
+        return p.encode(p.header(msg["op"], msg["rid"]) | {"task_id": msg["task_id"], "status": "ok", "text": repr(msg.get("deadline_ms"))})
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield f"tcp://127.0.0.1:{port}"
-    stop.set()
-    thread.join(5)
-    sock.close()
+    with router_stand_in(zmq_context, answer) as endpoint:
+        yield endpoint
 
 
 def test_a_generate_deadline_past_the_gateways_is_lowered_to_it(echo_broker, start_gateway):

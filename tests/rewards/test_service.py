@@ -25,7 +25,7 @@ from rewards.config import RewardServiceConfig
 from rewards.judge import Judge, JudgeConfig, Verdict
 from rewards.reward_model import RewardModel, RewardModelConfig
 from rewards.service import RemoteJudge, RemoteRewardModel, RewardService, RewardServiceClient, RewardServiceError
-from tests.helpers import wait_for
+from tests.helpers import router_stand_in, wait_for
 from tests.processes import free_port
 from tests.rewards.test_composite import poisoned
 from tests.rewards.test_judge import grader
@@ -324,28 +324,14 @@ def test_a_score_that_cannot_be_a_reward_goes_out_as_nil_for_its_pair_alone(rm_d
 @contextmanager
 def older_service(reply: dict[str, Any]) -> Iterator[str]:
     """A service of another version that sends `reply` (with the request's op and rid) to every request but ping."""
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    stop = threading.Event()
 
-    def serve() -> None:
-        while not stop.is_set():
-            if not sock.poll(50):
-                continue
-            *envelope, body = sock.recv_multipart()
-            request = msgpack.unpackb(body)
-            answer = {"components": ["rm_score", "judge_score"]} if request["op"] == "ping" else reply
-            sock.send_multipart([*envelope, msgpack.packb({"op": request["op"], "rid": request["rid"], **answer})])
+    def answer(body: bytes) -> bytes:
+        request = msgpack.unpackb(body)
+        answer = {"components": ["rm_score", "judge_score"]} if request["op"] == "ping" else reply
+        return msgpack.packb({"op": request["op"], "rid": request["rid"], **answer})
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"tcp://127.0.0.1:{port}"
-    finally:
-        stop.set()
-        thread.join(5)
-        sock.close(linger=0)
+    with router_stand_in(zmq.Context.instance(), answer) as endpoint:
+        yield endpoint
 
 
 def test_the_clients_hold_a_reply_to_the_bound_whatever_the_service_sends() -> None:
