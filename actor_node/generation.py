@@ -153,12 +153,17 @@ def render_prompt(tokenizer: Any, obs: dict[str, Any]) -> list[int]:
     return list(ids)
 
 
-def prompt_chars(obs: dict[str, Any]) -> int:
-    """The characters other than white space of a request's prompt, or of its messages' text contents (a chat
-    template only adds to them). White space is left out: a word-level tokenizer drops it, so no token covers it."""
+def _prompt_texts(obs: dict[str, Any]) -> list[str]:
+    """A request's prompt, or its messages' text contents (a chat template only adds to them)."""
     messages = obs.get("messages")
     texts = [obs.get("prompt") or ""] if messages is None else [m["content"] for m in messages if isinstance(m, dict)]
-    return sum(len("".join(text.split())) for text in texts if isinstance(text, str))
+    return [text for text in texts if isinstance(text, str)]
+
+
+def prompt_chars(obs: dict[str, Any]) -> int:
+    """The characters other than white space of a request's prompt or messages. White space is left out: a
+    word-level tokenizer drops it, so no token covers it."""
+    return sum(len("".join(text.split())) for text in _prompt_texts(obs))
 
 
 def end_tokens(model: Any, tokenizer: Any) -> set[int]:
@@ -332,8 +337,9 @@ class GenerationEngine:
             raise GenerationError(self.unservable)
         obs = job["obs"]
         params = SamplingParams.of(obs["sampling"])
-        chars = prompt_chars(obs) if self.max_prompt_chars is not None else 0
-        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+        # The length with white space first: it bounds the count without it, which costs a copy of the prompt.
+        bound = self.max_prompt_chars
+        if bound is not None and sum(map(len, _prompt_texts(obs))) > bound and (chars := prompt_chars(obs)) > bound:
             raise GenerationError(
                 f"the prompt's {chars} characters (white space not counted) cannot fit in {self.capacity} positions: no"
                 f" token of this model's tokenizer covers more than {self.longest_token} characters (refused before tokenizing)"

@@ -113,8 +113,9 @@ class ReadDeadlines:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.cut = 0  # connections shut down past their deadline
-        self._thread = threading.Thread(target=self._watch, name="gateway-read-deadlines", daemon=True)
-        self._thread.start()
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="gateway-read-deadlines", daemon=True).start()
 
     def expect(self, conn: socket.socket, seconds: float) -> None:
         with self._lock:
@@ -196,6 +197,7 @@ class Gateway:
                     gateway.connections.release()
 
         self.httpd = Server((self.cfg.host, self.cfg.port), Handler)
+        self.deadlines.start()
         log.info("gateway ready: PPOAPI HTTP on http://%s:%d, forwarding to %s", self.cfg.host, self.port, self.cfg.broker)
         self.notifier.ready(f"PPOAPI HTTP on {self.cfg.host}:{self.port}, forwarding to {self.cfg.broker}")
         return self
