@@ -105,6 +105,12 @@ class ClientOps(BrokerState):
             task_id = self.attach_rids.get(attach_key(self.sender, rid)) or uuid.uuid4().hex
         session = self.sessions.get(task_id)
         resumed = session is not None
+        if session is None and len(self.sessions) >= self.cfg.max_sessions:  # an attach flood must not grow Redis without bound
+            raise p.ProtocolError(
+                p.E_OVERLOADED,
+                f"{len(self.sessions)} sessions are open, the broker's max_sessions; detach idle ones, or wait for them to expire",
+                retry_after_ms=self.cfg.retry_after_ms,
+            )
         if session is None:
             session = Session(task_id, self.cfg.segment_len, attach_rid=rid, attach_sender=self.sender, epoch=uuid.uuid4().hex[:12])
             self.sessions[task_id] = session

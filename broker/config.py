@@ -38,7 +38,15 @@ class BrokerConfig:
     heartbeat_liveness: int = option(3, "an actor silent for this many heartbeat intervals is dead; its jobs go to another actor")
     actor_job_timeout_ms: int = option(20_000, "an actor holding one job longer than this is taken as hung; its jobs go elsewhere")
     storage_timeout_ms: int = option(5000, "a Redis write not answered within this is taken as failed: its requests get `internal`")
-    max_queue: int = option(10_000, "most step requests queued for actors; past it `ask` answers wait and steps get `overloaded`")
+    max_queue: int = option(
+        10_000,
+        "step requests queued for actors past which a client holding its share of them is refused (`ask`: wait, a step:"
+        " `overloaded`); never more than twice this in all",
+    )
+    max_sessions: int = option(
+        100_000,
+        "most sessions open at once (each holds keys in Redis); past it a new `attach` gets `overloaded` until one is detached or expires",
+    )
     max_stream_backlog: int = option(
         -1,
         "`ask` answers wait while the segment stream holds more entries than this; -1: the limit the learner publishes"
@@ -86,6 +94,7 @@ class BrokerConfig:
         check(self.actor_job_timeout_ms > 0, f"`actor_job_timeout_ms` must be positive, got {self.actor_job_timeout_ms}")
         check(self.storage_timeout_ms > 0, f"`storage_timeout_ms` must be positive, got {self.storage_timeout_ms}")
         check(self.max_queue > 0, f"`max_queue` must be positive, got {self.max_queue}")
+        check(self.max_sessions > 0, f"`max_sessions` must be positive, got {self.max_sessions}")
         check(self.rag_max_context_chars >= 0, f"`rag_max_context_chars` must be 0 or more, got {self.rag_max_context_chars}")
         check(
             self.max_stream_backlog >= -1,

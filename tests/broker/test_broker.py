@@ -270,6 +270,24 @@ def test_an_attach_rid_reused_by_another_client_gets_a_task_of_its_own_and_a_ret
     assert attach("127.0.0.2")["task_id"] == other["task_id"]
 
 
+def test_attach_past_max_sessions_is_overloaded_and_the_open_sessions_keep_working(start_broker, make_client, redis_client, key_prefix):
+    """An attach flood must not grow Redis without bound: past `max_sessions` a new attach is `overloaded` (nothing
+    written), while a retried attach, a resume by task id and the open sessions' steps go on; a detach makes room."""
+    broker = start_broker(max_sessions=3, retry_after_ms=50)
+    client = make_client(broker.frontend, deadline=0.5)
+    first = client.request("attach", rid="a-0")["task_id"]
+    others = [client.attach() for _ in range(2)]
+    keys_before = sorted(redis_client.scan_iter(f"{key_prefix}:*"))
+    with pytest.raises(Exception, match="3 sessions are open, the broker's max_sessions"):  # overloaded, retried to the deadline
+        client.attach()
+    assert sorted(redis_client.scan_iter(f"{key_prefix}:*")) == keys_before
+    assert client.status()["counters"]["errors/overloaded"] >= 1 and client.status()["sessions"] == 3
+    assert client.request("attach", rid="a-0")["task_id"] == first  # a retry of an accepted attach
+    assert client.attach(others[0]) == others[0]  # a resume
+    client.detach(others[1])
+    assert client.attach() not in [first, *others]
+
+
 def test_overloaded_when_the_queue_is_full_for_the_client_that_filled_it(start_broker, make_client, zmq_context):
     """The client holding the whole queue gets `overloaded`; another client, under its share, is still queued, and
     then it too is refused past its share."""
