@@ -29,6 +29,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from common.processes import die_with_parent
+from common.security import read_secret
 
 log = logging.getLogger(__name__)
 
@@ -60,21 +61,10 @@ def password_in_url(url: str, key: str = "redis_url") -> str | None:
 
 def redis_password() -> str | None:
     """The Redis password from the environment (PASSWORD_ENV, else the first line of the file PASSWORD_FILE_ENV names)."""
-    password = os.environ.get(PASSWORD_ENV)
-    where = PASSWORD_ENV
-    path = os.environ.get(PASSWORD_FILE_ENV)
-    if not password and path:
-        where = f"the file {path} ({PASSWORD_FILE_ENV})"
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError as e:
-            raise RedisUnavailable(f"cannot read the Redis password file {path} ({PASSWORD_FILE_ENV}): {e.strerror}") from e
-        password = lines[0].strip() if lines else ""
-        if not password:
-            raise RedisUnavailable(f"the Redis password file {path} ({PASSWORD_FILE_ENV}) is empty")
-    if password and any(ord(c) < 32 or ord(c) == 127 for c in password):
-        raise RedisUnavailable(f"the Redis password in {where} holds a control character (a line break?)")
-    return password or None
+    try:
+        return read_secret(PASSWORD_ENV, os.environ.get(PASSWORD_FILE_ENV), "Redis password", PASSWORD_FILE_ENV)
+    except ValueError as e:
+        raise RedisUnavailable(str(e)) from e
 
 
 def connect(url: str, socket_timeout: float | None = 10.0, name: str = "ppoz", retries: int = 5) -> redis.Redis:

@@ -415,3 +415,24 @@ __all__ = [
     "load_keypair",
     "load_public",
 ]
+
+
+def read_secret(variable: str, path: str | None, what: str, path_setting: str) -> str | None:
+    """A secret (a password, a token) from the environment variable `variable`, else the first line of the file
+    at `path` (named by `path_setting`); None when neither is set. Never from a flag: argv is public (`ps`).
+    ValueError, naming where it looked and never the secret, for an unreadable or empty file and for a control
+    character (a line break would split the protocol line it goes into)."""
+    secret = os.environ.get(variable)
+    where = variable
+    if not secret and path:
+        where = f"the file {path} ({path_setting})"
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"cannot read the {what} file {path} ({path_setting}): {e.strerror}") from e
+        secret = lines[0].strip() if lines else ""
+        if not secret:
+            raise ValueError(f"the {what} file {path} ({path_setting}) is empty")
+    if secret and any(ord(c) < 32 or ord(c) == 127 for c in secret):
+        raise ValueError(f"the {what} in {where} holds a control character (a line break?)")
+    return secret or None

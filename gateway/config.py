@@ -5,11 +5,10 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from common.config import check, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, is_reward_bound
-from common.security import LOOPBACK_NAMES, check_client_settings
+from common.security import LOOPBACK_NAMES, check_client_settings, read_secret
 
 TOKEN_ENV = "PPOZ_GATEWAY_TOKEN"
 
@@ -97,14 +96,7 @@ class GatewayConfig:
 
     def token(self) -> str | None:
         """The bearer token (TOKEN_ENV, else `token_file`'s first line), or None: no token required."""
-        if os.environ.get(TOKEN_ENV):
-            return os.environ[TOKEN_ENV]
-        if not self.token_file:
-            return None
-        lines = Path(self.token_file).read_text().splitlines()
-        if not lines or not lines[0].strip():
-            raise ValueError(f"`token_file` {self.token_file} is empty")
-        return lines[0].strip()
+        return read_secret(TOKEN_ENV, self.token_file, "gateway token", "token_file")
 
 
 def _is_host(value: object) -> bool:

@@ -92,6 +92,10 @@ def test_a_bearer_token_from_the_environment_or_a_file(start_broker, start_gatew
     token_file.write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
         GatewayConfig(token_file=str(token_file)).token()
+    monkeypatch.setenv(TOKEN_ENV, "two\nlines")  # the variable wins over the file, and is checked the same way
+    with pytest.raises(ValueError, match=f"the gateway token in {TOKEN_ENV} holds a control character") as refused:
+        GatewayConfig(token_file=str(token_file)).token()
+    assert "lines" not in str(refused.value)
 
 
 @contextmanager
