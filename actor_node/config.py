@@ -1,4 +1,4 @@
-"""The actor's configuration (TOML table [actor], or flags of `ppoz actor`; the shared [policy] and [retrieval] tables)."""
+"""The actor's configuration (TOML table [actor], or flags of `ppoz actor`; the shared [policy], [retrieval] and [store] tables)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import check, nested, option, section
-from common.redis_server import password_in_url
 from common.security import check_client_settings
-from common.shared_settings import PolicySpec, RetrievalConfig
+from common.shared_settings import PolicySpec, RetrievalConfig, StoreSettings
 
 
 @section("actor")
@@ -39,8 +38,7 @@ class ActorConfig:
         "before scoring; off: rag_step scores the plain observation",
     )
     retrieval: RetrievalConfig = nested(RetrievalConfig, "rag_")  # [retrieval], flags --rag-...
-    redis_url: str = option("", "Redis holding the learner's weight snapshots (empty: start from the base model, follow nothing)")
-    key_prefix: str = option("ppoz", "Redis key prefix shared with the broker and learner")
+    store: StoreSettings = nested(StoreSettings)  # [store]: the Redis of the learner's weight snapshots; empty URL: follow nothing
     weights: str = option("", "the learner's weight announcement endpoint (PUB), e.g. tcp://127.0.0.1:5557")
     weights_poll_s: float = option(5.0, "how often to check Redis for a newer snapshot in case an announcement was missed")
     heartbeat_ms: int = option(1000, "heartbeat interval towards the broker")
@@ -74,7 +72,6 @@ class ActorConfig:
         check(self.max_generate_positions > 1, f"`max_generate_positions` must be 2 or more, got {self.max_generate_positions}")
         check(self.prefill_tokens > 0, f"`prefill_tokens` must be positive, got {self.prefill_tokens}")
         check(self.heartbeat_ms >= 10, f"`heartbeat_ms` must be at least 10, got {self.heartbeat_ms}")
-        check(not (secret := password_in_url(self.redis_url)), secret or "")
         check(self.heartbeat_liveness >= 2, f"`heartbeat_liveness` must be at least 2, got {self.heartbeat_liveness}")
         check(
             not self.curve_learner_key or bool(self.weights),

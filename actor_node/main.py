@@ -54,12 +54,12 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
             from actor_node.rag import Retriever
 
             retriever = Retriever(cfg.retrieval, model, tokenizer, str(next(model.parameters()).device))
-        if cfg.redis_url:
+        if cfg.store.redis_url:
             from common.redis_server import connect
 
             follower = WeightFollower(
-                connect(cfg.redis_url),
-                cfg.key_prefix,
+                connect(cfg.store.redis_url),
+                cfg.store.key_prefix,
                 cfg.weights,
                 poll_s=cfg.weights_poll_s,
                 curve=client_keys(cfg.curve_secret_key, cfg.curve_learner_key, ("curve_secret_key", "curve_learner_key")),

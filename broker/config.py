@@ -1,4 +1,4 @@
-"""The broker's configuration (TOML table [broker], or flags of `ppoz broker`; the shared [retrieval] table)."""
+"""The broker's configuration (TOML table [broker], or flags of `ppoz broker`; the shared [store] and [retrieval] tables)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from typing import ClassVar
 
 from common.config import check, nested, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, Limits, is_reward_bound
-from common.redis_server import password_in_url
 from common.security import check_server_settings
-from common.shared_settings import RetrievalConfig
+from common.shared_settings import RetrievalConfig, StoreSettings
 
 
 @section("broker")
@@ -17,8 +16,7 @@ from common.shared_settings import RetrievalConfig
 class BrokerConfig:
     frontend: str = option("tcp://127.0.0.1:5555", "ZeroMQ endpoint the broker binds for clients (ROUTER)")
     backend: str = option("tcp://127.0.0.1:5556", "ZeroMQ endpoint the broker binds for actors (ROUTER)")
-    redis_url: str = option("", "Redis URL (redis://host:port/db or unix:///path); empty starts an embedded redis-server")
-    key_prefix: str = option("ppoz", "prefix of every Redis key the broker writes, so several farms can share one Redis")
+    store: StoreSettings = nested(StoreSettings)  # [store]: Redis URL, key prefix, stream; an empty URL starts an embedded redis-server
     segment_len: int = option(32, "transitions per trajectory segment before it closes and goes to the stream")
     session_ttl_s: float = option(600.0, "a session with no request for this long expires; its data is flushed as a truncated segment")
     request_timeout_ms: int = option(30_000, "longest time a client request may wait for an answer before it gets a `timeout` error")
@@ -65,8 +63,6 @@ class BrokerConfig:
     max_prompt_chars: int = option(1_000_000, "most characters in prompt + question")
     rag_max_context_chars: int = option(64_000, "rag_step: most characters of retrieved context an actor may append to a prompt")
     retrieval: RetrievalConfig = nested(RetrievalConfig, "rag_")  # [retrieval]: the history the broker keeps is the one the actor expects
-    stream_key: str = option("segments", "name (after the prefix) of the Redis Stream closed segments go to")
-    consumer_group: str = option("learners", "consumer group the broker creates on the stream for the learner")
     curve_secret_key: str = option(
         "", "CURVE: the broker's key pair file (NAME.key_secret from `ppoz keygen`); empty: no encryption (docs/security.md)"
     )
@@ -109,8 +105,6 @@ class BrokerConfig:
         for name in ("frontend", "backend"):
             value = getattr(self, name)
             check("://" in value, f"`{name}` must be a ZeroMQ endpoint such as tcp://127.0.0.1:5555, got {value!r}")
-        check(self.key_prefix != "" and " " not in self.key_prefix, f"`key_prefix` must be a non-empty word, got {self.key_prefix!r}")
-        check(not (secret := password_in_url(self.redis_url)), secret or "")
         check_server_settings(
             self.curve_secret_key, {"curve_allowed_clients": self.curve_allowed_clients, "curve_allowed_actors": self.curve_allowed_actors}
         )

@@ -33,7 +33,6 @@ from broker.sessions import Session, attach_key
 from broker.store import SessionStore
 from common import protocol as p
 from common.learner_figures import read_latest
-from common.segments import RedisKeys
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class BrokerState:
         self.cfg = config
         self.limits = config.limits
         self.redis = redis_client
-        self.store = SessionStore(redis_client, RedisKeys(config.key_prefix, config.stream_key), config.consumer_group)
+        self.store = SessionStore(redis_client, config.store.keys, config.store.consumer_group)
         self.sessions: dict[str, Session] = {}
         self.attach_rids: dict[Any, str] = {}  # (sender, attach rid) -> task_id, so a retried attach gets the same task
         self.sender = ""  # who sent the client request being handled (recv_frames_and_sender): attach keys its rid by it
@@ -162,7 +161,7 @@ class BrokerState:
         if not self.storage_ok:  # a blocking read of a Redis known to be down would stall the loop
             return {}
         try:
-            return read_latest(self.redis, self.cfg.key_prefix)
+            return read_latest(self.redis, self.cfg.store.key_prefix)
         except redis.RedisError:
             return {}
 

@@ -6,15 +6,16 @@ Each component declares one dataclass whose fields carry a help text
 the dataclass defaults, the TOML file (`--config FILE`) and the flags actually
 given. A TOML file has one table per component (`[broker]`, `[actor]`, ...);
 keys at the top level apply to every component that has a field of that name
-(handy for `redis_url`). Unknown keys and values of the wrong type fail at
-start with a message naming the key and the value.
+(a shared table's fields included). Unknown keys and values of the wrong type
+fail at start with a message naming the key and the value.
 
 Settings that two processes must agree on are one dataclass of their own,
 embedded in each component's config with `nested(...)`: its own TOML table
 (`[policy]`, shared by actor and learner; `[retrieval]`, shared by broker and
-actor), so a file states them once, and its fields' flags on every command
-that embeds it. A key that used to sit in a component's table and moved to a
-shared one fails with a message saying where to write it.
+actor; `[store]`, the Redis of broker, actor, learner and `ppoz up`), so a file
+states them once, and its fields' flags on every command that embeds it. A key
+that used to sit in a component's table and moved to a shared one fails with a
+message saying where to write it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -116,7 +118,7 @@ def load(cls: type[T], config_file: str | Path | None = None, flags: argparse.Na
                 if key not in SECTIONS:
                     raise ConfigError(f"{where}: unknown table [{key}]; known tables: {', '.join(sorted(SECTIONS))}")
             elif key not in known_anywhere:
-                raise ConfigError(f"{where}: unknown top-level key {key!r} = {value!r}")
+                raise ConfigError(f"{where}: unknown top-level key {key!r} = {_shown(value)}")
     given = {} if flags is None else vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags)
     return _build(cls, table, given, where)
 
@@ -134,11 +136,11 @@ def _build(cls: type[T], table: dict[str, Any], given: dict[str, Any], where: st
     for key, value in table.get(name, {}).items():
         if key in moved:
             raise ConfigError(
-                f"{where}: [{name}] {key} has moved: write it as `{moved[key][1]} = {value!r}` in the [{moved[key][0]}] "
+                f"{where}: [{name}] {key} has moved: write it as `{moved[key][1]} = {_shown(value)}` in the [{moved[key][0]}] "
                 f"table, which every component that must agree on it reads"
             )
         if key not in field_names:
-            raise ConfigError(f"{where}: unknown key [{name}] {key!r} = {value!r}; known keys: {', '.join(sorted(field_names))}")
+            raise ConfigError(f"{where}: unknown key [{name}] {key!r} = {_shown(value)}; known keys: {', '.join(sorted(field_names))}")
         values[key] = _checked(hints[key], value, f"{where}: [{name}] {key}")
     for field_name, sub in nested.items():
         prefix = f"{field_name}."
@@ -158,6 +160,19 @@ def _moved_keys(cls: type) -> dict[str, tuple[str, str]]:
         for g in dataclasses.fields(sub):
             moved[f.metadata["flag_prefix"] + g.name] = (sub.section_name, g.name)  # type: ignore[attr-defined]
     return moved
+
+
+def _shown(value: Any) -> str:
+    """`value` as an error message shows it: its repr, a URL's password masked. Messages go to terminals and logs,
+    and a key that moved or is misspelt (an old `[broker] redis_url`) never reaches the check that refuses passwords."""
+    if isinstance(value, str) and "@" in value:
+        try:
+            password = urlsplit(value).password
+        except ValueError:
+            password = None
+        if password:
+            return repr(value.replace(f":{password}@", ":***@", 1))
+    return repr(value)
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -195,5 +210,5 @@ def _checked(hint: Any, value: Any, where: str) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind in (int, float) and isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"{where} = {value!r}: expected a {kind.__name__}, got a {type(value).__name__}")
+        raise ConfigError(f"{where} = {_shown(value)}: expected a {kind.__name__}, got a {type(value).__name__}")
     return value

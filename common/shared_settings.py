@@ -12,6 +12,13 @@ the broker keeps each task's history by it (`history_len` steps, the last `query
 characters of each prompt), so the history the broker sends is the history the actor
 expects. Flags are `--rag-...` on both commands.
 
+`StoreSettings` (`[store]`) is the Redis every process meets in: its URL, the key prefix
+that separates farms sharing one Redis, the segment stream and its consumer group. The
+broker writes the stream, the learner reads it and writes weight snapshots, the actors read
+those, `ppoz up` and `ppoz train` read figures and marks: all under the same keys. What an
+empty URL means is each process's own (the broker starts an embedded redis-server, an actor
+follows no weights, the learner refuses to start), so each component checks that itself.
+
 Nothing here imports torch: the broker and the uniform actor load these too.
 """
 
@@ -22,6 +29,8 @@ from typing import Any
 
 from common.config import check, option, section
 from common.options import DTYPE_NAMES, NORMALISATIONS, SCORING_PATHS
+from common.redis_server import password_in_url
+from common.segments import RedisKeys
 
 AUTO = "auto"  # a setting resolved from the model at load time (lora_trainable)
 
@@ -113,6 +122,32 @@ class RetrievalConfig:
         check(self.history_len >= 0, f"`history_len` must be 0 or more, got {self.history_len}")
         check(self.query_chars > 0, f"`query_chars` must be positive, got {self.query_chars}")
         check(self.embed_batch > 0, f"`embed_batch` must be positive, got {self.embed_batch}")
+
+
+@section("store")
+@dataclass(kw_only=True)
+class StoreSettings:
+    """the Redis that broker, actors and learner share"""
+
+    redis_url: str = option(
+        "",
+        "Redis URL (redis://host:port/db or unix:///path), without a password (PPOZ_REDIS_PASSWORD); empty: the broker"
+        " and `ppoz up` start an embedded redis-server, an actor follows no weights (base model only), the learner refuses to start",
+    )
+    key_prefix: str = option("ppoz", "prefix of every Redis key, so several farms can share one Redis")
+    stream_key: str = option("segments", "name (after the prefix) of the Redis Stream the broker writes closed segments to")
+    consumer_group: str = option("learners", "consumer group on the stream: the broker creates it, the learners read through it")
+
+    def __post_init__(self) -> None:
+        for name in ("key_prefix", "stream_key", "consumer_group"):  # parts of Redis key names and stream commands
+            value = getattr(self, name)
+            check(value != "" and " " not in value, f"`{name}` must be a non-empty word, got {value!r}")
+        check(not (secret := password_in_url(self.redis_url)), secret or "")
+
+    @property
+    def keys(self) -> RedisKeys:
+        """Every Redis key of this deployment."""
+        return RedisKeys(self.key_prefix, self.stream_key)
 
 
 @dataclass(frozen=True, kw_only=True)

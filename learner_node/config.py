@@ -1,4 +1,4 @@
-"""The learner's configuration (TOML table [learner], or flags of `ppoz learner`; the shared [policy] table)."""
+"""The learner's configuration (TOML table [learner], or flags of `ppoz learner`; the shared [policy] and [store] tables)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 from common.config import check, nested, option, section
 from common.options import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OBJECTIVES
-from common.redis_server import password_in_url
 from common.security import check_server_settings
-from common.shared_settings import PolicySpec
+from common.shared_settings import PolicySpec, StoreSettings
 
 
 @dataclass(kw_only=True)
@@ -121,10 +120,7 @@ class LearnerConfig(UpdateConfig):
     generation: GenerationConfig = nested(GenerationConfig, "gen_")  # [generation]: token-level PPO on generate transitions
     device: str = option("auto", "torch device: auto, cpu, cuda, cuda:N")
     # --- data ---
-    redis_url: str = option("", "Redis holding the segment stream (required)")
-    key_prefix: str = option("ppoz", "Redis key prefix shared with the broker and actors")
-    stream_key: str = option("segments", "stream name after the prefix (the broker's stream_key)")
-    consumer_group: str = option("learners", "consumer group on the stream (the broker creates it)")
+    store: StoreSettings = nested(StoreSettings)  # [store]: the Redis of the segment stream (its URL required here)
     consumer: str = option("learner-0", "this learner's consumer name; keep it across restarts so its pending segments come back to it")
     claim_idle_ms: int = option(60_000, "segments left pending this long by another (dead) consumer are taken over")
     rollout_batch: int = option(64, "transitions per update")
@@ -184,8 +180,7 @@ class LearnerConfig(UpdateConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.policy.model != "", "`model` is required: a local directory or a Hugging Face id ([policy] model, or --model)")
-        check(self.redis_url != "", "`redis_url` is required: the Redis the broker writes segments to")
-        check(not (secret := password_in_url(self.redis_url)), secret or "")
+        check(self.store.redis_url != "", "`redis_url` is required: the Redis the broker writes segments to")
         check(self.rollout_batch > 0, f"`rollout_batch` must be positive, got {self.rollout_batch}")
         check(self.rollout_timeout_s >= 0, f"`rollout_timeout_s` must be 0 or more, got {self.rollout_timeout_s}")
         check(self.max_policy_lag >= 0, f"`max_policy_lag` must be 0 or more, got {self.max_policy_lag}")

@@ -42,7 +42,7 @@ from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, 
 from common.protocol import DEFAULT_MAX_ABS_REWARD
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
-from common.segments import RedisKeys, Segment, acknowledge, ensure_group, entry_samples
+from common.segments import Segment, acknowledge, ensure_group, entry_samples
 from common.shared_settings import PolicyStamp
 from common.zmqio import bound
 from learner_node import checkpoint
@@ -83,7 +83,7 @@ class Learner:
     def __init__(self, cfg: LearnerConfig, client: redis.Redis, context: zmq.Context | None = None) -> None:
         self.cfg = cfg
         self.redis = client
-        self.keys = RedisKeys(cfg.key_prefix, cfg.stream_key)
+        self.keys = cfg.store.keys
         self.stream = self.keys.stream
         device = cfg.device
         self.owns_process_group = False
@@ -183,7 +183,7 @@ class Learner:
                 self._wait_for_redis(e)
 
     def _ensure_group(self) -> None:
-        ensure_group(self.redis, self.keys, self.cfg.consumer_group)
+        ensure_group(self.redis, self.keys, self.cfg.store.consumer_group)
 
     def restore(self) -> None:
         path = checkpoint.latest(self.cfg.checkpoint_dir)
@@ -220,7 +220,7 @@ class Learner:
             self.version,
             self.updates,
             self.keys.stream,
-            self.cfg.consumer_group,
+            self.cfg.store.consumer_group,
             self.cfg.consumer,
         )
         self.notifier.ready(f"policy version {self.version} after {self.updates} updates")
@@ -237,7 +237,7 @@ class Learner:
                 if "NOGROUP" not in str(e):
                     raise
                 # Redis came back empty (no persistence) within redis-py's own retries: the group went with it.
-                log.error("the consumer group %s is gone from Redis (%s); creating it again", self.cfg.consumer_group, e)
+                log.error("the consumer group %s is gone from Redis (%s); creating it again", self.cfg.store.consumer_group, e)
                 if self.is_main:
                     self._ensure_group()
         self._settle_before_exit()
@@ -486,7 +486,7 @@ class Learner:
 
     def _read(self, want: int) -> list[tuple[str, dict]]:
         """The next entries of this rollout: own pending, then claimed, then new (see `collect`)."""
-        group, me, count = self.cfg.consumer_group, self.cfg.consumer, max(want, 1)
+        group, me, count = self.cfg.store.consumer_group, self.cfg.consumer, max(want, 1)
         if self._own_cursor is not None:
             got = self.redis.xreadgroup(group, me, {self.stream: self._own_cursor}, count=count)
             own = got[0][1] if got else []
@@ -514,7 +514,7 @@ class Learner:
         if gone:
             log.warning("%d pending stream entries are no longer in the stream (trimmed or deleted); acknowledging them", len(gone))
             self.counters["vanished_segments"] += len(gone)
-            self.redis.xack(self.stream, self.cfg.consumer_group, *gone)
+            self.redis.xack(self.stream, self.cfg.store.consumer_group, *gone)
         return [(_text(i), f) for i, f in entries if f]
 
     def _settle(self) -> None:
@@ -534,7 +534,7 @@ class Learner:
             self.publish()
             self._unpublished = False
         if self._unreported:
-            write_latest(self.redis, self.cfg.key_prefix, self._unreported)
+            write_latest(self.redis, self.cfg.store.key_prefix, self._unreported)
             self._unreported = {}
         if self._backlog:
             self.redis.set(self.keys.learner_backlog, self._backlog)
@@ -576,7 +576,7 @@ class Learner:
             read = {i: entry_samples(got[0][1] if got else None) for i, got in zip(unknown, pipe.execute())}
             unacked = [(entry_id, read[entry_id] if samples is None else samples) for entry_id, samples in unacked]
         if unacked:
-            acknowledge(self.redis, self.keys, self.cfg.consumer_group, [(i, s or []) for i, s in unacked])
+            acknowledge(self.redis, self.keys, self.cfg.store.consumer_group, [(i, s or []) for i, s in unacked])
 
     def _values(self, observations: list[dict[str, Any]]) -> list[float | None]:
         """Critic values for GAE, None for an observation the model cannot score (`LearnerPolicy.tokenize_checked`:
@@ -666,7 +666,9 @@ class Learner:
         if not self.is_main:
             return
         kind = "lora" if self.lp.has_adapter else "full"
-        ann = weights.store_snapshot(self.redis, self.cfg.key_prefix, self.version, policy_state_dict(self.lp.model), kind, self.run_id)
+        ann = weights.store_snapshot(
+            self.redis, self.cfg.store.key_prefix, self.version, policy_state_dict(self.lp.model), kind, self.run_id
+        )
         weights.announce(bound(self.pub, "the weights publisher"), ann)
 
     def _figures(self, metrics: dict[str, float], n: int) -> dict[str, float]:

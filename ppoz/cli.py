@@ -341,7 +341,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from common.redis_server import check_server, connect, redis_url_or_embedded
 
     cfg = load(BrokerConfig, args.config, args)
-    url, embedded = redis_url_or_embedded(cfg.redis_url)
+    url, embedded = redis_url_or_embedded(cfg.store.redis_url)
     try:
         # Few retries: a Redis call must not stall the broker's loop (and its heartbeats)
         # for long; the broker handles a failed write itself (docs/protocol.md, section 5).
@@ -376,7 +376,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
 
     cfg = load(LearnerConfig, args.config, args)
     # The blocking stream read needs a socket timeout above its block time.
-    client = connect(cfg.redis_url, socket_timeout=cfg.read_block_ms / 1000 + 10)
+    client = connect(cfg.store.redis_url, socket_timeout=cfg.read_block_ms / 1000 + 10)
     check_server(client)
     learner = Learner(cfg, client)
     _on_stop(learner.stop)

@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     from broker.server import Broker
     from common.learner_figures import read_latest
     from common.redis_server import EmbeddedRedis, connect
-    from common.shared_settings import PolicySpec
+    from common.shared_settings import PolicySpec, StoreSettings
     from common.tiny_models import build_tiny_model
     from envs.base import random_returns
     from envs.kea_sim import KeaSim, demo_app
@@ -113,11 +113,12 @@ def main(args: argparse.Namespace) -> int:
         flush=True,
     )
     with EmbeddedRedis() as redis_server:
+        store = StoreSettings(redis_url=redis_server.url)  # broker, learner and actor meet in it
         broker = Broker(
             BrokerConfig(
                 frontend="tcp://127.0.0.1:*",
                 backend="tcp://127.0.0.1:*",
-                redis_url=redis_server.url,
+                store=store,
                 max_stream_backlog=16,
                 segment_len=app.horizon,
             ),
@@ -128,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
         learner_cfg = LearnerConfig(
             policy=policy,
             device=args.device,
-            redis_url=redis_server.url,
+            store=store,
             rollout_batch=40,
             policy_minibatch=20,
             micro_batch=10,
@@ -152,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
             broker=broker.backend_endpoint,
             policy=policy,
             device=args.device,
-            redis_url=redis_server.url,
+            store=store,
             weights=learner.weights_endpoint,
             weights_poll_s=1.0,
         )
@@ -165,7 +166,7 @@ def main(args: argparse.Namespace) -> int:
             while time.monotonic() - started < args.minutes * 60 and runner.running():
                 time.sleep(min(args.report_every, max(0.1, args.minutes * 60 - (time.monotonic() - started))))
                 try:
-                    figures = read_latest(metrics_redis, learner_cfg.key_prefix)
+                    figures = read_latest(metrics_redis, store.key_prefix)
                 except redis.RedisError:
                     figures = {}  # the line goes out without the learner's part
                 print(progress_line(runner.stats.snapshot(), figures), flush=True)

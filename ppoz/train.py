@@ -28,6 +28,7 @@ from common.config import add_flags, load, read_toml
 from common.options import ADVANTAGE_ESTIMATORS
 
 if TYPE_CHECKING:
+    from common.shared_settings import StoreSettings
     from rewards.group import GroupAdvantage
     from train.run import Prepared
 
@@ -40,9 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config file: [train], and the stack's tables; flags override it")
     parser.add_argument("--model", default="", help="the policy model directory (sets [policy] model for the actors and the learner)")
     parser.add_argument("--broker", default="", help="drive this farm's broker (its client endpoint) instead of starting a stack here")
-    parser.add_argument("--key-prefix", default="ppoz", help="with --broker: the farm's Redis key prefix (default: ppoz)")
+    # With --broker, the farm's [store] (the file's, these flags over it): its Redis holds the learner's figures
+    # and the marks of the samples the farm stored, which a resumed run skips.
+    parser.add_argument(
+        "--key-prefix", default=argparse.SUPPRESS, help="with --broker: the farm's Redis key prefix (default: [store] key_prefix, ppoz)"
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object, last")
-    parser.add_argument("--redis-url", default="", help="with --broker: the farm's Redis, for the learner's figures in the progress line")
+    parser.add_argument(
+        "--redis-url",
+        default=argparse.SUPPRESS,
+        help="with --broker: the farm's Redis, for the learner's figures in the progress line (default: [store] redis_url)",
+    )
     parser.add_argument(
         "--advantage",
         choices=ADVANTAGE_ESTIMATORS,
@@ -56,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from broker.config import BrokerConfig
+    from common.shared_settings import StoreSettings
     from ppoz.supervisor import StackBusy
     from train.config import TrainConfig
     from train.data import DatasetError
@@ -79,10 +89,11 @@ def main(args: argparse.Namespace) -> int:
         # the broker's limits: its [broker] table (a farm's drivers read the farm's file, or the defaults)
         prepared = prepare(cfg, load(BrokerConfig, args.config).limits)
         if args.broker:
-            marks = _marks(args.redis_url, args.key_prefix)
+            store = load(StoreSettings, args.config, args)
+            marks = _marks(store)
             if marks is None and cfg.resume:
                 log.warning("no --redis-url: a resumed run cannot read which samples the farm stored, and may repeat a few")
-            figures = _figures(args.redis_url, args.key_prefix)
+            figures = _figures(store)
             summary = run_training(cfg, args.broker, figures, stop, grouping=grouping, prepared=prepared, marks=marks, interrupt=interrupt)
         else:
             summary = on_this_machine(args, cfg, stop, grouping, learner_flags, prepared, interrupt)
@@ -184,11 +195,11 @@ def on_this_machine(
     up = load(UpConfig, args.config)
     out = Path(cfg.output_dir)
     fresh_redis = False
-    if not up.redis_url and not up.redis_data_dir:  # the run's Redis (stream, sample marks) lives with its outputs
+    if not up.store.redis_url and not up.redis_data_dir:  # the run's Redis (stream, sample marks) lives with its outputs
         up = dataclasses.replace(up, redis_data_dir=str(out / "redis"))
         fresh_redis = not cfg.resume  # --no-resume: nothing of an earlier run is trained or skipped
     learner_table = read_toml(args.config).get("learner", {}) if args.config else {}
-    stand_in = {"redis_url": "redis://embedded", **({"policy.model": args.model} if args.model else {})}  # as started_stack checks it
+    stand_in = {"store.redis_url": "redis://embedded", **({"policy.model": args.model} if args.model else {})}  # as started_stack checks it
     learner = load(LearnerConfig, args.config, stand_in) if up.learner else None
     # the learner's checkpoints (each with the adapter in peft's format) go under the run's outputs, unless the file says where
     checkpoints = "" if "checkpoint_dir" in learner_table else str(out / "checkpoints")
@@ -203,12 +214,12 @@ def on_this_machine(
             cfg = dataclasses.replace(cfg, reward_service=stack.reward_service)
         from common.redis_server import connect
 
-        redis_client = connect(stack.redis_url)
-        marks = SampleMarks(redis_client, stack.key_prefix)
+        redis_client = connect(stack.store.redis_url)
+        marks = SampleMarks(redis_client, stack.store.key_prefix)
         wait = None
         if learner is not None:
-            wait = lambda stop: wait_for_learner(redis_client, stack.key_prefix, learner, cfg.drain_timeout_s, stop)  # noqa: E731
-        figures = _figures(stack.redis_url, stack.key_prefix)
+            wait = lambda stop: wait_for_learner(redis_client, stack.store, learner, cfg.drain_timeout_s, stop)  # noqa: E731
+        figures = _figures(stack.store)
         summary = run_training(
             cfg,
             stack.client_broker,
@@ -231,14 +242,14 @@ def on_this_machine(
     return summary
 
 
-def wait_for_learner(client: Any, key_prefix: str, learner: Any, timeout_s: float, stop: threading.Event) -> None:
+def wait_for_learner(client: Any, store: StoreSettings, learner: Any, timeout_s: float, stop: threading.Event) -> None:
     """Once the drivers are done: wait (up to `timeout_s`, or until stopped) until the learner started here has
     acknowledged every segment in the stream, so the run's last samples are trained before the validation after
     and the summary. A learner that waits for full rollouts (`rollout_timeout_s` = 0) is not waited for once
     fewer than `rollout_batch` transitions are left: those wait for the next run."""
-    from common.segments import F_N, RedisKeys
+    from common.segments import F_N
 
-    stream = RedisKeys(key_prefix, learner.stream_key).stream
+    stream = store.keys.stream
     end = time.monotonic() + timeout_s
     said = False
     while not stop.is_set():
@@ -259,22 +270,22 @@ def wait_for_learner(client: Any, key_prefix: str, learner: Any, timeout_s: floa
         stop.wait(0.5)
 
 
-def _marks(redis_url: str, key_prefix: str) -> Any:
+def _marks(store: StoreSettings) -> Any:
     """The farm's sample marks (None without a Redis URL)."""
-    if not redis_url:
+    if not store.redis_url:
         return None
     from common.redis_server import connect
     from train.resume import SampleMarks
 
-    return SampleMarks(connect(redis_url), key_prefix)
+    return SampleMarks(connect(store.redis_url), store.key_prefix)
 
 
-def _figures(redis_url: str, key_prefix: str) -> Any:
+def _figures(store: StoreSettings) -> Any:
     """A reader of the learner's latest figures (empty without a Redis URL)."""
-    if not redis_url:
+    if not store.redis_url:
         return dict
     from common.learner_figures import read_latest
     from common.redis_server import connect
 
-    client = connect(redis_url)
-    return lambda: read_latest(client, key_prefix)
+    client = connect(store.redis_url)
+    return lambda: read_latest(client, store.key_prefix)

@@ -1,14 +1,15 @@
 """`ppoz up`: a whole stack on one machine from one config file.
 
 The file is the one each component reads on its own ([broker], [actor],
-[learner], [reward_service] tables, top-level keys for all), plus an [up] table
-saying what to start here. Each component runs as its own `ppoz broker|actor|
-learner|play|reward-server` process with `--config FILE`, so a farm that
-outgrows one machine moves a component elsewhere by running that same command
-there (docs/farm.md).
+[learner], [reward_service] tables, the shared [store], [policy] and [retrieval]
+tables, top-level keys for all), plus an [up] table saying what to start here.
+Each component runs as its own `ppoz broker|actor|learner|play|reward-server`
+process with `--config FILE`, so a farm that outgrows one machine moves a
+component elsewhere by running that same command there (docs/farm.md).
 Addresses are wired here: the actors connect to the broker's back end and the
 learner's weight endpoint, the environment clients to the broker's front end,
-everyone to the same Redis (embedded unless a URL is given).
+everyone to the same Redis ([store], embedded unless a URL is given; the
+[store] flags given to `ppoz up` go on to every component).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from common.config import check, load, option, read_toml, section
-from common.redis_server import password_in_url
+from common.config import check, load, nested, option, read_toml, section
 from common.sd_notify import NotifyListener
+from common.shared_settings import StoreSettings
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 @section("up")
 @dataclass
 class UpConfig:
-    redis_url: str = option("", "Redis for every component; empty starts an embedded redis-server for the stack's lifetime")
+    store: StoreSettings = nested(StoreSettings)  # [store], for every component; an empty URL starts an embedded redis-server
     redis_data_dir: str = option(
         "", "where the embedded redis-server keeps an append-only file (empty: a temporary directory; `ppoz train`: output_dir/redis)"
     )
@@ -74,7 +75,6 @@ class UpConfig:
         check(self.max_restarts >= 0, f"max_restarts={self.max_restarts}: must be 0 or more")
         check(self.stop_timeout_s > 0, f"stop_timeout_s={self.stop_timeout_s}: must be positive")
         check(self.cpu_threads >= 0, f"cpu_threads={self.cpu_threads}: must be 0 (share the cores) or more")
-        check(not (secret := password_in_url(self.redis_url)), secret or "")
         check(
             self.redis_appendfsync in ("always", "everysec", "no"),
             f"redis_appendfsync={self.redis_appendfsync!r}: must be always, everysec or no",
@@ -96,12 +96,12 @@ def connect_address(bind: str) -> str:
 
 @dataclass
 class Stack:
-    """What `started_stack` runs: where clients reach the broker, the Redis URL, the supervisor, and where
-    drivers reach the reward service started here ("" if none is)."""
+    """What `started_stack` runs: where clients reach the broker, the Redis every component was given (its URL
+    that of the embedded redis-server if one was started), the supervisor, and where drivers reach the reward
+    service started here ("" if none is)."""
 
     client_broker: str
-    redis_url: str
-    key_prefix: str
+    store: StoreSettings
     supervisor: Any
     reward_service: str = ""
 
@@ -141,7 +141,7 @@ def started_stack(
     broker = load(BrokerConfig, config_file)
     actor = load(ActorConfig, config_file, policy_flags)
     # The embedded Redis's URL is known only once it runs; validate with a stand-in.
-    stand_in = {"redis_url": up.redis_url or "redis://embedded", **policy_flags}
+    stand_in = {"store.redis_url": up.store.redis_url or "redis://embedded", **policy_flags}
     learner = load(LearnerConfig, config_file, stand_in) if up.learner else None
     rewards = load(RewardServiceConfig, config_file) if up.reward_service else None
     binds = {
@@ -173,13 +173,13 @@ def started_stack(
         except StackBusy:  # a survivor of the killed run that would not die: named, and the lock let go
             lock.close()
             raise
-    if fresh_redis and up.redis_data_dir and not up.redis_url:
+    if fresh_redis and up.redis_data_dir and not up.store.redis_url:
         shutil.rmtree(up.redis_data_dir, ignore_errors=True)
     embedded = None
     sup = Supervisor(up.on_failure, up.max_restarts, up.stop_timeout_s, up.log_lines, record=record)
     try:
         check_ports_free(binds)
-        redis_url = up.redis_url
+        redis_url = up.store.redis_url
         if not redis_url:
             data_dir = up.redis_data_dir or None
             embedded = EmbeddedRedis(appendonly=bool(data_dir), data_dir=data_dir, appendfsync=up.redis_appendfsync).start()
@@ -187,7 +187,8 @@ def started_stack(
             if embedded.process is not None:
                 sup.adopt("redis-server", embedded.process.pid)
             log.info("embedded redis-server at %s", redis_url)
-        yield from _started(up, sup, config_file, log_level, redis_url, broker, actor, learner, rewards, model_args, learner_args)
+        store = replace(up.store, redis_url=redis_url)
+        yield from _started(up, sup, config_file, log_level, store, broker, actor, learner, rewards, model_args, learner_args)
     finally:
         sup.stop_all()
         if embedded is not None:
@@ -201,7 +202,7 @@ def _started(
     sup: Any,
     config_file: str | None,
     log_level: str,
-    redis_url: str,
+    store: StoreSettings,
     broker: Any,
     actor: Any,
     learner: Any,
@@ -218,6 +219,7 @@ def _started(
     common = [sys.executable, "-m", "ppoz.cli", "--log-level", log_level]
     torch_env = thread_env(up.cpu_threads, up.actors + int(up.learner) + int(bool(rewards and rewards.reward_model)))
     config = ["--config", config_file] if config_file else []
+    store_args = store_flags(store)
     # Readiness as each component reports it itself (READY=1 on a notify socket of ours): no request to its sockets,
     # which under CURVE this process could not make.
     ready: dict[str, NotifyListener] = {}
@@ -226,17 +228,16 @@ def _started(
         sup.add("reward-server", [*common, "reward-server", *config], {**torch_env, **ready["reward-server"].env})
     if up.broker:
         ready["broker"] = NotifyListener("broker")
-        sup.add("broker", [*common, "broker", *config, "--redis-url", redis_url], ready["broker"].env)
+        sup.add("broker", [*common, "broker", *config, *store_args], ready["broker"].env)
     if up.learner:
-        sup.add("learner", [*common, "learner", *config, "--redis-url", redis_url, "--resume", *learner_args], torch_env)
+        sup.add("learner", [*common, "learner", *config, *store_args, "--resume", *learner_args], torch_env)
     for i in range(up.actors):
         device = up.actor_devices[i % len(up.actor_devices)] if up.actor_devices else ""
         argv = [
             *common,
             "actor",
             *config,
-            "--redis-url",
-            redis_url,
+            *store_args,
             "--name",
             f"actor-{i}",
             "--seed",
@@ -258,10 +259,16 @@ def _started(
         sup.start_all(lambda c: _wait_ready(c.name, ready["broker"], up.ready_timeout_s, sup) if c.name == "broker" else None)
         if rewards:
             _wait_ready("reward-server", ready["reward-server"], up.ready_timeout_s, sup)
-        yield Stack(client_broker, redis_url, broker.key_prefix, sup, connect_address(rewards.bind) if rewards else "")
+        yield Stack(client_broker, store, sup, connect_address(rewards.bind) if rewards else "")
     finally:
         for listener in ready.values():
             listener.close()
+
+
+def store_flags(store: StoreSettings) -> list[str]:
+    """`store` as flags of `ppoz broker|actor|learner`, which win over the file's [store] table: so the components
+    started here get the embedded Redis's URL and the [store] flags given to `ppoz up`, not only the file's."""
+    return [arg for f in fields(store) for arg in (f"--{f.name.replace('_', '-')}", getattr(store, f.name))]
 
 
 def check_ports_free(binds: dict[str, str]) -> None:

@@ -26,6 +26,7 @@ from broker.config import BrokerConfig
 from broker.server import Broker
 from client import Client
 from common.redis_server import EmbeddedRedis, connect
+from common.shared_settings import StoreSettings
 from tests.model_cache import cached_build
 
 
@@ -130,8 +131,7 @@ def start_broker(redis_url: str, key_prefix: str, zmq_context: zmq.Context) -> I
         settings = dict(
             frontend="tcp://127.0.0.1:*",
             backend="tcp://127.0.0.1:*",
-            redis_url=redis_url,
-            key_prefix=key_prefix,
+            store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
             heartbeat_ms=100,
             drain_timeout_s=2.0,
         )

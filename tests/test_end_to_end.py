@@ -18,7 +18,7 @@ import pytest
 from actor_node.config import ActorConfig
 from actor_node.main import run_actor
 from common.redis_server import connect
-from common.shared_settings import PolicySpec
+from common.shared_settings import PolicySpec, StoreSettings
 from common.tiny_models import LORA_TRAINABLE
 from envs.base import random_returns
 from envs.kea_sim import KeaSim, SimConfig
@@ -50,8 +50,7 @@ def test_a_lora_policy_beats_random_at_the_end_of_its_budget(start_broker, make_
         LearnerConfig(
             policy=policy,
             device="cpu",
-            redis_url=redis_url,
-            key_prefix=key_prefix,
+            store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
             rollout_batch=24,
             policy_minibatch=12,
             micro_batch=12,
@@ -76,8 +75,7 @@ def test_a_lora_policy_beats_random_at_the_end_of_its_budget(start_broker, make_
         broker=broker.backend,
         policy=policy,
         device="cpu",
-        redis_url=redis_url,
-        key_prefix=key_prefix,
+        store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
         weights=learner.weights_endpoint,
         weights_poll_s=1.0,
         heartbeat_ms=100,

@@ -90,6 +90,24 @@ def test_thread_env_shares_the_cores_among_the_torch_processes(monkeypatch):
     assert thread_env(0, 3) == {}  # the user's own setting stands
 
 
+def test_the_components_get_the_store_of_up_over_the_files(tmp_path):
+    """`ppoz up --key-prefix X` (or the embedded Redis's URL) reaches every component it starts, over the file's [store]."""
+    from actor_node.config import ActorConfig
+    from broker.config import BrokerConfig
+    from common.config import load
+    from common.shared_settings import StoreSettings
+    from learner_node.config import LearnerConfig
+    from ppoz.cli import build_parser
+    from ppoz.up import store_flags
+
+    config = tmp_path / "up.toml"
+    config.write_text('[store]\nkey_prefix = "file"\nstream_key = "file-stream"\n[policy]\nmodel = "m"\n')
+    store = StoreSettings(redis_url="unix:///tmp/r.sock", key_prefix="up", stream_key="s", consumer_group="g")
+    for command, cls in (("broker", BrokerConfig), ("actor", ActorConfig), ("learner", LearnerConfig)):
+        args = build_parser().parse_args([command, "--config", str(config), *store_flags(store)])
+        assert load(cls, args.config, args).store == store, command
+
+
 @pytest.mark.slow
 def test_up_stops_everything_when_a_component_dies_and_on_failure_is_stop(tmp_path):
     front, back, weights = free_port(), free_port(), free_port()

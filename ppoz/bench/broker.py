@@ -91,6 +91,7 @@ def _broker_process(redis_url: str, segment_len: int, endpoints: Any, stop: Any,
     from broker.scheduling import FairQueue
     from broker.server import Broker
     from common.redis_server import connect
+    from common.shared_settings import StoreSettings
 
     class FirstComeFirstServed(FairQueue):
         """The step queue before issue 30, for comparison: every client in one line."""
@@ -111,9 +112,8 @@ def _broker_process(redis_url: str, segment_len: int, endpoints: Any, stop: Any,
     cfg = BrokerConfig(
         frontend="tcp://127.0.0.1:*",
         backend="tcp://127.0.0.1:*",
-        redis_url=redis_url,
+        store=StoreSettings(redis_url=redis_url, key_prefix="bench"),
         segment_len=segment_len,
-        key_prefix="bench",
         request_timeout_ms=120_000,
     )
     broker = Broker(cfg, connect(redis_url))

@@ -265,7 +265,7 @@ def ppoz_broker(model_dir: str, device: str, tokenizer: Any, requests: list[Requ
     from broker.server import Broker
     from client import Client
     from common.redis_server import EmbeddedRedis, connect
-    from common.shared_settings import PolicySpec
+    from common.shared_settings import PolicySpec, StoreSettings
 
     outputs: list[list[int]] = [[] for _ in requests]
     texts = [""] * len(requests)
@@ -274,7 +274,9 @@ def ppoz_broker(model_dir: str, device: str, tokenizer: Any, requests: list[Requ
     longest = max(r.prompt_tokens + r.max_new_tokens for r in requests)
     with EmbeddedRedis() as redis_server:
         broker = Broker(
-            BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_server.url, segment_len=1),
+            BrokerConfig(
+                frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", store=StoreSettings(redis_url=redis_server.url), segment_len=1
+            ),
             connect(redis_server.url),
         )
         broker.start()

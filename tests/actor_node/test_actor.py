@@ -14,7 +14,7 @@ from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from actor_node.main import run_actor
 from common import weights
 from common.policy_model import ModelSpec, load_policy, policy_state_dict
-from common.shared_settings import PolicySpec
+from common.shared_settings import PolicySpec, StoreSettings
 from tests.helpers import OBS, actors_ready, wait_for
 
 
@@ -28,8 +28,7 @@ def start_llm_actor(tiny_models, redis_url, key_prefix):
             policy=PolicySpec(model=tiny_models["llama"], lora_rank=4, normalisation="token"),
             device="cpu",
             heartbeat_ms=100,
-            redis_url=redis_url,
-            key_prefix=key_prefix,
+            store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
             weights=weights_endpoint,
             weights_poll_s=poll_s,
             prefix_cache_mb=16,

@@ -17,6 +17,7 @@ from broker.server import Broker
 from client import Client
 from common import protocol as p
 from common.redis_server import EmbeddedRedis, connect
+from common.shared_settings import StoreSettings
 from tests.broker.test_broker import raw_request
 from tests.helpers import OBS, actors_ready, wait_for
 
@@ -48,7 +49,11 @@ def own_redis(tmp_path, start_actor, make_client, zmq_context) -> Iterator[Calla
     def start(client_deadline: float = 10.0) -> OwnRedis:
         server = EmbeddedRedis(appendonly=True, data_dir=tmp_path).start()
         cfg = BrokerConfig(
-            frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=server.url, heartbeat_ms=100, storage_timeout_ms=1000
+            frontend="tcp://127.0.0.1:*",
+            backend="tcp://127.0.0.1:*",
+            store=StoreSettings(redis_url=server.url),
+            heartbeat_ms=100,
+            storage_timeout_ms=1000,
         )
         broker = Broker(cfg, connect(server.url, socket_timeout=1.0), zmq_context)
         broker.start()
@@ -158,7 +163,9 @@ def test_a_redis_that_refuses_writes_but_answers_reads_gets_internal_and_nothing
 
 def test_a_failed_read_while_a_batch_is_in_flight_leaves_that_batch_to_its_own_answer(redis_url, key_prefix, zmq_context):
     """A read error says nothing sure about the batch Redis is applying: it must not be answered `internal` for it."""
-    cfg = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=redis_url, key_prefix=key_prefix)
+    cfg = BrokerConfig(
+        frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix)
+    )
     broker = Broker(cfg, connect(redis_url), zmq_context)
     broker.start()
     client = zmq_context.socket(zmq.DEALER)

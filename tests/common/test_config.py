@@ -20,7 +20,7 @@ def test_defaults_file_then_flags(tmp_path):
     cfg = load(BrokerConfig, path, parse(["--segment-len", "16"]))
     assert cfg.segment_len == 16  # the flag wins over the file
     assert cfg.session_ttl_s == 30.0  # int in TOML accepted for a float
-    assert cfg.redis_url == "redis://127.0.0.1:7777/0"  # top-level key applies to every component that has it
+    assert cfg.store.redis_url == "redis://127.0.0.1:7777/0"  # top-level key applies to every component that has it, shared tables too
     assert cfg.heartbeat_ms == BrokerConfig().heartbeat_ms
 
 
@@ -59,7 +59,7 @@ def test_missing_file_is_named(tmp_path):
         load(BrokerConfig, tmp_path / "nope.toml", parse([]))
 
 
-# --- shared tables: [policy] for actor and learner, [retrieval] for broker and actor ----------------
+# --- shared tables: [policy] for actor and learner, [retrieval] for broker and actor, [store] for all -----
 
 
 def test_one_policy_table_configures_actor_and_learner_alike(tmp_path):
@@ -96,6 +96,47 @@ def test_the_broker_keeps_the_history_the_actor_expects(tmp_path):
     assert (broker.rag_history_len, broker.rag_history_chars) == (actor.retrieval.history_len, actor.retrieval.query_chars) == (3, 500)
 
 
+STORE_TOML = '[store]\nredis_url = "redis://db:6379/2"\nkey_prefix = "shop"\nstream_key = "segs"\nconsumer_group = "trainers"\n'
+
+
+def test_one_store_table_configures_broker_actor_learner_and_up_alike(tmp_path):
+    from actor_node.config import ActorConfig
+    from learner_node.config import LearnerConfig
+    from ppoz.up import UpConfig
+
+    path = tmp_path / "farm.toml"
+    path.write_text(STORE_TOML + '[policy]\nmodel = "m"\n')
+    configs = [load(cls, path) for cls in (BrokerConfig, ActorConfig, LearnerConfig, UpConfig)]
+    stores = {(c.store.redis_url, c.store.key_prefix, c.store.stream_key, c.store.consumer_group) for c in configs}
+    assert stores == {("redis://db:6379/2", "shop", "segs", "trainers")}
+    # the keys written by the broker are the ones the learner reads
+    assert configs[0].store.keys.stream == configs[2].store.keys.stream == "shop:segs"
+
+
+def test_store_flags_keep_their_names_and_override_the_table(tmp_path):
+    from actor_node.config import ActorConfig
+    from learner_node.config import LearnerConfig
+    from ppoz.cli import build_parser
+    from ppoz.up import UpConfig
+
+    path = tmp_path / "farm.toml"
+    path.write_text(STORE_TOML + '[policy]\nmodel = "m"\n')
+    for command, cls in (("broker", BrokerConfig), ("actor", ActorConfig), ("learner", LearnerConfig), ("up", UpConfig)):
+        args = build_parser().parse_args([command, "--config", str(path), "--key-prefix", "other", "--redis-url", "unix:///r.sock"])
+        store = load(cls, args.config, args).store
+        assert (store.redis_url, store.key_prefix, store.stream_key) == ("unix:///r.sock", "other", "segs"), command
+
+
+def test_an_empty_redis_url_means_what_each_process_makes_of_it():
+    from actor_node.config import ActorConfig
+    from learner_node.config import LearnerConfig
+
+    assert BrokerConfig().store.redis_url == ""  # the broker starts an embedded redis-server
+    assert ActorConfig().store.redis_url == ""  # the actor follows no weights
+    with pytest.raises(ConfigError, match="`redis_url` is required: the Redis the broker writes segments to"):
+        load(LearnerConfig, None, {"policy.model": "m"})
+
+
 @pytest.mark.parametrize(
     "component, text, words",
     [
@@ -112,6 +153,24 @@ def test_the_broker_keeps_the_history_the_actor_expects(tmp_path):
             "[broker]\nrag_history_chars = 9\n",
             "[broker] rag_history_chars has moved: write it as `query_chars = 9` in the [retrieval] table",
         ),
+        (
+            "broker",
+            '[broker]\nredis_url = "redis://b:6379/0"\n',
+            "[broker] redis_url has moved: write it as `redis_url = 'redis://b:6379/0'` in the [store] table",
+        ),
+        ("actor", '[actor]\nkey_prefix = "farm"\n', "[actor] key_prefix has moved: write it as `key_prefix = 'farm'` in the [store] table"),
+        ("learner", '[learner]\nstream_key = "s"\n', "[learner] stream_key has moved: write it as `stream_key = 's'` in the [store] table"),
+        (
+            "broker",
+            '[broker]\nconsumer_group = "g"\n',
+            "[broker] consumer_group has moved: write it as `consumer_group = 'g'` in the [store] table",
+        ),
+        (
+            "up",
+            '[up]\nredis_url = "redis://u:6379/0"\n',
+            "[up] redis_url has moved: write it as `redis_url = 'redis://u:6379/0'` in the [store] table",
+        ),
+        ("actor", '[store]\nkey_prefix = "two words"\n', "`key_prefix` must be a non-empty word, got 'two words'"),
         ("actor", "[policy]\nlora_rnk = 4\n", "unknown key [policy] 'lora_rnk'"),
         ("actor", '[policy]\nnormalisation = "tokens"\n', "`normalisation` must be one of token, word, sum"),
     ],
@@ -119,8 +178,9 @@ def test_the_broker_keeps_the_history_the_actor_expects(tmp_path):
 def test_old_keys_say_where_they_moved(tmp_path, component, text, words):
     from actor_node.config import ActorConfig
     from learner_node.config import LearnerConfig
+    from ppoz.up import UpConfig
 
-    cls = {"actor": ActorConfig, "learner": LearnerConfig, "broker": BrokerConfig}[component]
+    cls = {"actor": ActorConfig, "learner": LearnerConfig, "broker": BrokerConfig, "up": UpConfig}[component]
     path = tmp_path / "old.toml"
     path.write_text('redis_url = "redis://r:6379/0"\nmodel = "m"\n' + text)
     with pytest.raises(ConfigError) as e:

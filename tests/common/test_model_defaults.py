@@ -13,7 +13,7 @@ import pytest
 
 from common.config import ConfigError, load
 from common.policy_model import ModelSpec, load_policy
-from common.shared_settings import PolicySpec
+from common.shared_settings import PolicySpec, StoreSettings
 from common.tiny_models import LORA_TRAINABLE, MARKER
 from learner_node.config import LearnerConfig
 from tests.processes import ppoz
@@ -54,19 +54,19 @@ def test_an_explicit_list_is_taken_as_it_is(tiny_models: dict[str, str]) -> None
 
 def test_policy_lr_by_the_model(tiny_models: dict[str, str], pretrained_like: str) -> None:
     def lr(model: str, **kw: object) -> float:
-        return LearnerConfig(policy=PolicySpec(model=model, **kw), redis_url="redis://x").resolved_policy_lr()  # type: ignore[arg-type]
+        return LearnerConfig(policy=PolicySpec(model=model, **kw), store=StoreSettings(redis_url="redis://x")).resolved_policy_lr()  # type: ignore[arg-type]
 
     assert lr(tiny_models["llama"]) == 1e-3
     assert lr(tiny_models["llama"], lora_rank=0) == 3e-4
     assert lr(pretrained_like) == 1e-5
     assert lr(pretrained_like, lora_rank=0) == 1e-6
-    given = LearnerConfig(policy=PolicySpec(model=tiny_models["llama"]), redis_url="redis://x", policy_lr=2e-4)
+    given = LearnerConfig(policy=PolicySpec(model=tiny_models["llama"]), store=StoreSettings(redis_url="redis://x"), policy_lr=2e-4)
     assert given.resolved_policy_lr() == 2e-4
 
 
 def test_policy_lr_must_not_be_negative(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[policy]\nmodel = "m"\n[learner]\nredis_url = "redis://x"\npolicy_lr = -1e-5\n')
+    cfg.write_text('[policy]\nmodel = "m"\n[store]\nredis_url = "redis://x"\n[learner]\npolicy_lr = -1e-5\n')
     with pytest.raises(ConfigError, match="policy_lr"):
         load(LearnerConfig, str(cfg))
 

@@ -11,8 +11,9 @@ import redis
 
 from actor_node.config import ActorConfig
 from broker.config import BrokerConfig
+from common.config import ConfigError, load
 from common.redis_server import PASSWORD_ENV, PASSWORD_FILE_ENV, EmbeddedRedis, RedisUnavailable, connect, redis_password
-from common.shared_settings import PolicySpec
+from common.shared_settings import StoreSettings
 from learner_node.config import LearnerConfig
 from ppoz.up import UpConfig
 from tests.learner_node.test_resume import learner, write_segments
@@ -25,24 +26,30 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda url: BrokerConfig(redis_url=url),
-        lambda url: LearnerConfig(redis_url=url, policy=PolicySpec(model="m")),
-        lambda url: ActorConfig(redis_url=url),
-        lambda url: UpConfig(redis_url=url),
-    ],
-    ids=["broker", "learner", "actor", "up"],
-)
+@pytest.mark.parametrize("cls", [BrokerConfig, LearnerConfig, ActorConfig, UpConfig], ids=["broker", "learner", "actor", "up"])
 @pytest.mark.parametrize("url", [f"redis://:{SECRET}@127.0.0.1:6379/0", f"rediss://worker:{SECRET}@redis.farm:6380"])
-def test_a_url_with_a_password_is_refused_by_every_component_without_repeating_it(make, url) -> None:
+def test_a_url_with_a_password_is_refused_by_every_component_without_repeating_it(cls, url) -> None:
+    def make(url: str) -> object:  # as `ppoz <component> --redis-url URL` gives it: into the component's [store]
+        return load(cls, None, {"store.redis_url": url, "policy.model": "m"})
+
     with pytest.raises(ValueError) as refused:
         make(url)
     message = str(refused.value)
     assert "`redis_url` carries a password" in message and PASSWORD_ENV in message and PASSWORD_FILE_ENV in message
     assert SECRET not in message
     make(url.replace(f":{SECRET}", ""))  # the same URL without it is accepted (a user name is no secret)
+
+
+@pytest.mark.parametrize("table", ["broker", "learner", "actor", "up"])
+def test_a_url_with_a_password_in_its_old_place_is_not_repeated_either(tmp_path, table) -> None:
+    """`[broker] redis_url` moved to [store]: the message saying so shows the URL, its password masked."""
+    cls = {"broker": BrokerConfig, "learner": LearnerConfig, "actor": ActorConfig, "up": UpConfig}[table]
+    path = tmp_path / "old.toml"
+    path.write_text(f'[policy]\nmodel = "m"\n[{table}]\nredis_url = "redis://:{SECRET}@127.0.0.1:6379/0"\n')
+    with pytest.raises(ConfigError) as refused:
+        load(cls, path)
+    assert f"[{table}] redis_url has moved: write it as `redis_url = 'redis://:***@127.0.0.1:6379/0'` in the [store]" in str(refused.value)
+    assert SECRET not in str(refused.value)
 
 
 def test_the_command_line_refuses_it_and_says_where_the_password_goes() -> None:
@@ -127,7 +134,9 @@ def test_a_broker_on_a_password_protected_redis_keeps_it_out_of_its_status_and_i
     monkeypatch.setenv(PASSWORD_ENV, SECRET)
     caplog.set_level(logging.DEBUG)
     with EmbeddedRedis() as server:
-        cfg = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", redis_url=server.url, key_prefix="secret")
+        cfg = BrokerConfig(
+            frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", store=StoreSettings(redis_url=server.url, key_prefix="secret")
+        )
         broker = Broker(cfg, connect(server.url), zmq_context)
         broker.start()
         thread = threading.Thread(target=broker.run, daemon=True)

@@ -32,7 +32,7 @@ from broker.config import BrokerConfig
 from client import AsyncClient, Client, PPOClient, RequestTimeout
 from common.config import ConfigError, load
 from common.security import ALLOW_ANY, ClientKeys, KeyFileError, client_keys, generate_keypair, load_keypair, load_public
-from common.shared_settings import PolicySpec
+from common.shared_settings import PolicySpec, StoreSettings
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from tests.helpers import OBS, actors_ready, wait_for
@@ -398,8 +398,7 @@ def test_weight_announcements_reach_only_allowed_curve_subscribers(
         LearnerConfig(
             policy=PolicySpec(model=tiny_llama, lora_rank=4),
             device="cpu",
-            redis_url=redis_url,
-            key_prefix=key_prefix,
+            store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
             weights_bind="tcp://127.0.0.1:*",
             tensorboard_dir="",
             checkpoint_dir=str(tmp_path / "ck"),

@@ -415,9 +415,7 @@ def test_example_config_is_consistent_across_components():
     assert actor.weights.rsplit(":", 1)[1] == learner.weights_bind.rsplit(":", 1)[1]
     assert actor.policy == learner.policy and actor.policy.model  # one [policy] table: the same function on both sides
     assert actor.retrieval == broker.retrieval  # one [retrieval] table: the history the broker keeps is the one the actor expects
-    for key in ("key_prefix", "redis_url"):
-        assert getattr(actor, key) == getattr(learner, key), key
-    assert broker.redis_url == learner.redis_url and broker.key_prefix == learner.key_prefix
+    assert actor.store == learner.store == broker.store and broker.store.redis_url  # one [store] table: the Redis all three meet in
     assert broker.max_stream_backlog <= 0 or broker.max_stream_backlog > learner.rollout_batch / broker.segment_len
 
 

@@ -22,7 +22,7 @@ from broker.store import Batch, SessionStore
 from common import segments as seg
 from common.policy_model import ModelSpec, load_policy
 from common.segments import RedisKeys, Transition
-from common.shared_settings import PolicySpec
+from common.shared_settings import PolicySpec, StoreSettings
 from learner_node.config import LearnerConfig, UpdateConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import build_rollout, candidate_update
@@ -82,8 +82,7 @@ def learner_on(model_dir: str, dtype: str, redis_url: str, redis_client, prefix:
     settings = dict(
         policy=PolicySpec(model=model_dir, lora_rank=4, normalisation="token", dtype=dtype),
         device="cpu",
-        redis_url=redis_url,
-        key_prefix=prefix,
+        store=StoreSettings(redis_url=redis_url, key_prefix=prefix),
         rollout_batch=n,
         policy_minibatch=n,
         micro_batch=4,
@@ -218,7 +217,7 @@ def test_the_backlog_limit_is_half_the_lag_bound_and_at_least_two_rollouts():
 def critic_error_after_updates(model_dir: str, cfg: UpdateConfig, updates: int) -> float:
     """|V(s) - 5| after `updates` critic-only updates on one-step episodes that all return 5, with the
     learner's default value head and critic learning rate."""
-    defaults = LearnerConfig(policy=PolicySpec(model=model_dir), redis_url="redis://unused")
+    defaults = LearnerConfig(policy=PolicySpec(model=model_dir), store=StoreSettings(redis_url="redis://unused"))
     model, tok = load_policy(ModelSpec(model=model_dir, device="cpu", lora_rank=4))
     lp = LearnerPolicy(model, tok, "token", 1.0, defaults.value_hidden)
     popt = torch.optim.Adam(lp.trainable_parameters(), lr=defaults.resolved_policy_lr())

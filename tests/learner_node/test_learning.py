@@ -11,7 +11,7 @@ import pytest
 from actor_node.config import ActorConfig
 from actor_node.main import run_actor
 from common.redis_server import connect
-from common.shared_settings import PolicySpec
+from common.shared_settings import PolicySpec, StoreSettings
 from common.tiny_models import LORA_TRAINABLE
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
@@ -39,8 +39,7 @@ def test_bandit_through_broker_and_actor_learns_and_stays_learned(
     learner_cfg = LearnerConfig(
         policy=policy,
         device="cpu",
-        redis_url=redis_url,
-        key_prefix=key_prefix,
+        store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
         rollout_batch=16,
         policy_minibatch=8,
         micro_batch=8,
@@ -62,8 +61,7 @@ def test_bandit_through_broker_and_actor_learns_and_stays_learned(
         broker=broker.backend,
         policy=policy,
         device="cpu",
-        redis_url=redis_url,
-        key_prefix=key_prefix,
+        store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
         weights=learner.weights_endpoint,
         weights_poll_s=1.0,
         heartbeat_ms=100,

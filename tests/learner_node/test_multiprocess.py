@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from common.redis_server import connect
-from common.shared_settings import PolicySpec
+from common.shared_settings import PolicySpec, StoreSettings
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
@@ -24,8 +24,7 @@ def settings(model: str, redis_url: str, prefix: str, ckpt: str) -> LearnerConfi
     return LearnerConfig(
         policy=PolicySpec(model=model, lora_rank=4, normalisation="token"),
         device="cpu",
-        redis_url=redis_url,
-        key_prefix=prefix,
+        store=StoreSettings(redis_url=redis_url, key_prefix=prefix),
         rollout_batch=8,
         policy_minibatch=4,
         micro_batch=2,
@@ -42,7 +41,7 @@ def settings(model: str, redis_url: str, prefix: str, ckpt: str) -> LearnerConfi
 
 def _rank(rank: int, world: int, port: int, cfg: LearnerConfig) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    learner = Learner(cfg, connect(cfg.redis_url, socket_timeout=30))
+    learner = Learner(cfg, connect(cfg.store.redis_url, socket_timeout=30))
     learner.run()
 
 
@@ -84,7 +83,7 @@ def test_two_rank_learner_matches_one_rank(tiny_models, redis_url, redis_client,
 def _rank_with_a_nan_gradient_on_rank_1(rank: int, world: int, port: int, cfg: LearnerConfig) -> None:
     """As `_rank`, but rank 1 alone sees a NaN gradient, once: its first backward of the policy."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    learner = Learner(cfg, connect(cfg.redis_url, socket_timeout=30))
+    learner = Learner(cfg, connect(cfg.store.redis_url, socket_timeout=30))
     if rank == 1:
         lora = next(p for name, p in learner.lp.model.named_parameters() if p.requires_grad and "lora_B" in name)
         calls = [0]

@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from common.shared_settings import PolicySpec
+from common.shared_settings import PolicySpec, StoreSettings
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
 from tests.learner_node.test_resume import write_segments
@@ -29,8 +29,7 @@ def make_learner(tiny_models, redis_url, redis_client, key_prefix, tmp_path, **o
     settings = dict(
         policy=PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token"),
         device="cpu",
-        redis_url=redis_url,
-        key_prefix=key_prefix,
+        store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
         rollout_batch=4,
         policy_minibatch=4,
         micro_batch=4,

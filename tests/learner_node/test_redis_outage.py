@@ -20,7 +20,7 @@ import pytest
 
 from common import learner_figures, weights
 from common.redis_server import EmbeddedRedis, connect
-from common.shared_settings import PolicySpec
+from common.shared_settings import PolicySpec, StoreSettings
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
 from tests.learner_node.test_resume import write_segments
@@ -37,8 +37,7 @@ def test_an_outage_after_the_checkpoint_delays_the_updates_redis_work_but_loses_
         cfg = LearnerConfig(
             policy=PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token"),
             device="cpu",
-            redis_url=server.url,
-            key_prefix=prefix,
+            store=StoreSettings(redis_url=server.url, key_prefix=prefix),
             rollout_batch=4,
             policy_minibatch=4,
             micro_batch=4,

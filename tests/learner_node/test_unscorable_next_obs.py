@@ -142,7 +142,7 @@ def check_batch(learner: Learner, spy: Spy, metrics: dict[str, float] | None, id
     assert (learner.counters["transitions_stored"], learner.counters["transitions_trained"]) == (stored, stored - unscorable)
     assert learner.counters["dropped_truncated"] == learner.counters["dropped_unscorable_next_obs"] == unscorable
     assert learner.counters["segments_trained"] == 2 + unscorable and learner.version == 1
-    figures = learner_figures.counters(learner_figures.read_latest(learner.redis, learner.cfg.key_prefix))
+    figures = learner_figures.counters(learner_figures.read_latest(learner.redis, learner.cfg.store.key_prefix))
     assert figures["dropped_unscorable_next_obs"] == unscorable and figures["transitions_trained"] == stored - unscorable
     assert learner.redis.xlen(learner.stream) == 0
     assert math.isfinite(metrics["losses/policy_loss"]) and math.isfinite(metrics["losses/value_loss"])

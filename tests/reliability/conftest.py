@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from common.redis_server import connect
-from common.shared_settings import PolicySpec
+from common.shared_settings import PolicySpec, StoreSettings
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
@@ -112,8 +112,7 @@ def launch_learner(
     caplog.set_level(logging.INFO, logger="learner_node.worker")
     cfg = LearnerConfig(
         policy=PolicySpec(model=tiny_model, **POLICY),
-        redis_url=redis_url,
-        key_prefix=key_prefix,
+        store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
         weights_bind="tcp://127.0.0.1:*",
         checkpoint_dir=str(ckpt),
         **LEARNER_SETTINGS,
