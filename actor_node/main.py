@@ -63,6 +63,7 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
                 cfg.weights,
                 poll_s=cfg.weights_poll_s,
                 curve=client_keys(cfg.curve_secret_key, cfg.curve_learner_key, ("curve_secret_key", "curve_learner_key")),
+                weights_dir=cfg.store.weights_dir,
             )
             catch_up(policy, follower)
     else:

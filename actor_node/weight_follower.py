@@ -8,7 +8,7 @@ import redis
 import zmq
 
 from common.security import ClientKeys
-from common.weights import TOPIC, Announcement, WeightsError, latest, parse_announcement
+from common.weights import TOPIC, Announcement, SnapshotStore, WeightsError, latest, parse_announcement, snapshot_store
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +24,11 @@ class WeightFollower:
         context: zmq.Context | None = None,
         poll_s: float = 5.0,
         curve: ClientKeys | None = None,
+        weights_dir: str = "",
     ) -> None:
         self.client = client
         self.prefix = prefix
+        self.store: SnapshotStore = snapshot_store(client, prefix, weights_dir)  # where the snapshots' chunks are read
         self.poll_s = poll_s
         self._next_poll = 0.0
         self.waiting: Announcement | None = None  # found by `newest`, not loaded yet (see `take`)

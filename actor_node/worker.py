@@ -31,7 +31,7 @@ def catch_up(policy: Policy, follower: WeightFollower | None) -> bool:
     if ann is None:
         return False
     try:
-        state = weights.fetch(follower.client, follower.prefix, ann)
+        state = weights.fetch(follower.client, follower.prefix, ann, follower.store)
         policy.set_weights(state, ann.version, ann.run)
     except Exception as e:  # a missing or corrupt snapshot, or one of another model: keep serving the current weights
         log.warning("cannot load policy version %d: %s; keeping version %d", ann.version, e, policy.policy_version)

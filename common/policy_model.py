@@ -123,13 +123,22 @@ def enable_gradient_checkpointing(model: Any) -> None:
     model.eval()
 
 
-def policy_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """The trainable part of the policy: the adapter's weights, or all weights without an adapter."""
+def policy_state_items(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainable part of the policy, one tensor at a time on the CPU: the adapter's weights, or all
+    weights without an adapter. One at a time, so a publisher never holds a second copy of a GPU model."""
     if hasattr(model, "peft_config"):
         from peft import get_peft_model_state_dict
 
-        return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        state = get_peft_model_state_dict(model)
+    else:
+        state = model.state_dict()
+    for name, tensor in state.items():
+        yield name, tensor.detach().cpu().contiguous()
+
+
+def policy_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """`policy_state_items` as one dict (a checkpoint, a test)."""
+    return dict(policy_state_items(model))
 
 
 def load_policy_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:

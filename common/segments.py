@@ -14,8 +14,10 @@ and the demo read the figures. Every key is built here and nowhere else
     P:hist:{task_id}    LIST    rag_step: the task's last steps (prompt end, action, reward)  broker
     P:detached:{tid}    STRING  the reply to a detach, kept an hour for a retried detach     broker
     P:{stream_key}      STREAM  closed segments (`Segment`), read by the learners' group     broker -> learner
-    P:weights:latest    HASH    version, checksum, size, kind of the newest snapshot         learner -> actors
-    P:weights:v{n}      STRING  snapshot n: safetensors bytes                                learner -> actors
+    P:weights:latest    HASH    version, checksum, size, kind, run of the newest snapshot    learner -> actors
+    P:weights:kept      LIST    the kept snapshots, newest first: "{run}:{n}:{chunks}"         learner
+    P:weights:{run}:v{n} STRING snapshot n's manifest (msgpack; common/weights.py)           learner -> actors
+    P:weights:{run}:v{n}:c{i} STRING  its chunk i: safetensors bytes, at most 64 MiB        learner -> actors
     P:learner:latest    HASH    the learner's latest figures and cumulative counters         learner -> status, ledger
     P:learner:backlog   STRING  the stream backlog (entries) the learner can train within    learner -> broker
                                 its lag bound: the broker's default back-pressure limit
@@ -89,8 +91,15 @@ class RedisKeys:
     def weights_latest(self) -> str:
         return f"{self.prefix}:weights:latest"
 
-    def weights_snapshot(self, version: int) -> str:
-        return f"{self.prefix}:weights:v{version}"
+    @property
+    def weights_kept(self) -> str:
+        return f"{self.prefix}:weights:kept"
+
+    def weights_manifest(self, run: str, version: int) -> str:
+        return f"{self.prefix}:weights:{run}:v{version}"
+
+    def weights_chunk(self, run: str, version: int, index: int) -> str:
+        return f"{self.prefix}:weights:{run}:v{version}:c{index}"
 
     @property
     def learner_latest(self) -> str:

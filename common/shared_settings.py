@@ -15,7 +15,8 @@ expects. Flags are `--rag-...` on both commands.
 `StoreSettings` (`[store]`) is the Redis every process meets in: its URL, the key prefix
 that separates farms sharing one Redis, the segment stream and its consumer group. The
 broker writes the stream, the learner reads it and writes weight snapshots, the actors read
-those, `ppoz up` and `ppoz train` read figures and marks: all under the same keys. What an
+those (their chunks in Redis, or in `weights_dir`, a directory they all mount), `ppoz up` and
+`ppoz train` read figures and marks: all under the same keys. What an
 empty URL means is each process's own (the broker starts an embedded redis-server, an actor
 follows no weights, the learner refuses to start), so each component checks that itself.
 
@@ -127,7 +128,7 @@ class RetrievalConfig:
 @section("store")
 @dataclass(kw_only=True)
 class StoreSettings:
-    """the Redis that broker, actors and learner share"""
+    """the Redis (and the weights directory) that broker, actors and learner share"""
 
     redis_url: str = option(
         "",
@@ -137,12 +138,19 @@ class StoreSettings:
     key_prefix: str = option("ppoz", "prefix of every Redis key, so several farms can share one Redis")
     stream_key: str = option("segments", "name (after the prefix) of the Redis Stream the broker writes closed segments to")
     consumer_group: str = option("learners", "consumer group on the stream: the broker creates it, the learners read through it")
+    weights_dir: str = option(
+        "",
+        "a directory the learner and every actor mount (NFS, a parallel file system) for the weight snapshots' chunks; empty:"
+        " the chunks are Redis keys, which needs about (weights_kept + 1) x the snapshot's size of Redis memory (docs/farm.md)",
+    )
+    weights_kept: int = option(3, "weight snapshots kept, newest first: an actor still reading one a newer replaced can finish")
 
     def __post_init__(self) -> None:
         for name in ("key_prefix", "stream_key", "consumer_group"):  # parts of Redis key names and stream commands
             value = getattr(self, name)
             check(value != "" and " " not in value, f"`{name}` must be a non-empty word, got {value!r}")
         check(not (secret := password_in_url(self.redis_url)), secret or "")
+        check(self.weights_kept >= 1, f"`weights_kept` must be 1 or more, got {self.weights_kept}")
 
     @property
     def keys(self) -> RedisKeys:

@@ -38,7 +38,7 @@ import zmq
 
 from common import scoring, weights
 from common.learner_figures import COUNTER_PREFIX, write_latest
-from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict
+from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict, policy_state_items
 from common.protocol import DEFAULT_MAX_ABS_REWARD
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
@@ -662,12 +662,22 @@ class Learner:
         )
 
     def publish(self) -> None:
-        """Store the current weights in Redis, then announce them (PUB never holds the only copy)."""
+        """Store the current weights in chunks, then announce them (PUB never holds the only copy).
+
+        The tensors are taken one at a time, so rank 0 never holds a second copy of the model."""
         if not self.is_main:
             return
+        store = self.cfg.store
         kind = "lora" if self.lp.has_adapter else "full"
         ann = weights.store_snapshot(
-            self.redis, self.cfg.store.key_prefix, self.version, policy_state_dict(self.lp.model), kind, self.run_id
+            self.redis,
+            store.key_prefix,
+            self.version,
+            policy_state_items(self.lp.model),
+            kind,
+            self.run_id,
+            weights.snapshot_store(self.redis, store.key_prefix, store.weights_dir),
+            keep=store.weights_kept,
         )
         weights.announce(bound(self.pub, "the weights publisher"), ann)
 

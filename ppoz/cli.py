@@ -237,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
             "on first use (trl is no dependency of PPOZ): responses/s, validation after, the first time at 0.7, CPU cores "
             "used and peak memory.",
         ),
+        (
+            "weights",
+            "publishing a full snapshot of a GB or more, learner to applied actor, in Redis and a directory, against memcpy",
+            "Publish a random model's full snapshot (1.2 GB by default) in chunks, fetch it with every checksum checked and apply "
+            "it to an actor's model, through Redis and through the shared-directory store, against a plain memory copy of the "
+            "same tensors; legs alternating, medians of --repeats runs: GB/s and the publisher's peak memory (docs/benchmarks.md).",
+        ),
     ):
         benches.add_parser(name, help=help_text, description=description, module=f"ppoz.bench.{name}")
 

@@ -268,7 +268,7 @@ def _started(
 def store_flags(store: StoreSettings) -> list[str]:
     """`store` as flags of `ppoz broker|actor|learner`, which win over the file's [store] table: so the components
     started here get the embedded Redis's URL and the [store] flags given to `ppoz up`, not only the file's."""
-    return [arg for f in fields(store) for arg in (f"--{f.name.replace('_', '-')}", getattr(store, f.name))]
+    return [arg for f in fields(store) for arg in (f"--{f.name.replace('_', '-')}", str(getattr(store, f.name)))]
 
 
 def check_ports_free(binds: dict[str, str]) -> None:

@@ -40,7 +40,8 @@ WINDOW = 60  # episodes the trained policy's mean is taken over
 @pytest.mark.timeout(900)  # the budget takes 2 to 3 minutes on a quiet 2-core machine
 def test_a_lora_policy_beats_random_at_the_end_of_its_budget(start_broker, make_client, tiny_models, redis_url, key_prefix, tmp_path):
     """A rank-4 LoRA adapter on every linear layer, the random tiny model's head and final norm trained
-    beside it (`lora_trainable`); all-weights training of the same loop is covered by the bandit test."""
+    beside it (`lora_trainable`); all-weights training of the same loop is covered by the bandit test.
+    The weights go through the shared-directory store (`[store] weights_dir`): the actor follows them from there."""
     baseline = statistics.mean(random_returns(lambda i: KeaSim(APP), 1000))
     broker = start_broker(max_stream_backlog=48, segment_len=APP.horizon)
     policy = PolicySpec(
@@ -50,7 +51,7 @@ def test_a_lora_policy_beats_random_at_the_end_of_its_budget(start_broker, make_
         LearnerConfig(
             policy=policy,
             device="cpu",
-            store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
+            store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix, weights_dir=str(tmp_path / "weights")),
             rollout_batch=24,
             policy_minibatch=12,
             micro_batch=12,
@@ -75,7 +76,7 @@ def test_a_lora_policy_beats_random_at_the_end_of_its_budget(start_broker, make_
         broker=broker.backend,
         policy=policy,
         device="cpu",
-        store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
+        store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix, weights_dir=str(tmp_path / "weights")),
         weights=learner.weights_endpoint,
         weights_poll_s=1.0,
         heartbeat_ms=100,
@@ -109,3 +110,6 @@ def test_a_lora_policy_beats_random_at_the_end_of_its_budget(start_broker, make_
         f"{trained_mean():.2f}, random is {baseline:.2f}"
     )
     assert stats.steps <= MAX_STEPS + 4 * APP.horizon and stats.failures == 0
+    snapshots = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert len(snapshots) == 3 and all(name.startswith(f"{learner.run_id}-v") for name in snapshots), snapshots
+    assert not list(connect(redis_url).scan_iter(f"{key_prefix}:weights:{learner.run_id}:*")), "chunks in Redis too"

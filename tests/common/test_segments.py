@@ -36,7 +36,12 @@ def test_keys_have_one_layout():
         "P:hist:t",
         "P:detached:t",
     )
-    assert (keys.weights_latest, keys.weights_snapshot(7), keys.learner_latest) == ("P:weights:latest", "P:weights:v7", "P:learner:latest")
+    assert (keys.weights_latest, keys.weights_manifest("r1", 7), keys.weights_chunk("r1", 7, 2), keys.learner_latest) == (
+        "P:weights:latest",
+        "P:weights:r1:v7",
+        "P:weights:r1:v7:c2",
+        "P:learner:latest",
+    )
 
 
 def test_a_segment_closed_by_the_broker_script_reads_back_field_for_field(redis_client, key_prefix):

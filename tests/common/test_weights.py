@@ -1,0 +1,174 @@
+"""Chunked weight snapshots (common/weights.py) in both stores, on a real redis-server: tensors of every
+shape and dtype the policies have, split across chunks, round-trip exactly; damage anywhere is refused by
+name; old snapshots are removed; and a full snapshot over Redis's 512 MB value limit is published,
+fetched by an actor and applied."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from common import weights
+from common.segments import RedisKeys
+
+CHUNK = 4096  # bytes of tensor data per chunk: small, so a few tensors already span many chunks
+
+
+def mixed_state() -> dict[str, torch.Tensor]:
+    """Shapes a policy has: a big embedding split by rows, odd row counts, a vector, a scalar, an empty
+    tensor, a non-contiguous view, bf16, integers and booleans."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(301, 17, generator=g),  # 20 KB: six chunks of rows
+        "layer.0.q_proj.lora_A.weight": torch.randn(4, 33, generator=g),
+        "layer.0.q_proj.lora_B.weight": torch.randn(33, 4, generator=g).t(),  # not contiguous
+        "norm.weight": torch.randn(1025, generator=g),  # one dimension, bigger than a chunk
+        "head.bias": torch.randn(7, generator=g).to(torch.bfloat16),
+        "logit_scale": torch.tensor(0.125),
+        "empty": torch.empty(0, 5),
+        "positions": torch.arange(2000, dtype=torch.int64).reshape(1000, 2),
+        "mask": torch.rand(40, generator=g) > 0.5,
+    }
+
+
+@pytest.fixture(params=["redis", "directory"])
+def store(request, redis_client, key_prefix, tmp_path) -> weights.SnapshotStore:
+    return weights.snapshot_store(redis_client, key_prefix, str(tmp_path / "weights") if request.param == "directory" else "")
+
+
+def assert_equal_states(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+
+
+def test_a_snapshot_round_trips_exactly_through_many_chunks(redis_client, key_prefix, store):
+    state = mixed_state()
+    ann = weights.store_snapshot(redis_client, key_prefix, 1, state, "full", "run-a", store=store, chunk_bytes=CHUNK)
+    assert weights.latest(redis_client, key_prefix) == ann
+    manifest = msgpack.unpackb(store.manifest("run-a", 1))
+    assert hashlib.sha256(store.manifest("run-a", 1)).hexdigest() == ann.checksum
+    assert len(manifest["chunks"]) >= 10, "the big tensors must be split"
+    for index, entry in enumerate(manifest["chunks"]):
+        data = store.chunk("run-a", 1, index)
+        assert len(data) == entry["size"] and hashlib.sha256(data).hexdigest() == entry["sha256"]
+        tensor_bytes = sum(t.numel() * t.element_size() for t in load_safetensors(data).values())
+        assert tensor_bytes <= CHUNK, f"chunk {index} holds {tensor_bytes} bytes of tensors"
+    assert ann.size == sum(entry["size"] for entry in manifest["chunks"])
+    assert_equal_states(weights.fetch(redis_client, key_prefix, ann, store, threads=3), state)
+
+
+def test_a_generator_is_consumed_one_tensor_at_a_time(redis_client, key_prefix, store):
+    """A sharded learner gathers a tensor only when it is written: the publisher must not collect them first."""
+    state = mixed_state()
+    taken: list[str] = []
+
+    def gathered():
+        for name, tensor in state.items():
+            taken.append(name)
+            yield name, tensor
+
+    ann = weights.store_snapshot(redis_client, key_prefix, 1, gathered(), "full", "run-a", store=store, chunk_bytes=CHUNK)
+    assert taken == list(state)
+    assert_equal_states(weights.fetch(redis_client, key_prefix, ann, store), state)
+
+
+@pytest.mark.parametrize("damage", ["chunk_byte", "chunk_missing", "manifest_byte", "announced_size"])
+def test_damage_anywhere_is_refused_by_name(redis_client, key_prefix, tmp_path, damage):
+    store = weights.RedisSnapshots(redis_client, key_prefix)
+    keys = RedisKeys(key_prefix)
+    ann = weights.store_snapshot(redis_client, key_prefix, 2, mixed_state(), "full", "run-a", store=store, chunk_bytes=CHUNK)
+    chunk3 = keys.weights_chunk("run-a", 2, 3)
+    if damage == "chunk_byte":
+        data = bytearray(redis_client.get(chunk3))
+        data[-1] ^= 1
+        redis_client.set(chunk3, bytes(data))
+        expected = "chunk 3 does not match its checksum"
+    elif damage == "chunk_missing":
+        redis_client.delete(chunk3)
+        expected = "lacks chunk 3"
+    elif damage == "manifest_byte":
+        manifest = bytearray(redis_client.get(keys.weights_manifest("run-a", 2)))
+        manifest[10] ^= 1
+        redis_client.set(keys.weights_manifest("run-a", 2), bytes(manifest))
+        expected = "manifest checksum"
+    else:
+        ann = weights.Announcement(ann.version, ann.checksum, ann.size + 1, ann.kind, ann.run)
+        expected = "do not add up"
+    with pytest.raises(weights.WeightsError, match=expected):
+        weights.fetch(redis_client, key_prefix, ann, store)
+
+
+def test_old_snapshots_are_removed_and_a_rewritten_version_leaves_nothing_behind(redis_client, key_prefix, store, tmp_path):
+    state = mixed_state()
+    for version in range(1, 6):
+        weights.store_snapshot(redis_client, key_prefix, version, state, "full", "run-a", store=store, chunk_bytes=CHUNK, keep=2)
+    assert [store.manifest("run-a", v) is not None for v in range(1, 6)] == [False, False, False, True, True]
+    assert all(store.chunk("run-a", v, 0) is None for v in (1, 2, 3))
+    # A resumed run writes version 5 again, smaller: the longer one's chunks must not linger.
+    small = {"norm.weight": state["norm.weight"][:10]}
+    ann = weights.store_snapshot(redis_client, key_prefix, 5, small, "full", "run-a", store=store, chunk_bytes=CHUNK, keep=2)
+    assert_equal_states(weights.fetch(redis_client, key_prefix, ann, store), small)
+    assert store.chunk("run-a", 5, 1) is None
+    # A new run (versions from 1 again) pushes the old run's snapshots out in turn.
+    for version in (1, 2):
+        weights.store_snapshot(redis_client, key_prefix, version, small, "full", "run-b", store=store, chunk_bytes=CHUNK, keep=2)
+    assert store.manifest("run-a", 4) is None and store.manifest("run-a", 5) is None
+    if isinstance(store, weights.RedisSnapshots):
+        left = sorted(k.decode() for k in redis_client.scan_iter(f"{key_prefix}:weights:*"))
+        assert left == sorted(
+            f"{key_prefix}:weights:{name}" for name in ("latest", "kept", "run-b:v1", "run-b:v1:c0", "run-b:v2", "run-b:v2:c0")
+        )
+    else:
+        assert sorted(p.name for p in Path(store.root).iterdir()) == ["run-b-v1", "run-b-v2"]
+
+
+def test_a_reader_never_sees_a_half_written_directory_snapshot(redis_client, key_prefix, tmp_path):
+    """Chunks are written under a hidden temporary name: until the rename, the version does not exist."""
+    store = weights.DirectorySnapshots(tmp_path)
+    store.begin("run-a", 1)
+    store.put_chunk("run-a", 1, 0, b"x")
+    assert store.manifest("run-a", 1) is None and store.chunk("run-a", 1, 0) is None
+    store.finish("run-a", 1, b"m")
+    assert (store.manifest("run-a", 1), store.chunk("run-a", 1, 0)) == (b"m", b"x")
+    assert [p.name for p in tmp_path.iterdir()] == ["run-a-v1"]
+
+
+@pytest.mark.slow
+def test_a_full_snapshot_over_512_mb_is_published_fetched_and_applied(redis_client, key_prefix, tiny_models):
+    """Redis refuses a value over 512 MB (proto-max-bulk-len): a full fine-tune of ~150M float32 parameters
+    could not publish as one value. In chunks it is, and an actor applies it through its own path."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from actor_node.llm_policy import LLMPolicy, SamplingConfig
+    from actor_node.weight_follower import WeightFollower
+    from actor_node.worker import catch_up
+    from common.policy_model import policy_state_dict
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16
+    )
+    torch.manual_seed(0)
+    learner_model = LlamaForCausalLM(config)
+    torch.manual_seed(1)
+    actor_model = LlamaForCausalLM(config)
+    state = policy_state_dict(learner_model)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    assert nbytes > 512 * 2**20, f"{nbytes} bytes: not over Redis's value limit"
+    weights.store_snapshot(redis_client, key_prefix, 7, state, "full", "run-big")
+    keys = RedisKeys(key_prefix)
+    chunks = len(msgpack.unpackb(redis_client.get(keys.weights_manifest("run-big", 7)))["chunks"])
+    assert chunks >= 9 and max(redis_client.strlen(keys.weights_chunk("run-big", 7, i)) for i in range(chunks)) < 65 * 2**20
+
+    policy = LLMPolicy(actor_model, AutoTokenizer.from_pretrained(tiny_models["llama"]), SamplingConfig(), "per_candidate")
+    follower = WeightFollower(redis_client, key_prefix, poll_s=0.0)
+    assert catch_up(policy, follower), "the actor did not load the snapshot"
+    assert (policy.policy_version, policy.policy_run) == (7, "run-big")
+    for name, tensor in actor_model.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
