@@ -9,6 +9,12 @@ consumed) and `recent_segments.msgpack` (the segment ids trained recently, which
 the learner drops when they come again). It is written under a temporary name
 and renamed, so a crash never leaves a half-written checkpoint that looks
 complete.
+
+A sharded learner (`[learner] parallelism = "fsdp"`) writes `sharded/` in place
+of the weight and optimizer files: a torch.distributed.checkpoint directory to
+which every rank writes its own shards (learner_node/sharding.py), readable by
+any number of ranks, one process included. Every rank writes into the staging
+folder rank 0 made (`staging`); rank 0 then adds the rest and renames it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from safetensors.torch import load_file, save_file
 log = logging.getLogger(__name__)
 
 RECENT_FILE = "recent_segments.msgpack"
+SHARDED = "sharded"  # the DCP folder of a sharded learner's weights and optimizer states
 
 
 class RecentIds:
@@ -67,26 +74,39 @@ class RecentIds:
         return header + b"".join(self._packed)
 
 
+def staging(directory: str | Path, update: int, create: bool) -> Path:
+    """The temporary folder checkpoint `update` is written in before its rename; `create` empties and makes it
+    (rank 0 of a sharded learner, before the others write their shards into it)."""
+    root = Path(directory)
+    tmp = root / f".ckpt-{update:08d}.tmp"
+    if create:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=0o700)  # the weights and the run's settings are the owner's alone: 0700 folders, 0600 files
+    return tmp
+
+
 def save(
     directory: str | Path,
     update: int,
-    tensors: dict[str, torch.Tensor],
-    value_head: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor] | None,
+    value_head: dict[str, torch.Tensor] | None,
     optimizers: dict[str, Any],
     state: dict[str, Any],
     keep: int,
     model: Any = None,
     recent: RecentIds | None = None,
 ) -> Path:
-    """Write checkpoint `update`; with a peft `model`, also its adapter as `adapter/` (loadable with PeftModel.from_pretrained)."""
+    """Write checkpoint `update`; with a peft `model`, also its adapter as `adapter/` (loadable with PeftModel.from_pretrained).
+
+    `tensors` and `value_head` None: the ranks of a sharded learner have written `sharded/` into `staging` already
+    (`optimizers` is then empty), and the rest is added to it."""
     root = Path(directory)
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
     final = root / f"ckpt-{update:08d}"
-    tmp = root / f".ckpt-{update:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(mode=0o700)  # the weights and the run's settings are the owner's alone: 0700 folders, 0600 files
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "policy.safetensors"))
-    save_file({k: v.contiguous() for k, v in value_head.items()}, str(tmp / "value_head.safetensors"))
+    tmp = staging(root, update, create=tensors is not None)
+    if tensors is not None and value_head is not None:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "policy.safetensors"))
+        save_file({k: v.contiguous() for k, v in value_head.items()}, str(tmp / "value_head.safetensors"))
     torch.save({"optimizers": optimizers, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, tmp / "optim.pt")
     (tmp / "state.json").write_text(json.dumps(state))
     (tmp / RECENT_FILE).write_bytes(recent.packed() if recent is not None else msgpack.packb([]))
@@ -112,13 +132,21 @@ def latest(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def is_sharded(path: str | Path) -> bool:
+    """Whether a checkpoint was written by a sharded learner (its weights in `sharded/`, see learner_node/sharding.py)."""
+    return (Path(path) / SHARDED).is_dir()
+
+
 def load(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """(policy tensors, value head, optimizer states, state) of a checkpoint; RNG states are restored."""
+    """(policy tensors, value head, optimizer states, state) of a checkpoint; RNG states are restored. A sharded
+    checkpoint's weights are read by `sharding.load_sharded`: here its tensors and optimizer states are empty."""
     path = Path(path)
     extra = torch.load(path / "optim.pt", weights_only=False)
     torch.set_rng_state(extra["rng"]["torch"])
     random.setstate(extra["rng"]["python"])
     state = read_state(path)
+    if is_sharded(path):
+        return {}, {}, extra["optimizers"], state
     return load_file(str(path / "policy.safetensors")), load_file(str(path / "value_head.safetensors")), extra["optimizers"], state
 
 

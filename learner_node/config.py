@@ -112,6 +112,10 @@ class GenerationConfig:
         )
 
 
+PARALLELISMS = ("auto", "ddp", "fsdp")
+FSDP_FROM_PARAMETERS = 1_000_000_000  # parallelism auto: from here on a model's Adam state alone (8 bytes a weight) is 8 GB a rank
+
+
 @section("learner")
 @dataclass(kw_only=True)
 class LearnerConfig(UpdateConfig):
@@ -119,6 +123,12 @@ class LearnerConfig(UpdateConfig):
     policy: PolicySpec = nested(PolicySpec)  # [policy]: model, LoRA, dtype, normalisation, temperature, scoring path
     generation: GenerationConfig = nested(GenerationConfig, "gen_")  # [generation]: token-level PPO on generate transitions
     device: str = option("auto", "torch device: auto, cpu, cuda, cuda:N")
+    parallelism: str = option(
+        "auto",
+        "with several ranks (torchrun, accelerate launch): ddp (every rank holds the whole model, gradients averaged),"
+        " fsdp (FSDP2: each rank holds 1/N of every transformer block's weights, gradients and Adam moments; bf16 compute"
+        " on GPU) or auto (fsdp for a model of 1B parameters or more, else ddp); one rank: ignored",
+    )
     # --- data ---
     store: StoreSettings = nested(StoreSettings)  # [store]: the Redis of the segment stream (its URL required here)
     consumer: str = option("learner-0", "this learner's consumer name; keep it across restarts so its pending segments come back to it")
@@ -195,5 +205,6 @@ class LearnerConfig(UpdateConfig):
         check(
             all(isinstance(h, int) and h > 0 for h in self.value_hidden), f"`value_hidden` must be positive ints, got {self.value_hidden}"
         )
+        check(self.parallelism in PARALLELISMS, f"`parallelism` must be one of {', '.join(PARALLELISMS)}, got {self.parallelism!r}")
         check("://" in self.weights_bind, f"`weights_bind` must be a ZeroMQ endpoint, got {self.weights_bind!r}")
         check_server_settings(self.curve_secret_key, {"curve_allowed_actors": self.curve_allowed_actors})

@@ -14,7 +14,8 @@ steps and nothing moves between devices except figures.
 
 With several processes (accelerate / torch.distributed), each rank takes its share of every minibatch and
 gradients are averaged across ranks before each optimizer step, so an update equals the one-process update
-on the same batch.
+on the same batch. Parameters sharded by FSDP2 (learner_node/sharding.py: DTensors) have their gradients
+reduce-scattered by FSDP itself in each backward; only the others are averaged here.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from learner_node import core_algos
 from learner_node.config import GenerationConfig, UpdateConfig
+from learner_node.sharding import Lockstep
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -65,16 +68,36 @@ def adam(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Adam:
 
     Fused is the same algorithm, one kernel for all parameters instead of a dozen tensor ops per parameter: on
     the demo's 21 parameters a step took 0.25 ms fused against 3.3 ms one tensor at a time (0.74 ms `foreach`),
-    which on small models is most of the optimizer's share of an update (docs/benchmarks.md)."""
+    which on small models is most of the optimizer's share of an update (docs/benchmarks.md).
+
+    Parameters FSDP2 shards (DTensors) take the fused kernel too, but not in one list with whole ones (a LoRA
+    adapter sharded beside peft's modules_to_save, learner_node/sharding.py): the fused and foreach kernels refuse
+    such a list, so it is stepped one tensor at a time."""
     trained = list(params)
+    sharded = sum(isinstance(p, DTensor) for p in trained)
+    if 0 < sharded < len(trained):
+        return torch.optim.Adam(trained, lr=lr, eps=1e-5, foreach=False)
     fused = bool(trained) and all(p.device.type in FUSED_ADAM_DEVICES and p.is_floating_point() for p in trained)
     return torch.optim.Adam(trained, lr=lr, eps=1e-5, fused=fused or None)
 
 
 def _all_finite(params: list[torch.nn.Parameter]) -> bool:
     """Whether every element of `params` is finite: one max-abs norm per tensor (NaN and inf propagate into it),
-    computed by one foreach kernel instead of two tensor ops per parameter. Empty tensors have no max-abs norm."""
-    filled = tuple(p for p in params if p.numel())
+    computed by one foreach kernel instead of two tensor ops per parameter. Empty tensors have no max-abs norm.
+
+    Of a parameter FSDP2 shards (a DTensor) each rank checks its own shard, and the ranks then agree in one
+    all-reduce, so that every rank gives the same answer (and raises at the same step)."""
+    local = [p.to_local() for p in params if isinstance(p, DTensor)]
+    finite = _finite([p for p in params if not isinstance(p, DTensor)]) and _finite(local)
+    if local:
+        flag = torch.tensor([float(finite)], device=local[0].device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        finite = bool(flag.item())
+    return finite
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    filled = tuple(t for t in tensors if t.numel())
     if not filled:
         return True
     norms = torch._foreach_norm(filled, float("inf"))
@@ -249,7 +272,7 @@ def ppo_update(
         returns, old_values = t.returns, t.old_values if t.old_values is not None else t.returns
         metrics["explained_variance"] = core_algos.explained_variance(old_values[t.mask.bool()], returns[t.mask.bool()])
 
-        def critic_step(ids: list[int], minibatch: list[int]) -> dict[str, float]:
+        def critic_step(ids: list[int], minibatch: list[int], weight: float = 1.0) -> dict[str, float]:
             loss = core_algos.value_loss(
                 batch.values(ids),
                 old_values[ids],
@@ -260,7 +283,7 @@ def ppo_update(
                 settings.aggregation,
             )
             share = core_algos.aggregation_share(t.mask, ids, minibatch, settings.aggregation)
-            (cfg.vf_coef * loss * share * _world()[1]).backward()
+            (cfg.vf_coef * loss * share * _world()[1] * weight).backward()
             return {"value_loss": float(loss.detach()) * share}
 
         figures, _, _ = minibatch_epochs(
@@ -272,9 +295,10 @@ def ppo_update(
 
     old = t.prox_logp if settings.decoupled else t.behaviour_logp  # what the ratio, the clipping and target-KL measure against
     first_ratio_dev: list[float] = []
+    lockstep = Lockstep.of(policy_params)  # FSDP-sharded: every rank runs as many forwards (learner_node/sharding.py)
 
-    def policy_step(ids: list[int], minibatch: list[int]) -> dict[str, float]:
-        f = batch.forward(ids)
+    def policy_step(ids: list[int], minibatch: list[int], weight: float = 1.0) -> dict[str, float]:
+        f, padding = lockstep.run(lambda: batch.forward(ids))
         mask = t.mask[ids]
         terms = core_algos.policy_loss(
             f.logp,
@@ -293,7 +317,7 @@ def ppo_update(
         if settings.kl_coef:
             loss = loss + settings.kl_coef * kl_ref
         share = core_algos.aggregation_share(t.mask, ids, minibatch, settings.aggregation)
-        (loss * share * _world()[1]).backward()
+        (loss * share * _world()[1] * weight + padding).backward()
         if not first_ratio_dev:
             first_ratio_dev.append(float(((terms.ratio.detach() - 1).abs() * mask).max()))
         tokens = core_algos.aggregation_share(t.mask, ids, minibatch, "token-mean")  # token means weigh by tokens
@@ -335,7 +359,7 @@ def minibatch_epochs(
     minibatch: int,
     rng: torch.Generator,
     micro_batches: Callable[[list[int]], list[list[int]]],
-    step: Callable[[list[int], list[int]], dict[str, float]],
+    step: Callable[[list[int], list[int], float], dict[str, float]],
     figure_keys: tuple[str, ...],
     params: list[torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
@@ -344,14 +368,17 @@ def minibatch_epochs(
 ) -> tuple[dict[str, float], int, bool]:
     """The loop both the critic and the policy train in: `epochs` passes over the n samples in a fresh
     permutation each, one optimizer step per minibatch. Each rank takes every world-th sample of a minibatch
-    and cuts its share into `micro_batches`; `step(micro, minibatch)` runs one micro-batch's forward and
-    backward, its loss scaled to its share of the minibatch's loss, and returns its figures (`figure_keys`) so
-    scaled. The figures of a minibatch are summed over micro-batches and ranks (so each is the minibatch's own),
-    and averaged over minibatches. With `target_kl`, the epochs stop once a minibatch's "approx_kl" exceeds it,
-    checked after its step (no accumulated gradient is thrown away).
+    and cuts its share into `micro_batches`; `step(micro, minibatch, weight)` runs one micro-batch's forward and
+    backward, its loss scaled to its share of the minibatch's loss (and by `weight`, 1 but for padding passes),
+    and returns its figures (`figure_keys`) so scaled. With FSDP-sharded `params` every rank runs as many
+    forwards and backwards as the rank with the most micro-batches (`_padding`). The figures of a minibatch are
+    summed over micro-batches and ranks (so each is the minibatch's own), and averaged over minibatches. With
+    `target_kl`, the epochs stop once a minibatch's "approx_kl" exceeds it, checked after its step (no accumulated
+    gradient is thrown away).
 
     Returns (figures, optimizer steps, whether the target-KL stop ended the epochs)."""
     rank, world = _world()
+    sharded = world > 1 and any(isinstance(p, DTensor) for p in params)
     totals: dict[str, float] = collections.defaultdict(float)
     steps = 0
     for _ in range(epochs):
@@ -360,11 +387,14 @@ def minibatch_epochs(
             mb = perm[start : start + minibatch].tolist()
             optimizer.zero_grad()
             parts = dict.fromkeys(figure_keys, 0.0)  # a rank with no share of this minibatch sends zeros
-            for micro in micro_batches(mb[rank::world]):
-                for key, value in step(micro, mb).items():
+            micros = micro_batches(mb[rank::world])
+            for micro in micros:
+                for key, value in step(micro, mb, 1.0).items():
                     parts[key] += value
+            for _ in range(_padding(micro_batches, mb, len(micros), world) if sharded else 0):
+                step(mb[:1], mb, 0.0)  # its figures are left out: its loss is weighed 0
             _average_gradients(params)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            grad_norm = _clip_gradients(params, max_grad_norm)
             figures = _sum_over_ranks(parts, params[0].device if params else torch.device("cpu"))
             # Nothing non-finite is applied: a NaN loss or gradient stops the update before its step, and a
             # step that overflowed a parameter (finite gradient, absurd scale) right after it.
@@ -399,11 +429,42 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def _padding(micro_batches: Callable[[list[int]], list[list[int]]], mb: list[int], mine: int, world: int) -> int:
+    """How many micro-batch passes this rank, with `mine` micro-batches of minibatch `mb`, runs besides them so
+    that every rank runs as many as the busiest one: FSDP2 reduce-scatters each block's gradients in every
+    backward, a collective that every rank must enter the same number of times, or the ranks wait on each other
+    for ever (within a pass, `sharding.Lockstep` matches the forwards). A padding pass is one sample of the
+    minibatch with its loss weighed 0: zero gradients, no figures. Every rank cuts every rank's share itself
+    (`micro_batches` depends on the samples alone), so no collective is needed to agree on the count."""
+    return max(len(micro_batches(mb[r::world])) for r in range(world)) - mine
+
+
+def _clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (2-norm over all gradients, each scaled by min(1, max_norm / (norm + 1e-6))),
+    returning the norm as a plain tensor, also when FSDP2 shards some parameters (DTensors) and not others (see
+    learner_node/sharding.py: a LoRA adapter's blocks sharded, peft's modules_to_save whole): torch's foreach
+    kernels take no list that mixes the two, so each kind gets its norm alone and the norms are combined. The norm
+    of sharded gradients is reduced over the ranks by DTensor; whole ones are the same on every rank already."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    if len(sharded) in (0, len(grads)):
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    whole = [g for g in grads if not isinstance(g, DTensor)]
+    parts = [torch.nn.utils.get_total_norm(sharded), torch.nn.utils.get_total_norm(whole)]
+    norm = torch.linalg.vector_norm(torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n).to(whole[0].device) for n in parts]))
+    torch.nn.utils.clip_grads_with_norm_([p for p in params if isinstance(p, DTensor)], max_norm, norm)
+    torch.nn.utils.clip_grads_with_norm_([p for p in params if not isinstance(p, DTensor)], max_norm, norm)
+    return norm
+
+
 def _average_gradients(params: list[torch.nn.Parameter]) -> None:
     _, world = _world()
     if world == 1:
         return
     for p in params:
+        if isinstance(p, DTensor):  # sharded by FSDP2: its gradient was reduce-scattered (averaged) in the backward
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)

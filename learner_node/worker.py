@@ -45,8 +45,8 @@ from common.security import AllowList, apply_server
 from common.segments import Segment, acknowledge, ensure_group, entry_samples
 from common.shared_settings import PolicyStamp
 from common.zmqio import bound
-from learner_node import checkpoint
-from learner_node.config import LearnerConfig
+from learner_node import checkpoint, sharding
+from learner_node.config import FSDP_FROM_PARAMETERS, LearnerConfig
 from learner_node.core_algos import AdaptiveKLController
 from learner_node.generation import GenerationBatch, build_generation_batch, check_layout, generation_update, split_by_mode
 from learner_node.policy import LearnerPolicy
@@ -111,6 +111,16 @@ class Learner:
             cfg.gradient_checkpointing,
             layout,
         )
+        self.sharded = self.world > 1 and self._parallelism(model) == "fsdp"
+        self._published_names: dict[str, str] = {}
+        if self.sharded:
+            # After LearnerPolicy (it copies the reference from the whole model) and before the optimizers (which
+            # must hold the sharded parameters). bf16 compute with float32 master weights on a GPU, float32 on a CPU.
+            mixed = torch.device(device).type == "cuda"
+            sharding.shard(self.lp.model, mixed)
+            if self.lp.frozen is not None:
+                sharding.shard(self.lp.frozen, mixed)
+            self._published_names = sharding.policy_names(self.lp.model)
         policy_lr = cfg.resolved_policy_lr()
         log.info("policy learning rate %g%s", policy_lr, "" if cfg.policy_lr else " (by the model: [learner] policy_lr = 0)")
         self.policy_opt = adam(self.lp.trainable_parameters(), policy_lr)
@@ -172,6 +182,8 @@ class Learner:
         if self.cfg.resume:
             self.restore()
         self._unpublished = True  # a restored (or the initial) version is announced at once
+        if self.sharded:
+            self._publish_sharded()  # every rank gathers; with Redis down, done again before the first update
         self._unreported = self._figures({}, 0)  # and the counters it restored, which the ledger reads
         while not self.stop_event.is_set():
             try:
@@ -191,15 +203,24 @@ class Learner:
             log.info("--resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint_dir)
             return
         tensors, value_head, optimizers, state = checkpoint.load(path)
-        device = next(self.lp.model.parameters()).device
-        load_policy_state_dict(self.lp.model, {k: v.to(device) for k, v in tensors.items()})
-        token_head = {k[len(TOKEN_HEAD) :]: v for k, v in value_head.items() if k.startswith(TOKEN_HEAD)}
-        self.lp.value_head.load_state_dict({k: v for k, v in value_head.items() if not k.startswith(TOKEN_HEAD)})
-        if token_head:  # checkpoints from before generation have none: the token head starts fresh
-            self.lp.token_value_head.load_state_dict(token_head)
-            self.token_value_opt.load_state_dict(optimizers["token_value"])
-        self.policy_opt.load_state_dict(optimizers["policy"])
-        self.value_opt.load_state_dict(optimizers["value"])
+        if checkpoint.is_sharded(path):  # written by a sharded learner: read by any number of ranks, this one included
+            sharding.load_sharded(path / checkpoint.SHARDED, self._train_states())
+        elif self.sharded:
+            raise ValueError(
+                f"{path} holds whole weights (written with parallelism ddp or by one rank); this learner shards them "
+                "(parallelism fsdp): resume it once with --parallelism ddp, whose next checkpoint fsdp cannot read either, "
+                "or start fresh; a sharded checkpoint resumes on any number of ranks either way"
+            )
+        else:
+            device = next(self.lp.model.parameters()).device
+            load_policy_state_dict(self.lp.model, {k: v.to(device) for k, v in tensors.items()})
+            token_head = {k[len(TOKEN_HEAD) :]: v for k, v in value_head.items() if k.startswith(TOKEN_HEAD)}
+            self.lp.value_head.load_state_dict({k: v for k, v in value_head.items() if not k.startswith(TOKEN_HEAD)})
+            if token_head:  # checkpoints from before generation have none: the token head starts fresh
+                self.lp.token_value_head.load_state_dict(token_head)
+                self.token_value_opt.load_state_dict(optimizers["token_value"])
+            self.policy_opt.load_state_dict(optimizers["policy"])
+            self.value_opt.load_state_dict(optimizers["value"])
         self.version, self.updates, self.kl.value = state["version"], state["updates"], state["kl_coef"]
         self.run_id = state.get("run_id") or self.run_id  # a checkpoint from before run ids: a new one
         self.counters.update(state["counters"])
@@ -271,11 +292,13 @@ class Learner:
         weights, the optimizers and the KL coefficient stay as they were, and nothing is published."""
         entries, segments = self.collect() if self.is_main else ([], [])
         if self.world > 1:  # rank 0 read the stream; everyone trains on the same segments
-            shared = [segments, self.stop_event.is_set()]
+            shared = [segments, self.stop_event.is_set(), self.sharded and self._unpublished]
             dist.broadcast_object_list(shared, src=0)
             segments = cast(list[Segment], shared[0])
             if shared[1]:
                 self.stop_event.set()
+            if shared[2]:  # a sharded publication Redis interrupted: every rank gathers the weights again
+                self._publish_sharded()
         if not segments:
             if entries:  # only duplicates or malformed entries: nothing to train, but nothing to keep pending either
                 self._unacked = _with_samples(entries)
@@ -338,18 +361,20 @@ class Learner:
                 "charts/dropped_mismatched": rollout.dropped_mismatched + generated.dropped_mismatched,
             }
         )
+        self.save_checkpoint([entry_id for entry_id, _ in entries])  # rank 0, or every rank its shards
+        self._unpublished = bool(train_policy and trained)
         if self.is_main:
             # The update is done once all of this is in Redis; `_settle` retries what a Redis outage interrupted
             # before the next rollout is read, so acknowledgement, weights and counters never fall behind silently.
-            ids = [entry_id for entry_id, _ in entries]
-            self.save_checkpoint(ids)
             self._unacked = _with_samples(entries)
-            self._unpublished = bool(train_policy and trained)
             self._unreported = self._figures(metrics, trained)
             self._backlog = backlog_limit(
                 self.cfg.rollout_batch, self.cfg.max_policy_lag, (rollout.stored + generated.stored) / len(segments)
             )
             self._log(metrics, trained)
+        if self.sharded and self._unpublished:
+            self._publish_sharded()  # before _settle, which may raise on rank 0 alone: the gathers must match
+        if self.is_main:
             self._settle()
         return metrics
 
@@ -416,9 +441,8 @@ class Learner:
             culprit,
         )
         metrics = {"charts/dropped_nonfinite": float(dropped), "charts/discarded_updates": float(self.counters["discarded_updates"])}
+        self.save_checkpoint([entry_id for entry_id, _ in entries])  # rank 0, or every rank its shards
         if self.is_main:
-            ids = [entry_id for entry_id, _ in entries]
-            self.save_checkpoint(ids)
             self._unacked = _with_samples(entries)
             self._unreported = self._figures(metrics, 0)
             if self.writer is not None:
@@ -530,7 +554,7 @@ class Learner:
         if self._unacked:
             self._ack(self._unacked)
             self._unacked = []
-        if self._unpublished:
+        if self._unpublished and not self.sharded:  # sharded: every rank gathers (`_publish_sharded`)
             self.publish()
             self._unpublished = False
         if self._unreported:
@@ -621,6 +645,16 @@ class Learner:
 
     # --- persistence and publication -----------------------------------------------------------
     def save_checkpoint(self, entry_ids: list[str]) -> None:
+        """Called on every rank: rank 0 writes the checkpoint; a sharded learner's ranks each write their shards
+        into the folder rank 0 made (a DCP checkpoint, `sharded/`), and rank 0 then adds the rest and renames it."""
+        index = self.updates + self.counters["discarded_updates"]
+        if self.sharded:
+            staging = checkpoint.staging(self.cfg.checkpoint_dir, index, create=self.is_main)
+            dist.barrier()  # the folder exists before anyone writes into it
+            sharding.save_sharded(staging / checkpoint.SHARDED, self._train_states())
+            dist.barrier()  # every shard is written before rank 0 renames the folder
+        if not self.is_main:
+            return
         state = {
             "run_id": self.run_id,
             "version": self.version,
@@ -635,19 +669,43 @@ class Learner:
             # Every save a new, larger index, a discarded update's too (it applies nothing, so `updates` stays): a
             # save under the latest one's name would first delete it, and a crash between that and the rename
             # would make the checkpoint before it the latest, while the entries of the update it held are acknowledged.
-            self.updates + self.counters["discarded_updates"],
-            policy_state_dict(self.lp.model),
-            {**self.lp.value_head.state_dict(), **{TOKEN_HEAD + k: v for k, v in self.lp.token_value_head.state_dict().items()}},
-            {
+            index,
+            None if self.sharded else policy_state_dict(self.lp.model),
+            None if self.sharded else self._value_heads_state(),
+            {}
+            if self.sharded
+            else {
                 "policy": self.policy_opt.state_dict(),
                 "value": self.value_opt.state_dict(),
                 "token_value": self.token_value_opt.state_dict(),
             },
             state,
             self.cfg.keep_checkpoints,
-            self.lp.model,
+            None if self.sharded else self.lp.model,  # an adapter export (`adapter/`) needs whole weights
             self.seen,
         )
+
+    def _value_heads_state(self) -> dict[str, torch.Tensor]:
+        return {**self.lp.value_head.state_dict(), **{TOKEN_HEAD + k: v for k, v in self.lp.token_value_head.state_dict().items()}}
+
+    def _train_states(self) -> dict[str, sharding.TrainState]:
+        """What a sharded checkpoint holds: each model with its optimizer (learner_node/sharding.py)."""
+        return {
+            "policy": sharding.TrainState(self.lp.model, self.policy_opt),
+            "value": sharding.TrainState(self.lp.value_head, self.value_opt),
+            "token_value": sharding.TrainState(self.lp.token_value_head, self.token_value_opt),
+        }
+
+    def _parallelism(self, model: Any) -> str:
+        """[learner] parallelism, `auto` resolved by the model's size (FSDP_FROM_PARAMETERS); logged by rank 0."""
+        chosen = self.cfg.parallelism
+        if chosen == "auto":
+            parameters = sum(p.numel() for p in model.parameters())
+            chosen = "fsdp" if parameters >= FSDP_FROM_PARAMETERS else "ddp"
+        if self.is_main:
+            why = " (auto, by the model's size)" if self.cfg.parallelism == "auto" else ""
+            log.info("%d ranks, parallelism %s%s", self.world, chosen, why)
+        return chosen
 
     def stamp(self) -> PolicyStamp:
         """What a transition must have been scored with to be trained on (see PolicyStamp)."""
@@ -665,21 +723,44 @@ class Learner:
         """Store the current weights in chunks, then announce them (PUB never holds the only copy).
 
         The tensors are taken one at a time, so rank 0 never holds a second copy of the model."""
-        if not self.is_main:
-            return
+        if not self.sharded:
+            if not self.is_main:
+                return
+            tensors = policy_state_items(self.lp.model)
+        else:  # every rank takes part in each tensor's all-gather; rank 0 alone gets the tensors and stores them
+            tensors = sharding.full_state_chunks(self.lp.model, self._published_names)
+            if not self.is_main:
+                for _ in tensors:
+                    pass
+                return
         store = self.cfg.store
         kind = "lora" if self.lp.has_adapter else "full"
-        ann = weights.store_snapshot(
-            self.redis,
-            store.key_prefix,
-            self.version,
-            policy_state_items(self.lp.model),
-            kind,
-            self.run_id,
-            weights.snapshot_store(self.redis, store.key_prefix, store.weights_dir),
-            keep=store.weights_kept,
-        )
+        try:
+            ann = weights.store_snapshot(
+                self.redis,
+                store.key_prefix,
+                self.version,
+                tensors,
+                kind,
+                self.run_id,
+                weights.snapshot_store(self.redis, store.key_prefix, store.weights_dir),
+                keep=store.weights_kept,
+            )
+        finally:
+            if self.sharded:  # a store that failed half-way: the other ranks still wait in the gathers left
+                for _ in tensors:
+                    pass
         weights.announce(bound(self.pub, "the weights publisher"), ann)
+
+    def _publish_sharded(self) -> None:
+        """`publish` on every rank of a sharded learner, in step. A Redis failure on rank 0 does not leave the
+        others waiting: its gathers are finished, the version stays unpublished, and `step` has every rank
+        publish it again before the next update (rank 0 says so with the rollout it shares)."""
+        try:
+            self.publish()
+            self._unpublished = False
+        except REDIS_DOWN as e:
+            log.error("policy version %d not published (%s): every rank gathers it again before the next update", self.version, e)
 
     def _figures(self, metrics: dict[str, float], n: int) -> dict[str, float]:
         """The latest update's figures for `<prefix>:learner:latest`: live displays (`ppoz demo`, `ppoz status`)

@@ -32,8 +32,10 @@ GEN_LENGTHS = (64, 512)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden", type=int, default=256, help="model width (default 256: about 20M parameters with 4 layers)")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default: 4)")
+    parser.add_argument(
+        "--hidden", type=int, default=None, help="model width (default 256: about 20M parameters with 4 layers; --parallel: 1024)"
+    )
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 4; --parallel: 16, 202M parameters)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: 32000)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
     parser.add_argument("--shapes", default="", help="prompt x candidates list (default: 1024x32,4096x32)")
@@ -42,6 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-generation", action="store_true", help="leave out the generation case")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--parallel",
+        default="",
+        metavar="LEGS",
+        help="instead: the learner on 2 ranks, e.g. ddp,fsdp: memory per rank and update time of each (ppoz/bench/parallel.py)",
+    )
+    parser.add_argument("--responses", type=int, default=8, help="--parallel: responses in the update's batch (default 8)")
+    parser.add_argument("--longest", type=int, default=64, help="--parallel: the longest response, tokens (default 64)")
+    parser.add_argument("--micro-tokens", type=int, default=512, help="--parallel: tokens per packed forward (default 512)")
+    parser.add_argument("--updates", type=int, default=2, help="--parallel: updates per run, the first not timed (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="--parallel: runs of each leg, alternating (default 3)")
     parser.add_argument("--child", nargs=3, metavar=("METHOD", "PROMPT", "N"), help=argparse.SUPPRESS)
 
 
@@ -190,6 +203,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.parallel:
+        from ppoz.bench import parallel
+
+        args.hidden, args.layers = args.hidden or 1024, args.layers or 16
+        return parallel.main(args)
+    args.hidden, args.layers = args.hidden or 256, args.layers or 4
     result = run(args)
     if args.json:
         print(json.dumps(result))

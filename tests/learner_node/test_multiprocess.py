@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from common.policy_model import policy_state_dict
 from common.redis_server import connect
 from common.shared_settings import PolicySpec, StoreSettings
 from learner_node import checkpoint
@@ -120,6 +121,63 @@ def test_a_nan_gradient_on_one_rank_discards_the_update_on_every_rank(tiny_model
         _, _, _, state = checkpoint.load(checkpoint.latest(tmp_path / "two"))
         assert state["counters"]["dropped_nonfinite"] == 8 and state["counters"]["transitions_trained"] == 8
         assert redis_client.xlen(f"{two}:segments") == 0
+    finally:
+        for prefix in (one, two):
+            for key in redis_client.scan_iter(f"{prefix}:*"):
+                redis_client.delete(key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "lora_rank"), [("candidates", 4), ("generation", 0)])
+def test_a_sharded_two_rank_learner_matches_one_rank_and_resumes_in_one(
+    tiny_models, redis_url, redis_client, key_prefix, tmp_path, kind, lora_rank
+):
+    """The learner process with parallelism fsdp on 2 ranks (FSDP2 on gloo): its updates equal one rank's, the
+    weights it publishes (gathered shard by shard, in chunks) are those weights, and its sharded checkpoint
+    resumes in one process with those weights and the same Adam moments. With LoRA on candidate steps; all
+    weights trained on generated responses of different lengths."""
+    from common import weights
+
+    one, two = f"{key_prefix}-one", f"{key_prefix}-two"
+    if kind == "candidates":
+        write_segments(redis_client, one, 16)
+        write_segments(redis_client, two, 16)
+    else:
+        from tests.learner_node.test_async_ppo import write_to_stream
+        from tests.learner_node.test_generation_update import engine_transitions
+
+        responses = engine_transitions(tiny_models["llama"], 16)
+        write_to_stream(redis_client, one, responses)
+        write_to_stream(redis_client, two, responses)
+
+    def cfg(prefix: str, parallelism: str, **changes) -> LearnerConfig:
+        base = settings(tiny_models["llama"], redis_url, prefix, str(tmp_path / prefix[-3:]))
+        policy = dataclasses.replace(base.policy, lora_rank=lora_rank)
+        return dataclasses.replace(base, policy=policy, parallelism=parallelism, **changes)
+
+    try:
+        mp.spawn(_rank, args=(2, free_port(), cfg(two, "fsdp")), nprocs=2, join=True)
+        single = Learner(cfg(one, "ddp"), connect(redis_url, socket_timeout=30))
+        single.run()
+        assert checkpoint.is_sharded(checkpoint.latest(tmp_path / "two"))
+        reference = load_file(str(checkpoint.latest(tmp_path / "one") / "policy.safetensors"))
+        bar = 1e-5 if kind == "candidates" else 1e-4  # as in the ddp test above: summation order over ranks
+        published = weights.fetch(redis_client, two, weights.latest(redis_client, two))
+        assert published.keys() == reference.keys() and weights.latest(redis_client, two).version == 2
+        for key in reference:
+            assert (published[key] - reference[key]).abs().max() < bar, key
+        resumed = Learner(cfg(two, "ddp", resume=True), connect(redis_url, socket_timeout=30))
+        resumed.restore()
+        assert resumed.version == 2 and resumed.updates == 2
+        got = policy_state_dict(resumed.lp.model)
+        for key in reference:
+            assert (got[key] - reference[key]).abs().max() < bar, key
+        mine, theirs = resumed.policy_opt.state_dict()["state"], single.policy_opt.state_dict()["state"]
+        assert mine.keys() == theirs.keys() and mine
+        for index in theirs:
+            assert float(mine[index]["step"]) == float(theirs[index]["step"]) > 0
+            for moment in ("exp_avg", "exp_avg_sq"):
+                assert (mine[index][moment] - theirs[index][moment]).abs().max() < bar, (index, moment)
     finally:
         for prefix in (one, two):
             for key in redis_client.scan_iter(f"{prefix}:*"):

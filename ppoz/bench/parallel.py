@@ -1,0 +1,199 @@
+"""`ppoz bench learner --parallel ddp,fsdp`: memory per rank and update time of the learner on 2 ranks,
+data parallel (every rank holds the whole model) against FSDP2 (learner_node/sharding.py).
+
+Each leg is 2 fresh processes (gloo on the CPU, NCCL on GPUs), so its memory is its own. Each rank builds the
+learner's models from a random Llama-style model saved once by the parent (all weights trained, so a frozen
+reference copy too, as `lora_rank 0` does), shards them for fsdp, makes the optimizers, and runs
+`--updates` of the learner's own generation update (`generation_update`, learner_node/update.py's loop) on one
+fixed batch of responses of different lengths. Measured per rank, above the resident set before the model
+was built (CPU: /proc/self/status; GPU: torch.cuda.max_memory_allocated): the resident set after the updates
+(weights, gradients, Adam moments, the reference) and the peak during them (plus activations and FSDP's
+gathered blocks); the model is built whole on each rank before it is sharded (no meta-device loading yet),
+so the peak is reset after sharding. Legs alternate (ddp, fsdp, fsdp, ddp, ...); medians of --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from ppoz.bench import load_at_start
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _batch(responses: int, longest: int) -> Any:
+    """`responses` generated responses of 8 to `longest` tokens after prompts of 8 to 64, one segment each."""
+    from common.segments import Segment, Transition
+    from learner_node.generation import build_generation_batch
+
+    g = torch.Generator().manual_seed(0)
+    segments = []
+    for i in range(responses):
+        prompt = torch.randint(3, 250, (8 + (i * 7) % 57,), generator=g).tolist()
+        response = torch.randint(3, 250, (8 + (i * 13) % (longest - 7),), generator=g).tolist()
+        t = Transition(
+            obs={"prompt_ids": prompt, "sampling": {"max_new_tokens": longest}},
+            action=0,
+            logprob=-1.0,
+            probs=[],
+            policy_version=0,
+            mode="generate",
+            reward=float(i % 3) - 1.0,
+            done=True,
+            truncated=False,
+            generation={"response_ids": response, "logprobs": [-5.5] * len(response), "finish_reason": "stop", "temperature": 1.0},
+        )
+        segments.append(Segment(f"s{i}", f"t{i}", 0, "done", True, False, None, [t]))
+    return build_generation_batch(segments, current_version=0, max_policy_lag=4)
+
+
+def _rank(rank: int, world: int, port: int, model_dir: str, parallelism: str, args: argparse.Namespace, out: str) -> None:
+    import torch.distributed as dist
+
+    from common.policy_model import ModelSpec, load_policy
+    from learner_node.config import GenerationConfig, UpdateConfig
+    from learner_node.generation import generation_update
+    from learner_node.policy import LearnerPolicy
+    from learner_node.sharding import shard
+    from learner_node.update import adam
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    device = f"cuda:{rank}" if cuda else "cpu"
+    batch = _batch(args.responses, args.longest)
+    before_kb = _status_kb("VmRSS")
+    torch.manual_seed(0)
+    model, tok = load_policy(ModelSpec(model=model_dir, device=device, lora_rank=0, dtype="float32"))
+    lp = LearnerPolicy(model, tok, "token", 1.0, [16], token_value_hidden=[16])
+    if parallelism == "fsdp":
+        shard(lp.model, mixed_precision=cuda)
+        if lp.frozen is not None:  # the reference: a frozen copy of all the weights (lora_rank 0)
+            shard(lp.frozen, mixed_precision=cuda)
+    policy_opt, value_opt = adam(lp.trainable_parameters(), 1e-5), adam(lp.token_value_head.parameters(), 1e-3)
+    cfg = UpdateConfig(update_epochs=1, policy_minibatch=args.responses, value_minibatch=args.responses, value_epochs=1, target_kl=0.0)
+    gen = GenerationConfig(micro_batch_tokens=args.micro_tokens, kl_coef=0.05, value_hidden=[16])
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak from here on: the model is built whole on every rank before it is sharded
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base_gpu = torch.cuda.memory_allocated()
+    times = []
+    for update in range(args.updates):
+        dist.barrier()
+        start = time.perf_counter()
+        generation_update(lp, policy_opt, value_opt, batch, cfg, gen, update_index=update)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    result = {
+        "rank": rank,
+        "update_s": times,
+        "resident_mb": (_status_kb("VmRSS") - before_kb) / 1024,
+        "peak_mb": (_status_kb("VmHWM") - before_kb) / 1024,
+        "parameters": sum(p.numel() for p in model.parameters()) if parallelism == "ddp" else None,
+    }
+    if cuda:
+        result["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        result["gpu_resident_mb"] = torch.cuda.memory_allocated() / 2**20
+        result["gpu_base_mb"] = base_gpu / 2**20
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from common.tiny_models import build_tiny_model
+
+    legs_wanted = [leg.strip() for leg in args.parallel.split(",") if leg.strip()]
+    unknown = sorted(set(legs_wanted) - {"ddp", "fsdp"})
+    if unknown:
+        raise SystemExit(f"ppoz bench learner --parallel: unknown {', '.join(unknown)}; ddp, fsdp")
+    load = load_at_start("learner --parallel")
+    work = Path(tempfile.mkdtemp(prefix="ppoz-bench-parallel-"))
+    model_dir = build_tiny_model(
+        work / "model",
+        "llama",
+        hidden=args.hidden,
+        intermediate=int(args.hidden * 2.75),
+        layers=args.layers,
+        heads=max(1, args.hidden // 64),
+        kv_heads=max(1, args.hidden // 64),
+        max_positions=512,
+    )
+    runs: dict[str, list[list[dict[str, Any]]]] = {leg: [] for leg in legs_wanted}
+    for repeat in range(args.repeats):
+        for leg in legs_wanted if repeat % 2 == 0 else legs_wanted[::-1]:
+            out = tempfile.mkdtemp(dir=work)
+            started = time.perf_counter()
+            mp.spawn(_rank, args=(2, _free_port(), str(model_dir), leg, args, out), nprocs=2, join=True)
+            ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+            runs[leg].append(ranks)
+            print(
+                f"  run {repeat + 1} {leg}: {max(r['resident_mb'] for r in ranks):.0f} MB a rank, "
+                f"update {statistics.median(ranks[0]['update_s']):.1f} s ({time.perf_counter() - started:.0f} s in all)",
+                file=sys.stderr,
+                flush=True,
+            )
+    medians = {}
+    for leg, legs in runs.items():
+        medians[leg] = {
+            key: statistics.median(max(rank[key] for rank in ranks) for ranks in legs)  # the larger rank's, per run
+            for key in ("resident_mb", "peak_mb") + (("gpu_peak_mb", "gpu_resident_mb") if "gpu_peak_mb" in legs[0][0] else ())
+        }
+        medians[leg]["update_s"] = statistics.median(statistics.median(ranks[0]["update_s"][1:] or ranks[0]["update_s"]) for ranks in legs)
+    parameters = next((ranks[0]["parameters"] for legs in runs.values() for ranks in legs if ranks[0]["parameters"]), None)
+    ratios = {}
+    if "ddp" in medians and "fsdp" in medians:
+        ratios = {key: medians["fsdp"][key] / medians["ddp"][key] for key in medians["ddp"]}
+    return {
+        "bench": "learner --parallel",
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "load_at_start": load,
+        "model": {"hidden": args.hidden, "layers": args.layers, "parameters": parameters, "trained": "all weights, reference copy"},
+        "batch": {"responses": args.responses, "longest": args.longest, "micro_tokens": args.micro_tokens},
+        "updates": args.updates,
+        "repeats": args.repeats,
+        "medians": medians,
+        "fsdp_over_ddp": ratios,
+        "runs": runs,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    model = result["model"]
+    print(f"learner bench, 2 ranks ({result['device']}): {model['parameters']} parameters, {model['trained']}; medians of {args.repeats}")
+    for leg, m in result["medians"].items():
+        print(f"  {leg:<5} resident {m['resident_mb']:8.0f} MB a rank, peak {m['peak_mb']:8.0f} MB, update {m['update_s']:6.2f} s")
+    for key, ratio in result["fsdp_over_ddp"].items():
+        print(f"  fsdp / ddp {key}: {ratio:.2f}")
+    return 0
