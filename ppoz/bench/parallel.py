@@ -5,11 +5,14 @@ Each leg is 2 fresh processes (gloo on the CPU, NCCL on GPUs), so its memory is 
 learner's models from a random Llama-style model saved once by the parent (all weights trained, so a frozen
 reference copy too, as `lora_rank 0` does), shards them for fsdp, makes the optimizers, and runs
 `--updates` of the learner's own generation update (`generation_update`, learner_node/update.py's loop) on one
-fixed batch of responses of different lengths. Measured per rank, above the resident set before the model
-was built (CPU: /proc/self/status; GPU: torch.cuda.max_memory_allocated): the resident set after the updates
-(weights, gradients, Adam moments, the reference) and the peak during them (plus activations and FSDP's
-gathered blocks); the model is built whole on each rank before it is sharded (no meta-device loading yet),
-so the peak is reset after sharding. Legs alternate (ddp, fsdp, fsdp, ddp, ...); medians of --repeats.
+fixed batch of responses of different lengths. Measured per rank:
+- `held`: the bytes its tensors hold after the updates: weights, gradients, Adam's moments, the reference (of a
+  sharded tensor its local shard);
+- `resident`, `peak`: the resident set after the updates and its peak during them (activations and FSDP's
+  gathered blocks too), above the resident set before the model was built (/proc/self/status; on a GPU
+  torch.cuda's allocated and peak). The model is built whole on every rank before it is sharded (no meta-device
+  loading yet), so the peak is reset after sharding.
+Legs alternate (ddp, fsdp, fsdp, ddp, ...); medians of --repeats.
 """
 
 from __future__ import annotations
@@ -43,6 +46,35 @@ def _status_kb(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
+
+
+def _held_mb(modules: list[Any], optimizers: list[torch.optim.Optimizer]) -> float:
+    """The bytes this rank's tensors hold for `modules` (weights, gradients) and `optimizers` (Adam's moments): of a
+    sharded parameter its local shard, each storage counted once."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+
+    def add(tensor: Any) -> None:
+        nonlocal total
+        if not isinstance(tensor, torch.Tensor):
+            return
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+
+    for module in modules:
+        for p in module.parameters():
+            add(p)
+            add(p.grad)
+    for opt in optimizers:
+        for state in opt.state.values():
+            for value in state.values():
+                add(value)
+    return total / 2**20
 
 
 def _batch(responses: int, longest: int) -> Any:
@@ -115,6 +147,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, parallelism: str, ar
     result = {
         "rank": rank,
         "update_s": times,
+        "held_mb": _held_mb([m for m in (lp.model, lp.frozen, lp.token_value_head) if m is not None], [policy_opt, value_opt]),
         "resident_mb": (_status_kb("VmRSS") - before_kb) / 1024,
         "peak_mb": (_status_kb("VmHWM") - before_kb) / 1024,
         "parameters": sum(p.numel() for p in model.parameters()) if parallelism == "ddp" else None,
@@ -146,6 +179,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv_heads=max(1, args.hidden // 64),
         max_positions=512,
     )
+    # glibc raises its mmap threshold (up to 32 MB) each time a big block is freed, after which freed blocks stay
+    # in the heap, resident: the whole model each rank loads before sharding would count as held. A fixed
+    # threshold keeps big tensors in mmaps, given back when freed, so the resident set follows what is held.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     runs: dict[str, list[list[dict[str, Any]]]] = {leg: [] for leg in legs_wanted}
     for repeat in range(args.repeats):
         for leg in legs_wanted if repeat % 2 == 0 else legs_wanted[::-1]:
@@ -155,7 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
             runs[leg].append(ranks)
             print(
-                f"  run {repeat + 1} {leg}: {max(r['resident_mb'] for r in ranks):.0f} MB a rank, "
+                f"  run {repeat + 1} {leg}: {max(r['held_mb'] for r in ranks):.0f} MB held, "
+                f"{max(r['resident_mb'] for r in ranks):.0f} MB resident a rank, "
                 f"update {statistics.median(ranks[0]['update_s']):.1f} s ({time.perf_counter() - started:.0f} s in all)",
                 file=sys.stderr,
                 flush=True,
@@ -164,7 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for leg, legs in runs.items():
         medians[leg] = {
             key: statistics.median(max(rank[key] for rank in ranks) for ranks in legs)  # the larger rank's, per run
-            for key in ("resident_mb", "peak_mb") + (("gpu_peak_mb", "gpu_resident_mb") if "gpu_peak_mb" in legs[0][0] else ())
+            for key in ("held_mb", "resident_mb", "peak_mb") + (("gpu_peak_mb", "gpu_resident_mb") if "gpu_peak_mb" in legs[0][0] else ())
         }
         medians[leg]["update_s"] = statistics.median(statistics.median(ranks[0]["update_s"][1:] or ranks[0]["update_s"]) for ranks in legs)
     parameters = next((ranks[0]["parameters"] for legs in runs.values() for ranks in legs if ranks[0]["parameters"]), None)
@@ -193,7 +231,10 @@ def main(args: argparse.Namespace) -> int:
     model = result["model"]
     print(f"learner bench, 2 ranks ({result['device']}): {model['parameters']} parameters, {model['trained']}; medians of {args.repeats}")
     for leg, m in result["medians"].items():
-        print(f"  {leg:<5} resident {m['resident_mb']:8.0f} MB a rank, peak {m['peak_mb']:8.0f} MB, update {m['update_s']:6.2f} s")
+        print(
+            f"  {leg:<5} held {m['held_mb']:8.0f} MB a rank, resident {m['resident_mb']:8.0f} MB, peak {m['peak_mb']:8.0f} MB, "
+            f"update {m['update_s']:6.2f} s"
+        )
     for key, ratio in result["fsdp_over_ddp"].items():
         print(f"  fsdp / ddp {key}: {ratio:.2f}")
     return 0
