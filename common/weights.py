@@ -218,7 +218,8 @@ def store_snapshot(
     """Write a snapshot in chunks, then make it the latest; snapshots beyond the `keep` newest are removed.
 
     `state` may be an iterator of (name, tensor), consumed one tensor at a time (a sharded learner gathers
-    each tensor only when it is written)."""
+    each tensor only when it is written). A chunk is hashed and stored by a thread while the next one is
+    encoded (sha256 and the writes release the GIL); one at a time, so at most two encoded chunks are held."""
     store = store or RedisSnapshots(client, prefix)
     keys = RedisKeys(prefix)
     items = state.items() if isinstance(state, dict) else state
@@ -227,14 +228,20 @@ def store_snapshot(
     batch: dict[str, torch.Tensor] = {}
     pieces: list[list[Any]] = []
     batch_bytes = 0
+    storing: Future[None] | None = None
 
-    def flush() -> None:
-        nonlocal batch, pieces, batch_bytes
-        if not batch:
-            return
+    def put(index: int, data: bytes) -> None:
+        chunks[index]["sha256"] = hashlib.sha256(data).hexdigest()
+        store.put_chunk(run, version, index, data)
+
+    def seal() -> None:
+        """Encode the batch as the next chunk and hand it to the writer thread."""
+        nonlocal batch, pieces, batch_bytes, storing
         data = save_safetensors(batch)
-        store.put_chunk(run, version, len(chunks), data)
-        chunks.append({"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pieces": pieces})
+        chunks.append({"size": len(data), "sha256": "", "pieces": pieces})
+        if storing is not None:
+            storing.result()  # raises what storing the chunk before raised
+        storing = writer.submit(put, len(chunks) - 1, data)
         batch, pieces, batch_bytes = {}, [], 0
 
     for stale in _kept(client, keys):  # this version of this run written before (a resumed run): replaced whole
@@ -242,22 +249,26 @@ def store_snapshot(
             store.remove(*stale)
     store.begin(run, version)
     seen: set[str] = set()
-    for name, tensor in items:
-        if "@" in name or name in seen:
-            raise ValueError(f"cannot publish tensor {name!r}: names must be unique and free of '@'")
-        seen.add(name)
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in DTYPES:
-            raise ValueError(f"cannot publish tensor {name!r} of dtype {tensor.dtype}")
-        tensors.append([name, dtype, list(tensor.shape)])
-        for key, start, end, piece in _pieces(name, tensor, chunk_bytes):
-            piece_bytes = piece.numel() * piece.element_size()
-            if batch and batch_bytes + piece_bytes > chunk_bytes:
-                flush()
-            batch[key] = piece.to("cpu").contiguous()
-            pieces.append([key, name, start, end])
-            batch_bytes += piece_bytes
-    flush()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-store") as writer:
+        for name, tensor in items:
+            if "@" in name or name in seen:
+                raise ValueError(f"cannot publish tensor {name!r}: names must be unique and free of '@'")
+            seen.add(name)
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype not in DTYPES:
+                raise ValueError(f"cannot publish tensor {name!r} of dtype {tensor.dtype}")
+            tensors.append([name, dtype, list(tensor.shape)])
+            for key, start, end, piece in _pieces(name, tensor, chunk_bytes):
+                piece_bytes = piece.numel() * piece.element_size()
+                if batch and batch_bytes + piece_bytes > chunk_bytes:
+                    seal()
+                batch[key] = piece.to("cpu").contiguous()
+                pieces.append([key, name, start, end])
+                batch_bytes += piece_bytes
+        if batch:
+            seal()
+        if storing is not None:
+            storing.result()
     manifest = msgpack.packb(
         {"format": MANIFEST_FORMAT, "version": version, "run": run, "kind": kind, "tensors": tensors, "chunks": chunks}
     )
