@@ -10,11 +10,12 @@ yardstick is a plain memory copy of the same tensors into the actor's model.
 Legs alternate (memcpy, redis, directory, then directory, redis, memcpy, ...),
 and medians of --repeats runs are printed.
 
-The publisher's peak memory above its resident set before publishing is
-measured too (/proc/self/status VmHWM, reset through /proc/self/clear_refs;
-the bench runs itself with glibc's mmap threshold fixed, so freed buffers
-leave the resident set): it is bounded by one chunk and its encoding, not the
-model's size.
+With --peak, the publisher's peak memory above its resident set before
+publishing is measured too (/proc/self/status VmHWM, reset through
+/proc/self/clear_refs; the bench runs itself with glibc's mmap threshold
+fixed, so freed buffers leave the resident set, at the price of a page fault
+per page of every big buffer): it is bounded by two chunks and their
+encoding, not the model's size.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each leg, alternating (default 3)")
     parser.add_argument("--chunk-mb", type=int, default=64, help="chunk size in MiB (default 64)")
     parser.add_argument("--threads", type=int, default=4, help="chunks an actor fetches and checks at once (default 4)")
+    parser.add_argument(
+        "--peak",
+        action="store_true",
+        help="measure the publisher's peak memory: runs with glibc's mmap threshold fixed, which makes every big "
+        "allocation a fresh mmap (page faults: slower legs; compare throughput without it)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -107,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     legs[leg].append({"total_s": time.perf_counter() - start})
                     continue
                 store = stores[leg]
-                resident, peak_ok = _rss_kb("VmRSS"), _reset_peak()
+                resident, peak_ok = _rss_kb("VmRSS"), args.peak and _reset_peak()
                 start = time.perf_counter()
                 ann = weights.store_snapshot(
                     client, "bench", version, policy_state_items(learner), "full", "bench", store, args.chunk_mb << 20, keep=1
@@ -154,7 +161,7 @@ MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
 
 
 def main(args: argparse.Namespace) -> int:
-    if MMAP_THRESHOLD not in os.environ:
+    if args.peak and MMAP_THRESHOLD not in os.environ:
         # glibc raises its mmap threshold each time a big block is freed, after which freed blocks stay in its heap
         # and are reused: a later leg's chunks would not show in the resident set at all. A fixed threshold (read
         # at start only, hence the re-run) keeps every big buffer in an mmap of its own, given back when freed.
