@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="ppoz-bench-weights-") as directory:
         client = connect(server.url, socket_timeout=120)
         stores: dict[str, weights.SnapshotStore] = {
-            "redis": weights.RedisSnapshots(client, "bench"),
+            "redis": weights.RedisSnapshots(client, "bench-redis"),
             "directory": weights.DirectorySnapshots(directory),
         }
         version = 0
@@ -117,11 +117,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 resident, peak_ok = _rss_kb("VmRSS"), args.peak and _reset_peak()
                 start = time.perf_counter()
                 ann = weights.store_snapshot(
-                    client, "bench", version, policy_state_items(learner), "full", "bench", store, args.chunk_mb << 20, keep=1
+                    client, f"bench-{leg}", version, policy_state_items(learner), "full", "bench", store, args.chunk_mb << 20, keep=1
                 )
                 published = time.perf_counter()
                 publish_peak_mb = (_rss_kb("VmHWM") - resident) / 1024 if peak_ok else float("nan")
-                state = weights.fetch(client, "bench", ann, store, threads=args.threads)
+                state = weights.fetch(client, f"bench-{leg}", ann, store, threads=args.threads)
                 fetched = time.perf_counter()
                 load_policy_state_dict(actor, state)
                 applied = time.perf_counter()
