@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -182,3 +184,52 @@ def test_a_sharded_two_rank_learner_matches_one_rank_and_resumes_in_one(
         for prefix in (one, two):
             for key in redis_client.scan_iter(f"{prefix}:*"):
                 redis_client.delete(key)
+
+
+def _rank_whose_store_fails_mid_publication(rank: int, world: int, port: int, cfg: LearnerConfig) -> None:
+    """As `_rank` with parallelism fsdp, but on rank 0 the first update's publication loses Redis after two tensors
+    were gathered: the store raises as redis-py does when Redis goes away half-way."""
+    import redis
+
+    from common import weights
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    if rank == 0:
+        real, calls = weights.store_snapshot, [0]
+
+        def store_that_fails_once(client, prefix, version, tensors, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 2:  # the first is the start's publication of version 0
+                next(tensors), next(tensors)
+                raise redis.ConnectionError("Connection closed by server (injected)")
+            return real(client, prefix, version, tensors, *args, **kwargs)
+
+        weights.store_snapshot = store_that_fails_once
+    Learner(cfg, connect(cfg.store.redis_url, socket_timeout=30)).run()
+
+
+@pytest.mark.slow
+def test_a_sharded_publication_that_loses_redis_half_way_is_done_again_by_every_rank(
+    tiny_models, redis_url, redis_client, key_prefix, tmp_path
+):
+    """Rank 0's store fails after two of the gathers: it still joins the gathers left (else rank 1 waits in one for
+    ever), and every rank gathers that version again before the next update, so each version is published whole."""
+    from common import weights
+
+    write_segments(redis_client, key_prefix, 16)
+    base = settings(tiny_models["llama"], redis_url, key_prefix, str(tmp_path / "ckpt"))
+    cfg = dataclasses.replace(base, parallelism="fsdp")
+    processes = mp.spawn(_rank_whose_store_fails_mid_publication, args=(2, free_port(), cfg), nprocs=2, join=False)
+    deadline = time.monotonic() + 240
+    while not processes.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in processes.processes:
+                process.kill()
+            pytest.fail("the ranks did not finish: one waits in a collective the other never entered")
+    kept = [entry.decode().rsplit(":", 2)[1] for entry in redis_client.lrange(f"{key_prefix}:weights:kept", 0, -1)]
+    assert kept == ["2", "1", "0"], "version 1 must have been published again, whole"
+    latest = weights.latest(redis_client, key_prefix)
+    for version in (1, 2):
+        manifest = redis_client.get(f"{key_prefix}:weights:{latest.run}:v{version}")
+        ann = weights.Announcement(version, hashlib.sha256(manifest).hexdigest(), latest.size, latest.kind, latest.run)
+        assert weights.fetch(redis_client, key_prefix, ann).keys() == weights.fetch(redis_client, key_prefix, latest).keys()
