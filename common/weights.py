@@ -41,9 +41,11 @@ run, and an actor follows a new run whatever its version.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -80,6 +82,9 @@ DTYPES = {  # what a snapshot may hold: safetensors' names without "torch."
 }
 
 
+RUN_ID = re.compile(r"[0-9A-Za-z_-]{0,64}")  # a learner run's id: hex from uuid4 (a word: it names keys and folders)
+
+
 class WeightsError(RuntimeError):
     """A snapshot that is missing, incomplete, or does not match its announced checksums."""
 
@@ -109,6 +114,9 @@ class SnapshotStore(Protocol):
 
     def remove(self, run: str, version: int, chunks: int) -> None: ...
 
+    def abort(self, run: str, version: int, chunks: int) -> None:
+        """Remove what a publication that failed half-way wrote (its first `chunks` chunks), as far as possible."""
+
 
 class RedisSnapshots:
     """Manifest and chunks as Redis strings, each a separate key of at most chunk_bytes."""
@@ -137,6 +145,9 @@ class RedisSnapshots:
         for start in range(0, len(names), 1000):
             self.client.delete(*names[start : start + 1000])
 
+    def abort(self, run: str, version: int, chunks: int) -> None:
+        self.remove(run, version, chunks)  # no manifest yet: the chunks written
+
 
 class DirectorySnapshots:
     """Manifest and chunks as files in a directory every process mounts (`{dir}/{run}-v{n}/`)."""
@@ -148,11 +159,18 @@ class DirectorySnapshots:
         self._writing: Path | None = None
 
     def _final(self, run: str, version: int) -> Path:
+        if not RUN_ID.fullmatch(run):
+            raise WeightsError(f"run id {run[:80]!r} is not a word of letters, digits, '-' and '_'")
         return self.root / f"{run or 'norun'}-v{version}"
 
     def begin(self, run: str, version: int) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(".*-v*.*"):  # a publication a crash or an error cut short (one learner writes here)
+            shutil.rmtree(stale, ignore_errors=True)
+        self._final(run, version)  # checks the run id
         self._writing = Path(tempfile.mkdtemp(prefix=f".{run or 'norun'}-v{version}.", dir=self.root))
+        # mkdtemp makes it the owner's alone: the actors read it, as the learner's group (docs/farm.md)
+        self._writing.chmod(0o750)
 
     def put_chunk(self, run: str, version: int, index: int, data: bytes) -> None:
         if self._writing is None:
@@ -184,6 +202,11 @@ class DirectorySnapshots:
     def remove(self, run: str, version: int, chunks: int) -> None:
         shutil.rmtree(self._final(run, version), ignore_errors=True)
 
+    def abort(self, run: str, version: int, chunks: int) -> None:
+        if self._writing is not None:
+            shutil.rmtree(self._writing, ignore_errors=True)
+            self._writing = None
+
 
 def snapshot_store(client: redis.Redis, prefix: str, weights_dir: str = "") -> SnapshotStore:
     """The store a farm's settings name: a shared directory when `weights_dir` is set, else Redis."""
@@ -204,6 +227,64 @@ def _pieces(name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[tuple
         yield f"{name}@{start}:{end}", start, end, tensor[start:end]
 
 
+class _ChunkWriter:
+    """Packs tensors, as they come, into chunks of at most chunk_bytes of tensor data, and stores each chunk from a
+    thread while the next one is encoded (sha256 and the writes release the GIL). One chunk is stored at a time,
+    so at most two encoded chunks are held."""
+
+    def __init__(self, store: SnapshotStore, run: str, version: int, chunk_bytes: int) -> None:
+        self.store, self.run, self.version, self.chunk_bytes = store, run, version, chunk_bytes
+        self.tensors: list[list[Any]] = []  # [name, dtype, shape] per tensor, for the manifest
+        self.chunks: list[dict[str, Any]] = []  # {size, sha256, pieces} per chunk, for the manifest
+        self._names: set[str] = set()
+        self._batch: dict[str, torch.Tensor] = {}
+        self._pieces: list[list[Any]] = []
+        self._bytes = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-store")
+        self._storing: Future[None] | None = None
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if "@" in name or name in self._names:
+            raise ValueError(f"cannot publish tensor {name!r}: names must be unique and free of '@'")
+        self._names.add(name)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise ValueError(f"cannot publish tensor {name!r} of dtype {tensor.dtype}")
+        self.tensors.append([name, dtype, list(tensor.shape)])
+        for key, start, end, piece in _pieces(name, tensor, self.chunk_bytes):
+            piece_bytes = piece.numel() * piece.element_size()
+            if self._batch and self._bytes + piece_bytes > self.chunk_bytes:
+                self._seal()
+            self._batch[key] = piece.to("cpu").contiguous()
+            self._pieces.append([key, name, start, end])
+            self._bytes += piece_bytes
+
+    def finish(self) -> None:
+        if self._batch:
+            self._seal()
+        if self._storing is not None:
+            self._storing.result()
+        self._pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        """Stop, and remove what was written, as far as possible (Redis or the disk may be why it failed)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with contextlib.suppress(Exception):
+            self.store.abort(self.run, self.version, len(self.chunks))
+
+    def _seal(self) -> None:
+        data = save_safetensors(self._batch)
+        self.chunks.append({"size": len(data), "sha256": "", "pieces": self._pieces})
+        if self._storing is not None:
+            self._storing.result()  # raises what storing the chunk before raised
+        self._storing = self._pool.submit(self._put, len(self.chunks) - 1, data)
+        self._batch, self._pieces, self._bytes = {}, [], 0
+
+    def _put(self, index: int, data: bytes) -> None:
+        self.chunks[index]["sha256"] = hashlib.sha256(data).hexdigest()
+        self.store.put_chunk(self.run, self.version, index, data)
+
+
 def store_snapshot(
     client: redis.Redis,
     prefix: str,
@@ -215,60 +296,28 @@ def store_snapshot(
     chunk_bytes: int = CHUNK_BYTES,
     keep: int = KEEP_VERSIONS,
 ) -> Announcement:
-    """Write a snapshot in chunks, then make it the latest; snapshots beyond the `keep` newest are removed.
+    """Write a snapshot in chunks (`_ChunkWriter`), then make it the latest; snapshots beyond the `keep` newest
+    are removed. A publication that fails half-way removes what it wrote, as far as it can.
 
     `state` may be an iterator of (name, tensor), consumed one tensor at a time (a sharded learner gathers
-    each tensor only when it is written). A chunk is hashed and stored by a thread while the next one is
-    encoded (sha256 and the writes release the GIL); one at a time, so at most two encoded chunks are held."""
+    each tensor only when it is written)."""
+    if not RUN_ID.fullmatch(run):
+        raise ValueError(f"run id {run[:80]!r} is not a word of letters, digits, '-' and '_'")
     store = store or RedisSnapshots(client, prefix)
     keys = RedisKeys(prefix)
-    items = state.items() if isinstance(state, dict) else state
-    tensors: list[list[Any]] = []
-    chunks: list[dict[str, Any]] = []
-    batch: dict[str, torch.Tensor] = {}
-    pieces: list[list[Any]] = []
-    batch_bytes = 0
-    storing: Future[None] | None = None
-
-    def put(index: int, data: bytes) -> None:
-        chunks[index]["sha256"] = hashlib.sha256(data).hexdigest()
-        store.put_chunk(run, version, index, data)
-
-    def seal() -> None:
-        """Encode the batch as the next chunk and hand it to the writer thread."""
-        nonlocal batch, pieces, batch_bytes, storing
-        data = save_safetensors(batch)
-        chunks.append({"size": len(data), "sha256": "", "pieces": pieces})
-        if storing is not None:
-            storing.result()  # raises what storing the chunk before raised
-        storing = writer.submit(put, len(chunks) - 1, data)
-        batch, pieces, batch_bytes = {}, [], 0
-
     for stale in _kept(client, keys):  # this version of this run written before (a resumed run): replaced whole
         if stale[:2] == (run, version):
             store.remove(*stale)
     store.begin(run, version)
-    seen: set[str] = set()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-store") as writer:
-        for name, tensor in items:
-            if "@" in name or name in seen:
-                raise ValueError(f"cannot publish tensor {name!r}: names must be unique and free of '@'")
-            seen.add(name)
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            if dtype not in DTYPES:
-                raise ValueError(f"cannot publish tensor {name!r} of dtype {tensor.dtype}")
-            tensors.append([name, dtype, list(tensor.shape)])
-            for key, start, end, piece in _pieces(name, tensor, chunk_bytes):
-                piece_bytes = piece.numel() * piece.element_size()
-                if batch and batch_bytes + piece_bytes > chunk_bytes:
-                    seal()
-                batch[key] = piece.to("cpu").contiguous()
-                pieces.append([key, name, start, end])
-                batch_bytes += piece_bytes
-        if batch:
-            seal()
-        if storing is not None:
-            storing.result()
+    writer = _ChunkWriter(store, run, version, chunk_bytes)
+    try:
+        for name, tensor in state.items() if isinstance(state, dict) else state:
+            writer.add(name, tensor)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    tensors, chunks = writer.tensors, writer.chunks
     manifest = msgpack.packb(
         {"format": MANIFEST_FORMAT, "version": version, "run": run, "kind": kind, "tensors": tensors, "chunks": chunks}
     )
@@ -347,7 +396,8 @@ def fetch(
         state = {str(name): torch.empty(tuple(int(n) for n in shape), dtype=DTYPES[dtype]) for name, dtype, shape in manifest["tensors"]}
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise WeightsError(f"snapshot v{ann.version} lists a tensor this actor cannot build: {e}") from e
-    filled = dict.fromkeys(state, 0)  # rows (or 1 for a scalar) written per tensor
+    # which rows (one for a scalar) of each tensor a piece has written: every row exactly once
+    written = {name: torch.zeros(t.shape[0] if t.dim() else 1, dtype=torch.bool) for name, t in state.items()}
 
     def read(index: int) -> dict[str, torch.Tensor]:
         entry = manifest["chunks"][index]
@@ -362,15 +412,19 @@ def fetch(
             raise WeightsError(f"snapshot v{ann.version}'s chunk {index} is not safetensors: {e}") from e
 
     def place(index: int, loaded: dict[str, torch.Tensor]) -> None:
-        for key, name, start, end in manifest["chunks"][index]["pieces"]:
-            target, piece = state.get(name), loaded.get(key)
-            if target is None or piece is None:
-                raise WeightsError(f"snapshot v{ann.version}'s chunk {index} lacks piece {key!r} of a listed tensor")
-            view = target if target.dim() == 0 or (start, end) == (0, target.shape[0]) else target[start:end]
-            if view.shape != piece.shape or view.dtype != piece.dtype:
-                raise WeightsError(f"snapshot v{ann.version}: piece {key!r} is {tuple(piece.shape)}, its place {tuple(view.shape)}")
-            view.copy_(piece)
-            filled[name] += max(1, end - start) if target.dim() else 1
+        try:
+            for key, name, start, end in manifest["chunks"][index]["pieces"]:
+                target, piece = state.get(name), loaded.get(key)
+                if target is None or piece is None:
+                    raise WeightsError(f"snapshot v{ann.version}'s chunk {index} lacks piece {key!r} of a listed tensor")
+                rows = slice(0, 1) if target.dim() == 0 else slice(int(start), int(end))
+                view = target if target.dim() == 0 or (rows.start, rows.stop) == (0, target.shape[0]) else target[rows]
+                if view.shape != piece.shape or view.dtype != piece.dtype or written[name][rows].any():
+                    raise WeightsError(f"snapshot v{ann.version}: piece {key!r} does not fit its place or overlaps another")
+                view.copy_(piece)
+                written[name][rows] = True
+        except (TypeError, ValueError) as e:
+            raise WeightsError(f"snapshot v{ann.version}'s chunk {index} has malformed pieces: {e}") from e
 
     count = len(manifest["chunks"])
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="weights-fetch") as pool:
@@ -390,8 +444,8 @@ def fetch(
                     raise
     for name, target in state.items():
         expected = target.shape[0] if target.dim() else 1
-        if filled[name] != expected and target.numel():
-            raise WeightsError(f"snapshot v{ann.version}: tensor {name!r} has {filled[name]} of its {expected} rows")
+        if target.numel() and not bool(written[name].all()):
+            raise WeightsError(f"snapshot v{ann.version}: tensor {name!r} has {int(written[name].sum())} of its {expected} rows")
     return state
 
 

@@ -113,7 +113,7 @@ class GenerationConfig:
 
 
 PARALLELISMS = ("auto", "ddp", "fsdp")
-FSDP_FROM_PARAMETERS = 1_000_000_000  # parallelism auto: from here on a model's Adam state alone (8 bytes a weight) is 8 GB a rank
+FSDP_FROM_PARAMETERS = 1_000_000_000  # parallelism auto, all weights trained: Adam's moments alone are then 8 GB a rank
 
 
 @section("learner")
@@ -127,7 +127,8 @@ class LearnerConfig(UpdateConfig):
         "auto",
         "with several ranks (torchrun, accelerate launch): ddp (every rank holds the whole model, gradients averaged),"
         " fsdp (FSDP2: each rank holds 1/N of every transformer block's weights, gradients and Adam moments; bf16 compute"
-        " on GPU) or auto (fsdp for a model of 1B parameters or more, else ddp); one rank: ignored",
+        " on GPU) or auto (fsdp when all weights of a model of 1B parameters or more are trained, unless resuming a ddp checkpoint;"
+        " else ddp); one rank: ignored",
     )
     # --- data ---
     store: StoreSettings = nested(StoreSettings)  # [store]: the Redis of the segment stream (its URL required here)

@@ -50,6 +50,9 @@ from common import scoring
 
 T = TypeVar("T")
 _ROOTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the decoders `shard` made FSDP roots (see `Lockstep.of`)
+# Per sharded model, the dtype each parameter had before `shard` made trained ones float32 master weights (mixed
+# precision): what `full_state_chunks` publishes, so actors get the bf16 weights they serve, at half the bytes.
+_LOADED_DTYPES: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.dtype]] = weakref.WeakKeyDictionary()
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -95,6 +98,7 @@ def shard(model: nn.Module, mixed_precision: bool, mesh: Any = None) -> nn.Modul
     blocks = transformer_blocks(model)
     decoder = scoring.model_parts(model)[0]
     if mixed_precision:
+        _LOADED_DTYPES[model] = {name: t.dtype for name, t in model.state_dict().items()}  # tied names too
         for p in model.parameters():
             if p.requires_grad and p.is_floating_point():
                 p.data = p.data.float()  # the master weights the optimizer steps on
@@ -188,13 +192,14 @@ def full_state_chunks(model: nn.Module, names: Mapping[str, str] | None = None) 
     sharded entry is one all-gather (DTensor.full_tensor) on every rank. Unsharded entries (see `shard`) need none.
     The yielded tensors may share memory with the model on the CPU: copy one to keep it past the next update."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    loaded = _LOADED_DTYPES.get(model, {})
     state = model.state_dict()  # sharded DTensors and whole tensors, as they are: no collective, no copy
     for key, value in state.items():
         if names is not None and key not in names:
             continue
         whole = _gathered(value.detach())
-        if rank == 0:
-            yield (names[key] if names is not None else key), whole.cpu().contiguous()
+        if rank == 0:  # in the dtype it was loaded in (mixed precision trains float32 masters of bf16 weights)
+            yield (names[key] if names is not None else key), whole.to(loaded.get(key, whole.dtype)).cpu().contiguous()
         del whole  # before the next gather: one whole parameter at a time
 
 

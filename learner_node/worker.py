@@ -700,8 +700,12 @@ class Learner:
         """[learner] parallelism, `auto` resolved by the model's size (FSDP_FROM_PARAMETERS); logged by rank 0."""
         chosen = self.cfg.parallelism
         if chosen == "auto":
-            parameters = sum(p.numel() for p in model.parameters())
-            chosen = "fsdp" if parameters >= FSDP_FROM_PARAMETERS else "ddp"
+            # Trained parameters: a LoRA adapter's ranks hold little beside the frozen base, which ddp keeps whole.
+            # A run resumed from whole weights stays ddp (a sharded learner cannot read them).
+            trained = sum(p.numel() for p in model.parameters()) if self.cfg.policy.lora_rank == 0 else 0
+            ckpt = checkpoint.latest(self.cfg.checkpoint_dir) if self.cfg.resume else None
+            resumes_whole = ckpt is not None and not checkpoint.is_sharded(ckpt)
+            chosen = "fsdp" if trained >= FSDP_FROM_PARAMETERS and not resumes_whole else "ddp"
         if self.is_main:
             why = " (auto, by the model's size)" if self.cfg.parallelism == "auto" else ""
             log.info("%d ranks, parallelism %s%s", self.world, chosen, why)
@@ -759,7 +763,7 @@ class Learner:
         try:
             self.publish()
             self._unpublished = False
-        except REDIS_DOWN as e:
+        except (*REDIS_DOWN, redis.ResponseError, OSError) as e:  # also a full Redis (OOM) or weights_dir (ENOSPC, EROFS)
             log.error("policy version %d not published (%s): every rank gathers it again before the next update", self.version, e)
 
     def _figures(self, metrics: dict[str, float], n: int) -> dict[str, float]:

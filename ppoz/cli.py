@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         (
             "weights",
             "publishing a full snapshot of a GB or more, learner to applied actor, in Redis and a directory, against memcpy",
-            "Publish a random model's full snapshot (1.2 GB by default) in chunks, fetch it with every checksum checked and apply "
+            "Publish a random model's full snapshot (1.50 GB by default) in chunks, fetch it with every checksum checked and apply "
             "it to an actor's model, through Redis and through the shared-directory store, against a plain memory copy of the "
             "same tensors; legs alternating, medians of --repeats runs: GB/s and the publisher's peak memory (docs/benchmarks.md).",
         ),

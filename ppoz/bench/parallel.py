@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -205,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for key in ("held_mb", "resident_mb", "peak_mb") + (("gpu_peak_mb", "gpu_resident_mb") if "gpu_peak_mb" in legs[0][0] else ())
         }
         medians[leg]["update_s"] = statistics.median(statistics.median(ranks[0]["update_s"][1:] or ranks[0]["update_s"]) for ranks in legs)
+    shutil.rmtree(work, ignore_errors=True)
     parameters = next((ranks[0]["parameters"] for legs in runs.values() for ranks in legs if ranks[0]["parameters"]), None)
     ratios = {}
     if "ddp" in medians and "fsdp" in medians:

@@ -37,7 +37,7 @@ from ppoz.bench import load_at_start
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="model width (default 1024)")
-    parser.add_argument("--layers", type=int, default=24, help="decoder layers (default 24: 303M parameters, 1.2 GB in float32)")
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers (default 24: 374M parameters, 1.50 GB in float32)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each leg, alternating (default 3)")
     parser.add_argument("--chunk-mb", type=int, default=64, help="chunk size in MiB (default 64)")
     parser.add_argument("--threads", type=int, default=4, help="chunks an actor fetches and checks at once (default 4)")

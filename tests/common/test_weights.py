@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import redis as redis_py
 import torch
 from safetensors.torch import load as load_safetensors
 
@@ -172,3 +173,81 @@ def test_a_full_snapshot_over_512_mb_is_published_fetched_and_applied(redis_clie
     assert (policy.policy_version, policy.policy_run) == (7, "run-big")
     for name, tensor in actor_model.state_dict().items():
         assert torch.equal(tensor, state[name]), name
+
+
+def republish(redis_client, key_prefix, manifest: dict) -> weights.Announcement:
+    """`manifest` stored in place of version 2's, announced with its own checksum: damage a checksum cannot see."""
+    data = msgpack.packb(manifest)
+    redis_client.set(RedisKeys(key_prefix).weights_manifest("run-a", 2), data)
+    return weights.Announcement(2, hashlib.sha256(data).hexdigest(), sum(c["size"] for c in manifest["chunks"]), "full", "run-a")
+
+
+@pytest.mark.parametrize("fault", ["overlapping", "missing_rows", "malformed_piece", "unknown_dtype"])
+def test_a_manifest_with_its_own_checksum_is_still_checked_piece_by_piece(redis_client, key_prefix, fault):
+    """A manifest whose checksum matches (a buggy or hostile writer) must not leave rows of torch.empty garbage."""
+    ann = weights.store_snapshot(redis_client, key_prefix, 2, mixed_state(), "full", "run-a", chunk_bytes=CHUNK)
+    manifest = msgpack.unpackb(redis_client.get(RedisKeys(key_prefix).weights_manifest("run-a", 2)))
+    split = next(c for c in manifest["chunks"] if any(p[0].startswith("embed.weight@") for p in c["pieces"]))
+    piece = next(p for p in split["pieces"] if p[0].startswith("embed.weight@"))
+    if fault == "overlapping":  # the same rows twice: a count of rows would add up, a mask does not
+        other = next(c for c in manifest["chunks"] if c is not split)
+        other["pieces"] = [p for p in other["pieces"] if not p[0].startswith("embed.weight@")]
+        split["pieces"].append(list(piece))
+        expected = "overlaps"
+    elif fault == "missing_rows":
+        split["pieces"].remove(piece)
+        expected = "rows"
+    elif fault == "malformed_piece":
+        piece[2] = "zero"
+        expected = "malformed pieces"
+    else:
+        manifest["tensors"][0][1] = "complex128"
+        expected = "cannot build"
+    with pytest.raises(weights.WeightsError, match=expected):
+        weights.fetch(redis_client, key_prefix, republish(redis_client, key_prefix, manifest))
+    assert ann.version == 2
+
+
+class RedisLostAtTheThirdChunk(weights.RedisSnapshots):
+    def put_chunk(self, run, version, index, data):
+        if (version, index) == (2, 2):
+            raise redis_py.ConnectionError("Connection closed by server (injected)")
+        super().put_chunk(run, version, index, data)
+
+
+class DiskFullAtTheThirdChunk(weights.DirectorySnapshots):
+    def put_chunk(self, run, version, index, data):
+        if (version, index) == (2, 2):
+            raise OSError(28, "No space left on device (injected)")
+        super().put_chunk(run, version, index, data)
+
+
+@pytest.mark.parametrize("kind", ["redis", "directory"])
+def test_a_publication_that_fails_half_way_leaves_nothing_behind(redis_client, key_prefix, tmp_path, kind):
+    """A store that fails on the third chunk (Redis gone, a full disk): the chunks written are removed, the latest
+    snapshot stays the one before, and the kept list is the one before."""
+    state = mixed_state()
+    store = RedisLostAtTheThirdChunk(redis_client, key_prefix) if kind == "redis" else DiskFullAtTheThirdChunk(tmp_path / "w")
+    first = weights.store_snapshot(redis_client, key_prefix, 1, state, "full", "run-a", store=store, chunk_bytes=CHUNK)
+    with pytest.raises((OSError, redis_py.ConnectionError), match="injected"):
+        weights.store_snapshot(redis_client, key_prefix, 2, state, "full", "run-a", store=store, chunk_bytes=CHUNK)
+    assert weights.latest(redis_client, key_prefix) == first
+    assert redis_client.lrange(RedisKeys(key_prefix).weights_kept, 0, -1) == [b"run-a:1:" + str(len_chunks(store)).encode()]
+    assert all(store.chunk("run-a", 2, i) is None for i in range(3)) and store.manifest("run-a", 2) is None
+    if kind == "directory":
+        assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["run-a-v1"], "the half-written folder must go"
+        assert (tmp_path / "w" / "run-a-v1").stat().st_mode & 0o777 == 0o750, "the actors read it as the learner's group"
+    else:
+        assert not list(redis_client.scan_iter(f"{key_prefix}:weights:run-a:v2*"))
+
+
+def len_chunks(store: weights.SnapshotStore) -> int:
+    return len(msgpack.unpackb(store.manifest("run-a", 1))["chunks"])
+
+
+def test_a_run_id_that_is_not_a_word_is_refused(redis_client, key_prefix, tmp_path):
+    store = weights.DirectorySnapshots(tmp_path)
+    with pytest.raises(ValueError, match="run id"):
+        weights.store_snapshot(redis_client, key_prefix, 1, mixed_state(), "full", "../../etc", store=store)
+    with pytest.raises(weights.WeightsError, match="run id"):
+        store.manifest("../x", 1)

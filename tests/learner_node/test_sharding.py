@@ -294,3 +294,26 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process_with_no_process_group(
             assert set(loaded[name]) == set(state) >= {"exp_avg", "exp_avg_sq", "step"}, name
             for key, value in state.items():
                 assert torch.equal(loaded[name][key].cpu(), value.cpu()), (name, key)
+
+
+def _mixed_precision_job(rank: int, world: int, model_dir: str, out: str) -> None:
+    model, _ = load_policy(ModelSpec(model=model_dir, device="cpu", lora_rank=0, dtype="bfloat16"))
+    loaded = {k: v.clone() for k, v in model.state_dict().items()}
+    shard(model, mixed_precision=True)
+    masters = {name: p.dtype for name, p in model.named_parameters()}
+    published = {k: v.clone() for k, v in full_state_chunks(model, policy_names(model))}
+    if rank == 0:
+        torch.save({"loaded": loaded, "masters": masters, "published": published}, out)
+
+
+@pytest.mark.slow
+def test_mixed_precision_trains_float32_masters_and_publishes_the_loaded_dtype(tiny_models: dict[str, str], tmp_path: Path) -> None:
+    """With mixed precision (the GPU setting; it runs on gloo too) the trained weights become float32 masters, but
+    actors serve the model in the dtype it was loaded in: what is published is that dtype, at half the bytes."""
+    run_ranks(_mixed_precision_job, tiny_models["qwen2"], str(tmp_path / "mixed.pt"))
+    got = torch.load(tmp_path / "mixed.pt")
+    assert set(got["masters"].values()) == {torch.float32}
+    assert list(got["published"]) == list(got["loaded"])
+    for name, weight in got["loaded"].items():
+        assert weight.dtype == torch.bfloat16 and got["published"][name].dtype == torch.bfloat16, name
+        assert torch.equal(got["published"][name], weight), name
