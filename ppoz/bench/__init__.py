@@ -19,3 +19,12 @@ def load_at_start(bench: str) -> float:
             "load average %.2f on %d cores before the bench: other work is running and will skew the legs", load, cores
         )
     return load
+
+
+def status_kb(field: str) -> int:
+    """A field of /proc/self/status in kB (VmRSS, VmHWM, ...); 0 where there is none."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0

@@ -32,21 +32,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from ppoz.bench import load_at_start
+from ppoz.bench import load_at_start, status_kb
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def _held_mb(modules: list[Any], optimizers: list[torch.optim.Optimizer]) -> float:
@@ -122,7 +114,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, parallelism: str, ar
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     device = f"cuda:{rank}" if cuda else "cpu"
     batch = _batch(args.responses, args.longest)
-    before_kb = _status_kb("VmRSS")
+    before_kb = status_kb("VmRSS")
     torch.manual_seed(0)
     model, tok = load_policy(ModelSpec(model=model_dir, device=device, lora_rank=0, dtype="float32"))
     lp = LearnerPolicy(model, tok, "token", 1.0, [16], token_value_hidden=[16])
@@ -149,8 +141,8 @@ def _rank(rank: int, world: int, port: int, model_dir: str, parallelism: str, ar
         "rank": rank,
         "update_s": times,
         "held_mb": _held_mb([m for m in (lp.model, lp.frozen, lp.token_value_head) if m is not None], [policy_opt, value_opt]),
-        "resident_mb": (_status_kb("VmRSS") - before_kb) / 1024,
-        "peak_mb": (_status_kb("VmHWM") - before_kb) / 1024,
+        "resident_mb": (status_kb("VmRSS") - before_kb) / 1024,
+        "peak_mb": (status_kb("VmHWM") - before_kb) / 1024,
         "parameters": sum(p.numel() for p in model.parameters()) if parallelism == "ddp" else None,
     }
     if cuda:

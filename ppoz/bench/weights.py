@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ppoz.bench import load_at_start
+from ppoz.bench import load_at_start, status_kb
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,14 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "allocation a fresh mmap (page faults: slower legs; compare throughput without it)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-
-
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def _reset_peak() -> bool:
@@ -114,13 +106,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     legs[leg].append({"total_s": time.perf_counter() - start})
                     continue
                 store = stores[leg]
-                resident, peak_ok = _rss_kb("VmRSS"), args.peak and _reset_peak()
+                resident, peak_ok = status_kb("VmRSS"), args.peak and _reset_peak()
                 start = time.perf_counter()
                 ann = weights.store_snapshot(
                     client, f"bench-{leg}", version, policy_state_items(learner), "full", "bench", store, args.chunk_mb << 20, keep=1
                 )
                 published = time.perf_counter()
-                publish_peak_mb = (_rss_kb("VmHWM") - resident) / 1024 if peak_ok else float("nan")
+                publish_peak_mb = (status_kb("VmHWM") - resident) / 1024 if peak_ok else float("nan")
                 state = weights.fetch(client, f"bench-{leg}", ann, store, threads=args.threads)
                 fetched = time.perf_counter()
                 load_policy_state_dict(actor, state)

@@ -48,21 +48,26 @@ def _rank(rank: int, world: int, port: int, cfg: LearnerConfig) -> None:
     learner.run()
 
 
+def write_the_same_stream(redis_client, prefixes: tuple[str, ...], kind: str, model: str) -> None:
+    """16 candidate steps, or 16 generated responses of different lengths, into each prefix's stream alike."""
+    if kind == "candidates":
+        for prefix in prefixes:
+            write_segments(redis_client, prefix, 16)
+        return
+    from tests.learner_node.test_async_ppo import write_to_stream
+    from tests.learner_node.test_generation_update import engine_transitions
+
+    responses = engine_transitions(model, 16)
+    for prefix in prefixes:
+        write_to_stream(redis_client, prefix, responses)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["candidates", "generation"])
 def test_two_rank_learner_matches_one_rank(tiny_models, redis_url, redis_client, key_prefix, tmp_path, kind):
     """Candidate steps, or generated responses (the token-level update), trained on 2 ranks and on 1."""
     one, two = f"{key_prefix}-one", f"{key_prefix}-two"
-    if kind == "candidates":
-        write_segments(redis_client, one, 16)
-        write_segments(redis_client, two, 16)
-    else:
-        from tests.learner_node.test_async_ppo import write_to_stream
-        from tests.learner_node.test_generation_update import engine_transitions
-
-        responses = engine_transitions(tiny_models["llama"], 16)
-        write_to_stream(redis_client, one, responses)
-        write_to_stream(redis_client, two, responses)
+    write_the_same_stream(redis_client, (one, two), kind, tiny_models["llama"])
     try:
         mp.spawn(_rank, args=(2, free_port(), settings(tiny_models["llama"], redis_url, two, str(tmp_path / "two"))), nprocs=2, join=True)
         Learner(settings(tiny_models["llama"], redis_url, one, str(tmp_path / "one")), connect(redis_url, socket_timeout=30)).run()
@@ -141,16 +146,7 @@ def test_a_sharded_two_rank_learner_matches_one_rank_and_resumes_in_one(
     from common import weights
 
     one, two = f"{key_prefix}-one", f"{key_prefix}-two"
-    if kind == "candidates":
-        write_segments(redis_client, one, 16)
-        write_segments(redis_client, two, 16)
-    else:
-        from tests.learner_node.test_async_ppo import write_to_stream
-        from tests.learner_node.test_generation_update import engine_transitions
-
-        responses = engine_transitions(tiny_models["llama"], 16)
-        write_to_stream(redis_client, one, responses)
-        write_to_stream(redis_client, two, responses)
+    write_the_same_stream(redis_client, (one, two), kind, tiny_models["llama"])
 
     def cfg(prefix: str, parallelism: str, **changes) -> LearnerConfig:
         base = settings(tiny_models["llama"], redis_url, prefix, str(tmp_path / prefix[-3:]))
