@@ -85,6 +85,11 @@ DTYPES = {  # what a snapshot may hold: safetensors' names without "torch."
 RUN_ID = re.compile(r"[0-9A-Za-z_-]{0,64}")  # a learner run's id: hex from uuid4 (a word: it names keys and folders)
 
 
+def _check_run(run: str, error: type[Exception]) -> None:
+    if not RUN_ID.fullmatch(run):
+        raise error(f"run id {run[:80]!r} is not a word of letters, digits, '-' and '_'")
+
+
 class WeightsError(RuntimeError):
     """A snapshot that is missing, incomplete, or does not match its announced checksums."""
 
@@ -159,8 +164,7 @@ class DirectorySnapshots:
         self._writing: Path | None = None
 
     def _final(self, run: str, version: int) -> Path:
-        if not RUN_ID.fullmatch(run):
-            raise WeightsError(f"run id {run[:80]!r} is not a word of letters, digits, '-' and '_'")
+        _check_run(run, WeightsError)  # read from Redis: a bad one is bad input
         return self.root / f"{run or 'norun'}-v{version}"
 
     def begin(self, run: str, version: int) -> None:
@@ -301,8 +305,7 @@ def store_snapshot(
 
     `state` may be an iterator of (name, tensor), consumed one tensor at a time (a sharded learner gathers
     each tensor only when it is written)."""
-    if not RUN_ID.fullmatch(run):
-        raise ValueError(f"run id {run[:80]!r} is not a word of letters, digits, '-' and '_'")
+    _check_run(run, ValueError)  # the caller's own
     store = store or RedisSnapshots(client, prefix)
     keys = RedisKeys(prefix)
     for stale in _kept(client, keys):  # this version of this run written before (a resumed run): replaced whole

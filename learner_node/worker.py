@@ -734,8 +734,7 @@ class Learner:
         else:  # every rank takes part in each tensor's all-gather; rank 0 alone gets the tensors and stores them
             tensors = sharding.full_state_chunks(self.lp.model, self._published_names)
             if not self.is_main:
-                for _ in tensors:
-                    pass
+                collections.deque(tensors, maxlen=0)  # every gather, nothing kept
                 return
         store = self.cfg.store
         kind = "lora" if self.lp.has_adapter else "full"
@@ -752,8 +751,7 @@ class Learner:
             )
         finally:
             if self.sharded:  # a store that failed half-way: the other ranks still wait in the gathers left
-                for _ in tensors:
-                    pass
+                collections.deque(tensors, maxlen=0)
         weights.announce(bound(self.pub, "the weights publisher"), ann)
 
     def _publish_sharded(self) -> None:

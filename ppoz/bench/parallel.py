@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,12 +32,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ppoz.bench import load_at_start, status_kb
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from reliability.soak import free_port
 
 
 def _held_mb(modules: list[Any], optimizers: list[torch.optim.Optimizer]) -> float:
@@ -181,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for leg in legs_wanted if repeat % 2 == 0 else legs_wanted[::-1]:
             out = tempfile.mkdtemp(dir=work)
             started = time.perf_counter()
-            mp.spawn(_rank, args=(2, _free_port(), str(model_dir), leg, args, out), nprocs=2, join=True)
+            mp.spawn(_rank, args=(2, free_port(), str(model_dir), leg, args, out), nprocs=2, join=True)
             ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
             runs[leg].append(ranks)
             print(
