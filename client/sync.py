@@ -96,9 +96,7 @@ class Client:
             try:
                 timeout = rule.next_attempt()
                 sock = self._socket()
-                sock.send_multipart([b"", rule.data])
-                self.attempts += 1
-                reply = self._await(sock, rule.rid, timeout)
+                reply = self._await(sock, rule.rid, timeout) if self._send(sock, rule.data, timeout) else None
                 if reply is None:
                     self._reset()  # a lost connection: start over on a fresh socket
             finally:
@@ -109,6 +107,20 @@ class Client:
             if wait is None:
                 return reply
             time.sleep(wait)
+
+    def _send(self, sock: zmq.Socket, data: bytes, timeout: float) -> bool:
+        """Send within `timeout`; False if the socket would not take it (no connection to queue on).
+
+        A broker that refused our handshake (a CURVE key it does not allow) leaves the
+        DEALER with no pipe, and a blocking send would then wait for ever.
+        """
+        sock.setsockopt(zmq.SNDTIMEO, max(int(timeout * 1000), 1))
+        try:
+            sock.send_multipart([b"", data])
+        except zmq.Again:
+            return False
+        self.attempts += 1
+        return True
 
     def _await(self, sock: zmq.Socket, rid: Any, timeout: float) -> dict[str, Any] | None:
         end = time.monotonic() + timeout

@@ -251,6 +251,48 @@ def test_client_with_an_unknown_key_gets_no_answer(curve_broker, make_curve_clie
     assert make_curve_client(broker.frontend).ping()["status"] == "ok"  # the broker itself is fine
 
 
+def test_a_client_whose_connection_was_refused_times_out_rather_than_blocking_on_send(curve_broker, keys):
+    """A refused CURVE handshake can leave the client's socket taking no more frames: the send must keep the deadline.
+
+    (A fresh-clone CI run once hung 300 s in `send_multipart` on such a socket.)
+    """
+    broker = curve_broker()
+    context = zmq.Context()  # its own, so that a send stuck in it can be ended when the test fails
+    stranger = Client(
+        broker.frontend,
+        deadline=REFUSED_DEADLINE_S,
+        attempt_timeout=0.5,
+        context=context,
+        curve_secret_key=keys.secret("stranger"),
+        curve_server_key=keys.public("broker"),
+    )
+    sock = stranger._socket()
+    sock.send_multipart([b"", b"queued before the refusal"])
+    wait_for(lambda: broker.broker.allow_lists[0].refused >= 1, what="the broker to refuse the stranger's key")
+
+    def takes_no_more() -> bool:
+        try:
+            sock.send_multipart([b"", b"queued after the refusal"], zmq.NOBLOCK)
+        except zmq.Again:
+            return True
+        return False
+
+    wait_for(takes_no_more, what="the refused socket to stop taking frames")
+    outcome: list[BaseException] = []
+    worker = threading.Thread(target=lambda: outcome.append(pytest.raises(RequestTimeout, stranger.ping).value), daemon=True)
+    worker.start()
+    worker.join(REFUSED_DEADLINE_S + 5)
+    blocked = worker.is_alive()
+    if blocked:  # end the stuck send (ETERM), then close its socket so that the context can end
+        ending = threading.Thread(target=context.term, daemon=True)
+        ending.start()
+        worker.join(10)
+    stranger.close()
+    context.term()
+    assert not blocked, "the request blocked in its send past its deadline"
+    assert isinstance(outcome[0], RequestTimeout)
+
+
 def test_plain_client_gets_no_answer(curve_broker, make_curve_client):
     broker = curve_broker()
     plain = make_curve_client(broker.frontend, name=None, deadline=REFUSED_DEADLINE_S, attempt_timeout=0.5)
