@@ -71,6 +71,7 @@ class AsyncClient:
         else:
             self.ctx = zmq.asyncio.Context(context)  # a shadow: same io threads, asyncio sockets, not owned
         self.attempts = 0  # sends, retries and resends included (for tests and diagnostics)
+        self.requests = 0  # requests made: attempts - requests is how many were sent again
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._waiters: dict[Any, list[asyncio.Future[dict[str, Any] | None]]] = {}
@@ -156,6 +157,7 @@ class AsyncClient:
     async def request(self, op: str, rid: str | None = None, deadline: float | None = None, **fields: Any) -> dict[str, Any]:
         """Send one request and return its reply map; raise the error's exception class (client/errors.py)."""
         rule = RetryRule(op, rid, fields, self.deadline if deadline is None else deadline, self.attempt_timeout)
+        self.requests += 1
         while True:
             reply = await self._attempt(rule, rule.next_attempt())
             if reply is None:

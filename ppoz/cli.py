@@ -244,6 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
             "it to an actor's model, through Redis and through the shared-directory store, against a plain memory copy of the "
             "same tensors; legs alternating, medians of --repeats runs: GB/s and the publisher's peak memory (docs/benchmarks.md).",
         ),
+        (
+            "farm",
+            "the stack on six hosts (network namespaces, as root): links cut, Redis killed; throughput per host, recovery times",
+            "Redis and the broker, two actors, a learner of two ranks on two hosts (torchrun --nnodes 2) and the clients, each "
+            "in a Linux network namespace joined by a bridge. While the clients play, an actor host's link is cut for 30 s, "
+            "the second learner host's link during an update, and Redis is killed and restarted; then the ledger must "
+            "balance, both actors serve the newest version and no request failed. Prints steps served per host in each "
+            "phase and how long each fault took to heal (docs/farm.md, docs/benchmarks.md). Needs root.",
+        ),
     ):
         benches.add_parser(name, help=help_text, description=description, module=f"ppoz.bench.{name}")
 

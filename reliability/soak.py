@@ -354,15 +354,18 @@ class Clients:
         self.error_count = 0
         self.ask_waits = 0
         self.acknowledged = 0
+        self.requests = 0  # every request the emulators made, and every send (retries included)
+        self.attempts = 0
         self.stopping = False
 
-    async def run(self, seconds: float, on_window: Any, window_s: float) -> None:
+    async def run(self, seconds: float, on_window: Any, window_s: float, until: Any = None) -> None:
+        """Play for `seconds`, or until `until()` says to stop; `on_window(end_s)` every `window_s`."""
         ctx = zmq.asyncio.Context()
         self.started = time.monotonic()
         tasks = [asyncio.create_task(self._emulator(ctx, i)) for i in range(self.n)]
         next_window = window_s
         try:
-            while time.monotonic() - self.started < seconds:
+            while time.monotonic() - self.started < seconds and not (until is not None and until()):
                 await asyncio.sleep(min(1.0, max(0.0, self.started + next_window - time.monotonic())))
                 if time.monotonic() - self.started >= next_window:
                     on_window(next_window)
@@ -410,6 +413,8 @@ class Clients:
                     await client.detach(task_id)
                 except Exception as e:  # noqa: BLE001
                     self._error(e)
+            self.requests += client.requests
+            self.attempts += client.attempts
             await client.close()
 
 

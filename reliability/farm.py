@@ -1,0 +1,638 @@
+"""A farm across hosts: the whole stack in Linux network namespaces joined by a bridge, with links cut.
+
+    ppoz bench farm            (as root: it creates network namespaces, a bridge and veth pairs)
+
+Each "host" is a network namespace with one veth link into a bridge in the root namespace:
+
+    store     redis-server (append-only, fsync always) and the broker
+    actor-a   an actor                       actor-b   an actor
+    learn-0   learner rank 0                 learn-1   learner rank 1
+              (`torchrun --nnodes 2`, static rendezvous at learn-0, gloo over the veth links)
+    clients   the emulators (reliability.soak's Kea-shaped clients), a process of their own
+
+This process stays in the root namespace, on the bridge, and reads the broker's status and Redis
+from there. While the clients play, three faults come in order:
+
+1. actor-a's link goes down for `--actor-cut-s` (30) and comes back;
+2. learn-1's link goes down for `--learner-cut-s` while the learner is updating, and comes back;
+3. the store host's redis-server is SIGKILLed, and restarted on its files after `--redis-down-s`.
+
+Then the clients stop and detach, the learner trains what is left, and the run checks that the
+ledger balances (reliability/ledger.py), that both actors serve the newest published version, and
+that no client request failed (retries the protocol documents, on `overloaded` or a lost reply,
+are counted, not failures). It prints the steps served per host in each phase and how long each
+fault took to heal. `tc netem` is not needed: faults are links down and up, and a process killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from client import Client
+from common.redis_server import connect, find_redis_server
+from common.weights import latest
+from reliability.ledger import settle_ledger
+from reliability.output import print_report, run_as_script
+from reliability.soak import Clients
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "farm"
+HOSTS = ("store", "actor-a", "actor-b", "learn-0", "learn-1", "clients")
+BRIDGE_ADDRESS = 254  # the root namespace's address on the bridge
+REDIS_PORT, FRONTEND_PORT, BACKEND_PORT, WEIGHTS_PORT, RENDEZVOUS_PORT = 6379, 5555, 5556, 5557, 29500
+PYTHON_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clients", type=int, default=16, help="simulated emulators on the clients host (default: 16)")
+    parser.add_argument("--actor-cut-s", type=float, default=30.0, help="seconds actor-a's link is down (default: 30)")
+    parser.add_argument("--learner-cut-s", type=float, default=20.0, help="seconds learn-1's link is down (default: 20)")
+    parser.add_argument("--redis-down-s", type=float, default=5.0, help="seconds Redis stays dead before its restart (default: 5)")
+    parser.add_argument(
+        "--phase-s", type=float, default=20.0, help="seconds of undisturbed play before each fault and after the last (default: 20)"
+    )
+    parser.add_argument("--lora-rank", type=int, default=8, help="the learner's LoRA rank (0: all weights) (default: 8)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--settle-s", type=float, default=300.0, help="give up on the ledger once it has not moved for this long (default: 300)"
+    )
+    parser.add_argument("--keep", default="", help="keep the logs and checkpoints in this folder (default: a temporary one, removed)")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+# --- the network ---------------------------------------------------------------------------------
+class NamespacesUnavailable(RuntimeError):
+    """This machine cannot make network namespaces here (not root, no `ip`, or a sandbox that forbids it)."""
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode:
+        raise NamespacesUnavailable(f"`ip {' '.join(args)}` failed: {done.stderr.strip() or done.returncode}")
+
+
+def namespaces_unavailable() -> str | None:
+    """Why the farm cannot run on this machine, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "no `ip` command (iproute2)"
+    probe = f"ppoz-probe-{secrets.token_hex(3)}"
+    try:
+        _ip("netns", "add", probe)
+        _ip("netns", "del", probe)
+    except NamespacesUnavailable as e:
+        return str(e)
+    return None
+
+
+class Network:
+    """One namespace per host, each with a veth link into one bridge; links go down and up on demand."""
+
+    def __init__(self, hosts: tuple[str, ...] = HOSTS) -> None:
+        tag = secrets.token_hex(2)  # several runs (or a run left behind by a killed one) do not collide
+        self.subnet = f"10.213.{int(tag, 16) % 250 + 1}"
+        self.bridge = f"pzb{tag}"
+        self.namespaces = {host: f"ppoz-{tag}-{host}" for host in hosts}
+        self.links = {host: f"pz{tag}{i}" for i, host in enumerate(hosts)}  # the root side of each host's veth
+        self.addresses = {host: f"{self.subnet}.{i + 1}" for i, host in enumerate(hosts)}
+        self.up: set[str] = set()
+
+    def create(self) -> Network:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.subnet}.{BRIDGE_ADDRESS}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for host, ns in self.namespaces.items():
+            _ip("netns", "add", ns)
+            _ip("link", "add", self.links[host], "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", self.links[host], "master", self.bridge)
+            _ip("link", "set", self.links[host], "up")
+            _ip("-n", ns, "addr", "add", f"{self.addresses[host]}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            self.up.add(host)
+        return self
+
+    def cut(self, host: str) -> None:
+        """Take the host's link down: its packets go nowhere, its connections stay open, as with a pulled cable."""
+        _ip("link", "set", self.links[host], "down")
+        self.up.discard(host)
+
+    def restore(self, host: str) -> None:
+        _ip("link", "set", self.links[host], "up")
+        self.up.add(host)
+
+    def command(self, host: str, args: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespaces[host], *args]
+
+    def destroy(self) -> None:
+        """Remove the namespaces (their veth ends go with them) and the bridge; what is already gone is skipped."""
+        for ns in self.namespaces.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+
+
+# --- the report ----------------------------------------------------------------------------------
+@dataclass
+class Phase:
+    name: str
+    seconds: float
+    served: dict[str, int]  # steps each actor host served in the phase
+    client_steps: int  # steps the clients host got answered
+    versions: tuple[int, int]  # the learner's published version at the phase's start and its highest in it
+    start_at: float = 0.0  # time.monotonic()
+    end_at: float = 0.0
+
+    def rates(self) -> dict[str, float]:
+        per_host = {host: n / max(self.seconds, 1e-9) for host, n in self.served.items()}
+        per_host["clients"] = self.client_steps / max(self.seconds, 1e-9)
+        return {host: round(rate, 2) for host, rate in per_host.items()}
+
+
+@dataclass
+class Report:
+    hosts: dict[str, str]
+    clients: int
+    phases: list[Phase] = field(default_factory=list)
+    recovery_s: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+    acknowledged: int = 0
+    requests: int = 0
+    retries: int = 0  # requests sent again (on `overloaded`, `internal` or a lost reply)
+    ask_waits: int = 0  # asks answered `wait` (backpressure, or Redis down): the client sleeps and asks again
+    errors: list[str] = field(default_factory=list)
+    error_count: int = 0
+    ledger: str = ""
+    ledger_balanced: bool = False
+    learner_held_during_cut: bool = False  # no version was published while learn-1 was cut off
+    final_version: int = -1
+    actor_versions: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def failures(self) -> list[str]:
+        out = []
+        if self.error_count:
+            out.append(f"{self.error_count} client requests failed, first: {self.errors[:3]}")
+        if not self.ledger_balanced:
+            out.append(f"ledger not balanced: {self.ledger}")
+        if not self.steps:
+            out.append("no step was answered")
+        stale = {name: v for name, v in self.actor_versions.items() if v != self.final_version}
+        if stale or len(self.actor_versions) < 2:
+            out.append(f"actors {self.actor_versions} do not serve the newest version {self.final_version}")
+        for what in ("actor rejoined", "actor serving again", "learner published again", "broker storage back", "clients stepping again"):
+            if what not in self.recovery_s:
+                out.append(f"never: {what}")
+        return out
+
+
+def format_report(report: Report) -> str:
+    hosts = ", ".join(f"{host} {address}" for host, address in report.hosts.items())
+    lines = [f"farm: {report.clients} clients on 6 hosts ({hosts})", "steps served per second, by host:"]
+    names = ["actor-a", "actor-b", "clients"]
+    lines.append(f"{'phase':<22} {'s':>5} " + " ".join(f"{n:>8}" for n in names) + "  learner versions")
+    for phase in report.phases:
+        rates = phase.rates()
+        lines.append(
+            f"{phase.name:<22} {phase.seconds:>5.0f} "
+            + " ".join(f"{rates.get(n, 0.0):>8.2f}" for n in names)
+            + f"  {phase.versions[0]} -> {phase.versions[1]}"
+        )
+    lines.append("recovery (seconds after the fault was lifted, or after it began where it says so):")
+    lines.extend(f"  {what}: {seconds:.1f}" for what, seconds in report.recovery_s.items())
+    lines.append(f"learner held its version while learn-1 was cut off: {report.learner_held_during_cut}")
+    lines.append(
+        f"steps {report.steps}, feedbacks acknowledged {report.acknowledged}, requests {report.requests}, "
+        f"sent again {report.retries}, asks answered `wait` {report.ask_waits}, failed {report.error_count}"
+    )
+    lines.append(f"newest version {report.final_version}, actors serve {report.actor_versions}")
+    lines.append(f"ledger: {report.ledger} ({'balanced' if report.ledger_balanced else 'NOT balanced'})")
+    failures = report.failures()
+    lines.append("PASS" if not failures else "FAIL: " + "; ".join(failures))
+    return "\n".join(lines)
+
+
+# --- the stack -----------------------------------------------------------------------------------
+class Farm:
+    """The processes of every host, started through `ip netns exec`, logs in `workdir`."""
+
+    def __init__(self, net: Network, workdir: Path, seed: int, lora_rank: int) -> None:
+        self.net = net
+        self.workdir = workdir
+        self.seed = seed
+        self.lora_rank = lora_rank
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.redis_dir = Path(tempfile.mkdtemp(prefix="ppoz-farm-redis-"))
+        store = net.addresses["store"]
+        self.redis_url = f"redis://{store}:{REDIS_PORT}"
+        self.frontend = f"tcp://{store}:{FRONTEND_PORT}"
+
+    def start(self) -> None:
+        from common.tiny_models import build_tiny_model
+
+        model = str(build_tiny_model(self.workdir / "model", arch="llama", seed=self.seed))
+        store, learner_host = self.net.addresses["store"], self.net.addresses["learn-0"]
+        common = ["--redis-url", self.redis_url, "--key-prefix", KEY_PREFIX]
+        policy = ["--model", model, "--device", "cpu", "--lora-rank", str(self.lora_rank)]
+        backend, weights = f"tcp://{store}:{BACKEND_PORT}", f"tcp://{learner_host}:{WEIGHTS_PORT}"
+        self.start_redis()
+        self._spawn("broker", "store", [*_ppoz(), "broker", "--frontend", self.frontend, "--backend", backend, *common])
+        for name in ("actor-a", "actor-b"):
+            actor = ["actor", "--name", name, "--broker", backend, "--weights", weights, "--weights-poll-s", "2"]
+            self._spawn(name, name, [*_ppoz(), *actor, *"--credits 32 --max-batch 16".split(), *policy, *common])
+        learner = [
+            "learner",
+            *policy,
+            *"--normalisation token --rollout-batch 64 --rollout-timeout-s 5 --policy-minibatch 32 --micro-batch 32".split(),
+            *"--update-epochs 2 --keep-checkpoints 2 --tensorboard-dir=".split(),
+            *["--weights-bind", weights, "--checkpoint-dir", str(self.workdir / "ckpt"), *common],
+        ]
+        for rank in (0, 1):
+            # Two hosts of one GPU (here one CPU process) each; the static rendezvous at rank 0's host.
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+            torchrun += [
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                learner_host,
+                "--master-port",
+                str(RENDEZVOUS_PORT),
+                "--max-restarts",
+                "0",
+            ]
+            self._spawn(f"learn-{rank}", f"learn-{rank}", [*torchrun, "-m", "ppoz.cli", "--log-level", "info", *learner])
+
+    def start_redis(self) -> None:
+        """redis-server on the store host, append-only with fsync always, on the same files each time."""
+        args = [
+            find_redis_server(),
+            "--bind",
+            self.net.addresses["store"],
+            "--port",
+            str(REDIS_PORT),
+            "--protected-mode",
+            "no",  # on a private bridge of this run's namespaces only
+            "--dir",
+            str(self.redis_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--maxmemory-policy",
+            "noeviction",
+            "--loglevel",
+            "warning",
+        ]
+        self._spawn("redis", "store", args, append=True)
+        deadline = time.monotonic() + 30
+        while True:
+            client = connect(self.redis_url, socket_timeout=2.0, retries=0)
+            try:
+                client.ping()
+                return
+            except Exception as e:  # noqa: BLE001 - not up yet
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on the store host did not answer within 30 s: {e}") from e
+                time.sleep(0.1)
+            finally:
+                client.close()
+
+    def kill_redis(self) -> None:
+        proc = self.procs.pop("redis")
+        proc.send_signal(signal.SIGKILL)  # no shutdown save: only the append-only file survives
+        proc.wait(10)
+
+    def _spawn(self, name: str, host: str, args: list[str], append: bool = False) -> None:
+        log_file = (self.workdir / f"{name}.log").open("a" if append else "w")
+        env = dict(os.environ, **PYTHON_ENV)
+        self.procs[name] = subprocess.Popen(
+            self.net.command(host, args),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        log_file.close()
+
+    def said(self, name: str, chars: int = 3000) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{self.said(name)}")
+
+    def stop(self) -> None:
+        # Users of Redis before it, as `ppoz up` stops them. The two learner ranks are told together, as
+        # torchrun tells its workers: a rank stopped alone leaves the other in a collective with a closed peer.
+        for group in (("clients",), ("actor-a", "actor-b"), ("learn-0", "learn-1"), ("broker",), ("redis",)):
+            running = [self.procs[name] for name in group if name in self.procs and self.procs[name].poll() is None]
+            for proc in running:
+                proc.send_signal(signal.SIGTERM)
+            for proc in running:
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too (its own session)
+                    proc.wait()
+        shutil.rmtree(self.redis_dir, ignore_errors=True)
+
+
+def _ppoz() -> list[str]:
+    return [sys.executable, "-m", "ppoz.cli", "--log-level", "info"]
+
+
+# --- watching it ---------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    at: float  # time.monotonic(), the same clock in every namespace
+    present: set[str]  # the actors registered at the broker
+    served: dict[str, int]  # steps each actor has served since the start (kept while it is away)
+    actor_versions: dict[str, int]
+    storage_ok: bool
+    version: int  # the learner's newest version (the last one read while Redis is down)
+
+
+class Watch:
+    """The broker's status, read from the root namespace once a second (`sample()`)."""
+
+    def __init__(self, farm: Farm) -> None:
+        self.farm = farm
+        self.status = Client(farm.frontend, deadline=3.0, attempt_timeout=1.0)
+        self.samples: list[Sample] = []
+        self.counted: dict[str, int] = {}  # steps served by an actor's earlier registrations (a new one counts from 0)
+        self.last_count: dict[str, int] = {}
+
+    def sample(self) -> Sample | None:
+        self.farm.check_alive()
+        try:
+            status = self.status.status()
+        except Exception as e:  # noqa: BLE001 - a missed reading, not a finding
+            log.info("no status: %s", e)
+            return None
+        last = self.samples[-1] if self.samples else None
+        served = dict(last.served) if last else {}
+        versions = dict(last.actor_versions) if last else {}
+        present = set()
+        for actor in status["actors"]:
+            name = actor["name"]
+            present.add(name)
+            if actor["served"] < self.last_count.get(name, 0):  # registered anew since the last reading
+                self.counted[name] = served.get(name, 0)
+            self.last_count[name] = actor["served"]
+            served[name] = self.counted.get(name, 0) + actor["served"]
+            versions[name] = actor["policy_version"]
+        storage_ok = bool(status["storage_ok"])
+        learner = status.get("learner") or {}
+        version = int(learner.get("version", 0) or 0) if storage_ok or last is None else last.version
+        sample = Sample(time.monotonic(), present, served, versions, storage_ok, version)
+        self.samples.append(sample)
+        return sample
+
+    def until(self, what: str, condition: Callable[[Sample], bool], timeout: float) -> float:
+        """Sample once a second until `condition` holds; when it did (monotonic time)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            sample = self.sample()
+            if sample is not None and condition(sample):
+                return sample.at
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the farm did not reach this within {timeout:.0f} s: {what}")
+            time.sleep(1.0)
+
+    def hold(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.sample()
+            time.sleep(max(0.0, min(1.0, end - time.monotonic())))
+
+    def close(self) -> None:
+        self.status.close()
+
+
+def _last_served(watch: Watch, name: str) -> int:
+    return watch.samples[-1].served.get(name, 0) if watch.samples else 0
+
+
+# --- the run -------------------------------------------------------------------------------------
+def run(args: argparse.Namespace, workdir: Path) -> Report:
+    net = Network().create()
+    farm = Farm(net, workdir, args.seed, args.lora_rank)
+    report = Report(dict(net.addresses), args.clients)
+    stop_file = workdir / "clients.stop"
+    played = workdir / "clients.json"
+    started = time.monotonic()
+    try:
+        farm.start()
+        watch = Watch(farm)
+        try:
+            log.info("farm: %s", ", ".join(f"{host} {address}" for host, address in net.addresses.items()))
+            watch.until("both actors registered at the broker", lambda s: len(s.present) == 2, 600)
+            farm._spawn(
+                "clients",
+                "clients",
+                [
+                    sys.executable,
+                    "-m",
+                    "reliability.farm",
+                    "play",
+                    farm.frontend,
+                    str(args.clients),
+                    str(args.seed),
+                    str(stop_file),
+                    str(played),
+                ],
+            )
+            watch.until("the learner's first update", lambda s: s.version >= 1, 600)
+            _scenario(args, net, farm, watch, report)
+            log.info("farm: the clients stop; the learner trains what is left")
+            stop_file.touch()
+            farm.procs.pop("clients").wait(300)
+            _read_clients(played, report)
+            client = connect(farm.redis_url)
+            try:
+                ledger = settle_ledger(client, KEY_PREFIX, report.acknowledged, args.settle_s, farm.check_alive)
+                report.ledger, report.ledger_balanced = str(ledger), ledger.balanced
+                report.final_version = _newest_version(client)
+                # Both actors follow it: announced on PUB, or found in Redis by their poll.
+                try:
+                    watch.until(
+                        "both actors serving the newest version",
+                        lambda s: sorted(s.actor_versions.values()) == [report.final_version] * 2,
+                        120,
+                    )
+                except RuntimeError as e:
+                    log.warning("%s", e)
+                report.actor_versions = dict(watch.samples[-1].actor_versions) if watch.samples else {}
+            finally:
+                client.close()
+        finally:
+            watch.close()
+    finally:
+        report.seconds = round(time.monotonic() - started, 1)
+        farm.stop()
+        net.destroy()
+    return report
+
+
+def _newest_version(client: Any) -> int:
+    stored = latest(client, KEY_PREFIX)
+    return stored.version if stored is not None else -1
+
+
+def _scenario(args: argparse.Namespace, net: Network, farm: Farm, watch: Watch, report: Report) -> None:
+    phases: list[tuple[str, Sample]] = []
+
+    def mark(name: str) -> None:
+        sample = None
+        while sample is None:
+            sample = watch.sample()
+        phases.append((name, sample))
+        log.info("farm: %s (learner version %d, steps served %s)", name, sample.version, sample.served)
+
+    # 1. actor-a cut off for actor_cut_s.
+    mark("steady")
+    watch.hold(args.phase_s)
+    mark("actor-a cut off")
+    net.cut("actor-a")
+    cut_at = time.monotonic()
+    gone = watch.until("the broker to drop actor-a", lambda s: "actor-a" not in s.present, args.actor_cut_s + 60)
+    report.recovery_s["actor dropped (after the cut)"] = round(gone - cut_at, 1)
+    watch.hold(max(0.0, cut_at + args.actor_cut_s - time.monotonic()))
+    mark("actor-a back")
+    net.restore("actor-a")
+    restored = time.monotonic()
+    back = watch.until("actor-a to rejoin", lambda s: "actor-a" in s.present, 120)
+    report.recovery_s["actor rejoined"] = round(back - restored, 1)
+    before = _last_served(watch, "actor-a")
+    serving = watch.until("actor-a to serve again", lambda s: s.served.get("actor-a", 0) > before, 120)
+    report.recovery_s["actor serving again"] = round(serving - restored, 1)
+    watch.hold(args.phase_s)
+
+    # 2. learn-1 cut off while the learner updates: just after a version is published the next rollout is
+    # read at once (the clients keep a backlog), so the cut falls in its update.
+    version = watch.samples[-1].version
+    watch.until("the learner's next version", lambda s: s.version > version, 300)
+    mark("learn-1 cut off")
+    net.cut("learn-1")
+    cut_at = time.monotonic()
+    held = watch.samples[-1].version
+    watch.hold(args.learner_cut_s)
+    report.learner_held_during_cut = all(s.version == held for s in watch.samples if s.at >= cut_at)
+    mark("learn-1 back")
+    net.restore("learn-1")
+    restored = time.monotonic()
+    published = watch.until("the learner to publish again", lambda s: s.version > held, 600)
+    report.recovery_s["learner published again"] = round(published - restored, 1)
+    watch.hold(args.phase_s)
+
+    # 3. Redis killed on the store host, restarted on its append-only file.
+    mark("redis down")
+    farm.kill_redis()
+    killed = time.monotonic()
+    noticed = watch.until("the broker to notice Redis gone", lambda s: not s.storage_ok, 60)
+    report.recovery_s["broker noticed Redis gone (after the kill)"] = round(noticed - killed, 1)
+    watch.hold(max(0.0, killed + args.redis_down_s - time.monotonic()))
+    mark("redis back")
+    farm.start_redis()
+    restarted = time.monotonic()
+    report.recovery_s["redis restart to answering"] = round(time.monotonic() - restarted, 1)
+    ok = watch.until("the broker's storage to be back", lambda s: s.storage_ok, 120)
+    report.recovery_s["broker storage back"] = round(ok - restarted, 1)
+    served = sum(watch.samples[-1].served.values())
+    stepping = watch.until("steps to be served again", lambda s: sum(s.served.values()) > served, 120)
+    report.recovery_s["clients stepping again"] = round(stepping - restarted, 1)
+    watch.hold(args.phase_s)
+    mark("end")
+
+    for (name, start), (_, end) in zip(phases, phases[1:], strict=False):
+        in_phase = [s for s in watch.samples if start.at <= s.at <= end.at]
+        report.phases.append(
+            Phase(
+                name,
+                round(end.at - start.at, 1),
+                {host: end.served.get(host, 0) - start.served.get(host, 0) for host in ("actor-a", "actor-b")},
+                0,
+                (start.version, max(s.version for s in in_phase)),
+                start.at,
+                end.at,
+            )
+        )
+
+
+def _read_clients(played: Path, report: Report) -> None:
+    """The clients host's own account: steps with their times, requests, resends and failures."""
+    data = json.loads(played.read_text())
+    report.steps, report.acknowledged = len(data["step_times"]), data["acknowledged"]
+    report.requests, report.retries = data["requests"], data["attempts"] - data["requests"]
+    report.errors, report.error_count = data["errors"], data["error_count"]
+    report.ask_waits = data["ask_waits"]
+    for phase in report.phases:
+        phase.client_steps = sum(1 for t in data["step_times"] if phase.start_at <= t < phase.end_at)
+
+
+# --- the clients host ----------------------------------------------------------------------------
+def play(frontend: str, clients: int, seed: int, stop_file: Path, out: Path) -> None:
+    """Run on the clients host: Kea-shaped emulators until `stop_file` exists, then their account as JSON."""
+    import asyncio
+
+    driver = Clients(frontend, clients, seed)
+    asyncio.run(driver.run(float("inf"), lambda _end: None, 3600.0, until=stop_file.exists))
+    out.write_text(
+        json.dumps(
+            {
+                "step_times": [driver.started + t for t, _ms in driver.latencies],
+                "acknowledged": driver.acknowledged,
+                "requests": driver.requests,
+                "attempts": driver.attempts,
+                "ask_waits": driver.ask_waits,
+                "errors": driver.errors,
+                "error_count": driver.error_count,
+            }
+        )
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    why = namespaces_unavailable()
+    if why:
+        raise SystemExit(f"ppoz bench farm: {why}")
+    if args.clients < 1 or min(args.actor_cut_s, args.learner_cut_s, args.redis_down_s, args.phase_s) <= 0:
+        raise SystemExit("ppoz bench farm: --clients and every --*-s must be positive")
+    workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ppoz-farm-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        report = run(args, workdir)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return print_report(report, args.json, format_report)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["play"]:  # the clients host's process, started by `run`
+        frontend, n, seed, stop_file, out = sys.argv[2:7]
+        logging.basicConfig(level=logging.WARNING)
+        play(frontend, int(n), int(seed), Path(stop_file), Path(out))
+    else:
+        run_as_script("python -m reliability.farm", __doc__, add_arguments, main, logging.INFO)

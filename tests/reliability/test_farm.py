@@ -1,0 +1,100 @@
+"""The farm across hosts (`ppoz bench farm`): six network namespaces, links cut, Redis killed; needs root."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reliability.farm import Network, Phase, Report, format_report, namespaces_unavailable
+from tests.processes import ppoz
+
+WHY_NOT = namespaces_unavailable()
+RECOVERIES = ("actor rejoined", "actor serving again", "learner published again", "broker storage back", "clients stepping again")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"the multi-host farm cannot run here: {WHY_NOT}")
+def test_a_farm_on_six_hosts_heals_from_cut_links_and_a_killed_redis(tmp_path):
+    """Redis+broker, two actors, a learner of two ranks on two hosts (torchrun --nnodes 2) and the clients,
+    each in its own namespace. actor-a's link is cut for 30 s, learn-1's during an update, Redis is SIGKILLed."""
+    run = ppoz("bench", "farm", "--phase-s", "10", "--learner-cut-s", "15", "--json", "--keep", str(tmp_path), timeout=1500)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["failures"] == []
+    # Every host was a namespace of its own, on one subnet.
+    assert sorted(report["hosts"]) == sorted(["store", "actor-a", "actor-b", "learn-0", "learn-1", "clients"])
+    assert len(set(report["hosts"].values())) == 6
+    phases = {phase["name"]: phase for phase in report["phases"]}
+    assert list(phases) == ["steady", "actor-a cut off", "actor-a back", "learn-1 cut off", "learn-1 back", "redis down", "redis back"]
+    # While actor-a was cut off, actor-b served the clients alone; afterwards both served again.
+    cut = phases["actor-a cut off"]
+    assert cut["seconds"] >= 30
+    assert cut["served"]["actor-a"] == 0 and cut["served"]["actor-b"] > 0 and cut["client_steps"] > 0
+    assert phases["learn-1 cut off"]["served"]["actor-a"] > 0 and phases["learn-1 cut off"]["served"]["actor-b"] > 0
+    # The learner's update waited for its second host and went on after; the ranks never published apart.
+    assert report["learner_held_during_cut"]
+    assert phases["learn-1 back"]["versions"][1] > phases["learn-1 cut off"]["versions"][0]
+    assert set(RECOVERIES) <= set(report["recovery_s"])
+    # Clients saw no failure, only what the protocol documents: asks answered `wait` while the learner or
+    # Redis was away (and resends on `overloaded`, `internal` or a lost reply, counted in `retries`).
+    assert report["error_count"] == 0 and report["ask_waits"] > 0
+    assert phases["redis down"]["served"] == {"actor-a": 0, "actor-b": 0}  # nobody steps without storage
+    assert report["steps"] > 0 and report["acknowledged"] == report["steps"]
+    assert report["ledger_balanced"], report["ledger"]
+    assert report["final_version"] > 0 and report["actor_versions"] == {
+        "actor-a": report["final_version"],
+        "actor-b": report["final_version"],
+    }
+    for name in ("broker", "redis", "actor-a", "actor-b", "learn-0", "learn-1"):
+        assert (tmp_path / f"{name}.log").exists()
+    assert "silent" in (tmp_path / "actor-a.log").read_text()  # it noticed the cut, and reconnected
+
+
+def test_the_network_names_fit_linux_and_hosts_get_distinct_addresses():
+    net = Network()
+    assert all(len(name) <= 15 for name in [net.bridge, *net.links.values()])  # IFNAMSIZ - 1
+    assert len(set(net.addresses.values())) == len(net.addresses) == 6
+    assert all(address.startswith(net.subnet + ".") for address in net.addresses.values())
+
+
+def passing_report(**changes) -> Report:
+    report = Report(
+        hosts={"store": "10.0.0.1"},
+        clients=2,
+        phases=[Phase("steady", 10.0, {"actor-a": 20, "actor-b": 10}, 30, (1, 3), 0.0, 10.0)],
+        recovery_s={what: 1.0 for what in RECOVERIES},
+        steps=30,
+        acknowledged=30,
+        ledger="balanced",
+        ledger_balanced=True,
+        learner_held_during_cut=True,
+        final_version=4,
+        actor_versions={"actor-a": 4, "actor-b": 4},
+    )
+    for key, value in changes.items():
+        setattr(report, key, value)
+    return report
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({}, None),
+        ({"actor_versions": {"actor-a": 4, "actor-b": 3}}, "do not serve the newest version 4"),
+        ({"actor_versions": {"actor-a": 4}}, "do not serve the newest version 4"),
+        ({"error_count": 1, "errors": ["RequestTimeout: x"]}, "1 client requests failed"),
+        ({"ledger_balanced": False, "ledger": "stored 5, trained 4"}, "ledger not balanced"),
+        ({"recovery_s": {"actor rejoined": 1.0}}, "never: actor serving again"),
+    ],
+)
+def test_the_report_fails_on_each_finding(changes, said):
+    report = passing_report(**changes)
+    failures = report.failures()
+    text = format_report(report)
+    if said is None:
+        assert failures == [] and text.endswith("PASS")
+        assert "2.00     1.00     3.00" in text  # steps per second: actor-a, actor-b, clients
+    else:
+        assert any(said in f for f in failures), failures
+        assert "FAIL: " in text
