@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from client import Client
+from common.processes import die_with_parent
 from common.redis_server import connect, find_redis_server
 from common.weights import latest
 from reliability.ledger import settle_ledger
@@ -329,7 +330,8 @@ class Farm:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
-            start_new_session=True,
+            start_new_session=True,  # a Ctrl-C at the terminal is this process's to handle, in order
+            preexec_fn=die_with_parent,  # and a killed bench leaves no process behind
         )
         log_file.close()
 
@@ -464,6 +466,10 @@ def run(args: argparse.Namespace, workdir: Path) -> Report:
                 ],
             )
             watch.until("the learner's first update", lambda s: s.version >= 1, 600)
+            # The steady phase starts once the clients step again: the learner's first rollouts leave a backlog,
+            # and the broker answers asks with `wait` until the learner has trained it (max_stream_backlog = -1).
+            served = sum(watch.samples[-1].served.values())
+            watch.until("the clients to step after the first update", lambda s: sum(s.served.values()) > served, 600)
             _scenario(args, net, farm, watch, report)
             log.info("farm: the clients stop; the learner trains what is left")
             stop_file.touch()
@@ -613,12 +619,20 @@ def play(frontend: str, clients: int, seed: int, stop_file: Path, out: Path) -> 
     )
 
 
+def _end_run(signum: int, _frame: Any) -> None:
+    raise SystemExit(f"ppoz bench farm: stopped by {signal.Signals(signum).name}; cleaning up")
+
+
 def main(args: argparse.Namespace) -> int:
     why = namespaces_unavailable()
     if why:
         raise SystemExit(f"ppoz bench farm: {why}")
     if args.clients < 1 or min(args.actor_cut_s, args.learner_cut_s, args.redis_down_s, args.phase_s) <= 0:
         raise SystemExit("ppoz bench farm: --clients and every --*-s must be positive")
+    # SIGTERM (and SIGINT, which a shell ignores in background jobs) end the run through its `finally`
+    # blocks: the processes stopped, the namespaces and the bridge removed.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _end_run)
     workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ppoz-farm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
