@@ -405,8 +405,9 @@ class Watch:
             served[name] = self.counted.get(name, 0) + actor["served"]
             versions[name] = actor["policy_version"]
         storage_ok = bool(status["storage_ok"])
+        # The broker reads the learner's figures from Redis: none while Redis is away, so keep the last one.
         learner = status.get("learner") or {}
-        version = int(learner.get("version", 0) or 0) if storage_ok or last is None else last.version
+        version = int(learner["version"]) if isinstance(learner.get("version"), (int, float)) else last.version if last else 0
         sample = Sample(time.monotonic(), present, served, versions, storage_ok, version)
         self.samples.append(sample)
         return sample
@@ -560,9 +561,10 @@ def _scenario(args: argparse.Namespace, net: Network, farm: Farm, watch: Watch, 
     report.recovery_s["broker noticed Redis gone (after the kill)"] = round(noticed - killed, 1)
     watch.hold(max(0.0, killed + args.redis_down_s - time.monotonic()))
     mark("redis back")
+    restarting = time.monotonic()
     farm.start_redis()
-    restarted = time.monotonic()
-    report.recovery_s["redis restart to answering"] = round(time.monotonic() - restarted, 1)
+    restarted = time.monotonic()  # the times below count from here: Redis answering again
+    report.recovery_s["redis restart to answering"] = round(restarted - restarting, 1)
     ok = watch.until("the broker's storage to be back", lambda s: s.storage_ok, 120)
     report.recovery_s["broker storage back"] = round(ok - restarted, 1)
     served = sum(watch.samples[-1].served.values())
