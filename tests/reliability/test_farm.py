@@ -14,6 +14,7 @@ RECOVERIES = ("actor rejoined", "actor serving again", "learner published again"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 3 minutes on a quiet 2-core machine; the suite runs beside it
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"the multi-host farm cannot run here: {WHY_NOT}")
 def test_a_farm_on_six_hosts_heals_from_cut_links_and_a_killed_redis(tmp_path):
     """Redis+broker, two actors, a learner of two ranks on two hosts (torchrun --nnodes 2) and the clients,
