@@ -32,6 +32,8 @@ SUBCOMMANDS = [
     ["bench", "generate"],
     ["bench", "drivers"],
     ["bench", "train"],
+    ["bench", "weights"],
+    ["bench", "farm"],
     ["train"],
     ["reward-server"],
     ["fuzz"],
