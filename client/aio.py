@@ -71,7 +71,7 @@ class AsyncClient:
         else:
             self.ctx = zmq.asyncio.Context(context)  # a shadow: same io threads, asyncio sockets, not owned
         self.attempts = 0  # sends, retries and resends included (for tests and diagnostics)
-        self.requests = 0  # requests made: attempts - requests is how many were sent again
+        self.requests = 0  # requests made; attempts - requests counts the resends (and attempts cut short before sending)
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._waiters: dict[Any, list[asyncio.Future[dict[str, Any] | None]]] = {}

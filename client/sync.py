@@ -94,9 +94,9 @@ class Client:
             if not self._lock.acquire(timeout=max(rule.remaining(), 0.0)):
                 raise rule.expired()
             try:
-                timeout = rule.next_attempt()
+                end = time.monotonic() + rule.next_attempt()  # the send and the wait for the reply share the attempt's time
                 sock = self._socket()
-                reply = self._await(sock, rule.rid, timeout) if self._send(sock, rule.data, timeout) else None
+                reply = self._await(sock, rule.rid, end) if self._send(sock, rule.data, end) else None
                 if reply is None:
                     self._reset()  # a lost connection: start over on a fresh socket
             finally:
@@ -108,13 +108,13 @@ class Client:
                 return reply
             time.sleep(wait)
 
-    def _send(self, sock: zmq.Socket, data: bytes, timeout: float) -> bool:
-        """Send within `timeout`; False if the socket would not take it (no connection to queue on).
+    def _send(self, sock: zmq.Socket, data: bytes, end: float) -> bool:
+        """Send by `end` (time.monotonic()); False if the socket would not take it (no connection to queue on).
 
         A broker that refused our handshake (a CURVE key it does not allow) leaves the
         DEALER with no pipe, and a blocking send would then wait for ever.
         """
-        sock.setsockopt(zmq.SNDTIMEO, max(int(timeout * 1000), 1))
+        sock.setsockopt(zmq.SNDTIMEO, max(int((end - time.monotonic()) * 1000), 1))
         try:
             sock.send_multipart([b"", data])
         except zmq.Again:
@@ -122,8 +122,7 @@ class Client:
         self.attempts += 1
         return True
 
-    def _await(self, sock: zmq.Socket, rid: Any, timeout: float) -> dict[str, Any] | None:
-        end = time.monotonic() + timeout
+    def _await(self, sock: zmq.Socket, rid: Any, end: float) -> dict[str, Any] | None:
         while (left := end - time.monotonic()) > 0:
             if not sock.poll(int(left * 1000) + 1):
                 return None

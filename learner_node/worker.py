@@ -330,6 +330,14 @@ class Learner:
             self.lp.position_limit,
         )
         self._log_unscorable(rollout, generated)
+        if self.is_main:  # a big model's update takes minutes: say when one starts, and on what
+            log.info(
+                "update %d: training on %d transitions from %d segments (%d older than the lag bound, dropped)",
+                self.updates + 1,
+                len(rollout) + len(generated),
+                len(segments),
+                rollout.dropped_stale + generated.dropped_stale,
+            )
         train_policy = self.updates >= self.cfg.warmup_updates
         before = TrainableSnapshot.of([self.policy_opt, self.value_opt, self.token_value_opt])
         kl_before = self.kl.value

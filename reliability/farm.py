@@ -30,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -39,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,7 @@ from reliability.soak import Clients
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "farm"
+RECOVERIES = ("actor rejoined", "actor serving again", "learner published again", "broker storage back", "clients stepping again")
 HOSTS = ("store", "actor-a", "actor-b", "learn-0", "learn-1", "clients")
 BRIDGE_ADDRESS = 254  # the root namespace's address on the bridge
 REDIS_PORT, FRONTEND_PORT, BACKEND_PORT, WEIGHTS_PORT, RENDEZVOUS_PORT = 6379, 5555, 5556, 5557, 29500
@@ -69,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lora-rank", type=int, default=8, help="the learner's LoRA rank (0: all weights) (default: 8)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--deadline-s", type=float, default=1500.0, help="stop a run that takes longer than this, cleaning up (default: 1500)"
+    )
     parser.add_argument(
         "--settle-s", type=float, default=300.0, help="give up on the ledger once it has not moved for this long (default: 300)"
     )
@@ -96,9 +102,9 @@ def namespaces_unavailable() -> str | None:
     probe = f"ppoz-probe-{secrets.token_hex(3)}"
     try:
         _ip("netns", "add", probe)
-        _ip("netns", "del", probe)
     except NamespacesUnavailable as e:
         return str(e)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
     return None
 
 
@@ -106,8 +112,13 @@ class Network:
     """One namespace per host, each with a veth link into one bridge; links go down and up on demand."""
 
     def __init__(self, hosts: tuple[str, ...] = HOSTS) -> None:
-        tag = secrets.token_hex(2)  # several runs (or a run left behind by a killed one) do not collide
-        self.subnet = f"10.213.{int(tag, 16) % 250 + 1}"
+        # A tag of its own and a subnet no interface of this machine is on: several runs do not collide.
+        taken = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, timeout=30).stdout
+        while True:
+            tag = secrets.token_hex(2)
+            self.subnet = f"10.213.{int(tag, 16) % 250 + 1}"
+            if f" {self.subnet}." not in taken:
+                break
         self.bridge = f"pzb{tag}"
         self.namespaces = {host: f"ppoz-{tag}-{host}" for host in hosts}
         self.links = {host: f"pz{tag}{i}" for i, host in enumerate(hosts)}  # the root side of each host's veth
@@ -115,6 +126,15 @@ class Network:
         self.up: set[str] = set()
 
     def create(self) -> Network:
+        """Make the bridge and every host; what a failure half-way made is removed again."""
+        try:
+            self._create()
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def _create(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.subnet}.{BRIDGE_ADDRESS}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -127,7 +147,6 @@ class Network:
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             self.up.add(host)
-        return self
 
     def cut(self, host: str) -> None:
         """Take the host's link down: its packets go nowhere, its connections stay open, as with a pulled cable."""
@@ -142,10 +161,18 @@ class Network:
         return ["ip", "netns", "exec", self.namespaces[host], *args]
 
     def destroy(self) -> None:
-        """Remove the namespaces (their veth ends go with them) and the bridge; what is already gone is skipped."""
+        """Kill what still runs in the namespaces (torchrun's workers run in sessions of their own), then remove
+        the namespaces, the links and the bridge; what is already gone is skipped."""
         for ns in self.namespaces.values():
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+        for link in [*self.links.values(), self.bridge]:
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -153,7 +180,7 @@ class Network:
 class Phase:
     name: str
     seconds: float
-    served: dict[str, int]  # steps each actor host served in the phase
+    served: dict[str, int]  # jobs each actor host answered in the phase (the broker's count)
     client_steps: int  # steps the clients host got answered
     versions: tuple[int, int]  # the learner's published version at the phase's start and its highest in it
     start_at: float = 0.0  # time.monotonic()
@@ -181,12 +208,16 @@ class Report:
     ledger: str = ""
     ledger_balanced: bool = False
     learner_held_during_cut: bool = False  # no version was published while learn-1 was cut off
+    cut_update: int = 0  # the learner's update under way when learn-1 was cut off (0: none was)
+    actor_a_served_cut_off: int = -1  # jobs actor-a answered from the broker dropping it to its link coming back
     final_version: int = -1
     actor_versions: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    stuck: str = ""  # why the scenario stopped before its end, if it did
+    redis_back_at: float = 0.0  # time.monotonic() when the restarted Redis answered
 
     def failures(self) -> list[str]:
-        out = []
+        out = [f"the scenario stopped early: {self.stuck}"] if self.stuck else []
         if self.error_count:
             out.append(f"{self.error_count} client requests failed, first: {self.errors[:3]}")
         if not self.ledger_balanced:
@@ -196,9 +227,15 @@ class Report:
         stale = {name: v for name, v in self.actor_versions.items() if v != self.final_version}
         if stale or len(self.actor_versions) < 2:
             out.append(f"actors {self.actor_versions} do not serve the newest version {self.final_version}")
-        for what in ("actor rejoined", "actor serving again", "learner published again", "broker storage back", "clients stepping again"):
+        for what in RECOVERIES:
             if what not in self.recovery_s:
                 out.append(f"never: {what}")
+        if not self.cut_update:
+            out.append("learn-1 was not cut off during an update")
+        if not self.learner_held_during_cut:
+            out.append("a version was published while learn-1 was cut off")
+        if self.actor_a_served_cut_off != 0:
+            out.append(f"actor-a answered {self.actor_a_served_cut_off} jobs while the broker had it for dead")
         return out
 
 
@@ -216,7 +253,10 @@ def format_report(report: Report) -> str:
         )
     lines.append("recovery (seconds after the fault was lifted, or after it began where it says so):")
     lines.extend(f"  {what}: {seconds:.1f}" for what, seconds in report.recovery_s.items())
-    lines.append(f"learner held its version while learn-1 was cut off: {report.learner_held_during_cut}")
+    lines.append(
+        f"learn-1 cut off during update {report.cut_update or 'none'}; the learner held its version meanwhile: "
+        f"{report.learner_held_during_cut}; actor-a answered {report.actor_a_served_cut_off} jobs while dropped"
+    )
     lines.append(
         f"steps {report.steps}, feedbacks acknowledged {report.acknowledged}, requests {report.requests}, "
         f"sent again {report.retries}, asks answered `wait` {report.ask_waits}, failed {report.error_count}"
@@ -287,7 +327,7 @@ class Farm:
             "--port",
             str(REDIS_PORT),
             "--protected-mode",
-            "no",  # on a private bridge of this run's namespaces only
+            "no",  # no password: the bridge reaches only this run's namespaces and this machine
             "--dir",
             str(self.redis_dir),
             "--save",
@@ -355,7 +395,7 @@ class Farm:
                 try:
                     proc.wait(60)
                 except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too (its own session)
+                    os.killpg(proc.pid, signal.SIGKILL)  # the process group; torchrun's workers go with the namespace
                     proc.wait()
         shutil.rmtree(self.redis_dir, ignore_errors=True)
 
@@ -376,14 +416,13 @@ class Sample:
 
 
 class Watch:
-    """The broker's status, read from the root namespace once a second (`sample()`)."""
+    """The broker's status, read from the root namespace (`sample()`)."""
 
     def __init__(self, farm: Farm) -> None:
         self.farm = farm
         self.status = Client(farm.frontend, deadline=3.0, attempt_timeout=1.0)
         self.samples: list[Sample] = []
-        self.counted: dict[str, int] = {}  # steps served by an actor's earlier registrations (a new one counts from 0)
-        self.last_count: dict[str, int] = {}
+        self.counted: dict[str, int] = {}  # jobs answered by an actor's earlier registrations (a new one counts from 0)
 
     def sample(self) -> Sample | None:
         self.farm.check_alive()
@@ -398,10 +437,11 @@ class Watch:
         present = set()
         for actor in status["actors"]:
             name = actor["name"]
+            if name in present:
+                continue  # an old registration not dropped yet beside its new one: the first listed counts
             present.add(name)
-            if actor["served"] < self.last_count.get(name, 0):  # registered anew since the last reading
+            if last is not None and name not in last.present:  # registered anew: its count starts from 0 again
                 self.counted[name] = served.get(name, 0)
-            self.last_count[name] = actor["served"]
             served[name] = self.counted.get(name, 0) + actor["served"]
             versions[name] = actor["policy_version"]
         storage_ok = bool(status["storage_ok"])
@@ -412,8 +452,8 @@ class Watch:
         self.samples.append(sample)
         return sample
 
-    def until(self, what: str, condition: Callable[[Sample], bool], timeout: float) -> float:
-        """Sample once a second until `condition` holds; when it did (monotonic time)."""
+    def until(self, what: str, condition: Callable[[Sample], bool], timeout: float, period: float = 1.0) -> float:
+        """Sample every `period` s until `condition` holds; when it did (monotonic time). RuntimeError past `timeout`."""
         deadline = time.monotonic() + timeout
         while True:
             sample = self.sample()
@@ -421,7 +461,12 @@ class Watch:
                 return sample.at
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the farm did not reach this within {timeout:.0f} s: {what}")
-            time.sleep(1.0)
+            time.sleep(period)
+
+    def mark(self) -> Sample:
+        """A sample now (a few tries: a status request can be lost)."""
+        self.until("a reading of the broker's status", lambda _s: True, 30, period=0.2)
+        return self.samples[-1]
 
     def hold(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -433,73 +478,97 @@ class Watch:
         self.status.close()
 
 
-def _last_served(watch: Watch, name: str) -> int:
-    return watch.samples[-1].served.get(name, 0) if watch.samples else 0
+# A recovery is timed by sampling this often; its figures are good to about this much.
+RECOVERY_PERIOD_S = 0.2
+UPDATE_EVENT = re.compile(r"^(\S+ \S+) INFO learner_node\.worker: update (\d+): (?:training on (\d+) transitions|version)", re.M)
+
+
+def learner_updates(text: str) -> dict[int, dict[str, Any]]:
+    """The learner's updates from its log: number -> {"start": datetime, "transitions": n, "end": datetime}."""
+    updates: dict[int, dict[str, Any]] = {}
+    for when, number, transitions in UPDATE_EVENT.findall(text):
+        at = datetime.strptime(when, "%Y-%m-%d %H:%M:%S,%f")
+        update = updates.setdefault(int(number), {})
+        if transitions:
+            update.update(start=at, transitions=int(transitions))
+        else:
+            update["end"] = at
+    return updates
 
 
 # --- the run -------------------------------------------------------------------------------------
 def run(args: argparse.Namespace, workdir: Path) -> Report:
-    net = Network().create()
-    farm = Farm(net, workdir, args.seed, args.lora_rank)
+    net = Network()
     report = Report(dict(net.addresses), args.clients)
-    stop_file = workdir / "clients.stop"
-    played = workdir / "clients.json"
     started = time.monotonic()
+    farm: Farm | None = None
     try:
+        net.create()
+        farm = Farm(net, workdir, args.seed, args.lora_rank)
         farm.start()
-        watch = Watch(farm)
+        _play(args, farm, report)
+    finally:
+        # A second signal must not cut the clean-up short.
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
+            signal.signal(signum, signal.SIG_IGN)
+        report.seconds = round(time.monotonic() - started, 1)
+        if farm is not None:
+            farm.stop()
+        net.destroy()
+    return report
+
+
+def _play(args: argparse.Namespace, farm: Farm, report: Report) -> None:
+    """Clients on, the faults, clients off; then the ledger and the actors' versions."""
+    stop_file, played = farm.workdir / "clients.stop", farm.workdir / "clients.json"
+    watch = Watch(farm)
+    try:
+        log.info("farm: %s", ", ".join(f"{host} {address}" for host, address in farm.net.addresses.items()))
+        watch.until("both actors registered at the broker", lambda s: len(s.present) == 2, 600)
+        play = [sys.executable, "-m", "reliability.farm", "play", farm.frontend, str(args.clients), str(args.seed)]
+        farm._spawn("clients", "clients", [*play, str(stop_file), str(played)])
         try:
-            log.info("farm: %s", ", ".join(f"{host} {address}" for host, address in net.addresses.items()))
-            watch.until("both actors registered at the broker", lambda s: len(s.present) == 2, 600)
-            farm._spawn(
-                "clients",
-                "clients",
-                [
-                    sys.executable,
-                    "-m",
-                    "reliability.farm",
-                    "play",
-                    farm.frontend,
-                    str(args.clients),
-                    str(args.seed),
-                    str(stop_file),
-                    str(played),
-                ],
-            )
             watch.until("the learner's first update", lambda s: s.version >= 1, 600)
             # The steady phase starts once the clients step again: the learner's first rollouts leave a backlog,
             # and the broker answers asks with `wait` until the learner has trained it (max_stream_backlog = -1).
             served = sum(watch.samples[-1].served.values())
             watch.until("the clients to step after the first update", lambda s: sum(s.served.values()) > served, 600)
-            _scenario(args, net, farm, watch, report)
-            log.info("farm: the clients stop; the learner trains what is left")
-            stop_file.touch()
-            farm.procs.pop("clients").wait(300)
-            _read_clients(played, report)
-            client = connect(farm.redis_url)
-            try:
-                ledger = settle_ledger(client, KEY_PREFIX, report.acknowledged, args.settle_s, farm.check_alive)
-                report.ledger, report.ledger_balanced = str(ledger), ledger.balanced
+            _scenario(args, farm, watch, report)
+        except RuntimeError as e:
+            report.stuck = str(e)
+            log.error("farm: %s", e)
+        log.info("farm: the clients stop; the learner trains what is left")
+        stop_file.touch()
+        clients = farm.procs["clients"]
+        code = clients.wait(300)
+        del farm.procs["clients"]
+        if code != 0:
+            raise RuntimeError(f"the clients exited with code {code}:\n{farm.said('clients')}")
+        _read_clients(played, report)
+        if report.stuck:
+            report.ledger = "not read: the scenario stopped early"
+            return
+        client = connect(farm.redis_url)
+        try:
+            ledger = settle_ledger(client, KEY_PREFIX, report.acknowledged, args.settle_s, farm.check_alive)
+            report.ledger, report.ledger_balanced = str(ledger), ledger.balanced
+
+            # The learner acknowledges a rollout before it publishes the version trained on it: wait for the
+            # newest snapshot, the learner's figures and both registered actors to agree on one version.
+            def agreed(s: Sample) -> bool:
                 report.final_version = _newest_version(client)
-                # Both actors follow it: announced on PUB, or found in Redis by their poll.
-                try:
-                    watch.until(
-                        "both actors serving the newest version",
-                        lambda s: sorted(s.actor_versions.values()) == [report.final_version] * 2,
-                        120,
-                    )
-                except RuntimeError as e:
-                    log.warning("%s", e)
-                report.actor_versions = dict(watch.samples[-1].actor_versions) if watch.samples else {}
-            finally:
-                client.close()
+                both = s.present == {"actor-a", "actor-b"}
+                return both and s.version == report.final_version and set(s.actor_versions.values()) == {report.final_version}
+
+            try:
+                watch.until("both actors serving the newest version", agreed, 120)
+            except RuntimeError as e:
+                log.warning("%s", e)
+            report.actor_versions = {name: v for name, v in watch.samples[-1].actor_versions.items() if name in watch.samples[-1].present}
         finally:
-            watch.close()
+            client.close()
     finally:
-        report.seconds = round(time.monotonic() - started, 1)
-        farm.stop()
-        net.destroy()
-    return report
+        watch.close()
 
 
 def _newest_version(client: Any) -> int:
@@ -507,15 +576,15 @@ def _newest_version(client: Any) -> int:
     return stored.version if stored is not None else -1
 
 
-def _scenario(args: argparse.Namespace, net: Network, farm: Farm, watch: Watch, report: Report) -> None:
+def _scenario(args: argparse.Namespace, farm: Farm, watch: Watch, report: Report) -> None:
+    net = farm.net
     phases: list[tuple[str, Sample]] = []
 
-    def mark(name: str) -> None:
-        sample = None
-        while sample is None:
-            sample = watch.sample()
+    def mark(name: str) -> Sample:
+        sample = watch.mark()
         phases.append((name, sample))
-        log.info("farm: %s (learner version %d, steps served %s)", name, sample.version, sample.served)
+        log.info("farm: %s (learner version %d, jobs answered %s)", name, sample.version, sample.served)
+        return sample
 
     # 1. actor-a cut off for actor_cut_s.
     mark("steady")
@@ -523,54 +592,65 @@ def _scenario(args: argparse.Namespace, net: Network, farm: Farm, watch: Watch, 
     mark("actor-a cut off")
     net.cut("actor-a")
     cut_at = time.monotonic()
-    gone = watch.until("the broker to drop actor-a", lambda s: "actor-a" not in s.present, args.actor_cut_s + 60)
+    gone = watch.until("the broker to drop actor-a", lambda s: "actor-a" not in s.present, args.actor_cut_s + 60, RECOVERY_PERIOD_S)
     report.recovery_s["actor dropped (after the cut)"] = round(gone - cut_at, 1)
     watch.hold(max(0.0, cut_at + args.actor_cut_s - time.monotonic()))
-    mark("actor-a back")
+    away = mark("actor-a back")
+    dropped = next(s for s in watch.samples if s.at >= gone)
+    report.actor_a_served_cut_off = away.served.get("actor-a", 0) - dropped.served.get("actor-a", 0)
     net.restore("actor-a")
     restored = time.monotonic()
-    back = watch.until("actor-a to rejoin", lambda s: "actor-a" in s.present, 120)
+    back = watch.until("actor-a to rejoin", lambda s: "actor-a" in s.present, 120, RECOVERY_PERIOD_S)
     report.recovery_s["actor rejoined"] = round(back - restored, 1)
-    before = _last_served(watch, "actor-a")
-    serving = watch.until("actor-a to serve again", lambda s: s.served.get("actor-a", 0) > before, 120)
+    before = away.served.get("actor-a", 0)
+    serving = watch.until("actor-a to serve again", lambda s: s.served.get("actor-a", 0) > before, 300, RECOVERY_PERIOD_S)
     report.recovery_s["actor serving again"] = round(serving - restored, 1)
     watch.hold(args.phase_s)
 
-    # 2. learn-1 cut off while the learner updates: just after a version is published the next rollout is
-    # read at once (the clients keep a backlog), so the cut falls in its update.
-    version = watch.samples[-1].version
-    watch.until("the learner's next version", lambda s: s.version > version, 300)
-    mark("learn-1 cut off")
+    # 2. learn-1 cut off during an update: the cut follows the learner's log line that starts one.
+    known = set(learner_updates(farm.said("learn-0", chars=10**7)))
+
+    def update_started() -> int:
+        for number, update in learner_updates(farm.said("learn-0", chars=10**7)).items():
+            if number not in known and update.get("transitions") and "end" not in update:
+                return number
+        return 0
+
+    deadline = time.monotonic() + 300
+    while not (number := update_started()):
+        farm.check_alive()
+        if time.monotonic() > deadline:
+            raise RuntimeError("the learner started no update with transitions to train in 300 s")
+        time.sleep(0.05)
+    cut = mark("learn-1 cut off")
     net.cut("learn-1")
-    cut_at = time.monotonic()
-    held = watch.samples[-1].version
+    cut_wall, cut_at = datetime.now(), time.monotonic()
     watch.hold(args.learner_cut_s)
-    report.learner_held_during_cut = all(s.version == held for s in watch.samples if s.at >= cut_at)
+    report.learner_held_during_cut = all(s.version == cut.version for s in watch.samples if s.at >= cut_at)
     mark("learn-1 back")
     net.restore("learn-1")
     restored = time.monotonic()
-    published = watch.until("the learner to publish again", lambda s: s.version > held, 600)
+    published = watch.until("the learner to publish again", lambda s: s.version > cut.version, 600, RECOVERY_PERIOD_S)
     report.recovery_s["learner published again"] = round(published - restored, 1)
+    ended = learner_updates(farm.said("learn-0", chars=10**7)).get(number, {}).get("end")
+    report.cut_update = number if ended is not None and ended > cut_wall else 0  # it had not ended when the link went
     watch.hold(args.phase_s)
 
     # 3. Redis killed on the store host, restarted on its append-only file.
     mark("redis down")
     farm.kill_redis()
     killed = time.monotonic()
-    noticed = watch.until("the broker to notice Redis gone", lambda s: not s.storage_ok, 60)
+    noticed = watch.until("the broker to notice Redis gone", lambda s: not s.storage_ok, 60, RECOVERY_PERIOD_S)
     report.recovery_s["broker noticed Redis gone (after the kill)"] = round(noticed - killed, 1)
     watch.hold(max(0.0, killed + args.redis_down_s - time.monotonic()))
     mark("redis back")
     restarting = time.monotonic()
     farm.start_redis()
-    restarted = time.monotonic()  # the times below count from here: Redis answering again
-    report.recovery_s["redis restart to answering"] = round(restarted - restarting, 1)
-    ok = watch.until("the broker's storage to be back", lambda s: s.storage_ok, 120)
-    report.recovery_s["broker storage back"] = round(ok - restarted, 1)
-    served = sum(watch.samples[-1].served.values())
-    stepping = watch.until("steps to be served again", lambda s: sum(s.served.values()) > served, 120)
-    report.recovery_s["clients stepping again"] = round(stepping - restarted, 1)
-    watch.hold(args.phase_s)
+    report.redis_back_at = time.monotonic()  # the times below count from here: Redis answering again
+    report.recovery_s["redis restart to answering"] = round(report.redis_back_at - restarting, 1)
+    ok = watch.until("the broker's storage to be back", lambda s: s.storage_ok, 120, RECOVERY_PERIOD_S)
+    report.recovery_s["broker storage back"] = round(ok - report.redis_back_at, 1)
+    watch.hold(args.phase_s)  # "clients stepping again" comes from the clients' own times (_read_clients)
     mark("end")
 
     for (name, start), (_, end) in zip(phases, phases[1:], strict=False):
@@ -597,6 +677,9 @@ def _read_clients(played: Path, report: Report) -> None:
     report.ask_waits = data["ask_waits"]
     for phase in report.phases:
         phase.client_steps = sum(1 for t in data["step_times"] if phase.start_at <= t < phase.end_at)
+    after = [t for t in data["step_times"] if report.redis_back_at and t > report.redis_back_at]
+    if after:
+        report.recovery_s["clients stepping again"] = round(min(after) - report.redis_back_at, 1)
 
 
 # --- the clients host ----------------------------------------------------------------------------
@@ -622,24 +705,28 @@ def play(frontend: str, clients: int, seed: int, stop_file: Path, out: Path) -> 
 
 
 def _end_run(signum: int, _frame: Any) -> None:
-    raise SystemExit(f"ppoz bench farm: stopped by {signal.Signals(signum).name}; cleaning up")
+    what = "its --deadline-s" if signum == signal.SIGALRM else signal.Signals(signum).name
+    raise SystemExit(f"ppoz bench farm: stopped by {what}; cleaning up")
 
 
 def main(args: argparse.Namespace) -> int:
     why = namespaces_unavailable()
     if why:
         raise SystemExit(f"ppoz bench farm: {why}")
-    if args.clients < 1 or min(args.actor_cut_s, args.learner_cut_s, args.redis_down_s, args.phase_s) <= 0:
-        raise SystemExit("ppoz bench farm: --clients and every --*-s must be positive")
-    # SIGTERM (and SIGINT, which a shell ignores in background jobs) end the run through its `finally`
-    # blocks: the processes stopped, the namespaces and the bridge removed.
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for name in ("clients", "actor_cut_s", "learner_cut_s", "redis_down_s", "phase_s", "settle_s", "deadline_s"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"ppoz bench farm: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    # SIGTERM, SIGINT (which a shell ignores in background jobs) and the deadline end the run through its
+    # `finally` blocks: the processes stopped, the namespaces and the bridge removed.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
         signal.signal(signum, _end_run)
+    signal.alarm(max(1, int(args.deadline_s)))
     workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ppoz-farm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         report = run(args, workdir)
     finally:
+        signal.alarm(0)
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     return print_report(report, args.json, format_report)

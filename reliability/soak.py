@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -354,11 +355,11 @@ class Clients:
         self.error_count = 0
         self.ask_waits = 0
         self.acknowledged = 0
-        self.requests = 0  # every request the emulators made, and every send (retries included)
-        self.attempts = 0
+        self.requests = 0  # every request the emulators made
+        self.attempts = 0  # every send, retries included
         self.stopping = False
 
-    async def run(self, seconds: float, on_window: Any, window_s: float, until: Any = None) -> None:
+    async def run(self, seconds: float, on_window: Any, window_s: float, until: Callable[[], bool] | None = None) -> None:
         """Play for `seconds`, or until `until()` says to stop; `on_window(end_s)` every `window_s`."""
         ctx = zmq.asyncio.Context()
         self.started = time.monotonic()

@@ -6,11 +6,10 @@ import json
 
 import pytest
 
-from reliability.farm import Network, Phase, Report, format_report, namespaces_unavailable
+from reliability.farm import RECOVERIES, Network, Phase, Report, format_report, learner_updates, namespaces_unavailable
 from tests.processes import ppoz
 
 WHY_NOT = namespaces_unavailable()
-RECOVERIES = ("actor rejoined", "actor serving again", "learner published again", "broker storage back", "clients stepping again")
 
 
 @pytest.mark.slow
@@ -19,7 +18,8 @@ RECOVERIES = ("actor rejoined", "actor serving again", "learner published again"
 def test_a_farm_on_six_hosts_heals_from_cut_links_and_a_killed_redis(tmp_path):
     """Redis+broker, two actors, a learner of two ranks on two hosts (torchrun --nnodes 2) and the clients,
     each in its own namespace. actor-a's link is cut for 30 s, learn-1's during an update, Redis is SIGKILLed."""
-    run = ppoz("bench", "farm", "--phase-s", "10", "--learner-cut-s", "15", "--json", "--keep", str(tmp_path), timeout=1500)
+    farm = ["bench", "farm", "--phase-s", "10", "--learner-cut-s", "15", "--deadline-s", "1200", "--json", "--keep", str(tmp_path)]
+    run = ppoz(*farm, timeout=1500)  # the bench ends itself (cleaning up) at its deadline, before this
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert report["failures"] == []
@@ -31,13 +31,10 @@ def test_a_farm_on_six_hosts_heals_from_cut_links_and_a_killed_redis(tmp_path):
     # While actor-a was cut off, actor-b served the clients alone; afterwards both served again.
     cut = phases["actor-a cut off"]
     assert cut["seconds"] >= 30
-    # (actor-a may answer in the few ms between the phase's first reading and the cut: at most the 32 jobs it holds)
-    assert cut["served"]["actor-a"] <= 32 and cut["served"]["actor-b"] > 0 and cut["client_steps"] > 0
+    assert report["actor_a_served_cut_off"] == 0 and cut["served"]["actor-b"] > 0 and cut["client_steps"] > 0
     assert phases["learn-1 back"]["served"]["actor-a"] > 0 and phases["learn-1 back"]["served"]["actor-b"] > 0
-    # The learner's update waited for its second host and went on after; the ranks never published apart.
-    assert report["learner_held_during_cut"]
-    assert phases["learn-1 back"]["versions"][1] > phases["learn-1 cut off"]["versions"][0]
-    assert set(RECOVERIES) <= set(report["recovery_s"])
+    # learn-1 went away in the middle of an update (its start logged, its end not yet): no version came until it was back.
+    assert report["cut_update"] > 0 and report["learner_held_during_cut"]
     # Clients saw no failure, only what the protocol documents: asks answered `wait` while the learner or
     # Redis was away (and resends on `overloaded`, `internal` or a lost reply, counted in `retries`).
     assert report["error_count"] == 0 and report["ask_waits"] > 0
@@ -70,6 +67,8 @@ def passing_report(**changes) -> Report:
         ledger="balanced",
         ledger_balanced=True,
         learner_held_during_cut=True,
+        cut_update=7,
+        actor_a_served_cut_off=0,
         final_version=4,
         actor_versions={"actor-a": 4, "actor-b": 4},
     )
@@ -87,6 +86,10 @@ def passing_report(**changes) -> Report:
         ({"error_count": 1, "errors": ["RequestTimeout: x"]}, "1 client requests failed"),
         ({"ledger_balanced": False, "ledger": "stored 5, trained 4"}, "ledger not balanced"),
         ({"recovery_s": {"actor rejoined": 1.0}}, "never: actor serving again"),
+        ({"cut_update": 0}, "not cut off during an update"),
+        ({"learner_held_during_cut": False}, "a version was published while learn-1 was cut off"),
+        ({"actor_a_served_cut_off": 3}, "actor-a answered 3 jobs"),
+        ({"stuck": "the farm did not reach this within 120 s: actor-a to rejoin"}, "stopped early: the farm did not reach"),
     ],
 )
 def test_the_report_fails_on_each_finding(changes, said):
@@ -99,3 +102,19 @@ def test_the_report_fails_on_each_finding(changes, said):
     else:
         assert any(said in f for f in failures), failures
         assert "FAIL: " in text
+
+
+def test_the_learner_s_updates_are_read_from_its_log_start_and_end():
+    log = "\n".join(
+        [
+            "2026-11-26 21:00:09,415 INFO learner_node.worker: update 21: version 18, 37 transitions, return 0.625",
+            "2026-11-26 21:00:09,500 INFO learner_node.worker: update 22: training on 5 transitions from 3 segments (0 older ...)",
+            "[rank0]: noise",
+            "2026-11-26 21:00:10,810 INFO learner_node.worker: update 22: version 19, 5 transitions, return 2.167",
+            "2026-11-26 21:00:11,000 INFO learner_node.worker: update 23: training on 0 transitions from 2 segments (9 older ...)",
+        ]
+    )
+    updates = learner_updates(log)
+    assert set(updates) == {21, 22, 23}
+    assert updates[22]["transitions"] == 5 and updates[22]["end"] > updates[22]["start"]
+    assert "start" not in updates[21] and "end" not in updates[23] and updates[23]["transitions"] == 0
