@@ -52,24 +52,30 @@ class FairQueue:
         sharing = len(self._lines) + (0 if queued else 1)
         return self._length < 2 * limit and queued < max(1, limit // sharing)
 
+    def line_of(self, job: Job) -> bytes:
+        """The line a job waits in: its client's. (`ppoz bench broker` puts every job in one, to compare.)"""
+        return job.client
+
     def append(self, job: Job) -> None:
         """Queue a new job at the end of its client's line; a client new to the queue takes its turn last."""
-        line = self._lines.get(job.client)
+        key = self.line_of(job)
+        line = self._lines.get(key)
         if line is None:
-            line = self._lines[job.client] = collections.deque()
-            self._turns.append(job.client)
+            line = self._lines[key] = collections.deque()
+            self._turns.append(key)
         line.append(job)
         self._length += 1
 
     def appendleft(self, job: Job) -> None:
         """Put a job back (its actor was lost) at the front of its client's line, and that client first in turn:
         it had already waited its turn once."""
-        line = self._lines.get(job.client)
+        key = self.line_of(job)
+        line = self._lines.get(key)
         if line is None:
-            line = self._lines[job.client] = collections.deque()
+            line = self._lines[key] = collections.deque()
         else:
-            self._turns.remove(job.client)  # rare (a lost actor's jobs), so the linear search is fine
-        self._turns.appendleft(job.client)
+            self._turns.remove(key)  # rare (a lost actor's jobs), so the linear search is fine
+        self._turns.appendleft(key)
         line.appendleft(job)
         self._length += 1
 

@@ -19,9 +19,10 @@ from there. While the clients play, three faults come in order:
 
 Then the clients stop and detach, the learner trains what is left, and the run checks that the
 ledger balances (reliability/ledger.py), that both actors serve the newest published version, and
-that no client request failed (retries the protocol documents, on `overloaded` or a lost reply,
-are counted, not failures). It prints the steps served per host in each phase and how long each
-fault took to heal. `tc netem` is not needed: faults are links down and up, and a process killed.
+that no client request failed (what the protocol documents is counted, not failed: asks answered
+`wait`, and requests sent again on `overloaded`, `internal` or a lost reply). It prints the jobs
+and steps per host in each phase and how long each fault took to heal. `tc netem` is not
+needed: faults are links down and up, and a process killed.
 """
 
 from __future__ import annotations

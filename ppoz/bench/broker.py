@@ -25,7 +25,6 @@ in ms and in batches) with medians over the runs.
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import json
 import logging
@@ -96,18 +95,11 @@ def _broker_process(redis_url: str, segment_len: int, endpoints: Any, stop: Any,
     class FirstComeFirstServed(FairQueue):
         """The step queue before issue 30, for comparison: every client in one line."""
 
-        def append(self, job: Any) -> None:
-            self._lines.setdefault(b"", collections.deque()).append(job)
-            self._turns = collections.deque([b""])
-            self._length += 1
-
-        def appendleft(self, job: Any) -> None:
-            self._lines.setdefault(b"", collections.deque()).appendleft(job)
-            self._turns = collections.deque([b""])
-            self._length += 1
+        def line_of(self, job: Any) -> bytes:
+            return b""
 
         def admits(self, client: bytes, limit: int) -> bool:
-            return self._length < limit
+            return len(self) < limit
 
     cfg = BrokerConfig(
         frontend="tcp://127.0.0.1:*",
