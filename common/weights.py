@@ -421,7 +421,7 @@ def fetch(
                 if target is None or piece is None:
                     raise WeightsError(f"snapshot v{ann.version}'s chunk {index} lacks piece {key!r} of a listed tensor")
                 rows = slice(0, 1) if target.dim() == 0 else slice(int(start), int(end))
-                view = target if target.dim() == 0 or (rows.start, rows.stop) == (0, target.shape[0]) else target[rows]
+                view = target if target.dim() == 0 else target[rows]
                 if view.shape != piece.shape or view.dtype != piece.dtype or written[name][rows].any():
                     raise WeightsError(f"snapshot v{ann.version}: piece {key!r} does not fit its place or overlaps another")
                 view.copy_(piece)

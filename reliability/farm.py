@@ -307,16 +307,7 @@ class Farm:
         for rank in (0, 1):
             # Two hosts of one GPU (here one CPU process) each; the static rendezvous at rank 0's host.
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
-            torchrun += [
-                "--node-rank",
-                str(rank),
-                "--master-addr",
-                learner_host,
-                "--master-port",
-                str(RENDEZVOUS_PORT),
-                "--max-restarts",
-                "0",
-            ]
+            torchrun += f"--node-rank {rank} --master-addr {learner_host} --master-port {RENDEZVOUS_PORT} --max-restarts 0".split()
             self._spawn(f"learn-{rank}", f"learn-{rank}", [*torchrun, "-m", "ppoz.cli", "--log-level", "info", *learner])
 
     def start_redis(self) -> None:

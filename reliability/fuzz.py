@@ -179,7 +179,8 @@ class WellBehavedClient(threading.Thread):
 
 
 # --- The run -----------------------------------------------------------------------------------------
-def rss_kb(pid: int, key: str = "VmRSS") -> int | None:
+def rss_kb(pid: int | str, key: str = "VmRSS") -> int | None:
+    """A field of /proc/PID/status in kB (VmRSS, VmHWM, ...; pid "self" for this process); None if unreadable."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:

@@ -22,9 +22,7 @@ def load_at_start(bench: str) -> float:
 
 
 def status_kb(field: str) -> int:
-    """A field of /proc/self/status in kB (VmRSS, VmHWM, ...); 0 where there is none."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+    """A field of this process's /proc/self/status in kB (VmRSS, VmHWM, ...); 0 where there is none."""
+    from reliability.fuzz import rss_kb
+
+    return rss_kb("self", field) or 0
