@@ -152,7 +152,7 @@ class LearnerConfig(UpdateConfig):
     policy_lr: float = option(
         0.0,
         "policy learning rate; 0: by the model and adapter: 1e-5 with LoRA on all linear layers (about 10x a full "
-        "fine-tune's), 1e-6 with --lora-rank 0; a random tiny model (`ppoz tiny-model`) 1e-3 and 3e-4",
+        "fine-tune's), 1e-6 with --lora-rank 0; a random tiny model (`ppoz tiny-model`) 3e-4 either way",
     )
     value_lr: float = option(1e-3, "critic (value head MLP) learning rate")
     max_discarded_updates: int = option(

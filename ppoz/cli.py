@@ -215,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
             "seeds: no lag, lag with stale samples dropped, lag with the decoupled objective (docs/benchmarks.md).",
         ),
         (
+            "stability",
+            "generation PPO through the real stack at several policy learning rates: does it learn, and stay learned",
+            "Run the say-the-word task (a tiny random model, rank-4 LoRA) through `ppoz up` with client threads for a long run at "
+            "each learning rate in --lr, legs alternating, --repeats runs each: when the reward first reaches 0.9, its peak, the "
+            "last quarter's mean and worst window, and the largest fall from a peak (docs/benchmarks.md).",
+        ),
+        (
             "update",
             "the generation learner's update throughput: packed rows vs right-padded rows, equal losses",
             "Response tokens per second through one generation PPO update (forward, backward, optimizer steps) on long-tailed "
@@ -300,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="build a tiny causal LM with random weights in a directory, to try a stack without a GPU or a download",
         description="Build a tiny model and its tokenizer locally (nothing is downloaded) and save them with "
         "save_pretrained, so `[policy] model = DIR` loads it as any model. Its random head and final norm train "
-        "beside the LoRA adapter and the learner's policy_lr is 1e-3 (3e-4 with --lora-rank 0) by default.",
+        "beside the LoRA adapter and the learner's policy_lr is 3e-4 by default (with LoRA and with all weights).",
     )
     p.add_argument("dir", metavar="DIR", help="where to write it (kept if it holds the same tiny model already)")
     p.add_argument("--arch", default="llama", choices=ARCHITECTURES, help="architecture (default: llama)")

@@ -56,7 +56,7 @@ def test_policy_lr_by_the_model(tiny_models: dict[str, str], pretrained_like: st
     def lr(model: str, **kw: object) -> float:
         return LearnerConfig(policy=PolicySpec(model=model, **kw), store=StoreSettings(redis_url="redis://x")).resolved_policy_lr()  # type: ignore[arg-type]
 
-    assert lr(tiny_models["llama"]) == 1e-3
+    assert lr(tiny_models["llama"]) == 3e-4
     assert lr(tiny_models["llama"], lora_rank=0) == 3e-4
     assert lr(pretrained_like) == 1e-5
     assert lr(pretrained_like, lora_rank=0) == 1e-6

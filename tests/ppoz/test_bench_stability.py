@@ -1,0 +1,58 @@
+"""`ppoz bench stability`: its figures from hand-written rewards, its leg order, its refusals, and one small real run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ppoz.bench.stability import WINDOW, figures, leg_order
+from tests.processes import ppoz
+
+
+def rewards_of(windows: list[float]) -> list[float]:
+    """Rewards whose windows of WINDOW have these means (each window: that share of ones, then zeros)."""
+    out: list[float] = []
+    for w in windows:
+        ones = round(w * WINDOW)
+        out += [1.0] * ones + [0.0] * (WINDOW - ones)
+    return out
+
+
+def test_a_policy_that_learns_and_falls_back_shows_its_fall():
+    f = figures(rewards_of([0.1, 0.5, 0.92, 0.98, 0.6, 0.7, 0.8, 0.5]))
+    assert f["learned_at"] == 3 * WINDOW  # the third window is the first at 0.9 or more
+    assert f["peak"] == pytest.approx(0.98, abs=1e-9)
+    assert f["tail_mean"] == pytest.approx(0.65, abs=1e-9) and f["tail_min"] == pytest.approx(0.5, abs=1e-9)  # the last quarter: 2 windows
+    assert f["fall"] == pytest.approx(0.48, abs=1e-9)  # 0.98 down to 0.5
+
+
+def test_a_policy_that_only_climbs_has_no_fall_and_one_that_never_learns_no_learned_at():
+    climbing = figures(rewards_of([0.1, 0.3, 0.6, 0.9, 0.95, 0.96, 0.97, 1.0]))
+    assert climbing["fall"] == 0 and climbing["learned_at"] == 4 * WINDOW
+    flat = figures(rewards_of([0.1, 0.2, 0.1, 0.2]) + [1.0] * (WINDOW - 1))  # a last partial window is left out
+    assert flat["learned_at"] is None and len(flat["windows"]) == 4 and flat["fall"] == pytest.approx(0.1, abs=1e-9)
+
+
+def test_legs_alternate_their_order_every_repeat():
+    assert leg_order([1e-3, 5e-4, 0.0], 3) == [1e-3, 5e-4, 0.0, 0.0, 5e-4, 1e-3, 1e-3, 5e-4, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--lr", "fast"], "--lr"), (["--lr", "2"], "--lr"), (["--responses", "100"], "--responses"), (["--repeats", "0"], "--repeats")],
+)
+def test_bad_flags_are_refused_by_name_before_anything_starts(flags, named):
+    result = ppoz("bench", "stability", *flags, timeout=60)
+    assert result.returncode != 0 and named in result.stderr, result.stderr[-1000:]
+
+
+@pytest.mark.slow
+def test_a_small_run_reports_a_leg_with_the_learning_rate_the_learner_used():
+    result = ppoz("bench", "stability", "--lr", "0", "--responses", "600", "--repeats", "1", "--json", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    (run,) = out["runs"]
+    assert run["responses"] >= 600 and len(run["windows"]) == 4 and run["updates"] >= 10
+    assert run["resolved_lr"].startswith("0.0003")  # 0: the learner's default for a tiny model with LoRA
+    assert out["legs"]["0.0"]["runs"] == 1
