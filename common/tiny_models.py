@@ -34,7 +34,7 @@ LORA_TRAINABLE = {"llama": ("lm_head", "model.norm"), "qwen2": ("lm_head", "mode
 # with all weights: random weights need steps far larger than a pretrained model's 1e-5 (LoRA) / 1e-6
 # (all weights), which would leave the policy where it started for the length of a demo. LoRA's was 1e-3
 # until `ppoz bench stability` ran the say-the-word task for 8,000 responses: at 1e-3 the policy reached
-# 0.95 and then fell back (to 0.5 to 0.8) in most runs, at 3e-4 it learned a third slower and stayed
+# 0.95 and then fell back (to 0.5 to 0.8) in most runs, at 3e-4 it took twice as many responses and stayed
 # (docs/benchmarks.md, "Does it stay learned").
 TINY_POLICY_LR = 3e-4
 MARKER = "ppoz_tiny.json"  # in a tiny model's directory: how it was built (and that its weights are random)

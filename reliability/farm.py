@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -60,6 +61,12 @@ RECOVERIES = ("actor rejoined", "actor serving again", "learner published again"
 HOSTS = ("store", "actor-a", "actor-b", "learn-0", "learn-1", "clients")
 BRIDGE_ADDRESS = 254  # the root namespace's address on the bridge
 REDIS_PORT, FRONTEND_PORT, BACKEND_PORT, WEIGHTS_PORT, RENDEZVOUS_PORT = 6379, 5555, 5556, 5557, 29500
+PROBE_PORT = 5559  # the reachability check's listener, gone before the stack starts
+LISTEN = (
+    "import socket, sys\ns = socket.create_server((sys.argv[1], int(sys.argv[2])))\n"
+    "print('ready', flush=True)\nwhile True: s.accept()[0].close()"
+)
+CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()"
 PYTHON_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1"}
 
 
@@ -160,6 +167,27 @@ class Network:
 
     def command(self, host: str, args: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.namespaces[host], *args]
+
+    def unreachable(self, target: str, timeout_s: float = 3.0) -> list[str]:
+        """The hosts whose TCP connection to `target` fails across the bridge: none on a working network. Checked
+        before the stack starts, so a machine that filters bridged traffic (br_netfilter and a FORWARD policy of
+        DROP) is named as the cause at once, not after the stack's own waits for its actors run out."""
+        address = self.addresses[target]
+        listen = [sys.executable, "-c", LISTEN, address, str(PROBE_PORT)]
+        listener = subprocess.Popen(self.command(target, listen), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            assert listener.stdout is not None
+            if not select.select([listener.stdout], [], [], 30)[0] or listener.stdout.readline().strip() != "ready":
+                raise NamespacesUnavailable(f"a TCP listener on {target} ({address}:{PROBE_PORT}) did not start")
+            failed = []
+            for host in self.namespaces:
+                connect = [sys.executable, "-c", CONNECT, address, str(PROBE_PORT), str(timeout_s)]
+                if host != target and subprocess.run(self.command(host, connect), capture_output=True, timeout=timeout_s + 30).returncode:
+                    failed.append(host)
+            return failed
+        finally:
+            listener.kill()
+            listener.wait()
 
     def destroy(self) -> None:
         """Kill what still runs in the namespaces (torchrun's workers run in sessions of their own), then remove
@@ -496,6 +524,13 @@ def run(args: argparse.Namespace, workdir: Path) -> Report:
     farm: Farm | None = None
     try:
         net.create()
+        blocked = net.unreachable("store")
+        if blocked:
+            raise NamespacesUnavailable(
+                f"{', '.join(blocked)} cannot reach the store host ({net.addresses['store']}) across the bridge {net.bridge}:"
+                " this machine filters bridged traffic (usually br_netfilter with net.bridge.bridge-nf-call-iptables = 1"
+                " and a FORWARD policy of DROP; allow the bridge in FORWARD, or set that sysctl to 0)"
+            )
         farm = Farm(net, workdir, args.seed, args.lora_rank)
         farm.start()
         _play(args, farm, report)
@@ -717,6 +752,8 @@ def main(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         report = run(args, workdir)
+    except NamespacesUnavailable as e:  # a step of `ip`, or the bridge, failed: say which, not a traceback
+        raise SystemExit(f"ppoz bench farm: {e}") from None
     finally:
         signal.alarm(0)
         if not args.keep:

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,25 +107,46 @@ def _status(front: str) -> dict[str, Any] | None:
         return None
 
 
-def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """One run of the stack at policy learning rate `lr`; its figures and the learner's last ones."""
-    from client import Client
-    from reliability.soak import free_port
-
-    front, back, weights = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
-    config = workdir / "stack.toml"
-    config.write_text(
+def stack_config(model: str | Path, front: str, back: str, weights: str, workdir: Path, lr: float = 0.0) -> str:
+    """The stack this task runs on (the bench's and tests/test_generation_end_to_end.py's): one-step episodes in
+    segments of 1, rollouts of 32, a small token critic, one actor; `lr` 0 is the learner's default for the model.
+    The supervisor stops the stack when a process fails, rather than restarting it: a run with a restart in it
+    would be reported as if nothing had happened."""
+    return (
         f'[policy]\nmodel = "{model}"\nlora_rank = 4\n'
         f'[broker]\nfrontend = "{front}"\nbackend = "{back}"\nsegment_len = 1\nheartbeat_ms = 200\n'
         f'[learner]\nweights_bind = "{weights}"\nrollout_batch = 32\npolicy_minibatch = 16\npolicy_lr = {lr!r}\n'
         f'checkpoint_dir = "{workdir / "ckpt"}"\ntensorboard_dir = ""\n'
         "[generation]\nvalue_hidden = [64]\n"
         "[actor]\nweights_poll_s = 1.0\nheartbeat_ms = 200\n"
-        "[up]\nactors = 1\nstop_timeout_s = 60\n"
+        '[up]\nactors = 1\nstop_timeout_s = 60\non_failure = "stop"\n'
     )
-    log = (workdir / "up.log").open("w")
-    up = subprocess.Popen([sys.executable, "-m", "ppoz.cli", "up", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT)
+
+
+def prompt_and_reward(rng: random.Random) -> tuple[str, Callable[[str], float]]:
+    """One turn of the task: the prompt, and the reward of a response to it (1 when its first word is the colour)."""
+    colour = rng.choice(COLOURS)
+    return f"say the word {colour}", lambda text: float(text.split()[:1] == [colour])
+
+
+def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One run of the stack at policy learning rate `lr`: its figures, and the learner's policy lag averaged over
+    the updates seen (its status read every second; each update's own mean lag)."""
+    from client import Client
+    from common.processes import die_with_parent
+    from reliability.soak import free_port
+
+    front, back, weights = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    config = workdir / "stack.toml"
+    config.write_text(stack_config(model, front, back, weights, workdir, lr))
+    log_path = workdir / "up.log"
+    log = log_path.open("w")
+    # die_with_parent: a bench killed outright (SIGKILL, a timeout) takes its stack with it
+    up = subprocess.Popen(
+        [sys.executable, "-m", "ppoz.cli", "up", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+    )
     rewards: list[float] = []
+    lags: dict[int, float] = {}  # update -> that update's mean policy lag
     lock = threading.Lock()
     errors: list[BaseException] = []
     end = time.monotonic() + args.run_timeout_s
@@ -133,29 +157,40 @@ def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict
             with Client(front, deadline=120, attempt_timeout=60) as client:
                 task = client.attach()
                 while len(rewards) < args.responses and time.monotonic() < end and not errors:
-                    colour = rng.choice(COLOURS)
+                    prompt, reward_of = prompt_and_reward(rng)
                     client.wait_turn(task)
-                    reply = client.generate(task, f"say the word {colour}", max_new_tokens=2)
-                    reward = float(reply["text"].split()[:1] == [colour])
+                    reply = client.generate(task, prompt, max_new_tokens=2)
+                    reward = reward_of(reply["text"])
                     client.feedback(task, reward, done=True)
                     with lock:
                         rewards.append(reward)
         except BaseException as e:  # noqa: BLE001 - reported after the run
             errors.append(e)
 
+    def record(status: dict[str, Any] | None) -> dict[str, Any]:
+        learner = ((status or {}).get("learner")) or {}
+        if learner.get("updates") and learner.get("charts/policy_lag") is not None:
+            lags[int(learner["updates"])] = float(learner["charts/policy_lag"])
+        return learner
+
+    failed = ""
     try:
         while not ((s := _status(front)) and s["actors"]):
             if up.poll() is not None or time.monotonic() > end:
-                raise SystemExit(f"ppoz bench stability: the stack did not start; see {workdir / 'up.log'}")
+                raise SystemExit(f"ppoz bench stability: the stack did not start; see {log_path}")
             time.sleep(0.5)
         threads = [threading.Thread(target=play, args=(i,), daemon=True) for i in range(args.clients)]
         started = time.monotonic()
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(max(1.0, end - time.monotonic()))
+        while any(t.is_alive() for t in threads) and time.monotonic() < end + 5:
+            if up.poll() is not None:
+                failed = f"the stack stopped during the run (exit code {up.returncode}): a process failed"
+                break
+            record(_status(front))
+            time.sleep(1.0)
         elapsed = time.monotonic() - started
-        learner = ((_status(front) or {}).get("learner")) or {}
+        learner = record(_status(front))
     finally:
         up.send_signal(signal.SIGTERM)
         try:
@@ -164,18 +199,22 @@ def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict
             up.kill()
             up.wait()
         log.close()
-    if errors:
-        raise SystemExit(f"ppoz bench stability: a client failed: {errors[0]!r}")
+    # What went wrong first: the stack, then the deadline, then a client (whose error may follow from either).
+    if failed or up.returncode:
+        raise SystemExit(f"ppoz bench stability: {failed or f'the stack exited with code {up.returncode}'}; see {log_path}")
     if len(rewards) < args.responses:
-        raise SystemExit(f"ppoz bench stability: {len(rewards)} of {args.responses} responses in {args.run_timeout_s:g} s")
+        raise SystemExit(f"ppoz bench stability: {len(rewards)} of {args.responses} responses in {args.run_timeout_s:g} s; see {log_path}")
+    if errors:
+        raise SystemExit(f"ppoz bench stability: a client failed: {errors[0]!r}; see {log_path}")
     return {
         "lr": lr,
         "responses": len(rewards),
         "seconds": round(elapsed, 1),
         **figures(rewards[: args.responses]),
         "updates": learner.get("updates"),
-        "mean_policy_lag": learner.get("charts/policy_lag"),
-        "resolved_lr": _resolved_lr(workdir / "up.log"),
+        "mean_policy_lag": statistics.mean(lags.values()) if lags else None,
+        "lag_samples": len(lags),
+        "resolved_lr": _resolved_lr(log_path),
     }
 
 
@@ -196,7 +235,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     legs: dict[str, Any] = {}
     for lr in dict.fromkeys(r["lr"] for r in runs):
         mine = [r for r in runs if r["lr"] == lr]
+        trained_at = (mine[0]["resolved_lr"] or "?").split()[0]  # what the learner said it trains at
         legs[repr(lr)] = {
+            "label": f"{lr:g}" if lr else f"0 ({trained_at})",
             "runs": len(mine),
             "learned": sum(r["learned_at"] is not None for r in mine),
             **{f"median_{key}": _median([r[key] for r in mine]) for key in ("learned_at", "peak", "tail_mean", "tail_min", "fall")},
@@ -211,6 +252,8 @@ def main(args: argparse.Namespace) -> int:
     for name in ("responses", "repeats", "clients"):
         if getattr(args, name) < 1:
             raise SystemExit(f"ppoz bench stability: --{name} must be positive, got {getattr(args, name)}")
+    if not (math.isfinite(args.run_timeout_s) and args.run_timeout_s > 0):
+        raise SystemExit(f"ppoz bench stability: --run-timeout-s must be a positive number of seconds, got {args.run_timeout_s}")
     if args.responses < 4 * WINDOW:
         raise SystemExit(f"ppoz bench stability: --responses must be at least {4 * WINDOW} (four windows), got {args.responses}")
     load = load_at_start("stability")
@@ -218,18 +261,24 @@ def main(args: argparse.Namespace) -> int:
     model = build_tiny_model(root / "model", arch="llama", tokenizer="words")
     runs = []
     order = leg_order(rates, args.repeats)
-    for n, lr in enumerate(order, 1):
-        workdir = root / f"run-{n}"
-        workdir.mkdir()
-        result = run(model, lr, args, workdir)
-        runs.append(result)
-        print(
-            f"run {n}/{len(order)} lr {lr:g} ({result['resolved_lr']}): learned at {result['learned_at']}, peak {result['peak']:.2f},"
-            f" tail mean {result['tail_mean']:.2f} min {result['tail_min']:.2f}, fall {result['fall']:.2f},"
-            f" lag {result['mean_policy_lag']}, {result['seconds']:.0f} s",
-            file=sys.stderr,
-            flush=True,
-        )
+    try:
+        for n, lr in enumerate(order, 1):
+            workdir = root / f"run-{n}"
+            workdir.mkdir()
+            result = run(model, lr, args, workdir)
+            runs.append(result)
+            lag = result["mean_policy_lag"]
+            print(
+                f"run {n}/{len(order)} lr {lr:g} ({result['resolved_lr']}): learned at {result['learned_at']}, peak {result['peak']:.2f},"
+                f" tail mean {result['tail_mean']:.2f} min {result['tail_min']:.2f}, fall {result['fall']:.2f},"
+                f" mean policy lag {'-' if lag is None else f'{lag:.2f}'}, {result['seconds']:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    except BaseException:
+        print(f"ppoz bench stability: the runs' logs are kept in {root}", file=sys.stderr)
+        raise
+    shutil.rmtree(root, ignore_errors=True)
     out = {
         "bench": "stability",
         "machine": f"{platform.node()} ({os.cpu_count()} cores), {platform.platform()}",
@@ -247,10 +296,11 @@ def main(args: argparse.Namespace) -> int:
     def fmt(v: Any, spec: str = ".2f") -> str:
         return "-" if v is None else format(v, spec)
 
-    print(f"{'lr':>8} {'learned':>8} {'learned at':>11} {'peak':>6} {'tail mean':>10} {'tail min':>9} {'fall':>6}")
-    for lr, leg in out["legs"].items():
+    print(f"{'lr':>14} {'learned':>8} {'learned at':>11} {'peak':>6} {'tail mean':>10} {'tail min':>9} {'fall':>6}")
+    for leg in out["legs"].values():
         print(
-            f"{lr:>8} {leg['learned']:>4}/{leg['runs']:<3} {fmt(leg['median_learned_at'], '.0f'):>11} {fmt(leg['median_peak']):>6}"
+            f"{leg['label']:>14} {leg['learned']:>4}/{leg['runs']:<3} {fmt(leg['median_learned_at'], '.0f'):>11}"
+            f" {fmt(leg['median_peak']):>6}"
             f" {fmt(leg['median_tail_mean']):>10} {fmt(leg['median_tail_min']):>9} {fmt(leg['median_fall']):>6}"
         )
     print(f"medians of {args.repeats} runs each; {args.responses} responses a run, windows of {WINDOW}")

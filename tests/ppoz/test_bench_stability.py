@@ -40,14 +40,22 @@ def test_legs_alternate_their_order_every_repeat():
 
 @pytest.mark.parametrize(
     ("flags", "named"),
-    [(["--lr", "fast"], "--lr"), (["--lr", "2"], "--lr"), (["--responses", "100"], "--responses"), (["--repeats", "0"], "--repeats")],
+    [
+        (["--lr", "fast"], "--lr"),
+        (["--lr", "2"], "--lr"),
+        (["--responses", "100"], "--responses"),
+        (["--repeats", "0"], "--repeats"),
+        (["--run-timeout-s", "nan"], "--run-timeout-s"),
+    ],
 )
 def test_bad_flags_are_refused_by_name_before_anything_starts(flags, named):
     result = ppoz("bench", "stability", *flags, timeout=60)
     assert result.returncode != 0 and named in result.stderr, result.stderr[-1000:]
+    assert "load average" not in result.stderr  # refused before the bench began
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_small_run_reports_a_leg_with_the_learning_rate_the_learner_used():
     result = ppoz("bench", "stability", "--lr", "0", "--responses", "600", "--repeats", "1", "--json", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -55,4 +63,5 @@ def test_a_small_run_reports_a_leg_with_the_learning_rate_the_learner_used():
     (run,) = out["runs"]
     assert run["responses"] >= 600 and len(run["windows"]) == 4 and run["updates"] >= 10
     assert run["resolved_lr"].startswith("0.0003")  # 0: the learner's default for a tiny model with LoRA
-    assert out["legs"]["0.0"]["runs"] == 1
+    assert out["legs"]["0.0"]["runs"] == 1 and out["legs"]["0.0"]["label"] == "0 (0.0003)"
+    assert run["lag_samples"] >= 1 and run["mean_policy_lag"] >= 0  # the lag, read while the run went on

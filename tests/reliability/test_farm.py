@@ -49,6 +49,21 @@ def test_a_farm_on_six_hosts_heals_from_cut_links_and_a_killed_redis(tmp_path):
     assert "silent" in (tmp_path / "actor-a.log").read_text()  # it noticed the cut, and reconnected
 
 
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"the multi-host farm cannot run here: {WHY_NOT}")
+def test_a_host_that_cannot_reach_the_store_is_named_before_anything_starts():
+    """The check that runs before the stack: every host reaches the store across the bridge, and one whose
+    link is down (as bridged traffic a firewall drops) is named, and only that one."""
+    net = Network().create()
+    try:
+        assert net.unreachable("store") == []
+        net.cut("actor-a")
+        assert net.unreachable("store", timeout_s=1.0) == ["actor-a"]
+        net.restore("actor-a")
+        assert net.unreachable("store") == []
+    finally:
+        net.destroy()
+
+
 def test_the_network_names_fit_linux_and_hosts_get_distinct_addresses():
     net = Network()
     assert all(len(name) <= 15 for name in [net.bridge, *net.links.values()])  # IFNAMSIZ - 1
