@@ -182,7 +182,11 @@ class Network:
             failed = []
             for host in self.namespaces:
                 connect = [sys.executable, "-c", CONNECT, address, str(PROBE_PORT), str(timeout_s)]
-                if host != target and subprocess.run(self.command(host, connect), capture_output=True, timeout=timeout_s + 30).returncode:
+                try:
+                    refused = subprocess.run(self.command(host, connect), capture_output=True, timeout=timeout_s + 30).returncode != 0
+                except subprocess.TimeoutExpired:
+                    refused = True
+                if host != target and refused:
                     failed.append(host)
             return failed
         finally:
@@ -526,10 +530,15 @@ def run(args: argparse.Namespace, workdir: Path) -> Report:
         net.create()
         blocked = net.unreachable("store")
         if blocked:
-            raise NamespacesUnavailable(
-                f"{', '.join(blocked)} cannot reach the store host ({net.addresses['store']}) across the bridge {net.bridge}:"
-                " this machine filters bridged traffic (usually br_netfilter with net.bridge.bridge-nf-call-iptables = 1"
+            every_other = len(blocked) == len(net.namespaces) - 1
+            cause = (
+                "this machine filters bridged traffic, probably (usually br_netfilter with net.bridge.bridge-nf-call-iptables = 1"
                 " and a FORWARD policy of DROP; allow the bridge in FORWARD, or set that sysctl to 0)"
+                if every_other
+                else "their links or namespaces do not work (see `ip netns` and `ip link`)"
+            )
+            raise NamespacesUnavailable(
+                f"{', '.join(blocked)} cannot reach the store host ({net.addresses['store']}) across the bridge {net.bridge}: {cause}"
             )
         farm = Farm(net, workdir, args.seed, args.lora_rank)
         farm.start()

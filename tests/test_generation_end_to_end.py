@@ -68,8 +68,8 @@ def test_generation_ppo_learns_to_say_the_word_through_real_processes(tmp_path, 
         final = status(front)
     finally:
         code = up.stop()
+    assert code == 0, up.text()[-3000:]  # first: a process that failed stops the stack, and its clients' errors follow
     assert not errors, errors[0]
-    assert code == 0, up.text()[-3000:]
     untrained = [r for r, v in rewards if v == 0]
     windows = [statistics.mean(r for r, _ in rewards[i : i + WINDOW]) for i in range(0, BUDGET - WINDOW + 1, WINDOW)]
     summary = f"{len(rewards)} responses in {elapsed:.0f} s, windows of {WINDOW}: {' '.join(f'{w:.2f}' for w in windows)}"

@@ -55,7 +55,7 @@ def test_bad_flags_are_refused_by_name_before_anything_starts(flags, named):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(660)  # past the bench's own subprocess timeout, so its stderr is shown
 def test_a_small_run_reports_a_leg_with_the_learning_rate_the_learner_used():
     result = ppoz("bench", "stability", "--lr", "0", "--responses", "600", "--repeats", "1", "--json", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
