@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from common.config import check, load, nested, option, read_toml, section
 from common.sd_notify import NotifyListener
@@ -116,6 +116,7 @@ def started_stack(
     learner_flags: Sequence[str] = (),
     run_dir: Path | None = None,
     fresh_redis: bool = False,
+    output: IO[str] | None = None,
 ) -> Iterator[Stack]:
     """Start what `up` says (the embedded Redis first, then the reward service, broker, learner, actors,
     environment clients), each component reading `config_file` (`model`, if given, overrides [policy]
@@ -127,7 +128,8 @@ def started_stack(
     (`ppoz train`'s output directory), the stack holds its lock and records its children there; the
     children of an earlier stack on it that was killed -9 are stopped first, so none of them still holds
     a port or writes the Redis files when this one starts. `fresh_redis`: the embedded Redis's data
-    directory is emptied then, before it starts (`ppoz train --no-resume`)."""
+    directory is emptied then, before it starts (`ppoz train --no-resume`). The components' output goes to
+    `output` (this process's stdout if None), each line prefixed with its component's name."""
     from actor_node.config import ActorConfig
     from broker.config import BrokerConfig
     from common.redis_server import EmbeddedRedis
@@ -176,7 +178,7 @@ def started_stack(
     if fresh_redis and up.redis_data_dir and not up.store.redis_url:
         shutil.rmtree(up.redis_data_dir, ignore_errors=True)
     embedded = None
-    sup = Supervisor(up.on_failure, up.max_restarts, up.stop_timeout_s, up.log_lines, record=record)
+    sup = Supervisor(up.on_failure, up.max_restarts, up.stop_timeout_s, up.log_lines, output=output, record=record)
     try:
         check_ports_free(binds)
         redis_url = up.store.redis_url

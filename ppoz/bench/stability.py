@@ -30,9 +30,7 @@ import os
 import platform
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,7 +44,6 @@ from ppoz.bench import load_at_start
 COLOURS = ["red", "green", "blue", "yellow", "black", "white"]
 WINDOW = 150  # responses per reward window
 LEARNED = 0.9  # a window at or above it: learned
-STOP_WAIT_S = 300  # `ppoz up` stops its processes one after another, each given its stop_timeout_s (60 s here)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,20 +129,17 @@ def prompt_and_reward(rng: random.Random) -> tuple[str, Callable[[str], float]]:
 
 def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """One run of the stack at policy learning rate `lr`: its figures, and the learner's policy lag averaged over
-    the updates seen (its status read every second; each update's own mean lag)."""
+    the updates seen (its status read every second; each update's own mean lag). The stack is `ppoz up`'s own
+    (`started_stack`), its components' output in the run's up.log."""
     from client import Client
-    from common.processes import die_with_parent
+    from common.config import load
+    from ppoz.up import UpConfig, started_stack
     from reliability.soak import free_port
 
     front, back, weights = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
     config = workdir / "stack.toml"
     config.write_text(stack_config(model, front, back, weights, workdir, lr))
     log_path = workdir / "up.log"
-    log = log_path.open("w")
-    # die_with_parent: a bench killed outright (SIGKILL, a timeout) takes its stack with it
-    up = subprocess.Popen(
-        [sys.executable, "-m", "ppoz.cli", "up", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
-    )
     rewards: list[float] = []
     lags: dict[int, float] = {}  # update -> that update's mean policy lag
     lock = threading.Lock()
@@ -174,37 +168,28 @@ def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict
             lags[int(learner["updates"])] = float(learner["charts/policy_lag"])
         return learner
 
-    failed, timed_out = "", False
-    try:
+    failed = ""
+    with log_path.open("w") as log, started_stack(load(UpConfig, str(config)), str(config), "info", output=log) as stack:
+        supervisor = stack.supervisor
+        threading.Thread(target=supervisor.watch, name="stack-watch", daemon=True).start()
         while not ((s := _status(front)) and s["actors"]):
-            if up.poll() is not None or time.monotonic() > end:
+            if supervisor.failed or time.monotonic() > end:
                 raise SystemExit(f"ppoz bench stability: the stack did not start; see {log_path}")
             time.sleep(0.5)
         threads = [threading.Thread(target=play, args=(i,), daemon=True) for i in range(args.clients)]
         started = time.monotonic()
         for t in threads:
             t.start()
-        while any(t.is_alive() for t in threads) and time.monotonic() < end + 5:
-            if up.poll() is not None:
-                failed = f"the stack stopped during the run (exit code {up.returncode}): a process failed"
-                break
+        while any(t.is_alive() for t in threads) and time.monotonic() < end + 5 and not supervisor.failed:
             record(_status(front))
             time.sleep(1.0)
         elapsed = time.monotonic() - started
         timed_out = time.monotonic() >= end
         learner = record(_status(front))
-    finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
-            failed = failed or f"the stack did not stop within {STOP_WAIT_S} s of SIGTERM and was killed"
-        log.close()
+        failed = supervisor.failed
     # What went wrong first: the stack, then the deadline, then a client (whose error may follow from either).
-    if failed or up.returncode:
-        raise SystemExit(f"ppoz bench stability: {failed or f'the stack exited with code {up.returncode}'}; see {log_path}")
+    if failed:
+        raise SystemExit(f"ppoz bench stability: the stack's {failed} failed during the run; see {log_path}")
     if timed_out and len(rewards) < args.responses:
         raise SystemExit(f"ppoz bench stability: {len(rewards)} of {args.responses} responses in {args.run_timeout_s:g} s; see {log_path}")
     if errors:
