@@ -179,19 +179,17 @@ class Network:
             assert listener.stdout is not None
             if not select.select([listener.stdout], [], [], 30)[0] or listener.stdout.readline().strip() != "ready":
                 raise NamespacesUnavailable(f"a TCP listener on {target} ({address}:{PROBE_PORT}) did not start")
-            failed = []
-            for host in self.namespaces:
-                connect = [sys.executable, "-c", CONNECT, address, str(PROBE_PORT), str(timeout_s)]
-                try:
-                    refused = subprocess.run(self.command(host, connect), capture_output=True, timeout=timeout_s + 30).returncode != 0
-                except subprocess.TimeoutExpired:
-                    refused = True
-                if host != target and refused:
-                    failed.append(host)
-            return failed
+            connect = [sys.executable, "-c", CONNECT, address, str(PROBE_PORT), str(timeout_s)]
+            return [host for host in self.namespaces if host != target and not self._connects(host, connect, timeout_s + 30)]
         finally:
             listener.kill()
             listener.wait()
+
+    def _connects(self, host: str, connect: list[str], timeout_s: float) -> bool:
+        try:
+            return subprocess.run(self.command(host, connect), capture_output=True, timeout=timeout_s).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
 
     def destroy(self) -> None:
         """Kill what still runs in the namespaces (torchrun's workers run in sessions of their own), then remove
