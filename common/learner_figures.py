@@ -3,11 +3,13 @@
 Written by the learner (losses, version, and its cumulative, checkpointed
 counters under `counters/...`); read by the broker's status and Prometheus
 endpoint, the demo's progress line and the reliability ledger. The key and
-its encoding live here only (the key's name: common/segments.py).
+its encoding live here only (the key's name: common/segments.py), and so do
+the prefixes an update's figures carry by the kind of policy it trained.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import redis
@@ -15,6 +17,14 @@ import redis
 from common.segments import RedisKeys
 
 COUNTER_PREFIX = "counters/"
+# An update's figures are named `<prefix>/<figure>` by the kind of transition it trained (learner_node/update.py's
+# PolicyBatch.prefix): candidate choices, and generated responses (token-level PPO). Candidates first: the order
+# in which `update_figure` looks.
+UPDATE_PREFIXES = {"candidates": "losses", "generation": "generation"}
+CANDIDATES, GENERATION = UPDATE_PREFIXES["candidates"], UPDATE_PREFIXES["generation"]
+# What `ppoz status` shows of the last update, as the learner names them (a figure an update did not have is left out:
+# GRPO has no value_loss).
+LAST_UPDATE_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "kl_ref", "clipfrac")
 
 
 def latest_key(key_prefix: str) -> str:
@@ -39,3 +49,25 @@ def read_latest(client: redis.Redis, key_prefix: str) -> dict[str, float]:
 def counters(figures: Mapping[str, float]) -> dict[str, int]:
     """The learner's cumulative counters out of its figures (transitions_stored, transitions_trained, ...)."""
     return {k.removeprefix(COUNTER_PREFIX): int(v) for k, v in figures.items() if k.startswith(COUNTER_PREFIX)}
+
+
+def update_figure(figures: Mapping[str, float], name: str) -> float:
+    """An update's figure `name` (policy_loss, ...): the candidate update's if it has one, else the generation
+    update's; NaN if neither."""
+    for prefix in UPDATE_PREFIXES.values():
+        value = figures.get(f"{prefix}/{name}")
+        if value is not None:
+            return value
+    return math.nan
+
+
+def last_update(figures: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """The last update's LAST_UPDATE_FIGURES by kind of policy ("candidates", "generation"), each kind the
+    figures hold; a figure that is not there (or not a number) is left out."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, prefix in UPDATE_PREFIXES.items():
+        found = {name: figures[f"{prefix}/{name}"] for name in LAST_UPDATE_FIGURES if f"{prefix}/{name}" in figures}
+        found = {name: value for name, value in found.items() if not math.isnan(value)}
+        if found:
+            out[kind] = found
+    return out

@@ -36,6 +36,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from common import scoring
+from common.learner_figures import GENERATION
 from common.segments import Segment, Transition
 from common.shared_settings import PolicyStamp
 from learner_node import core_algos
@@ -422,7 +423,7 @@ class GenerationUpdate:
     token's value; with grpo or rloo each response's reward is its advantage (the driver's group-relative
     estimate, rewards/group.py) and there is no critic."""
 
-    prefix = "generation"
+    prefix = GENERATION  # its figures' keys: generation/...
 
     def __init__(self, lp: LearnerPolicy, batch: GenerationBatch, gen: GenerationConfig) -> None:
         self.lp = lp

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.learner_figures import CANDIDATES
 from common.scoring import ScoringError
 from common.segments import Segment, Transition
 from common.shared_settings import PolicyStamp
@@ -209,7 +210,7 @@ class CandidateBatch:
     token (T = 1) whose log-probability is the chosen candidate's, whose entropy and KL to the reference are
     exact over its candidates, and whose value is the critic's on the frozen base's features."""
 
-    prefix = "losses"
+    prefix = CANDIDATES  # its figures' keys: losses/...
 
     def __init__(self, lp: LearnerPolicy, rollout: Rollout, micro_batch: int, features: torch.Tensor | None = None) -> None:
         """`features`: the critic features of the rollout's observations, if the caller has them already (the worker

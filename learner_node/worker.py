@@ -37,7 +37,7 @@ import torch.distributed as dist
 import zmq
 
 from common import scoring, weights
-from common.learner_figures import COUNTER_PREFIX, write_latest
+from common.learner_figures import CANDIDATES, COUNTER_PREFIX, update_figure, write_latest
 from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict, policy_state_items
 from common.protocol import DEFAULT_MAX_ABS_REWARD
 from common.sd_notify import Notifier
@@ -395,8 +395,9 @@ class Learner:
             metrics = candidate_update(
                 self.lp, self.policy_opt, self.value_opt, rollout, self.cfg, train_policy, self.kl.value, features, self.updates
             )
-            if train_policy and "losses/kl_ref" in metrics and not math.isnan(metrics["losses/kl_ref"]):
-                self.kl.update(metrics["losses/kl_ref"], len(rollout))
+            kl_ref = metrics.get(f"{CANDIDATES}/kl_ref", math.nan)
+            if train_policy and not math.isnan(kl_ref):
+                self.kl.update(kl_ref, len(rollout))
         if len(generated):  # a loss of its own: candidate and token-level objectives are never mixed in one loss
             metrics.update(
                 generation_update(
@@ -783,7 +784,7 @@ class Learner:
     def _log(self, metrics: dict[str, float], n: int) -> None:
         self.notifier.status(
             f"policy version {self.version}, {self.updates} updates, last: {n} transitions, return "
-            f"{metrics.get('charts/episodic_return', math.nan):.3f}, policy loss {metrics.get('losses/policy_loss', math.nan):.4f}",
+            f"{metrics.get('charts/episodic_return', math.nan):.3f}, policy loss {update_figure(metrics, 'policy_loss'):.4f}",
             min_interval_s=0,
         )
         if self.writer is not None:
@@ -792,9 +793,6 @@ class Learner:
                     self.writer.add_scalar(key, value, self.updates)
             self.writer.flush()
 
-        def loss(name: str) -> float:  # the candidate update's figure, else the generation update's
-            return metrics.get(f"losses/{name}", metrics.get(f"generation/{name}", math.nan))
-
         log.info(
             "update %d: version %d, %d transitions, return %.3f, policy_loss %.4f, value_loss %.4f, entropy %.3f, "
             "approx_kl %.4f, kl_ref %.4f, clipfrac %.3f, lag %.2f, %.1f transitions/s",
@@ -802,12 +800,12 @@ class Learner:
             self.version,
             n,
             metrics.get("charts/episodic_return", math.nan),
-            loss("policy_loss"),
-            loss("value_loss"),
-            loss("entropy"),
-            loss("approx_kl"),
-            loss("kl_ref"),
-            loss("clipfrac"),
+            update_figure(metrics, "policy_loss"),
+            update_figure(metrics, "value_loss"),
+            update_figure(metrics, "entropy"),
+            update_figure(metrics, "approx_kl"),
+            update_figure(metrics, "kl_ref"),
+            update_figure(metrics, "clipfrac"),
             metrics.get("charts/policy_lag", math.nan),
             metrics.get("charts/SPS", 0.0),
         )

@@ -431,81 +431,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from client import Client, PPOZError
-    from common import learner_figures
+    from ppoz.status import main as status
 
-    try:
-        with Client(
-            args.broker,
-            deadline=args.timeout,
-            attempt_timeout=args.timeout,
-            curve_secret_key=args.curve_secret_key or None,
-            curve_server_key=args.curve_server_key or None,
-        ) as c:
-            status = c.status()
-    except PPOZError as e:
-        print(f"ppoz status: no answer from {args.broker}: {e}", file=sys.stderr)
-        return 1
-    except ValueError as e:  # a missing or bad CURVE key file (common.security.KeyFileError)
-        print(f"ppoz status: {e}", file=sys.stderr)
-        return 2
-    for key in ("proto", "v", "op", "rid", "status"):
-        status.pop(key, None)
-    if args.json:
-        print(json.dumps(status, sort_keys=True))
-        return 0
-    learner = status.get("learner") or {}
-    newest = int(learner.get("version", 0)) if learner else None
-    print(f"broker {args.broker}  up {status['uptime_s']:.0f} s" + ("" if status.get("storage_ok", True) else "  REDIS DOWN"))
-    print(
-        f"  sessions {status['sessions']}  pending steps {status['pending_steps']}  queued {status['queued_jobs']}"
-        f"  steps/s {status.get('steps_per_s', 0.0):.1f}  stream backlog {status['stream_length']}"
-        f" (limit {status.get('stream_backlog_limit') or 'none'})"
-    )
-    print(f"  actors ({len(status['actors'])}):")
-    for a in status["actors"]:
-        lag = f"  lag {newest - a['policy_version']}" if newest is not None else ""
-        print(f"    {a['name']:<24} load {a['inflight']}/{a['credits']}  policy v{a['policy_version']}{lag}  served {a['served']}")
-    if learner:
-        figures = "  ".join(
-            f"{k.split('/')[-1]} {v:.4g}"
-            for k, v in sorted(learner.items())
-            if k.startswith("losses/") and k.split("/")[-1] in ("policy_loss", "value_loss", "entropy", "approx_kl")
-        )
-        print(f"  learner: policy v{newest} after {int(learner.get('updates', 0))} updates; last update: {figures}")
-        counters = learner_figures.counters(learner)
-        if counters:
-            why = ", ".join(
-                f"{k.removeprefix('mismatched_')} {v}" for k, v in sorted(counters.items()) if k.startswith("mismatched_") and v
-            )
-            print(
-                f"  transitions: stored {counters.get('transitions_stored', 0)}, trained {counters.get('transitions_trained', 0)}, "
-                f"dropped stale {counters.get('dropped_stale', 0)}, truncated {counters.get('dropped_truncated', 0)}"
-                + (
-                    f" (next_obs unscorable: {counters['dropped_unscorable_next_obs']})"
-                    if counters.get("dropped_unscorable_next_obs")
-                    else ""
-                )
-                + f", mismatched {counters.get('dropped_mismatched', 0)}"
-                + (f" ({why})" if why else "")
-                + f", non-finite {counters.get('dropped_nonfinite', 0)}"
-                + (f" (updates discarded: {counters['discarded_updates']})" if counters.get("discarded_updates") else "")
-            )
-    else:
-        print("  learner: no update yet")
-    latency = status.get("added_latency") or {}
-    if latency.get("n"):
-        print(
-            f"  added latency over {latency['n']} replies: p50 {latency['p50_ms']:.1f} ms  p99 {latency['p99_ms']:.1f} ms"
-            f"  max {latency['max_ms']:.1f} ms"
-        )
-    nonzero = {key: value for key, value in status["counters"].items() if value}
-    print(f"  counters ({len(status['counters']) - len(nonzero)} at zero not shown; --json shows all):")
-    for key, value in sorted(nonzero.items()):
-        print(f"    {key:<36} {value}")
-    if status.get("limits"):
-        print("  limits: " + "  ".join(f"{key} {value}" for key, value in sorted(status["limits"].items())))
-    return 0
+    return status(args)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:

@@ -140,28 +140,30 @@ def started_stack(
     policy_flags = {"policy.model": model} if model else {}
     model_args = ["--model", model] if model else []
     learner_args = [*model_args, *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []), *learner_flags]
-    broker = load(BrokerConfig, config_file)
-    actor = load(ActorConfig, config_file, policy_flags)
+    # Only the components that run here are validated, and only their files (keys, allow-lists) opened: a host of a
+    # farm holds the files of its own components alone (docs/farm.md).
+    broker = load(BrokerConfig, config_file) if up.broker else None
+    actor = load(ActorConfig, config_file, policy_flags) if up.actors else None
     # The embedded Redis's URL is known only once it runs; validate with a stand-in.
     stand_in = {"store.redis_url": up.store.redis_url or "redis://embedded", **policy_flags}
     learner = load(LearnerConfig, config_file, stand_in) if up.learner else None
     rewards = load(RewardServiceConfig, config_file) if up.reward_service else None
     binds = {
-        "broker.frontend": broker.frontend if up.broker else "",
-        "broker.backend": broker.backend if up.broker else "",
+        "broker.frontend": broker.frontend if broker is not None else "",
+        "broker.backend": broker.backend if broker is not None else "",
         "learner.weights_bind": learner.weights_bind if learner else "",
         "reward_service.bind": rewards.bind if rewards else "",
     }
     for name, endpoint in binds.items():
         check(not endpoint.endswith(":*"), f"{name} = {endpoint!r}: `ppoz up` needs fixed ports to wire components together")
     check(
-        not (up.env and up.broker and broker.curve_secret_key),
+        not (up.env and broker is not None and broker.curve_secret_key),
         "[up] env starts `ppoz play` clients, which have no CURVE keys, and [broker] curve_secret_key is set: they could"
         " not connect; run CURVE clients of your own (docs/security.md) or leave [up] env empty",
     )
-    if up.actors and not actor.policy.model:
+    if actor is not None and not actor.policy.model:
         log.warning("[policy] model is empty: the actors serve the uniform random policy")
-    client_broker = connect_address(broker.frontend) if up.broker else up.env_broker
+    client_broker = connect_address(broker.frontend) if broker is not None else up.env_broker
     check(not up.env or bool(client_broker), "[up] env_broker is empty: the environment clients need the broker's client endpoint")
 
     lock = None
@@ -215,9 +217,9 @@ def _started(
     """Start the components under `sup` and yield the stack (the caller stops them)."""
     # Components started here find each other through the bind addresses; those elsewhere
     # through the addresses the config gives ([actor] broker and weights, [up] env_broker).
-    actor_broker = connect_address(broker.backend) if up.broker else actor.broker
-    actor_weights = connect_address(learner.weights_bind) if learner else actor.weights
-    client_broker = connect_address(broker.frontend) if up.broker else up.env_broker
+    actor_broker = connect_address(broker.backend) if broker is not None else actor.broker if actor is not None else ""
+    actor_weights = connect_address(learner.weights_bind) if learner else actor.weights if actor is not None else ""
+    client_broker = connect_address(broker.frontend) if broker is not None else up.env_broker
     common = [sys.executable, "-m", "ppoz.cli", "--log-level", log_level]
     torch_env = thread_env(up.cpu_threads, up.actors + int(up.learner) + int(bool(rewards and rewards.reward_model)))
     config = ["--config", config_file] if config_file else []

@@ -196,11 +196,11 @@ class BrokerProcess:
 
 
 class Up:
-    """A running `ppoz up` whose merged output is collected line by line."""
+    """A running `ppoz up` whose merged output is collected line by line; `cwd`: its working directory."""
 
-    def __init__(self, config: Path, *flags: str) -> None:
+    def __init__(self, config: Path, *flags: str, cwd: Path | None = None) -> None:
         command = [*PPOZ, "up", "--config", str(config), *flags]
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()

@@ -156,6 +156,16 @@ def _status(front: int) -> dict | None:
     return status if status["actors"] else None
 
 
+def test_status_labels_each_kind_of_update_when_the_learner_trained_both():
+    """A learner fed candidate choices and generated responses reports both updates' figures (tests/test_up.py and
+    tests/test_generation_end_to_end.py run `ppoz status` against each kind alone); a figure that is not a number is
+    left out."""
+    from ppoz.status import last_update
+
+    figures = {"losses/policy_loss": 0.5, "losses/clipfrac": 0.125, "generation/policy_loss": -0.25, "generation/kl_ref": float("nan")}
+    assert last_update({**figures, "version": 3.0}) == "candidates: policy_loss 0.5  clipfrac 0.125; generation: policy_loss -0.25"
+
+
 def test_status_without_a_broker_fails_clearly():
     result = ppoz("status", "--broker", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.5")
     assert result.returncode == 1 and "no answer from" in result.stderr

@@ -22,7 +22,8 @@ import pytest
 from client import Client
 from ppoz.bench.stability import WINDOW, figures, prompt_and_reward, stack_config
 from tests.helpers import wait_for
-from tests.processes import Up, free_port, status
+from tests.processes import Up, free_port, ppoz, status
+from tests.test_up import last_update
 
 BUDGET = 6000  # responses: at the default learning rate the reward passes 0.9 after 3,000 to 4,000 of them
 CLIENTS = 8
@@ -66,10 +67,14 @@ def test_generation_ppo_learns_to_say_the_word_through_real_processes(tmp_path, 
             t.join(600)
         elapsed = time.monotonic() - started
         final = status(front)
+        table = ppoz("status", "--broker", f"tcp://127.0.0.1:{front}", timeout=60)
     finally:
         code = up.stop()
     assert code == 0, up.text()[-3000:]  # first: a process that failed stops the stack, and its clients' errors follow
     assert not errors, errors[0]
+    # `ppoz status` shows the generation learner's last update as it reports it (issue 41: the line was empty)
+    assert table.returncode == 0, table.stderr
+    assert last_update(table.stdout, "policy_loss", "value_loss", "entropy", "approx_kl", "kl_ref", "clipfrac"), table.stdout
     untrained = [r for r, v in rewards if v == 0]
     windows = [statistics.mean(r for r, _ in rewards[i : i + WINDOW]) for i in range(0, BUDGET - WINDOW + 1, WINDOW)]
     summary = f"{len(rewards)} responses in {elapsed:.0f} s, windows of {WINDOW}: {' '.join(f'{w:.2f}' for w in windows)}"
