@@ -129,8 +129,9 @@ def finish(cfg: Any, summary: dict[str, Any], as_json: bool, learner_started_her
     """The reward curve, the closing line, and the summary as JSON (last) if asked. Not 0 when every driver
     worker stopped, when no response was rewarded, or when the learner this run started applied no update:
     a run that trained nothing must not look like one that did. A run stopped by a signal is not finished:
-    it says where it stopped, and only an unrewarded run among those exits non-zero."""
-    from train.run import dumps
+    it says where it stopped, and only an unrewarded run among those exits non-zero. output_dir/summary.json is
+    written here, once, with everything the printed summary holds."""
+    from train.run import dumps, write_summary
 
     summary["curve"] = str(_curve(cfg, summary))
     line = f"ppoz train: {summary['samples']} responses, reward curve in {summary['curve']}"
@@ -165,6 +166,7 @@ def finish(cfg: Any, summary: dict[str, Any], as_json: bool, learner_started_her
             else "the learner's log lines above say why: an error, or fewer rewarded responses than [learner] rollout_batch"
         )
         print(f"ppoz train: the learner applied no update ({summary['samples']} responses, policy version 0): {why}", file=sys.stderr)
+    write_summary(cfg.output_dir, summary)
     if as_json:
         print(dumps(summary))
     return 1 if len(stopped) >= cfg.workers or untrained or unrewarded else 0

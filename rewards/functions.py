@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -186,8 +187,8 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
 
 # --- a user's function ---------------------------------------------------------------------------
 def load_reward_fn(spec: str) -> RewardFn:
-    """`module:function` (importable), `path/to/file.py:function`, or a built-in's name (`math`,
-    `exact_match`, `default`). Errors name what was missing."""
+    """`module:function` (importable, from the working directory too, as under `python -m`), `path/to/file.py:function`,
+    or a built-in's name (`math`, `exact_match`, `default`). Errors name what was missing."""
     if spec in BUILTINS:
         return BUILTINS[spec]
     if spec == "default":
@@ -212,15 +213,27 @@ def load_reward_fn(spec: str) -> RewardFn:
         except Exception as e:
             raise RewardError(f"--reward-fn {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
     else:
+        working_directory = _importable_from_working_directory()
         try:
             module = importlib.import_module(target)
         except ImportError as e:
-            raise RewardError(f"--reward-fn {spec!r}: cannot import {target!r}: {e}") from e
+            where = f"the working directory {working_directory} and the installed packages"
+            raise RewardError(f"--reward-fn {spec!r}: cannot import {target!r} (looked in {where}): {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardError(f"--reward-fn {spec!r}: {target} has no function {name!r}")
     _check_signature(spec, fn)
     return fn
+
+
+def _importable_from_working_directory() -> str:
+    """Put the working directory first on the import path, as `python -m` does and the `ppoz` console script does
+    not (its script's folder is first there instead), so that `my_rewards:compute_score` finds the my_rewards.py
+    beside the user; returns the directory."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    return cwd
 
 
 def _check_signature(spec: str, fn: RewardFn) -> None:

@@ -37,7 +37,8 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
     stop: list = option([], "stop strings of the responses")
     reward_fn: str = option(
         "",
-        "module:function, path/file.py:function, or a built-in: default (by data_source), math, exact_match, first_word;"
+        "module:function (found in the working directory too, as under `python -m`), path/file.py:function, or a built-in:"
+        " default (by data_source), math, exact_match, first_word;"
         " empty: `default` unless a reward model or judge is set",
     )
     reward_service: str = option(

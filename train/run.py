@@ -6,7 +6,8 @@ Files under `output_dir`:
     driver_state.json   the order of work and its run id (sample ids are `<run>:<position>`), written before the first
                         sample is sent; and the first position not yet done, a hint rewritten every progress line:
                         which samples are stored is read from Redis (train/resume.py)
-    summary.json        the run's figures: validation before and after, rewards, counts (strict JSON: null, never NaN)
+    summary.json        the run's figures: validation before and after, rewards, counts, the curve and the checkpoint; what
+                        `ppoz train --json` prints last, written once at the end (`write_summary`; strict JSON: null, never NaN)
     progress.jsonl      one line per progress report: time, samples, reward mean, the learner's figures; a resumed
                         run goes on with its times after the last run's, a run from the start writes it anew
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.learner_figures import GENERATION
 from common.protocol import Limits
 from rewards.composite import CompositeReward
 from rewards.functions import RewardFn, load_reward_fn
@@ -40,11 +42,11 @@ STOP_POLL_S = 0.2  # how often the run looks at `stop` while the drivers work
 
 # The learner's figures a progress line shows, by the name it gives them (learner_node/generation.py).
 LEARNER_FIGURES = {
-    "kl": "generation/kl_ref",
-    "policy_loss": "generation/policy_loss",
-    "value_loss": "generation/value_loss",
-    "clip_fraction": "generation/clipfrac",
-    "response_length": "generation/response_length",
+    "kl": f"{GENERATION}/kl_ref",
+    "policy_loss": f"{GENERATION}/policy_loss",
+    "value_loss": f"{GENERATION}/value_loss",
+    "clip_fraction": f"{GENERATION}/clipfrac",
+    "response_length": f"{GENERATION}/response_length",
     "version": "version",
 }
 
@@ -241,7 +243,7 @@ def run_training(
     interrupt: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Validation, the drivers until the order of work ends (or `max_samples`, or `stop`), validation
-    again; the summary (also written to output_dir/summary.json). With `grouping` (GRPO or RLOO: the learner's
+    again; the summary (`ppoz train` adds to it and writes it to output_dir/summary.json). With `grouping` (GRPO or RLOO: the learner's
     [generation] advantage = grpo or rloo) the drivers send group-relative advantages over each prompt's
     rollout_n responses (train/driver.py).
 
@@ -278,7 +280,7 @@ def run_training(
     warned: list[bool] = []  # the learner's advantage against the drivers', said once
 
     def check_learner(figures: dict[str, float]) -> None:
-        learner_grpo = figures.get("generation/group_relative")
+        learner_grpo = figures.get(f"{GENERATION}/group_relative")
         if learner_grpo is not None and bool(learner_grpo) != (grouping is not None) and not warned:
             warned.append(True)
             mode = "grpo or rloo" if learner_grpo else "gae"
@@ -377,8 +379,17 @@ def run_training(
     )
     if val and not interrupted:
         validation("after")
-    (out / "summary.json").write_text(dumps(summary, indent=2))
     return summary
+
+
+def write_summary(output_dir: str | Path, summary: dict[str, Any]) -> Path:
+    """output_dir/summary.json: the whole summary as strict JSON, put in place at once (written beside it, then
+    renamed over it: a reader never finds half of it)."""
+    path = Path(output_dir) / "summary.json"
+    writing = path.with_name(f".summary.json.{os.getpid()}")
+    writing.write_text(dumps(summary, indent=2))
+    os.replace(writing, path)
+    return path
 
 
 def _last_time(path: Path) -> float:

@@ -38,7 +38,6 @@ def test_a_run_validates_trains_writes_its_figures_and_resumes(stack, tmp_path) 
     assert 0.0 <= summary["val_before"] <= 1.0 and 0.0 <= summary["val_after"] <= 1.0
     assert any(line.startswith("samples ") and "reward_mean" in line for line in lines)
     assert any(line.startswith("samples 10/10 (100%)") for line in lines)
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["samples"] == 10
     assert json.loads((tmp_path / "out" / "driver_state.json").read_text())["resume_from"] == 10
     assert (tmp_path / "out" / "progress.jsonl").read_text().count("\n") >= 1
     # The next run with the same output directory goes on at sample 10, to the order's end (2 epochs x 6 x 2 = 24).
