@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import check, nested, option, section
+from common.config import check, local_path, nested, option, section
 from common.security import check_client_settings
 from common.shared_settings import PolicySpec, RetrievalConfig, StoreSettings
 
@@ -48,12 +48,17 @@ class ActorConfig:
         "",
         "CURVE: this actor's key pair file (NAME.key_secret from `ppoz keygen`); its NAME.key goes "
         "in the broker's and learner's curve_allowed_actors",
+        path=local_path,
     )
     curve_broker_key: str = option(
-        "", "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)"
+        "",
+        "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)",
+        path=local_path,
     )
     curve_learner_key: str = option(
-        "", "CURVE: the learner's public key file (NAME.key); set, the weight announcements (`weights`) are received encrypted"
+        "",
+        "CURVE: the learner's public key file (NAME.key); set, the weight announcements (`weights`) are received encrypted",
+        path=local_path,
     )
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@
 #               lock's torch and its CUDA companions
 #   PPOZ_UNLOCKED=1 the newest releases within setup.cfg's ranges instead of the lock
 #               (bin/test --latest sets it, in an environment of its own)
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # -P: bin/ may be reached through a link
 VENV="${PPOZ_VENV:-$root/.venv}"
 LOCK="$root/constraints.txt"
 stamp="$VENV/.ppoz-installed"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from common.config import check, nested, option, section
+from common.config import check, local_path, local_path_or_any, nested, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, Limits, is_reward_bound
 from common.security import check_server_settings
 from common.shared_settings import RetrievalConfig, StoreSettings
@@ -64,13 +64,19 @@ class BrokerConfig:
     rag_max_context_chars: int = option(64_000, "rag_step: most characters of retrieved context an actor may append to a prompt")
     retrieval: RetrievalConfig = nested(RetrievalConfig, "rag_")  # [retrieval]: the history the broker keeps is the one the actor expects
     curve_secret_key: str = option(
-        "", "CURVE: the broker's key pair file (NAME.key_secret from `ppoz keygen`); empty: no encryption (docs/security.md)"
+        "",
+        "CURVE: the broker's key pair file (NAME.key_secret from `ppoz keygen`); empty: no encryption (docs/security.md)",
+        path=local_path,
     )
     curve_allowed_clients: str = option(
-        "", "CURVE: directory of the public key files (NAME.key) of the clients allowed on `frontend`, or '*' for any key"
+        "",
+        "CURVE: directory of the public key files (NAME.key) of the clients allowed on `frontend`, or '*' for any key",
+        path=local_path_or_any,
     )
     curve_allowed_actors: str = option(
-        "", "CURVE: directory of the public key files (NAME.key) of the actors allowed on `backend`, or '*' for any key"
+        "",
+        "CURVE: directory of the public key files (NAME.key) of the actors allowed on `backend`, or '*' for any key",
+        path=local_path_or_any,
     )
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 from pathlib import Path
@@ -47,7 +48,11 @@ class ConfigError(ValueError):
 
 
 def option(default: Any, help: str, **metadata: Any) -> Any:
-    """A config field with its default and the help text shown by --help."""
+    """A config field with its default and the help text shown by --help.
+
+    `path=local_path` (or `local_path_or_id`, `code_path`) marks a field that names a file or folder: `load` makes
+    it absolute against the working directory the command started in, default included, so a child process
+    that changes directory (redis-server does) or starts elsewhere reads the same file."""
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help, **metadata})
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
@@ -146,10 +151,42 @@ def _build(cls: type[T], table: dict[str, Any], given: dict[str, Any], where: st
         prefix = f"{field_name}."
         values[field_name] = _build(sub, table, {k[len(prefix) :]: v for k, v in given.items() if k.startswith(prefix)}, where)
     values.update({k: v for k, v in given.items() if k in field_names})
+    for f in dataclasses.fields(cls):
+        resolve = f.metadata.get("path")
+        if resolve is not None and f.name not in nested:
+            value = values.get(f.name, _default(f))
+            if isinstance(value, str):
+                values[f.name] = resolve(value)
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"invalid configuration [{name}] (from {where}): {e}") from e
+
+
+def local_path(value: str) -> str:
+    """A file or folder the user named, absolute against the working directory (`~` expanded); "" stays ""."""
+    return os.path.abspath(os.path.expanduser(value)) if value else value
+
+
+def local_path_or_id(value: str) -> str:
+    """A local model folder made absolute, or a Hugging Face id (`Qwen/Qwen2.5-0.5B`) left as it is: a name is a
+    path when it exists here or is written as one (`./m`, `../m`, `~/m`, `/m`)."""
+    if value and (value.startswith(("./", "../", "~", "/")) or value in (".", "..") or os.path.exists(os.path.expanduser(value))):
+        return local_path(value)
+    return value
+
+
+def local_path_or_any(value: str) -> str:
+    """An allow-list folder made absolute, or '*' (any key) as it is."""
+    return value if value == "*" else local_path(value)
+
+
+def code_path(value: str) -> str:
+    """`path/to/file.py:function` with the file made absolute; `module:function` and built-in names as they are."""
+    file, colon, function = value.rpartition(":")
+    if colon and file.endswith(".py"):
+        return f"{local_path(file)}:{function}"
+    return value
 
 
 def _moved_keys(cls: type) -> dict[str, tuple[str, str]]:

@@ -131,7 +131,9 @@ class EmbeddedRedis:
         self.appendfsync = appendfsync
         self.executable = executable
         self._own_dir = data_dir is None
-        self.dir = Path(data_dir) if data_dir is not None else None
+        # Absolute: redis-server changes into --dir before it opens --logfile and --unixsocket, so a relative
+        # folder would be looked up twice over; and redis-py reads `unix://rel/redis.sock` as the host `rel`.
+        self.dir = Path(data_dir).absolute() if data_dir is not None else None
         self._socket_dir: Path | None = None  # beside a data_dir whose path is too long for a unix socket's name
         self.process: subprocess.Popen | None = None
         self.url = ""

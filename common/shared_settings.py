@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import check, option, section
+from common.config import check, local_path, local_path_or_id, option, section
 from common.options import DTYPE_NAMES, NORMALISATIONS, SCORING_PATHS
 from common.redis_server import password_in_url
 from common.segments import RedisKeys
@@ -41,7 +41,11 @@ AUTO = "auto"  # a setting resolved from the model at load time (lora_trainable)
 class PolicySpec:
     """the policy as actor and learner must both see it"""
 
-    model: str = option("", "causal LM: a local directory or a Hugging Face id; the actor serves the uniform random policy when empty")
+    model: str = option(
+        "",
+        "causal LM: a local directory or a Hugging Face id; the actor serves the uniform random policy when empty",
+        path=local_path_or_id,
+    )
     lora_rank: int = option(8, "rank of the LoRA adapter the learner trains (0: train all weights, for tiny models)")
     lora_alpha: int = option(16, "LoRA alpha")
     lora_trainable: list[str] = option(
@@ -90,6 +94,7 @@ class RetrievalConfig:
     corpus_dir: str = option(
         "",
         "actor: folder of .md/.txt documents (app knowledge, testing guides) indexed at start, searched recursively; empty: history only",
+        path=local_path,
     )
     chunk_tokens: int = option(128, "actor: corpus chunk length, in tokens of the policy's tokenizer")
     chunk_overlap: int = option(32, "actor: tokens shared by consecutive chunks, so a passage cut by one boundary is whole in the next")
@@ -142,6 +147,7 @@ class StoreSettings:
         "",
         "a directory the learner and every actor mount (NFS, a parallel file system) for the weight snapshots' chunks; empty:"
         " the chunks are Redis keys, which needs about (weights_kept + 1) x the snapshot's size of Redis memory (docs/farm.md)",
+        path=local_path,
     )
     weights_kept: int = option(3, "weight snapshots kept, newest first: an actor still reading one a newer replaced can finish")
 

@@ -6,7 +6,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
-from common.config import check, option, section
+from common.config import check, local_path, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, is_reward_bound
 from common.security import LOOPBACK_NAMES, check_client_settings, read_secret
 
@@ -36,9 +36,12 @@ class GatewayConfig:
     curve_secret_key: str = option(
         "",
         "CURVE: the gateway's key pair file (NAME.key_secret from `ppoz keygen`); its NAME.key goes in the broker's curve_allowed_clients",
+        path=local_path,
     )
     curve_server_key: str = option(
-        "", "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)"
+        "",
+        "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)",
+        path=local_path,
     )
     allowed_hosts: list = option(
         list(LOOPBACK_NAMES),
@@ -55,6 +58,7 @@ class GatewayConfig:
         "",
         f"a file whose first line is the bearer token every request must carry (Authorization: Bearer TOKEN); or set"
         f" {TOKEN_ENV}. Empty and unset: no token (unmodified Kea builds send none)",
+        path=local_path,
     )
     read_deadline_s: float = option(
         10.0,

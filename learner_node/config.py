@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import check, nested, option, section
+from common.config import check, local_path, local_path_or_any, nested, option, section
 from common.options import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OBJECTIVES
 from common.security import check_server_settings
 from common.shared_settings import PolicySpec, StoreSettings
@@ -166,7 +166,7 @@ class LearnerConfig(UpdateConfig):
         "(less memory for long responses, about a third more compute)",
     )
     # --- checkpoints, publication, logs ---
-    checkpoint_dir: str = option("runs/learner/checkpoints", "where checkpoints go")
+    checkpoint_dir: str = option("runs/learner/checkpoints", "where checkpoints go", path=local_path)
     keep_checkpoints: int = option(3, "checkpoints kept")
     resume: bool = option(False, "restore the newest checkpoint and go on from it")
     weights_bind: str = option("tcp://127.0.0.1:5557", "endpoint the learner binds to announce new weights (PUB)")
@@ -174,11 +174,14 @@ class LearnerConfig(UpdateConfig):
         "",
         "CURVE: the learner's key pair file (NAME.key_secret from `ppoz keygen`) for the weight PUB; "
         "empty: no encryption (docs/security.md)",
+        path=local_path,
     )
     curve_allowed_actors: str = option(
-        "", "CURVE: directory of the public key files (NAME.key) of the actors allowed to subscribe, or '*' for any key"
+        "",
+        "CURVE: directory of the public key files (NAME.key) of the actors allowed to subscribe, or '*' for any key",
+        path=local_path_or_any,
     )
-    tensorboard_dir: str = option("runs/learner/tb", "TensorBoard log directory (empty: off)")
+    tensorboard_dir: str = option("runs/learner/tb", "TensorBoard log directory (empty: off)", path=local_path)
     max_updates: int = option(0, "stop after this many updates (0: run until stopped)")
     read_block_ms: int = option(1000, "longest a read of the stream blocks")
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from common.config import ConfigError, add_flags, load
+from common.config import ConfigError, add_flags, load, local_path
 
 log = logging.getLogger("ppoz")
 
@@ -270,10 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default: 5)")
     p.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     p.add_argument(
-        "--curve-server-key", default="", metavar="FILE", help="CURVE: the broker's public key file (NAME.key), for a broker with CURVE on"
+        "--curve-server-key",
+        default="",
+        type=local_path,
+        metavar="FILE",
+        help="CURVE: the broker's public key file (NAME.key), for a broker with CURVE on",
     )
     p.add_argument(
-        "--curve-secret-key", default="", metavar="FILE", help="CURVE: this client's key pair file (NAME.key_secret), allowed by the broker"
+        "--curve-secret-key",
+        default="",
+        type=local_path,
+        metavar="FILE",
+        help="CURVE: this client's key pair file (NAME.key_secret), allowed by the broker",
     )
     p.set_defaults(func=cmd_status)
 
@@ -309,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         "save_pretrained, so `[policy] model = DIR` loads it as any model. Its random head and final norm train "
         "beside the LoRA adapter and the learner's policy_lr is 3e-4 by default (with LoRA and with all weights).",
     )
-    p.add_argument("dir", metavar="DIR", help="where to write it (kept if it holds the same tiny model already)")
+    p.add_argument("dir", metavar="DIR", type=local_path, help="where to write it (kept if it holds the same tiny model already)")
     p.add_argument("--arch", default="llama", choices=ARCHITECTURES, help="architecture (default: llama)")
     p.add_argument("--tokenizer", default="byte", choices=TOKENIZERS, help="tokenizer, trained locally but byte (default: byte)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size (default: 64)")
@@ -324,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         "DIR/NAME.key_secret (the key pair: it stays on this machine). See docs/security.md.",
     )
     p.add_argument("name", metavar="NAME", help="the key's name, such as broker, learner, actor-gpu0 or client-42")
-    p.add_argument("--dir", default=".", help="directory for the two files (created if missing; default: .)")
+    p.add_argument("--dir", default=".", type=local_path, help="directory for the two files (created if missing; default: .)")
     p.add_argument(
         "--force", action="store_true", help="replace existing files of that name (peers holding the old public key are then refused)"
     )
@@ -333,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config file; flags given on the command line override it")
+    p.add_argument("--config", metavar="FILE", type=local_path, help="TOML config file; flags given on the command line override it")
 
 
 def _on_stop(stop: Callable[[], None]) -> None:

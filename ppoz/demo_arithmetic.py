@@ -91,7 +91,7 @@ def settings(args: argparse.Namespace, out: Path, model: str) -> tuple[str, Any]
 
 def main(args: argparse.Namespace) -> int:
     from common.tiny_models import build_tiny_model
-    from ppoz.train import advantage_settings, finish, on_this_machine
+    from ppoz.train import advantage_settings, finish, on_this_machine, stop_on_signals
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,11 +101,11 @@ def main(args: argparse.Namespace) -> int:
     config = out / "stack.toml"
     config.write_text(stack)
     print(f"ppoz demo: arithmetic in words on {model}, {args.minutes:g} minutes; outputs in {out}", flush=True)
-    stop = threading.Event()
+    stop, interrupt = stop_on_signals()  # Ctrl-C: the run stops and says so, as `ppoz train`'s does
     timer = threading.Timer(args.minutes * 60, stop.set)
     timer.daemon = True
     timer.start()
     run = argparse.Namespace(config=str(config), log_level=args.log_level, model=model)
-    summary = on_this_machine(run, cfg, stop, *advantage_settings(str(config), args.advantage))
+    summary = on_this_machine(run, cfg, stop, *advantage_settings(str(config), args.advantage), interrupt=interrupt)
     timer.cancel()
     return finish(cfg, summary, args.json)

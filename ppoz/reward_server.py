@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from common.config import add_flags, load
+from common.config import add_flags, load, local_path
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from rewards.config import RewardServiceConfig
 
-    parser.add_argument("--config", metavar="FILE", help="TOML config file with a [reward_service] table; flags override it")
+    parser.add_argument(
+        "--config", metavar="FILE", type=local_path, help="TOML config file with a [reward_service] table; flags override it"
+    )
     add_flags(parser, RewardServiceConfig)
 
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config import add_flags, load, read_toml
+from common.config import add_flags, load, local_path, local_path_or_id, read_toml
 from common.options import ADVANTAGE_ESTIMATORS
 
 if TYPE_CHECKING:
@@ -38,8 +38,15 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from train.config import TrainConfig
 
-    parser.add_argument("--config", metavar="FILE", help="TOML config file: [train], and the stack's tables; flags override it")
-    parser.add_argument("--model", default="", help="the policy model directory (sets [policy] model for the actors and the learner)")
+    parser.add_argument(
+        "--config", metavar="FILE", type=local_path, help="TOML config file: [train], and the stack's tables; flags override it"
+    )
+    parser.add_argument(
+        "--model",
+        default="",
+        type=local_path_or_id,
+        help="the policy model directory or Hugging Face id (sets [policy] model for the actors and the learner)",
+    )
     parser.add_argument("--broker", default="", help="drive this farm's broker (its client endpoint) instead of starting a stack here")
     # With --broker, the farm's [store] (the file's, these flags over it): its Redis holds the learner's figures
     # and the marks of the samples the farm stored, which a resumed run skips.
@@ -76,15 +83,7 @@ def main(args: argparse.Namespace) -> int:
     if not cfg.data:
         raise SystemExit("ppoz train: no training prompts; give --data FILE (or [train] data)")
     grouping, learner_flags = advantage_settings(args.config, args.advantage)
-    stop, interrupt = threading.Event(), threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        log.info("%s received: the run stops (turns not fed back within seconds are left for a resumed run)", signal.Signals(signum).name)
-        interrupt.set()
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop, interrupt = stop_on_signals()
     try:
         # the broker's limits: its [broker] table (a farm's drivers read the farm's file, or the defaults)
         prepared = prepare(cfg, load(BrokerConfig, args.config).limits)
@@ -101,6 +100,21 @@ def main(args: argparse.Namespace) -> int:
         print(f"ppoz train: {e}", file=sys.stderr)
         return 2
     return finish(cfg, summary, args.json, learner_started_here=not args.broker)
+
+
+def stop_on_signals() -> tuple[threading.Event, threading.Event]:
+    """(stop, interrupt): SIGTERM and SIGINT (Ctrl-C) set both, and the run stops as docs/train.md says (no
+    validation after, a summary that says where it stopped, exit status 0 unless nothing was rewarded)."""
+    stop, interrupt = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("%s received: the run stops (turns not fed back within seconds are left for a resumed run)", signal.Signals(signum).name)
+        interrupt.set()
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop, interrupt
 
 
 def advantage_settings(config_file: str | None, advantage: str | None) -> tuple[GroupAdvantage | None, list[str]]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import IO, Any
 
-from common.config import check, load, nested, option, read_toml, section
+from common.config import check, load, local_path, nested, option, read_toml, section
 from common.sd_notify import NotifyListener
 from common.shared_settings import StoreSettings
 
@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 class UpConfig:
     store: StoreSettings = nested(StoreSettings)  # [store], for every component; an empty URL starts an embedded redis-server
     redis_data_dir: str = option(
-        "", "where the embedded redis-server keeps an append-only file (empty: a temporary directory; `ppoz train`: output_dir/redis)"
+        "",
+        "where the embedded redis-server keeps an append-only file (empty: a temporary directory; `ppoz train`: output_dir/redis)",
+        path=local_path,
     )
     redis_appendfsync: str = option(
         "everysec",

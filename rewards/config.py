@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.config import check, option, section
+from common.config import check, local_path, local_path_or_any, local_path_or_id, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, is_reward_bound
 from common.security import check_server_settings, is_local_endpoint
 
@@ -29,7 +29,7 @@ class RewardSources:
     """The reward model (rm_score) and LLM judge (judge_score) settings, each off while its name is empty, and the
     bounds every reward source is held to (a value past them leaves its response unrewarded, never clipped)."""
 
-    reward_model: str = option("", "a local AutoModelForSequenceClassification directory (rm_score)")
+    reward_model: str = option("", "a local AutoModelForSequenceClassification directory (rm_score)", path=local_path_or_id)
     reward_model_device: str = option("cpu", "the reward model's device")
     judge_model: str = option("", "the LLM judge's model name (judge_score); empty: no judge")
     judge_provider: str = option("openai", "dashscope, openai, gemini or claude (keys from their usual variables)")
@@ -99,9 +99,12 @@ class RewardServiceConfig(RewardSources):
         "",
         "CURVE: the service's key pair file (NAME.key_secret from `ppoz keygen`); required to bind an address other"
         " machines can reach (docs/security.md)",
+        path=local_path,
     )
     curve_allowed_clients: str = option(
-        "", 'CURVE: a directory of the drivers\' NAME.key files allowed to connect, or "*" for any key (encryption only)'
+        "",
+        'CURVE: a directory of the drivers\' NAME.key files allowed to connect, or "*" for any key (encryption only)',
+        path=local_path_or_any,
     )
 
     def __post_init__(self) -> None:

@@ -7,7 +7,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from common.config import check, option, section
+from common.config import check, code_path, local_path, option, section
 from common.security import ClientKeys, check_client_settings, client_keys
 from rewards.config import DEFAULT_REWARD_FN_TIMEOUT_S, RewardSources
 
@@ -15,8 +15,10 @@ from rewards.config import DEFAULT_REWARD_FN_TIMEOUT_S, RewardSources
 @section("train")
 @dataclass
 class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/config.py, shared with [reward_service]
-    data: str = option("", "the training prompts: JSON, JSONL or Parquet records {prompt, ground_truth, data_source, extra_info}")
-    val: str = option("", "validation prompts in the same format (empty: no validation)")
+    data: str = option(
+        "", "the training prompts: JSON, JSONL or Parquet records {prompt, ground_truth, data_source, extra_info}", path=local_path
+    )
+    val: str = option("", "validation prompts in the same format (empty: no validation)", path=local_path)
     val_size: int = option(0, "validate on the first N validation records (0: all of them)")
     chat_template: bool = option(False, "send plain-text prompts as a user message through the model's chat template")
     strict: bool = option(False, "a bad record stops the run (default: skipped, counted and named)")
@@ -40,6 +42,7 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
         "module:function (found in the working directory too, as under `python -m`), path/file.py:function, or a built-in:"
         " default (by data_source), math, exact_match, first_word;"
         " empty: `default` unless a reward model or judge is set",
+        path=code_path,
     )
     reward_service: str = option(
         "",
@@ -49,12 +52,15 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
     reward_service_timeout_s: float = option(60.0, "longest wait for one answer of the reward service before the request is sent again")
     reward_service_retries: int = option(2, "times an unanswered request to the reward service is sent again (then: unrewarded)")
     reward_service_curve_key: str = option(
-        "", "CURVE: the reward service's public key file (NAME.key from `ppoz keygen`); set, the drivers connect to it with CURVE"
+        "",
+        "CURVE: the reward service's public key file (NAME.key from `ppoz keygen`); set, the drivers connect to it with CURVE",
+        path=local_path,
     )
     reward_service_curve_secret_key: str = option(
         "",
         "CURVE: the drivers' key pair file (NAME.key_secret), whose NAME.key is in the service's curve_allowed_clients;"
         ' empty: a fresh pair, which only a service accepting "*" lets in',
+        path=local_path,
     )
     weights: dict = option({}, "reward component weights (TOML only), e.g. {rule_score = 0.3, rm_score = 0.7}; empty: 1.0 each", cli=False)
     reward_normalise: str = option("none", "none, or running: (r - mean) / std over the rewards so far")
@@ -63,7 +69,7 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
         DEFAULT_REWARD_FN_TIMEOUT_S,
         "longest one call of the reward function may take; past it that response is unrewarded and the call is abandoned",
     )
-    output_dir: str = option("outputs", "where the run's state, figures, curve and final adapter go")
+    output_dir: str = option("outputs", "where the run's state, figures, curve and final adapter go", path=local_path)
     deadline_s: float = option(300.0, "longest wait for one response, retries included")
     reward_timeout_s: float = option(
         300.0,
