@@ -164,6 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     reward_server.add_arguments(p)
     p.set_defaults(func=reward_server.main)
 
+    from ppoz import export
+
+    p = sub.add_parser(
+        "export",
+        help="a checkpoint as a Hugging Face model folder (adapter merged) that from_pretrained and serving engines load",
+        description="Write a learner checkpoint (LoRA adapter, all weights or sharded; or the newest in a folder of them) "
+        "as a model folder: config, merged safetensors weights, tokenizer, generation config. See docs/train.md.",
+    )
+    export.add_arguments(p)
+    p.set_defaults(func=export.main)
+
     from ppoz import play
 
     p = sub.add_parser(
