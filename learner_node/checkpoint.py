@@ -86,6 +86,20 @@ def staging(directory: str | Path, update: int, create: bool) -> Path:
     return tmp
 
 
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors, contiguous, each name with a storage of its own: safetensors refuses two names for one storage,
+    which a model whose head is tied to its embedding (Qwen2, GPT-2) gives when all its weights train (on a CPU,
+    where `.cpu()` copies nothing). Loading both names back into the tied model writes the same values twice."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return out
+
+
 def save(
     directory: str | Path,
     update: int,
@@ -105,8 +119,8 @@ def save(
     final = root / f"ckpt-{update:08d}"
     tmp = staging(root, update, create=tensors is not None)
     if tensors is not None and value_head is not None:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "policy.safetensors"))
-        save_file({k: v.contiguous() for k, v in value_head.items()}, str(tmp / "value_head.safetensors"))
+        save_file(_unshared(tensors), str(tmp / "policy.safetensors"))
+        save_file(_unshared(value_head), str(tmp / "value_head.safetensors"))
     torch.save({"optimizers": optimizers, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, tmp / "optim.pt")
     (tmp / "state.json").write_text(json.dumps(state))
     (tmp / RECENT_FILE).write_bytes(recent.packed() if recent is not None else msgpack.packb([]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -48,3 +49,23 @@ def test_a_window_of_100k_ids_packs_as_msgpack_of_the_list_and_an_old_checkpoint
     old.mkdir()
     (old / "state.json").write_text(json.dumps({"updates": 1, "recent_segments": ["a:0:0", "b:0:1"]}))
     assert checkpoint.read_state(old)["recent_segments"] == ["a:0:0", "b:0:1"]
+
+
+def test_a_model_whose_head_is_tied_to_its_embedding_saves_all_its_weights_and_loads_back(
+    tmp_path: Path, tiny_model: Callable[..., str]
+) -> None:
+    """All weights trained (lora_rank 0) on a Qwen2-style model: its head and embedding are one tensor under two
+    names, which safetensors refused to write (the learner's first checkpoint crashed on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"))
+    tensors = dict(model.state_dict())
+    assert tensors["lm_head.weight"].data_ptr() == tensors["model.embed_tokens.weight"].data_ptr(), "the model is no longer tied"
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.5)  # "trained": the values the checkpoint must keep
+    path = checkpoint.save(tmp_path, 1, tensors, {"v": torch.zeros(2)}, {}, {"updates": 1}, 2)
+    loaded, _, _, _ = checkpoint.load(path)
+    assert set(loaded) == set(tensors)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"))
+    fresh.load_state_dict(loaded)
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight) and torch.equal(fresh.model.embed_tokens.weight, model.lm_head.weight)
