@@ -25,6 +25,7 @@ from typing import Any
 
 from common.config import local_path, local_path_or_id
 from common.options import ADVANTAGE_ESTIMATORS
+from ppoz.export import export_command
 
 log = logging.getLogger(__name__)
 
@@ -245,4 +246,5 @@ def print_summary(episodes: list[Any], random_baseline: float, learner: Any, cur
     print(f"  learning curve: {curve}")
     print(f"  TensorBoard:    tensorboard --logdir {out / 'tensorboard'}")
     print(f"  checkpoints:    {out / 'checkpoints'}")
+    print(f"  as a model:     {export_command(out / 'checkpoints', out / 'model')}   (a folder from_pretrained loads)")
     return 0 if better or interrupted else 1

@@ -155,6 +155,11 @@ def finish(cfg: Any, summary: dict[str, Any], as_json: bool, learner_started_her
     if summary.get("adapter") or summary.get("weights"):
         what = f"adapter in {summary['adapter']}" if summary.get("adapter") else f"weights in {summary['weights']}"
         print(f"ppoz train: the trained {what}", flush=True)
+    if summary.get("checkpoint"):
+        from ppoz.export import export_command
+
+        command = export_command(summary["checkpoint"], Path(cfg.output_dir) / "model")
+        print(f"ppoz train: as a model folder that from_pretrained and serving engines load: {command}", flush=True)
     if summary.get("stopped"):
         print(f"ppoz train: stopped at sample {summary['resume_from']}; run it again (resume is on) to go on from there", flush=True)
     stopped = summary.get("stopped_workers") or []

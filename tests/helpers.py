@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -99,3 +101,16 @@ def router_stand_in(context: zmq.Context, answer: Callable[[bytes], bytes]) -> I
         stop.set()
         thread.join(5)
         sock.close(linger=0)
+
+
+@contextlib.contextmanager
+def spinning(processes: int) -> Iterator[None]:
+    """`processes` busy loops on the cores while the block runs (what `bin/test --busy N` does to the whole suite):
+    for a test of a race that load makes likely, such as a learner falling behind its clients."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait(10)

@@ -95,6 +95,9 @@ def figures(rewards: list[float]) -> dict[str, Any]:
     }
 
 
+ROLLOUT_BATCH = 32  # transitions per update: what is left in the stream below it waits for more
+
+
 def _status(front: str) -> dict[str, Any] | None:
     from client import Client, PPOZError
 
@@ -113,7 +116,7 @@ def stack_config(model: str | Path, front: str, back: str, weights: str, workdir
     return (
         f'[policy]\nmodel = "{model}"\nlora_rank = 4\n'
         f'[broker]\nfrontend = "{front}"\nbackend = "{back}"\nsegment_len = 1\nheartbeat_ms = 200\n'
-        f'[learner]\nweights_bind = "{weights}"\nrollout_batch = 32\npolicy_minibatch = 16\npolicy_lr = {lr!r}\n'
+        f'[learner]\nweights_bind = "{weights}"\nrollout_batch = {ROLLOUT_BATCH}\npolicy_minibatch = 16\npolicy_lr = {lr!r}\n'
         f'checkpoint_dir = "{workdir / "ckpt"}"\ntensorboard_dir = ""\n'
         "[generation]\nvalue_hidden = [64]\n"
         "[actor]\nweights_poll_s = 1.0\nheartbeat_ms = 200\n"
@@ -185,7 +188,18 @@ def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict
             time.sleep(1.0)
         elapsed = time.monotonic() - started
         timed_out = time.monotonic() >= end
-        learner = record(_status(front))
+        # The learner trains what the clients sent before the figures are read, so its updates and lags cover the
+        # whole run however far it trailed the clients (on a busy machine, by hundreds of responses).
+        learner: dict[str, Any] = {}
+        drained = False
+        while not timed_out and not errors and not supervisor.failed:
+            status = _status(front)
+            learner = record(status)
+            if status is not None and status["stream_length"] < ROLLOUT_BATCH:
+                drained = True
+                break
+            timed_out = time.monotonic() >= end
+            time.sleep(1.0)
         failed = supervisor.failed
     # What went wrong first: the stack, then the deadline, then a client (whose error may follow from either).
     if failed:
@@ -196,6 +210,8 @@ def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict
         raise SystemExit(f"ppoz bench stability: a client failed: {errors[0]!r}; see {log_path}")
     if len(rewards) < args.responses:  # the clients ended early without an error: not expected, still refused
         raise SystemExit(f"ppoz bench stability: the clients stopped at {len(rewards)} of {args.responses} responses; see {log_path}")
+    if not drained:
+        raise SystemExit(f"ppoz bench stability: the learner had not trained the responses within {args.run_timeout_s:g} s; see {log_path}")
     return {
         "lr": lr,
         "responses": len(rewards),
