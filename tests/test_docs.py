@@ -1,0 +1,92 @@
+"""The docs are tests: every bash and python block of README.md and docs/*.md runs as written.
+
+Each document's blocks run in order in a fresh empty working directory, with the environment's `ppoz`
+on PATH (tests/doc_blocks.py). A block that cannot run here is marked in the document with sybil's
+`<!-- skip: next "why" -->`; docs/testing.md lists every one of them, and the test below fails on one
+it does not list. The documents bind the ports they show (5555, 5556, 5557), so they run one at a time,
+across pytest-xdist workers too (a file lock).
+
+`CHECKS` hold what a document promises of a block beyond its exit status 0, by the block's first line.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.doc_blocks import INSIDE_ENV, ROOT, Check, fenced_languages, run_document, skip_reasons
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUN_LANGUAGES = {"bash", "python"}
+OTHER_LANGUAGES = {"", "toml", "json", "hex", "ini", "text"}  # shown, not run: configs, wire bytes, diagrams, output
+
+
+def _learned(workdir: Path, output: str) -> None:
+    assert "ppoz export" in output, "no export command printed at the end"
+    summary = json.loads((workdir / "outputs" / "summary.json").read_text())
+    assert summary["val_after"] >= summary["val_before"] + 0.08, f"validation reward {summary['val_before']} -> {summary['val_after']}"
+
+
+def _demo_summary(workdir: Path, output: str) -> None:
+    assert "summary" in output and "mean return" in output, "no summary printed after Ctrl-C"
+    assert "ppoz export" in output, "no export command printed at the end"
+    assert (workdir / "runs" / "demo" / "learning_curve.png").is_file(), "no learning curve under runs/demo"
+
+
+CHECKS: dict[str, dict[str, Check]] = {
+    "README.md": {"bin/ppoz demo": _demo_summary},
+    "train.md": {"ppoz tiny-model tiny --tokenizer numbers": _learned},
+}
+
+
+@pytest.fixture
+def one_document_at_a_time() -> Iterator[None]:
+    """The documents bind the same fixed ports: one runs at a time on this machine (across workers and runs)."""
+    with open(Path(tempfile.gettempdir()) / "ppoz-docs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # the documents wait for each other (the lock); each block has its own deadline
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
+def test_the_document_s_blocks_run_as_written(doc: Path, tmp_path: Path, one_document_at_a_time: None) -> None:
+    if os.environ.get(INSIDE_ENV):
+        pytest.skip(f"run by a block of {os.environ[INSIDE_ENV]}: a document's blocks never run the documents again")
+    workdir, logs = tmp_path / "work", tmp_path / "logs"
+    workdir.mkdir()
+    logs.mkdir()
+    checks = CHECKS.get(doc.name, {})
+    session = run_document(doc, workdir, logs, checks)
+    missing = set(checks) - session.checked
+    assert not missing, f"{doc.name} has no block that starts with {sorted(missing)} any more; CHECKS names it"
+    ran = [f"line {r.line}: {r.seconds:.0f} s{' (Ctrl-C)' if r.interrupted else ''}" for r in session.runs]
+    print(f"{doc.name}: {len(session.runs)} blocks ran ({', '.join(ran)}); {len(session.skipped)} skipped")
+
+
+def test_every_block_is_run_or_of_a_language_that_is_shown() -> None:
+    """A command in a ```sh or ```console block would escape the test above: only bash and python are commands."""
+    odd = [
+        f"{doc.relative_to(ROOT)} line {line}: ```{language}"
+        for doc in DOCS
+        for line, language in fenced_languages(doc)
+        if language not in RUN_LANGUAGES | OTHER_LANGUAGES
+    ]
+    assert not odd, f"blocks of a language neither run nor listed as shown (write commands as ```bash): {odd}"
+
+
+def test_every_skipped_block_is_listed_with_its_reason_in_testing_md() -> None:
+    listed = (ROOT / "docs" / "testing.md").read_text()
+    unlisted = [
+        f'{doc.relative_to(ROOT)} line {line}: "{why}"'
+        for doc in DOCS
+        for line, why in skip_reasons(doc)
+        if f"| {doc.relative_to(ROOT)} | {why} |" not in listed
+    ]
+    assert not unlisted, f"skipped blocks missing from docs/testing.md's table (| doc | why |): {unlisted}"
