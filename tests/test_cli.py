@@ -184,31 +184,6 @@ def test_demo_refuses_a_run_that_would_train_nothing(task, flags, tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_shows_progress_and_writes_a_learning_curve(tmp_path):
-    # Learning itself is asserted in tests/test_end_to_end.py; this is the demo's display and files.
-    out = tmp_path / "demo"
-    result = ppoz("demo", "--minutes", "0.5", "--report-every", "5", "--clients", "3", "--out", str(out), timeout=600)
-    assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
-    progress = [line for line in result.stdout.splitlines() if "steps" in line and "policy v" in line and "entropy" in line]
-    assert len(progress) >= 3, result.stdout
-    summary = result.stdout.split("summary", 1)[1]
-    assert "random policy" in summary and "trained model" in summary and "untrained model" in summary
-    assert ("beats the random one" in summary) == (result.returncode == 0)
-    curve = out / "learning_curve.png"
-    assert str(curve) in summary and any((out / "tensorboard").iterdir())
-
-    from PIL import Image
-
-    from ppoz.curve import CURVE_COLOUR
-
-    with Image.open(curve) as image:
-        assert image.format == "PNG" and image.size == (800, 450)
-        counts = {colour: n for n, colour in image.convert("RGB").getcolors(maxcolors=1 << 24)}
-        rgb = tuple(int(CURVE_COLOUR[i : i + 2], 16) for i in (1, 3, 5))
-        assert counts.get(rgb, 0) > 200, "no learning curve drawn"
-
-
-@pytest.mark.slow
 def test_bench_rag_runs_and_reports_retrieval_cost_side_by_side(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -34,9 +34,25 @@ def _learned(workdir: Path, output: str) -> None:
 
 
 def _demo_summary(workdir: Path, output: str) -> None:
-    assert "summary" in output and "mean return" in output, "no summary printed after Ctrl-C"
-    assert "ppoz export" in output, "no export command printed at the end"
-    assert (workdir / "runs" / "demo" / "learning_curve.png").is_file(), "no learning curve under runs/demo"
+    """The demo's display and files (learning itself: tests/test_end_to_end.py): progress lines every 10 s, and
+    after Ctrl-C the summary, the curve drawn, TensorBoard's files and the export command."""
+    progress = [line for line in output.splitlines() if "steps" in line and "policy v" in line and "entropy" in line]
+    assert len(progress) >= 2, "fewer than 2 progress lines in 40 s"
+    assert "stopped by Ctrl-C" in output and "summary" in output, "no summary printed after Ctrl-C"
+    summary = output.split("summary", 1)[1]
+    assert "random policy" in summary and "trained model" in summary and "untrained model" in summary
+    assert "ppoz export" in summary, "no export command printed at the end"
+    out = workdir / "runs" / "demo"
+    assert str(out / "learning_curve.png") in summary and any((out / "tensorboard").iterdir())
+    from PIL import Image
+
+    from ppoz.curve import CURVE_COLOUR
+
+    with Image.open(out / "learning_curve.png") as image:
+        assert image.format == "PNG" and image.size == (800, 450)
+        counts = {colour: n for n, colour in image.convert("RGB").getcolors(maxcolors=1 << 24)}
+        rgb = tuple(int(CURVE_COLOUR[i : i + 2], 16) for i in (1, 3, 5))
+        assert counts.get(rgb, 0) > 200, "no learning curve drawn"
 
 
 CHECKS: dict[str, dict[str, Check]] = {
