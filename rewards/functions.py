@@ -219,6 +219,7 @@ def load_reward_fn(spec: str) -> RewardFn:
         except ImportError as e:
             where = f"the working directory {working_directory} and the installed packages"
             raise RewardError(f"--reward-fn {spec!r}: cannot import {target!r} (looked in {where}): {e}") from e
+        _check_not_shadowed(spec, target, module, working_directory)
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardError(f"--reward-fn {spec!r}: {target} has no function {name!r}")
@@ -234,6 +235,21 @@ def _importable_from_working_directory() -> str:
     if "" not in sys.path and cwd not in sys.path:
         sys.path.insert(0, cwd)
     return cwd
+
+
+def _check_not_shadowed(spec: str, target: str, module: Any, working_directory: str) -> None:
+    """A file of the user's named as a module that is already loaded (one of PPOZ's own packages, `rewards` or
+    `train`, or the standard library's) is never imported: say so rather than call the other module's function."""
+    top = target.split(".")[0]
+    mine = [
+        p for p in (os.path.join(working_directory, f"{top}.py"), os.path.join(working_directory, top, "__init__.py")) if os.path.exists(p)
+    ]
+    found = os.path.abspath(getattr(module, "__file__", None) or "")
+    if mine and not found.startswith(os.path.join(working_directory, "")):
+        raise RewardError(
+            f"--reward-fn {spec!r}: {mine[0]} is shadowed by the module {top!r} already loaded from {found or 'the interpreter'};"
+            f" rename your file, or name it by its path: {os.path.relpath(mine[0])}:{spec.rpartition(':')[2]}"
+        )
 
 
 def _check_signature(spec: str, fn: RewardFn) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from fractions import Fraction
 
 import pytest
@@ -185,3 +186,16 @@ def test_the_bound_itself_is_a_reward_and_a_smaller_bound_is_held() -> None:
     assert as_score(10, "r", max_abs=10) == Score(10.0)
     with pytest.raises(RewardError, match=r"score 10.5 is outside the accepted range \[-10, 10\]"):
         as_score(10.5, "r", max_abs=10)
+
+
+def test_a_reward_file_named_like_a_loaded_module_is_named_as_shadowed(tmp_path, monkeypatch) -> None:
+    """A user's rewards.py beside them is never imported as `rewards:...` (PPOZ's own package of that name is loaded):
+    the error says so and how to name the file instead of calling PPOZ's module's function."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader puts the working directory on it
+    (tmp_path / "rewards.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    with pytest.raises(RewardError, match=r"rewards\.py is shadowed by the module 'rewards'.*rewards\.py:compute_score"):
+        load_reward_fn("rewards:compute_score")
+    assert load_reward_fn("rewards.py:compute_score")("s", "x", "y") == 1.0  # by its path, as the message says
+    (tmp_path / "my_scores.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.5\n")
+    assert load_reward_fn("my_scores:compute_score")("s", "x", "y") == 0.5  # a name of its own imports from here
