@@ -349,7 +349,7 @@ def _kept(client: redis.Redis, keys: RedisKeys) -> list[tuple[str, int, int]]:
 def announce(pub: zmq.Socket, ann: Announcement) -> None:
     body = p.header(OP_WEIGHTS)
     body.update(version=ann.version, checksum=ann.checksum, size=ann.size, kind=ann.kind, run=ann.run)
-    pub.send_multipart([TOPIC, p.encode(body)])
+    pub.send_multipart([TOPIC, p.encode(body)], zmq.NOBLOCK)  # a PUB drops at its high-water mark: never a wait
 
 
 def latest(client: redis.Redis, prefix: str) -> Announcement | None:

@@ -291,7 +291,9 @@ def run(
                     if case.oversize:
                         _send_oversize(ctx, frontend, case)
                         continue
-                    socks[k].send_multipart(case.frames, copy=len(case.frames[-1]) < 65536)
+                    # SNDHWM 0 queues without limit, so only a socket with no connection to queue on refuses;
+                    # zmq.Again then ends the run with an error instead of a hang.
+                    socks[k].send_multipart(case.frames, zmq.NOBLOCK, copy=len(case.frames[-1]) < 65536)
                     if case.well_framed:
                         expected[k] += 1
                         report.well_framed += 1
@@ -354,7 +356,7 @@ def _send_oversize(ctx: zmq.Context, frontend: str, case: Case) -> None:
     s.setsockopt(zmq.LINGER, 2000)
     try:
         s.connect(frontend)
-        s.send_multipart(case.frames)
+        s.send_multipart(case.frames, zmq.NOBLOCK)  # a fresh DEALER queues its first message on the connection it makes
     finally:
         s.close()
 
@@ -378,7 +380,10 @@ def _ping(ctx: zmq.Context, frontend: str, timeout: float = 10.0) -> bool:
     s.setsockopt(zmq.LINGER, 0)
     try:
         s.connect(frontend)
-        s.send_multipart([b"", p.encode(request_body(p.OP_PING, "fuzz-final-ping"))])
+        try:
+            s.send_multipart([b"", p.encode(request_body(p.OP_PING, "fuzz-final-ping"))], zmq.NOBLOCK)
+        except zmq.Again:
+            return False
         if not s.poll(int(timeout * 1000)):
             return False
         reply = p.decode(s.recv_multipart()[-1])
