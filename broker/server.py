@@ -116,6 +116,9 @@ class Broker(ClientOps, ActorOps):
                         log.info("stopping: %d steps in flight, %d queued; new steps are refused", len(self.jobs), len(self.queue))
                     if not self.jobs or time.monotonic() > drain_until:
                         break
+                    if not self.registry.actors:  # ppoz up stops its actors first: what is left can never be answered
+                        log.info("stopping: %d steps left, and no actor is left to answer them", len(self.jobs))
+                        break
                 # Wake up for Redis's answer too, so replies leave as soon as their batch is applied.
                 fd = self._redis_fd()
                 if fd != redis_fd:

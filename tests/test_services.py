@@ -10,13 +10,14 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from actor_node.link import BrokerLink
 from actor_node.policies import UniformPolicy
 from actor_node.worker import serve
-from client import Client, Overloaded
+from client import Client, Overloaded, RequestTimeout
 from tests.helpers import OBS, wait_for
 from tests.processes import NotifySocket, free_port, start_service, stop
 
@@ -53,6 +54,30 @@ def test_broker_notifies_ready_when_bound_pings_the_watchdog_reports_status_and_
         notify.close()
     assert code == 0, err[-2000:]
     assert notify.count("STOPPING=1") == 1
+
+
+@pytest.mark.slow
+def test_broker_sigterm_with_steps_no_actor_is_left_to_answer_stops_without_waiting_out_the_drain(tmp_path, redis_url, key_prefix):
+    """`ppoz up` stops its actors before the broker: the steps still queued then can never be answered, and the
+    broker waited its whole drain_timeout_s (10 s by default) for them at every stack's stop."""
+    notify = NotifySocket(tmp_path / "notify.sock")
+    front, back = free_port(), free_port()
+    args = ["broker", "--frontend", f"tcp://127.0.0.1:{front}", "--backend", f"tcp://127.0.0.1:{back}"]
+    proc = start_service([*args, "--redis-url", redis_url, "--key-prefix", key_prefix, "--drain-timeout-s", "120"], notify)
+    try:
+        notify.wait_for("READY=1", 60)  # a broker imports no torch: 1 s alone on the 2-core VM
+        with Client(f"tcp://127.0.0.1:{front}", deadline=30) as c, Client(f"tcp://127.0.0.1:{front}", deadline=1) as stepping:
+            task = c.attach()
+            with pytest.raises(RequestTimeout):  # no actor: the step waits in the queue
+                stepping.step(task, OBS)
+            assert c.status()["jobs"] == 1
+        proc.send_signal(signal.SIGTERM)
+        # Far below the 120 s drain: the broker stops as soon as it sees no actor can answer (well under 1 s alone).
+        assert proc.wait(60) == 0
+        assert "no actor is left to answer them" in Path(proc.log_path).read_text()
+    finally:
+        stop(proc)
+        notify.close()
 
 
 @pytest.mark.slow
