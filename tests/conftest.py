@@ -119,7 +119,7 @@ class RunningBroker:
 
     def stop(self) -> None:
         self.broker.stop()
-        self.thread.join(10)
+        self.thread.join(10)  # the loop sees the stop within one 50 ms poll and drains (drain_timeout_s 2 s at most); x5 (a daemon)
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ class RunningActor:
 
     def stop(self) -> None:
         self.stop_event.set()
-        self.thread.join(10)
+        self.thread.join(10)  # serve() sees the event between its polls (0.1 s) and the job in hand; x50 (a daemon)
         self.link.close()
 
 
@@ -192,6 +192,8 @@ def start_actor(zmq_context: zmq.Context) -> Iterator[Callable[..., RunningActor
 def make_client(zmq_context: zmq.Context) -> Iterator[Callable[..., Client]]:
     clients: list[Client] = []
 
+    # The defaults are for a broker thread of this process on loopback, which answers in ms (REPLY_S); a step waits on
+    # an in-process actor too, 10-100 ms alone: a 5 s attempt is x50, and the 10 s deadline leaves room for one retry.
     def make(endpoint: str, deadline: float = 10.0, attempt_timeout: float = 5.0) -> Client:
         client = Client(endpoint, deadline=deadline, attempt_timeout=attempt_timeout, context=zmq_context)
         clients.append(client)

@@ -17,9 +17,27 @@ import zmq
 
 from client import Client
 
+# Deadlines. Every wait in a test has one, and each says why it is long enough on a loaded machine: what the
+# event takes alone on the 2-core VM, and the factor it is given for the load. The bar is `bin/test --busy 2`:
+# two processes spinning beside the two pytest-xdist workers, so a test's process gets half a core or less, and a
+# burst of other work (an install, another test's torch import) can hold it for seconds. A deadline only bounds
+# a failure: a long one costs nothing when the event comes. The shared ones:
+# An event among this process's threads and Redis on loopback (a broker thread's reply, an in-process actor
+# registering on 0.1 s heartbeats): 0.01-0.3 s alone; x30 and more.
+IN_PROCESS_S = 10.0
+# One request answered by a broker, actor or service thread of this process with nothing else to do: ms alone; x1000.
+REPLY_S = 5.0
+# A `ppoz` process without torch (broker, gateway) bound and ready: about 1 s alone (0.6 s of CPU); x30.
+PROCESS_START_S = 30.0
+# A `ppoz` process importing torch, transformers and peft (actor, learner), a tiny model loaded: 7-10 s alone; x12.
+TORCH_START_S = 120.0
+# A `ppoz` process's exit after SIGTERM (a drain, a tiny model's checkpoint): 1-3 s alone; x10.
+PROCESS_STOP_S = 30.0
 
-def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """Poll `condition` until it is truthy; fail the test with `what` after `timeout` s."""
+
+def wait_for(condition: Callable[[], Any], timeout: float = IN_PROCESS_S, what: str = "condition") -> Any:
+    """Poll `condition` until it is truthy; fail the test with `what` after `timeout` s (the default: an event of
+    this process's threads, IN_PROCESS_S; a caller that waits on anything slower passes its own, with its reason)."""
     end = time.monotonic() + timeout
     while True:
         value = condition()
@@ -99,7 +117,7 @@ def router_stand_in(context: zmq.Context, answer: Callable[[bytes], bytes]) -> I
         yield f"tcp://127.0.0.1:{port}"
     finally:
         stop.set()
-        thread.join(5)
+        thread.join(5)  # the thread sees `stop` within one 50 ms poll; x100 (a daemon: a late one cannot hang the run)
         sock.close(linger=0)
 
 
@@ -113,4 +131,4 @@ def spinning(processes: int) -> Iterator[None]:
     finally:
         for spinner in spinners:
             spinner.kill()
-            spinner.wait(10)
+            spinner.wait(10)  # SIGKILL ends it at once (ms); x1000

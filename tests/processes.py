@@ -28,13 +28,16 @@ from typing import Any
 import pytest
 
 from client import Client, PPOZError
+from tests.helpers import PROCESS_STOP_S
 
 PPOZ = [sys.executable, "-m", "ppoz.cli"]
 LOWEST_PORT = 10_000  # below it: the well-known and registered services a machine may run
 
 
 def ppoz(*args: str, timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """Run `ppoz ARGS` to its end as a user runs it; its stdout and stderr captured as text."""
+    """Run `ppoz ARGS` to its end as a user runs it; its stdout and stderr captured as text. The default `timeout`
+    is for a short command (a refusal, keygen, a help text): it imports torch and ends in 3-8 s alone on the 2-core
+    VM; x15. A run that does real work passes its own, with its reason."""
     return subprocess.run([*PPOZ, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
@@ -101,7 +104,7 @@ class NotifySocket:
         self.path = str(path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
-        self.sock.settimeout(0.2)
+        self.sock.settimeout(0.2)  # not a deadline: how often the reader looks at `_closed`
         self.messages: list[str] = []
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -135,7 +138,7 @@ class NotifySocket:
 
     def close(self) -> None:
         self._closed.set()
-        self._reader.join(2)
+        self._reader.join(2)  # the reader sees `_closed` within its 0.2 s socket timeout; x10 (a daemon thread)
         self.sock.close()
 
 
@@ -148,7 +151,7 @@ def start_service(args: list[str], notify: NotifySocket, watchdog_usec: int = 40
     return proc
 
 
-def stop(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str]:
+def stop(proc: subprocess.Popen[str], timeout: float = PROCESS_STOP_S) -> tuple[int, str]:
     """SIGTERM a process started by `start_service`, wait `timeout` s (then SIGKILL); its exit code and its log."""
     proc.send_signal(signal.SIGTERM)
     try:
@@ -180,12 +183,12 @@ class BrokerProcess:
     def kill(self) -> None:
         """SIGKILL: no drain, no flush."""
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(10)  # the kernel ends a SIGKILLed process at once (ms); x1000
 
     def restart(self) -> None:
         self.proc = self._start()
 
-    def stop(self, timeout: float = 30) -> int:
+    def stop(self, timeout: float = PROCESS_STOP_S) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -221,9 +224,12 @@ class Up:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
+            # up stops its components one by one, in reverse start order (a broker, an actor, a learner writing its
+            # checkpoint, maybe a gateway or reward service): 5-10 s alone on the 2-core VM; x9 and more. Past it,
+            # TimeoutExpired fails the test; its own stop_timeout_s (30 s a component) kills a stuck one first.
             return self.proc.wait(90)
         finally:
-            self.reader.join(10)
+            self.reader.join(10)  # the pipe's writer is gone: the reader reads what is left and ends (ms); x1000
 
 
 def alive(pid: int) -> bool:
@@ -237,6 +243,8 @@ def alive(pid: int) -> bool:
 def status(front: int) -> dict[str, Any] | None:
     """The broker's status on loopback port `front`; None while nothing answers there."""
     try:
+        # one probe of a poll (callers retry it under a deadline of their own): a broker on loopback answers
+        # `status` in ms, so 2 s is x100; a slower answer only costs one more probe
         with Client(f"tcp://127.0.0.1:{front}", deadline=2, attempt_timeout=2) as c:
             return c.status()
     except PPOZError:

@@ -22,7 +22,7 @@ from broker.config import BrokerConfig
 from client import BadRequest, FeedbackWithoutStep, InternalError, RequestTimeout, UnknownTask
 from common import protocol as p
 from common.segments import RedisKeys, Segment
-from tests.helpers import OBS, actors_ready, wait_for
+from tests.helpers import OBS, REPLY_S, actors_ready, wait_for
 
 
 def segments(redis_client, prefix):
@@ -162,8 +162,8 @@ def test_older_clients_empty_next_obs_is_accepted(stack, redis_client, key_prefi
     assert client.request("feedback", task_id=task, reward=0.5, done=False, next_obs={})["status"] == "ok"
 
 
-def raw_request(ctx, endpoint, frames, timeout=5.0):
-    """Send raw frames on a fresh DEALER; return the decoded reply or None."""
+def raw_request(ctx, endpoint, frames, timeout=REPLY_S):
+    """Send raw frames on a fresh DEALER; return the decoded reply or None (none within `timeout` s)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
@@ -222,6 +222,7 @@ def test_limits_give_too_large(start_broker, make_client, zmq_context):
 
 def test_malformed_frames_are_dropped_and_counted_and_service_goes_on(stack, zmq_context):
     broker, client = stack
+    # how long to look for a reply that must not come, not a deadline: load can only make it pass wrongly
     assert raw_request(zmq_context, broker.frontend, [b"x", b"y", b"z"], timeout=0.5) is None
     assert raw_request(zmq_context, broker.frontend, [b"", b"", b"", b""], timeout=0.5) is None
     task = client.attach()
@@ -238,6 +239,8 @@ def test_ask_says_wait_without_actors_and_steps_time_out(start_broker, make_clie
     started = time.monotonic()
     with pytest.raises(RequestTimeout):
         client.step(task, obs(0))
+    # the client's 1.5 s deadline and a loaded machine's late wake-ups (under a second): a client that waited out its
+    # 5 s attempt_timeout instead, or kept retrying, would fail
     assert time.monotonic() - started < 5
     assert client.status()["counters"]["errors/timeout"] >= 2  # each attempt got its `timeout` from the broker
 
@@ -255,7 +258,7 @@ def test_an_attach_rid_reused_by_another_client_gets_a_task_of_its_own_and_a_ret
         sock.connect(f"tcp://{source}:0;127.0.0.1:{port}")  # the connection's source address
         try:
             sock.send_multipart([b"", p.encode(p.header("attach", rid))])
-            assert sock.poll(5000), f"no answer to an attach from {source}"
+            assert sock.poll(5000), f"no answer to an attach from {source}"  # REPLY_S: a broker thread's reply
             return p.decode(sock.recv_multipart()[-1])
         finally:
             sock.close(linger=0)
@@ -274,6 +277,8 @@ def test_attach_past_max_sessions_is_overloaded_and_the_open_sessions_keep_worki
     """An attach flood must not grow Redis without bound: past `max_sessions` a new attach is `overloaded` (nothing
     written), while a retried attach, a resume by task id and the open sessions' steps go on; a detach makes room."""
     broker = start_broker(max_sessions=3, retry_after_ms=50)
+    # how long the client retries `overloaded` before it raises it, short on purpose; every request here is answered
+    # by the broker thread alone, in ms (x100)
     client = make_client(broker.frontend, deadline=0.5)
     first = client.request("attach", rid="a-0")["task_id"]
     others = [client.attach() for _ in range(2)]
@@ -302,15 +307,15 @@ def test_overloaded_when_the_queue_is_full_for_the_client_that_filled_it(start_b
         flood.send_multipart([b"", p.encode(p.header("step", f"q{n}") | {"task_id": task, "obs": obs(0)})])
     wait_for(lambda: client.status()["queued_jobs"] == 2, what="the flood to fill the queue")
     flood.send_multipart([b"", p.encode(p.header("step", "q2") | {"task_id": c, "obs": obs(0)})])
-    assert flood.poll(2000), "no answer to a step past the queue's limit"
+    assert flood.poll(2000), "no answer to a step past the queue's limit"  # a broker thread's reply: ms alone; x1000
     reply = p.decode(flood.recv_multipart()[-1])
     assert reply["rid"] == "q2" and reply["error"]["code"] == p.E_OVERLOADED and reply["retry_after_ms"] > 0
     assert "2 of them yours" in reply["error"]["message"]
     polite.send_multipart([b"", p.encode(p.header("step", "p1") | {"task_id": d, "obs": obs(0)})])
     wait_for(lambda: client.status()["queued_jobs"] == 3, what="the polite client's step queued past the limit")
-    assert not polite.poll(200), "the polite client's step was answered, not queued"
+    assert not polite.poll(200), "the polite client's step was answered, not queued"  # a look for what must not come
     polite.send_multipart([b"", p.encode(p.header("step", "p2") | {"task_id": e, "obs": obs(0)})])
-    assert polite.poll(2000), "no answer to the polite client's step past its share"
+    assert polite.poll(2000), "no answer to the polite client's step past its share"  # as above: ms alone; x1000
     assert p.decode(polite.recv_multipart()[-1])["error"]["code"] == p.E_OVERLOADED
     assert client.ask(b)["reason"] == "no_actor"
     flood.close(linger=0)
@@ -330,10 +335,10 @@ def test_a_step_refused_for_its_deadline_leaves_the_task_s_running_step_alone(st
     wait_for(lambda: client.status()["queued_jobs"] == 1, what="the first step queued (no actor)")
     for bad in (0, -5, "soon"):
         sock.send_multipart([b"", p.encode(p.header("step", f"s-{bad}") | {"task_id": task, "obs": obs(1), "deadline_ms": bad})])
-        assert sock.poll(2000), "no answer to a bad deadline"
+        assert sock.poll(2000), "no answer to a bad deadline"  # a broker thread's reply: ms alone; x1000
         reply = p.decode(sock.recv_multipart()[-1])
         assert reply["rid"] == f"s-{bad}" and reply["error"]["code"] == p.E_BAD_REQUEST and "deadline_ms" in reply["error"]["message"]
-    assert not sock.poll(300), "the running step was answered (superseded by a refused request)"
+    assert not sock.poll(300), "the running step was answered (superseded by a refused request)"  # what must not come
     assert client.status()["jobs"] == 1
     sock.close(linger=0)
 
@@ -349,10 +354,12 @@ def test_actor_errors_and_invalid_results_become_internal_errors(broker, start_a
     client = make_client(broker.frontend)
     wait_for(lambda: actors_ready(client, 1), what="the actor")
     task = client.attach()
+    # The client retries `internal_error` until its deadline, then raises it: the deadline only has to outlast the first
+    # answer, from an actor thread of this process, 10-100 ms alone. It was 1 s (x10 at best): 2 s.
     with pytest.raises(InternalError, match="boom"):
-        client.request("step", task_id=task, obs={**OBS, "prompt": "raise"}, deadline=1.0)
+        client.request("step", task_id=task, obs={**OBS, "prompt": "raise"}, deadline=2.0)
     with pytest.raises(InternalError, match="invalid result"):
-        client.request("step", task_id=task, obs=OBS, deadline=1.0)
+        client.request("step", task_id=task, obs=OBS, deadline=2.0)
     assert client.status()["pending_steps"] == 0
 
 
@@ -379,13 +386,16 @@ class SilentActor:
 
     def kill(self):
         self.stop.set()
-        self.thread.join(5)
+        self.thread.join(5)  # the loop sees `stop` within one 50 ms poll; x100
         self.sock.close(linger=0)
 
 
 @pytest.mark.parametrize("hang", [False, True], ids=["dead", "hung"])
 def test_requests_of_a_dead_or_hung_actor_go_to_another(start_broker, start_actor, make_client, zmq_context, hang):
-    broker = start_broker(heartbeat_ms=100, heartbeat_liveness=3, actor_job_timeout_ms=600, request_timeout_ms=8000)
+    # The three steps are answered once the broker has given up on the silent actor (3 missed 0.1 s heartbeats, or
+    # its 0.6 s job timeout) and the healthy actor thread has registered and served them: 1-1.5 s alone after they
+    # were sent. The steps' own timeout was 8 s (x5): 30 s, and the clients wait past it (x20).
+    broker = start_broker(heartbeat_ms=100, heartbeat_liveness=3, actor_job_timeout_ms=600, request_timeout_ms=30_000)
     client = make_client(broker.frontend)
     silent = SilentActor(zmq_context, broker.backend, heartbeat=hang)
     wait_for(lambda: actors_ready(client, 1), what="the silent actor")
@@ -393,7 +403,7 @@ def test_requests_of_a_dead_or_hung_actor_go_to_another(start_broker, start_acto
     results: dict[str, dict] = {}
     threads = []
     for task in tasks:
-        c = make_client(broker.frontend, deadline=10.0, attempt_timeout=10.0)
+        c = make_client(broker.frontend, deadline=35.0, attempt_timeout=35.0)
         threads.append(threading.Thread(target=lambda c=c, t=task: results.__setitem__(t, c.step(t, obs(0)))))
         threads[-1].start()
     wait_for(lambda: silent.jobs == 3, what="the silent actor to take all three jobs")
@@ -401,7 +411,7 @@ def test_requests_of_a_dead_or_hung_actor_go_to_another(start_broker, start_acto
         silent.kill()  # dies holding three requests
     start_actor(broker.backend, name="healthy")
     for t in threads:
-        t.join(15)
+        t.join(40)  # past the clients' deadline: a thread still running is a step lost
     assert sorted(results) == sorted(tasks) and all(r["status"] == "ok" for r in results.values())
     counters = client.status()["counters"]
     assert counters["jobs/requeued"] == 3
@@ -417,7 +427,8 @@ def test_silent_sessions_expire_into_truncated_segments(start_broker, start_acto
     client.step(task, obs(0))
     client.feedback(task, 1.0)
     client.step(task, obs(1))  # the emulator dies here, without detach
-    segs = wait_for(lambda: segments(redis_client, key_prefix), timeout=10, what="the expired session's segment")
+    # the 0.5 s TTL, then the broker's next session scan (once a second): 0.5-1.5 s alone. It was 10 s (x7): 20 s
+    segs = wait_for(lambda: segments(redis_client, key_prefix), timeout=20, what="the expired session's segment")
     assert [(s.reason, s.truncated, len(s.transitions), s.next_obs["prompt"]) for s in segs] == [("expired", True, 1, obs(1)["prompt"])]
     with pytest.raises(UnknownTask):
         client.ask(task)
@@ -449,7 +460,7 @@ def test_prometheus_endpoint_serves_the_status_figures(start_broker, start_actor
     port = broker.broker.metrics_server.port
 
     def scrape() -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:  # a thread of this process: ms; x1000
             assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
             return r.read().decode()
 
@@ -457,7 +468,8 @@ def test_prometheus_endpoint_serves_the_status_figures(start_broker, start_actor
         text = scrape()
         return text if 'ppoz_events_total{name="broker/steps"} 3.0' in text else None
 
-    text = wait_for(scraped_after_the_steps, timeout=10, what="the scrape to show 3 steps")
+    # the steps are counted; the endpoint's figures are renewed once a second: at most 1 s alone. It was 10 s: 20 s (x20)
+    text = wait_for(scraped_after_the_steps, timeout=20, what="the scrape to show 3 steps")
     assert "ppoz_sessions 1.0" in text and 'ppoz_actor_credits{actor="prom-actor"}' in text
     assert "# TYPE ppoz_events_total counter" in text
     assert 'ppoz_added_latency_ms{quantile="0.5"}' in text and 'ppoz_added_latency_ms{quantile="0.99"}' in text
@@ -504,7 +516,7 @@ def test_one_ask_is_held_per_task_and_an_ended_task_s_held_ask_gets_unknown_task
         sock.send_multipart([b"", p.encode(p.header("ask", rid) | {"task_id": task_id})])
 
     def answer(timeout_ms: int = 2000) -> dict:
-        assert sock.poll(timeout_ms), "no answer"
+        assert sock.poll(timeout_ms), "no answer"  # a broker thread's reply: ms alone; x1000
         return p.decode(sock.recv_multipart()[-1])
 
     ask("k1", task)
@@ -513,7 +525,9 @@ def test_one_ask_is_held_per_task_and_an_ended_task_s_held_ask_gets_unknown_task
     ask("k2", task)
     first = answer()
     assert first["rid"] == "k1" and first["status"] == "wait" and first["retry_after_ms"] == 1, first
-    assert time.monotonic() - started < 1.0
+    # at once (ms alone), not at the end of its 5 s hold, which says the same: the bound was 1 s; 2.5 s, half the hold,
+    # tells the two apart as well and leaves a loaded machine room
+    assert time.monotonic() - started < 2.5
     # the broker answers the older ask before it holds the newer one: read from this thread, in between it is 0
     wait_for(lambda: len(held) == 1 and task in held, what="the second ask held in the first one's place")
     ask("k3", other)
@@ -539,12 +553,15 @@ def test_an_ask_over_the_backlog_is_held_and_answered_ok_as_soon_as_the_learner_
         replies: list[tuple[dict, float]] = []
         thread = threading.Thread(target=lambda got=replies: got.append((asker.ask(task), time.monotonic())), daemon=True)
         thread.start()
-        time.sleep(0.6)
+        time.sleep(0.6)  # a look for an answer that must not come, not a deadline
         assert not replies, f"answered while the backlog was over its limit: {replies}"
         redis_client.xdel(stream, *[entry_id for entry_id, _ in redis_client.xrange(stream)])  # the learner read and acknowledged them
         read_at = time.monotonic()
-        thread.join(5)
+        thread.join(5)  # answered within 10 ms alone (the broker re-reads the stream every 0.01 s while it holds asks); x500
         assert replies and replies[0][0]["status"] == "ok" and replies[0][0]["task_id"] == task
+        # A timing claim, kept: the answer follows the read at once (10 ms alone), not at the broker's once-a-second
+        # refresh of the stream's length; 0.3 s leaves x30 and keeps the chance that the refresh passes all three
+        # rounds at 2.7%. It passed beside two spinners (bin/test --busy 2).
         assert replies[0][1] - read_at < 0.3, f"answered {replies[0][1] - read_at:.2f} s after the learner read, not at once"
 
 
@@ -563,6 +580,8 @@ def test_an_ask_held_past_ask_hold_ms_is_told_to_ask_again_at_once_and_without_a
     reply = client.ask(task)
     waited = time.monotonic() - started
     assert reply["status"] == "wait" and reply["reason"] == "stream_backlog"
+    # Timing claims, kept: held its 0.3 s then answered (the reply itself takes ms), at least 0.25 s and well under the
+    # 5 s longest hold; or, with no hold, answered at once, under half the 0.5 s default hold. Passed under --busy 2.
     if hold_ms:
         assert reply["retry_after_ms"] == 1 and 0.25 <= waited < 2.0, (reply, waited)
     else:
@@ -603,7 +622,7 @@ def test_ask_hold_ms_at_its_bounds_is_accepted(tmp_path, hold_ms):
 ASKER = """
 import json, sys, time
 from client import Client
-client = Client(sys.argv[1], deadline=10, attempt_timeout=5)
+client = Client(sys.argv[1], deadline=10, attempt_timeout=5)  # past the 4 s hold; the answer after the read takes ms
 print("ready", flush=True)
 for line in sys.stdin:
     reply = client.ask(line.strip())
@@ -646,6 +665,7 @@ def test_the_asks_of_many_clients_and_processes_are_all_held_and_all_answered_ok
         assert proc.stdout is not None
         threading.Thread(target=read, args=(n, proc.stdout), daemon=True).start()
     try:
+        # a Python process importing the client (zmq, msgpack; no torch): 0.3 s alone; x100
         assert sorted(next_line(30) for _ in procs) == [(n, "ready\n") for n in range(n_procs)]
         for _ in range(3):
             _over_the_backlog(client, task)
@@ -668,16 +688,17 @@ def test_the_asks_of_many_clients_and_processes_are_all_held_and_all_answered_ok
                 assert proc.stdin is not None
                 proc.stdin.write(task_id + "\n")
                 proc.stdin.flush()
+            # 19 asks sent at once to a broker thread: ms alone; x100 (and below the 4 s hold, when the first would be let go)
             wait_for(lambda: len(held) == len(tasks), timeout=5, what=f"all {len(tasks)} asks held (held now: {len(held)})")
-            time.sleep(0.3)
+            time.sleep(0.3)  # a look for an answer that must not come, not a deadline
             assert len(held) == len(tasks) and not replies, f"answered while the backlog was over its limit: {dict(replies)}"
             dropped_at = time.monotonic()
             redis_client.xdel(stream, *[entry_id for entry_id, _ in redis_client.xrange(stream)])  # the learner read them
             read_at = time.monotonic()
             for thread in threads:
-                thread.join(5)
+                thread.join(5)  # answered within 10 ms of the read alone; x500 (the 4 s hold would end them anyway)
             for _ in procs:
-                n, line = next_line(10)
+                n, line = next_line(10)  # the same, then a line through a pipe; x1000
                 printed = json.loads(line)
                 replies[tasks[n_threads + n]].append((printed["reply"], printed["at"]))  # the same clock: CLOCK_MONOTONIC
             assert sorted(replies) == sorted(tasks), f"{len(tasks) - len(replies)} asks lost"
@@ -685,6 +706,7 @@ def test_the_asks_of_many_clients_and_processes_are_all_held_and_all_answered_ok
             assert all(r["status"] == "ok" and r["task_id"] == t for t, [(r, _)] in replies.items()), dict(replies)
             assert all(at > dropped_at for [(_, at)] in replies.values()), "answered before the learner read"
             late = max(at for [(_, at)] in replies.values()) - read_at
+            # a timing claim, as in the test above (at once, not at the once-a-second refresh); passed under --busy 2
             assert late < 0.3, f"answered up to {late:.3f} s after the learner read, not at once"
             assert len(held) == 0 and client.status()["counters"].get("broker/ask_wait", 0) == waits
     finally:
@@ -693,7 +715,7 @@ def test_the_asks_of_many_clients_and_processes_are_all_held_and_all_answered_ok
                 proc.stdin.close()
         for proc in procs:
             try:
-                proc.wait(10)
+                proc.wait(10)  # its stdin closed, the asking loop ends and the process exits: 0.1 s alone; x100
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -718,7 +740,7 @@ def _collect(socks, until: float) -> dict[str, list[tuple[dict, float]]]:
     poller = zmq.Poller()
     for sock in socks:
         poller.register(sock, zmq.POLLIN)
-    while (left := until - time.monotonic()) > 0:
+    while (left := until - time.monotonic()) > 0:  # a window its caller sizes, with its reason
         for sock in dict(poller.poll(max(1, int(left * 1000)))):
             while True:
                 try:
@@ -756,6 +778,10 @@ def test_a_flood_of_held_asks_gets_one_answer_each_and_the_broker_keeps_serving(
     pings: list[float] = []
     flooding = threading.Event()
 
+    # What this test asserts of time is a performance claim of the broker's (it holds 2,000 asks and answers a ping at
+    # once all along), kept with its figures: every ask held within 0.5 s of the flood (it must be, before the first
+    # 1 s hold ends; 0.1-0.2 s alone), each answered within 0.5 s of its hold's end or of the learner's read, every
+    # ping answered within 0.25 s. It passed beside two spinners (bin/test --busy 2).
     def ping_along():
         while flooding.is_set():
             started = time.monotonic()
@@ -778,10 +804,11 @@ def test_a_flood_of_held_asks_gets_one_answer_each_and_the_broker_keeps_serving(
             if tag == "release":
                 redis_client.xdel(stream, *[entry_id for entry_id, _ in redis_client.xrange(stream)])  # the learner read them
                 read_at = time.monotonic()
-            got = _collect(socks, max(sent.values()) + hold_ms / 1000 + 1.0)  # every reply (a second one too) in that time
+            # every reply (a second one too): the last ask's hold, then 1 s, twice the 0.5 s the last answer may take
+            got = _collect(socks, max(sent.values()) + hold_ms / 1000 + 1.0)
         finally:
             flooding.clear()
-            pinging.join(15)
+            pinging.join(15)  # the pinger sees `flooding` cleared after the ping in hand, which its 10 s deadline ends
         assert len(pings) >= 10 and max(pings) < 0.25, f"{len(pings)} pings during the flood, the slowest {max(pings):.3f} s"
         assert sorted(got) == sorted(sent), f"{len(set(sent) - set(got))} asks unanswered, {len(set(got) - set(sent))} strangers"
         twice = [rid for rid, replies in got.items() if len(replies) != 1]
@@ -814,8 +841,9 @@ def test_default_back_pressure_follows_the_limit_the_learner_publishes(start_bro
     assert client.status()["stream_length"] == 3
     assert client.ask(task)["status"] == "ok"
     redis_client.set(RedisKeys(key_prefix).learner_backlog, 2)  # what the learner writes after an update
-    reply = wait_for(lambda: (r := client.ask(task))["status"] == "wait" and r, timeout=5, what="the broker to read the learner's limit")
+    # the broker reads the learner's limit with its once-a-second session scan: at most 1 s alone. It was 5 s (x5): 15 s
+    reply = wait_for(lambda: (r := client.ask(task))["status"] == "wait" and r, timeout=15, what="the broker to read the learner's limit")
     assert reply["reason"] == "stream_backlog"
     assert client.status()["stream_backlog_limit"] == 2
     redis_client.set(RedisKeys(key_prefix).learner_backlog, 10)  # a faster learner, or a longer lag bound
-    wait_for(lambda: client.ask(task)["status"] == "ok", timeout=5, what="the broker to read the raised limit")
+    wait_for(lambda: client.ask(task)["status"] == "ok", timeout=15, what="the broker to read the raised limit")  # as above

@@ -39,7 +39,7 @@ class Recording(UniformPolicy):
 
 
 def test_a_flooding_client_delays_a_polite_one_by_at_most_a_batch(start_broker, start_actor, make_client, zmq_context):
-    broker = start_broker(request_timeout_ms=60_000)
+    broker = start_broker(request_timeout_ms=60_000)  # 401 steps at 20 ms a batch of CREDITS: a few s alone; x10 and more
     policy = Recording()
     start_actor(broker.backend, credits=CREDITS, policy=policy)
     polite = make_client(broker.frontend)

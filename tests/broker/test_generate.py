@@ -26,6 +26,7 @@ def generating_stack(start_broker, start_actor, make_client, llm, **config: Any)
     model, tokenizer = llm
     broker = start_broker(**config)
     start_actor(broker.backend, credits=8, policy=LLMPolicy(model, tokenizer, SamplingConfig(seed=1)))
+    # a generate of a few tokens by the tiny model on an actor thread of this process: 0.05-0.5 s alone; x60 an attempt
     client = make_client(broker.frontend, deadline=60, attempt_timeout=30)
     wait_for(lambda: actors_ready(client, 1), what="the actor to register")
     return broker, client
@@ -118,7 +119,7 @@ def test_a_prompt_over_the_models_context_fails_alone(start_broker, start_actor,
     broker = start_broker()
     # KV reserved per row for all the model's positions, so the model's limit is the one a request meets
     start_actor(broker.backend, policy=LLMPolicy(model, tokenizer, SamplingConfig(max_generate_positions=8192)))
-    client = make_client(broker.frontend, deadline=60, attempt_timeout=30)
+    client = make_client(broker.frontend, deadline=60, attempt_timeout=30)  # as generating_stack's
     wait_for(lambda: actors_ready(client, 1), what="the actor")
     a, b = client.attach(), client.attach()
     with pytest.raises(BadRequest, match="over the model's limit of 8192"):
@@ -135,12 +136,14 @@ def test_a_generate_past_its_deadline_is_answered_timeout_and_the_actor_gives_it
     engine.end_ids = set()  # no end-of-sequence token: the response would run its whole budget
     broker = start_broker(max_new_tokens=8000)
     start_actor(broker.backend, credits=8, policy=policy)
-    client = make_client(broker.frontend, deadline=60, attempt_timeout=30)
+    client = make_client(broker.frontend, deadline=60, attempt_timeout=30)  # as generating_stack's
     wait_for(lambda: actors_ready(client, 1), what="the actor to register")
     task = client.attach()
-    with pytest.raises(RequestTimeout):
+    with pytest.raises(RequestTimeout):  # deadline=0.3: the deadline under test, which the request must not meet
         client.generate(task, "a long one", max_new_tokens=8000, deadline=0.3)
     # The actor stops writing it at its deadline: 8,000 tokens would take it many seconds more.
+    # one decode step past the deadline: 10-50 ms alone; x60. The assertion below, not this wait, tells a row given up
+    # from one finished: a whole 8,000 tokens would take tens of seconds
     wait_for(lambda: engine.active == 0, timeout=3, what="the actor to give the row up at its deadline")
     assert engine.tokens_out < 8000
     reply = client.generate(task, "next", max_new_tokens=2)
@@ -165,7 +168,7 @@ def test_a_generate_waiting_for_a_row_is_answered_timeout_at_its_deadline_never_
     engine.add = watched_add  # type: ignore[method-assign]
     broker = start_broker(max_new_tokens=8000)
     start_actor(broker.backend, credits=8, policy=policy)
-    client = make_client(broker.frontend, deadline=60, attempt_timeout=30)
+    client = make_client(broker.frontend, deadline=60, attempt_timeout=30)  # as generating_stack's
     wait_for(lambda: actors_ready(client, 1), what="the actor to register")
     other = make_client(broker.frontend, deadline=60, attempt_timeout=30)  # used by the thread below only
     long_task, short_task = other.attach(), client.attach()
@@ -181,11 +184,12 @@ def test_a_generate_waiting_for_a_row_is_answered_timeout_at_its_deadline_never_
 
     holder = threading.Thread(target=long_one)
     holder.start()
-    wait_for(lambda: engine.active == 1, timeout=10, what="the long response to take the row")
+    wait_for(lambda: engine.active == 1, timeout=10, what="the long response to take the row")  # one prefill: 50 ms alone; x200
+    # deadline=0.5 is under test (the request must be answered timeout while the row is held, 3.5 s more)
     with pytest.raises(RequestTimeout):
         client.generate(short_task, "the short one", max_new_tokens=2, deadline=0.5)
-    holder.join(30)
-    wait_for(lambda: engine.active == 0, timeout=10, what="the long response to end at its deadline")
+    holder.join(30)  # the long one's 4 s deadline is a timer, which load does not stretch, then ms of reply; x7
+    wait_for(lambda: engine.active == 0, timeout=10, what="the long response to end at its deadline")  # a decode step after it; x100
     assert not errors and admitted == ["the long one"]
     assert client.generate(short_task, "next", max_new_tokens=2)["n_tokens"] == 2
 

@@ -26,10 +26,12 @@ class Wire:
         self.client.setsockopt(zmq.LINGER, 0)
         self.client.connect(self.router.getsockopt_string(zmq.LAST_ENDPOINT))
         self.client.send_multipart([b"", b"hello"])
-        assert self.router.poll(5000), "the DEALER did not connect"
+        assert self.router.poll(5000), "the DEALER did not connect"  # a loopback connect and one frame: ms alone; x1000
         self.envelope = (self.router.recv_multipart()[0], b"")
 
     def replies(self, timeout_s: float = 0.2) -> list[dict]:
+        """What has arrived: replies sent before the call are on loopback in ms (x100); the tests also use it to see that
+        nothing came, where load can only make them pass wrongly."""
         got = []
         while self.client.poll(timeout_s * 1000):
             got.append(p.decode(self.client.recv_multipart()[-1]))
@@ -64,7 +66,7 @@ def commit_until_sent(box: Outbox) -> None:
         box.commit(time.monotonic())
         return not box.pending
 
-    wait_for(done, timeout=5, what="Redis to apply the batch")
+    wait_for(done, timeout=5, what="Redis to apply the batch")  # one script on loopback Redis: ms alone; x1000
 
 
 def test_a_durable_reply_leaves_only_once_its_writes_are_in_redis(outbox, wire, redis_client, key_prefix):
@@ -93,7 +95,7 @@ def test_a_failed_write_raises_and_fail_answers_every_unacknowledged_reply_with_
             return e
         return None
 
-    error = wait_for(failure, timeout=5, what="the failed write to be reported")
+    error = wait_for(failure, timeout=5, what="the failed write to be reported")  # Redis's refusal on loopback: ms alone; x1000
     assert "WRONGTYPE" in str(error) or "wrong kind" in str(error)
     assert wire.replies() == [], "nothing leaves before the broker decides (fail)"
     assert outbox.fail() == 2

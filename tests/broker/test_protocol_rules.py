@@ -122,7 +122,8 @@ def test_ask_is_answered_afresh_and_carries_the_task_id(start_broker, start_acto
 
 # --- a step answered `timeout` never takes effect later -------------------------------------------
 class GatedPolicy(UniformPolicy):
-    """Answers only once `gate` is set (or after 20 s, so a failing test cannot hang the actor)."""
+    """Answers only once `gate` is set (or after 20 s, so a failing test cannot hang the actor: the test sets it
+    within a 200 ms deadline and a reply, well under a second alone)."""
 
     def __init__(self) -> None:
         super().__init__(0)
@@ -142,7 +143,7 @@ def test_a_step_answered_timeout_is_abandoned_its_late_result_dropped_and_a_retr
     client = make_client(broker.frontend)
     wait_for(lambda: client.status()["actors"], what="the actor")
     task = client.attach()
-    step = p.header("step", "slow-1") | {"task_id": task, "obs": obs(0), "deadline_ms": 200}
+    step = p.header("step", "slow-1") | {"task_id": task, "obs": obs(0), "deadline_ms": 200}  # the deadline under test
     reply = request(zmq_context, broker.frontend, step)
     assert reply["rid"] == "slow-1" and reply["error"]["code"] == p.E_TIMEOUT and "task_id" not in reply
     policy.gate.set()  # the actor now answers the abandoned job
@@ -279,7 +280,7 @@ def test_the_error_vectors_are_what_the_broker_sends_byte_for_byte(broker, make_
         sock.connect(broker.frontend)
         try:
             sock.send_multipart([b"", body])
-            assert sock.poll(5000), name
+            assert sock.poll(5000), name  # REPLY_S: a broker thread's reply
             assert sock.recv_multipart()[-1] == (vectors / f"{name}.msgpack").read_bytes(), name
         finally:
             sock.close()

@@ -55,7 +55,7 @@ def rag_actor(zmq_context):
     yield start
     for link, stop, thread in started:
         stop.set()
-        thread.join(10)
+        thread.join(10)  # serve() sees `stop` between its 0.1 s polls; x100 (a daemon thread)
         link.close()
 
 
@@ -112,6 +112,7 @@ def test_a_context_over_the_limit_is_refused_and_nothing_is_recorded(start_broke
     client = make_client(broker.frontend)
     wait_for(lambda: actors_ready(client, 1), what="the actor")
     task = client.attach()
+    # retried to its deadline, then raised: the first answer, from an actor thread of this process, 10-100 ms alone; x20
     with pytest.raises(InternalError, match="invalid result"):
         client.request("rag_step", task_id=task, obs=OBS, deadline=2.0)
     assert SessionStore(redis_client, RedisKeys(key_prefix), "learners").load_sessions(32)[task].pending is None

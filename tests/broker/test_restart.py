@@ -18,6 +18,8 @@ def test_broker_killed_and_restarted_loses_nothing(redis_url, redis_client, key_
     endpoint = broker.frontend
     try:
         start_actor(broker.backend)
+        # `ppoz broker` (no torch) starts in about 1 s alone, then the actor thread registers on 0.1 s heartbeats: x10.
+        # A status attempt is answered in ms once the broker is up; 1 s attempts only resend sooner while it starts.
         probe = Client(endpoint, deadline=20, attempt_timeout=1)
         wait_for(lambda: probe.status()["actors"], timeout=20, what="the actor to register")
 
@@ -26,6 +28,8 @@ def test_broker_killed_and_restarted_loses_nothing(redis_url, redis_client, key_
         stop = threading.Event()
 
         def emulator(i: int) -> None:
+            # 0.5 s attempts resend a request the killed broker lost (a retry costs nothing: rids make it idempotent); the
+            # 30 s deadline covers the restart, about 1 s alone (x30)
             with Client(endpoint, deadline=30, attempt_timeout=0.5) as c:
                 task = c.attach(task_id=f"emu-{i}")
                 n = 0
@@ -41,14 +45,15 @@ def test_broker_killed_and_restarted_loses_nothing(redis_url, redis_client, key_
         threads = [threading.Thread(target=emulator, args=(i,), daemon=True) for i in range(4)]
         for t in threads:
             t.start()
-        wait_for(lambda: sum(acknowledged) >= 40, timeout=30, what="40 acknowledged feedbacks")
+        wait_for(lambda: sum(acknowledged) >= 40, timeout=30, what="40 acknowledged feedbacks")  # 0.5-1 s alone; x30
         broker.kill()
         killed_at = sum(acknowledged)
         broker.restart()
+        # the restart (about 1 s alone), the reconnects, then 40 feedbacks as above: 2-3 s alone; x20
         wait_for(lambda: sum(acknowledged) >= killed_at + 40, timeout=60, what="40 more feedbacks after the restart")
         stop.set()
         for t in threads:
-            t.join(30)
+            t.join(30)  # each ends after the request in hand: ms alone, its 30 s deadline at most
         assert not errors, errors
 
         status = probe.status()
@@ -65,7 +70,7 @@ def test_broker_killed_and_restarted_loses_nothing(redis_url, redis_client, key_
         assert len({s.seg_id for s in segments}) == len(segments)
         probe.close()
     finally:
-        broker.stop(10)
+        broker.stop(10)  # `ppoz broker` drains and exits on SIGTERM in under 1 s alone (x10); SIGKILLed past it
 
 
 def decode_open(data: bytes) -> dict:

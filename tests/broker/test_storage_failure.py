@@ -46,7 +46,7 @@ class OwnRedis:
 def own_redis(tmp_path, start_actor, make_client, zmq_context) -> Iterator[Callable[..., OwnRedis]]:
     started: list[OwnRedis] = []
 
-    def start(client_deadline: float = 10.0) -> OwnRedis:
+    def start(client_deadline: float = 10.0) -> OwnRedis:  # make_client's default (tests/conftest.py says why)
         server = EmbeddedRedis(appendonly=True, data_dir=tmp_path).start()
         cfg = BrokerConfig(
             frontend="tcp://127.0.0.1:*",
@@ -68,7 +68,7 @@ def own_redis(tmp_path, start_actor, make_client, zmq_context) -> Iterator[Calla
     yield start
     for s in started:
         s.broker.stop()
-        s.thread.join(10)
+        s.thread.join(10)  # as RunningBroker.stop in tests/conftest.py
         s.server.stop()
 
 
@@ -86,6 +86,7 @@ def test_broker_refuses_writes_while_redis_is_down_and_recovers(own_redis):
     wait_for(lambda: not s.broker.storage_ok, what="the broker to notice Redis is gone")
 
     s.restart_redis()
+    # redis-server back in 0.1 s, then the broker's once-a-second reload: 1-2 s alone; x10
     wait_for(lambda: s.broker.storage_ok, timeout=20, what="the broker to reconnect")
     # The retried feedback (same rid) is applied exactly once, on top of the data that survived.
     assert s.client.feedback(task, 2.0, rid="fb-down")["status"] == "ok"
@@ -116,7 +117,7 @@ def test_a_retry_while_redis_is_still_down_is_not_answered_from_memory(own_redis
     assert ask["status"] == "wait" and ask["reason"] == "storage", ask
 
     s.restart_redis()
-    wait_for(lambda: s.broker.storage_ok, timeout=20, what="the broker to reconnect")
+    wait_for(lambda: s.broker.storage_ok, timeout=20, what="the broker to reconnect")  # as above
     assert s.client.feedback(task, 2.0, rid="fb-1")["status"] == "ok"  # applied now, once
     stored = connect(s.server.url).lrange(f"ppoz:seg:{task}", 0, -1)
     assert [p.decode(x)["reward"] for x in stored] == [2.0]
@@ -130,11 +131,13 @@ def test_an_idle_broker_notices_redis_gone_by_its_stream_length_read_and_recover
     task = s.client.attach()
     s.client.step(task, OBS)
     s.server.stop()
-    wait_for(lambda: not s.broker.storage_ok, what="the idle broker to notice Redis is gone")
+    # the broker's once-a-second read, which fails at once on the closed port (or after its 1 s socket timeout): 1-2 s
+    # alone. The wait was the 10 s default (x5): 20 s
+    wait_for(lambda: not s.broker.storage_ok, timeout=20, what="the idle broker to notice Redis is gone")
     status = s.client.status()  # answered without Redis
     assert status["storage_ok"] is False and status["sessions"] == 0 and status["counters"]["errors/storage"] == 1
     s.restart_redis()
-    wait_for(lambda: s.broker.storage_ok, timeout=20, what="the broker to reconnect")
+    wait_for(lambda: s.broker.storage_ok, timeout=20, what="the broker to reconnect")  # as above
     assert s.client.status()["pending_steps"] == 1, "the session and its pending step come back from Redis"
     assert s.client.feedback(task, 1.0)["status"] == "ok"
     assert connect(s.server.url).llen(f"ppoz:seg:{task}") == 1
@@ -142,7 +145,7 @@ def test_an_idle_broker_notices_redis_gone_by_its_stream_length_read_and_recover
 
 def test_a_redis_that_refuses_writes_but_answers_reads_gets_internal_and_nothing_is_acknowledged(own_redis):
     """A full Redis (maxmemory, noeviction): the write fails, memory is reloaded from Redis at once, storage stays up."""
-    s = own_redis(client_deadline=1.0)
+    s = own_redis(client_deadline=1.0)  # its requests are answered in ms (the step by an actor thread, 10-100 ms); x10 and more
     admin = connect(s.server.url)
     try:
         task = s.client.attach()
@@ -173,7 +176,7 @@ def test_a_failed_read_while_a_batch_is_in_flight_leaves_that_batch_to_its_own_a
     client.connect(broker.frontend_endpoint)
     try:
         client.send_multipart([b"", p.encode(p.header("attach", "a-1"))])
-        assert broker.frontend.poll(5000)
+        assert broker.frontend.poll(5000)  # a frame on loopback: ms alone; x1000
         broker.on_client_frames(broker.frontend.recv_multipart())
         broker.commit()
         assert broker.outbox.in_flight
@@ -182,7 +185,7 @@ def test_a_failed_read_while_a_batch_is_in_flight_leaves_that_batch_to_its_own_a
         def replied() -> dict | None:
             broker.now = time.monotonic()
             broker.commit()
-            return p.decode(client.recv_multipart()[-1]) if client.poll(10) else None
+            return p.decode(client.recv_multipart()[-1]) if client.poll(10) else None  # a look, under wait_for's deadline
 
         reply = wait_for(replied, what="the attach's own reply")
         assert reply["status"] == "attached" and reply["rid"] == "a-1", reply
