@@ -43,7 +43,8 @@ def pick(i: int, n: int = 32) -> dict[str, Any]:
 
 
 def run_threads(target: Callable[[int], None], n: int, timeout: float = 60.0) -> list[BaseException]:
-    """Run target(0..n-1) in n threads; return the exceptions they raised."""
+    """Run target(0..n-1) in n threads; return the exceptions they raised. `timeout`: how long each is waited for (its
+    tens of requests to a broker and actor of this process take 1-3 s alone; x20)."""
     errors: list[BaseException] = []
 
     def wrapped(i: int) -> None:

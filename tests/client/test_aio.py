@@ -12,7 +12,7 @@ from client import AsyncClient, BadRequest, FeedbackWithoutStep, RequestTimeout,
 from common import protocol as p
 from common.segments import Segment
 from tests.client.helpers import EchoPolicy, pick
-from tests.helpers import wait_for
+from tests.helpers import IN_PROCESS_S, wait_for
 from tests.processes import free_port
 
 
@@ -20,6 +20,7 @@ def test_full_life_cycle(serving, zmq_context, redis_client, key_prefix):
     broker, _ = serving(segment_len=8)
 
     async def main() -> None:
+        # make_client's timeouts (tests/conftest.py): a broker and actor of this process answer in ms
         async with AsyncClient(broker.frontend, deadline=10, attempt_timeout=5, context=zmq_context) as client:
             assert (await client.ping())["status"] == "ok"
             task = await client.attach()
@@ -57,6 +58,7 @@ def test_concurrent_coroutines_share_one_client_and_each_gets_its_own_reply(serv
             await client.feedback(task, reward=float(n))
 
     async def main() -> int:
+        # a second attempt fails the test: 60 steps at 0.2 s a batch, all in flight at once, take 0.2-0.6 s each alone; x30
         async with AsyncClient(broker.frontend, deadline=30, attempt_timeout=20, context=zmq_context) as client:
             await asyncio.gather(*(emulator(client, i) for i in range(20)))
             return client.attempts
@@ -72,15 +74,20 @@ def test_concurrent_coroutines_share_one_client_and_each_gets_its_own_reply(serv
 
 def test_no_broker_gives_request_timeout_within_the_deadline(zmq_context):
     async def main() -> AsyncClient:
+        # the deadline and the attempts' timeouts are what is tested; nothing answers
         async with AsyncClient(f"tcp://127.0.0.1:{free_port()}", deadline=1.0, attempt_timeout=0.3, context=zmq_context) as client:
             started = time.monotonic()
             with pytest.raises(RequestTimeout, match="no reply to ping within 1.0 s"):
                 await client.ping()
-            assert 0.9 < time.monotonic() - started < 1.5
+            # given up at the deadline, not before it and not attempts later: the 1.0 s, then the loop's wake-up, which a
+            # loaded machine makes late (the bound was 1.5 s: 2.0 s, still short of another whole attempt after the end)
+            assert 0.9 < time.monotonic() - started < 2.0
             return client
 
     client = asyncio.run(main())
-    assert client.attempts == 4  # 0.3 + 0.3 + 0.3 + 0.1 s, a fresh socket each time
+    # 0.3 + 0.3 + 0.3 + 0.1 s, a fresh socket each time. How many attempts fit in the second is a count per unit of time:
+    # a loaded machine that wakes the loop late by 0.1 s in all leaves no time for the fourth, so 3 passes too
+    assert client.attempts in (3, 4), client.attempts
 
 
 def test_requests_in_flight_survive_a_broker_restart(start_broker, start_actor, zmq_context, redis_client, key_prefix):
@@ -90,8 +97,12 @@ def test_requests_in_flight_survive_a_broker_restart(start_broker, start_actor, 
     start_actor(first.backend, policy=EchoPolicy())
 
     async def main() -> None:
+        # 0.3 s attempts: the resends while the broker is away are under test. The 30 s deadline covers a broker thread's
+        # restart in this process (ms) and an actor registering (0.1-0.3 s): x100
         async with AsyncClient(frontend, deadline=30, attempt_timeout=0.3, context=zmq_context) as client:
+            registered_by = time.monotonic() + IN_PROCESS_S
             while not (await client.status())["actors"]:
+                assert time.monotonic() < registered_by, "the actor did not register"
                 await asyncio.sleep(0.05)
             tasks = [await client.attach(task_id=f"emu-{i}") for i in range(5)]
             for task in tasks:
@@ -101,7 +112,12 @@ def test_requests_in_flight_survive_a_broker_restart(start_broker, start_actor, 
 
             before = client.attempts
             steps = [asyncio.ensure_future(client.step(task, pick(i + 1), rid=f"after-{i}")) for i, task in enumerate(tasks)]
-            await asyncio.sleep(1.0)
+            # Each step sent three times at least (two silent 0.3 s attempts, then again): waited for, not counted in a
+            # second of sleep, which a loaded machine's late wake-ups would fill with fewer attempts
+            resent_by = time.monotonic() + IN_PROCESS_S  # 0.6 s of attempt timers alone; x16
+            while client.attempts - before < 5 * 3:
+                assert time.monotonic() < resent_by, f"{client.attempts - before} attempts of 5 steps"
+                await asyncio.sleep(0.05)
             assert not any(s.done() for s in steps), "nobody is there to answer"
             second = await asyncio.to_thread(start_broker, frontend=frontend)
             start_actor(second.backend, policy=EchoPolicy())
@@ -119,7 +135,9 @@ def test_requests_in_flight_survive_a_broker_restart(start_broker, start_actor, 
 
 
 def test_overloaded_replies_are_retried_after_retry_after_ms(start_broker, start_actor, make_client, zmq_context):
-    broker = start_broker(max_queue=1, retry_after_ms=200, request_timeout_ms=10_000)
+    # The step is answered once the waits below end and an actor thread registers: 1-1.5 s alone. Its timeout (and the
+    # client's deadline) were 10 s (x7): 30 s
+    broker = start_broker(max_queue=1, retry_after_ms=200, request_timeout_ms=30_000)
     probe = make_client(broker.frontend)
     a, b, c = probe.attach(), probe.attach(), probe.attach()
     # Two clients' steps fill the queue while no actor is there: a third client is refused only once the queue
@@ -132,10 +150,15 @@ def test_overloaded_replies_are_retried_after_retry_after_ms(start_broker, start
     wait_for(lambda: probe.status()["queued_jobs"] == 2, what="two steps to fill the queue")
 
     async def main() -> tuple[dict, int, float]:
-        async with AsyncClient(broker.frontend, deadline=10, attempt_timeout=5, context=zmq_context) as client:
+        async with AsyncClient(broker.frontend, deadline=30, attempt_timeout=5, context=zmq_context) as client:
             started = time.monotonic()
             step = asyncio.ensure_future(client.step(b, pick(3)))
-            await asyncio.sleep(1.0)
+            # Refused and retried three times at least: waited for, not counted in a second of sleep (5 attempts alone,
+            # fewer where a loaded machine wakes the loop late)
+            retried_by = time.monotonic() + IN_PROCESS_S  # 0.6 s of retry_after_ms alone; x16
+            while client.attempts < 4:
+                assert time.monotonic() < retried_by, f"{client.attempts} attempts"
+                await asyncio.sleep(0.05)
             assert not step.done()
             await asyncio.to_thread(start_actor, broker.backend, policy=EchoPolicy())
             reply = await step
@@ -148,6 +171,7 @@ def test_overloaded_replies_are_retried_after_retry_after_ms(start_broker, start
             blocker.close(linger=0)
     assert reply["action"] == 3
     assert probe.status()["counters"]["errors/overloaded"] == attempts - 1 >= 3
+    # at most one attempt per retry_after_ms: load can only make fewer
     assert attempts <= elapsed / 0.2 + 2, "the client must wait retry_after_ms between attempts"
 
 
@@ -155,7 +179,7 @@ def test_error_codes_raise_their_exceptions_without_retry(serving, zmq_context):
     broker, _ = serving()
 
     async def main() -> int:
-        async with AsyncClient(broker.frontend, deadline=5, attempt_timeout=2, context=zmq_context) as client:
+        async with AsyncClient(broker.frontend, deadline=5, attempt_timeout=2, context=zmq_context) as client:  # replies in ms; x1000
             with pytest.raises(UnknownTask, match="unknown_task"):
                 await client.step("nobody", pick(0))
             task = await client.attach()
@@ -172,10 +196,10 @@ def test_close_fails_requests_in_flight(start_broker, zmq_context):
     broker = start_broker()  # no actor: a step waits
 
     async def main() -> None:
-        client = AsyncClient(broker.frontend, deadline=10, attempt_timeout=5, context=zmq_context)
+        client = AsyncClient(broker.frontend, deadline=10, attempt_timeout=5, context=zmq_context)  # outlasts the 0.2 s below
         task = await client.attach()
         step = asyncio.ensure_future(client.step(task, pick(0)))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # not a deadline: the step sends and waits at the loop's first turn
         await client.close()
         with pytest.raises(RuntimeError, match="closed while the request waited"):
             await step
@@ -188,9 +212,10 @@ def test_a_cancelled_request_leaves_the_client_usable(serving, zmq_context):
     broker, _ = serving(policy=EchoPolicy(delay=1.0))
 
     async def main() -> None:
+        # the answer comes after the policy's 1 s sleep, a timer load does not stretch, and ms of work: x5 an attempt
         async with AsyncClient(broker.frontend, deadline=10, attempt_timeout=5, context=zmq_context) as client:
             task = await client.attach()
-            with pytest.raises(asyncio.TimeoutError):
+            with pytest.raises(asyncio.TimeoutError):  # the cancellation under test, at 0.2 s, before the 1 s answer
                 await asyncio.wait_for(client.step(task, pick(1), rid="slow"), 0.2)
             assert not client._waiters, "a cancelled request must not leave its waiter behind"
             assert (await client.step(task, pick(1), rid="slow"))["action"] == 1  # the same rid: joins the first
@@ -213,6 +238,7 @@ def test_generate_and_wait_turn(start_broker, start_actor, zmq_context, tiny_mod
     start_actor(broker.backend, policy=LLMPolicy(model, tokenizer, SamplingConfig()))
 
     async def main() -> list[dict]:
+        # a few tokens of the tiny model on an actor thread of this process: 0.05-0.5 s alone; x60 an attempt
         async with AsyncClient(broker.frontend, deadline=60, attempt_timeout=30, context=zmq_context) as client:
             tasks = [await client.attach() for _ in range(3)]
             for task in tasks:

@@ -37,7 +37,7 @@ def ppo_client(zmq_context):
 
 def test_kea_loop_attach_ask_step_feedback_detach(serving, ppo_client, redis_client, key_prefix):
     broker, _ = serving(segment_len=4)
-    client = ppo_client(broker.frontend, deadline=10, attempt_timeout=5)
+    client = ppo_client(broker.frontend, deadline=10, attempt_timeout=5)  # make_client's (tests/conftest.py)
     assert client.task_id is None
     task_id = client.attach()
     assert isinstance(task_id, str) and client.task_id == task_id
@@ -137,7 +137,7 @@ def test_generate_writes_a_response_and_takes_its_reward(start_broker, start_act
     with pytest.raises(ValueError, match="not attached"):
         client.generate("Describe the screen")
     client.attach()
-    wait_for(lambda: client.ask()["status"] == "ok", timeout=30, what="the actor")
+    wait_for(lambda: client.ask()["status"] == "ok", timeout=30, what="the actor")  # a loaded actor thread registering: 0.1-0.3 s; x100
     reply = client.generate("Describe the screen", max_new_tokens=4, temperature=0.5)
     assert set(reply) == {"task_id", "status", "text", "n_tokens", "finish_reason", "logprob", "policy_version"}
     assert reply["n_tokens"] == 4 and reply["finish_reason"] == "length"
