@@ -15,7 +15,7 @@ from actor_node.main import run_actor
 from common import weights
 from common.policy_model import ModelSpec, load_policy, policy_state_dict
 from common.shared_settings import PolicySpec, StoreSettings
-from tests.helpers import OBS, actors_ready, wait_for
+from tests.helpers import OBS, TORCH_START_S, actors_ready, wait_for
 
 
 @pytest.fixture
@@ -42,7 +42,12 @@ def start_llm_actor(tiny_models, redis_url, key_prefix):
     yield start
     for stop, thread in started:
         stop.set()
-        thread.join(15)
+        thread.join(15)  # the actor ends its batch in hand and closes: under 0.5 s alone; x30 (a daemon thread)
+
+
+# The waits of these tests: the actor thread loads the tiny model (torch already imported here) and registers in 1-3 s
+# alone (60 s: x20); each step is a forward of it, 10-100 ms (the clients' 30 s deadline: x300); a snapshot is taken at
+# the actor's next poll (0.2 s) and loaded in under 0.5 s (30 s: x60).
 
 
 def actor_spec(tiny_models) -> ModelSpec:
@@ -95,6 +100,7 @@ def test_weight_swap_mid_stream_never_mixes_versions(broker, start_llm_actor, ma
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     # With "redis_only" the actor has no announcement to hear: it must catch up from Redis.
+    # poll_s 30 where the announcement must do it: no poll comes within the test
     start_llm_actor(broker.backend, f"tcp://127.0.0.1:{port}" if via == "pub" else "", poll_s=0.5 if via == "redis_only" else 30)
     client = make_client(broker.frontend, deadline=30)
     wait_for(lambda: actors_ready(client, 1), timeout=60, what="the LLM actor")
@@ -106,7 +112,10 @@ def test_weight_swap_mid_stream_never_mixes_versions(broker, start_llm_actor, ma
         replies.append(client.step(task, OBS))
         client.feedback(task, 0.0)
     ann = weights.store_snapshot(redis_client, key_prefix, 1, state, "lora")
-    for _ in range(200):
+    # The swap comes with the next announcement heard or poll (0.5 s), and a load of the snapshot: about 1 s alone. The
+    # loop was bounded by 200 steps, 2-10 s alone; by time now: 60 s (x60)
+    swap_by = time.monotonic() + 60
+    while time.monotonic() < swap_by:
         weights.announce(pub, ann)  # repeated: a SUB may join late (the slow-joiner rule)
         replies.append(client.step(task, OBS))
         client.feedback(task, 0.0)
@@ -150,7 +159,7 @@ def test_a_snapshot_of_other_policy_settings_is_refused_and_serving_goes_on(
     for _ in range(3):
         assert client.step(task, OBS)["policy_version"] == 0
         client.feedback(task, 0.0)
-        time.sleep(0.3)  # past the actor's poll: it has tried the snapshot
+        time.sleep(0.3)  # past the actor's poll: it has tried the snapshot (not a deadline: a late try only passes wrongly)
 
 
 @pytest.mark.slow
@@ -180,11 +189,12 @@ def test_ppoz_actor_command_serves_a_model(broker, make_client, tiny_models):
     )
     try:
         client = make_client(broker.frontend, deadline=60)
-        wait_for(lambda: actors_ready(client, 1), timeout=60, what="the actor process")
+        # a `ppoz actor` process: torch, transformers and peft imported, the model loaded. It was 60 s (x6): TORCH_START_S
+        wait_for(lambda: actors_ready(client, 1), timeout=TORCH_START_S, what="the actor process")
         task = client.attach()
         assert len(client.rag_step(task, OBS)["probs"]) == 3
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert proc.wait(30) == 0  # PROCESS_STOP_S: its batch in hand, then exit
         assert "scoring path packed" in proc.stderr.read()
     finally:
         if proc.poll() is None:

@@ -138,6 +138,8 @@ def test_the_deadline_answers_a_request_without_holding_the_others(tiny_models) 
         answered.update((j["job"], a) for j, a in engine.step())
     assert isinstance(answered[0], DeadlineExceeded)
     assert answered[1].finish_reason == "length"
+    # the 200 ms deadline and a few steps: under 0.5 s alone; x60. The assertions above, not this bound, tell a
+    # deadline that worked from 4,000 tokens written
     assert time.monotonic() - started < 30
 
 
@@ -205,6 +207,7 @@ def test_the_actor_loop_survives_a_failing_engine_and_answers_what_it_held(tiny_
     engine.step = step_failing_once  # type: ignore[method-assign]
     broker = start_broker()
     actor = start_actor(broker.backend, policy=policy)
+    # the failed step, the retry, 4 tokens of the tiny model on an actor thread of this process: under 0.5 s alone; x60
     client = make_client(broker.frontend, deadline=60, attempt_timeout=30)
     wait_for(lambda: actors_ready(client, 1), what="the actor")
     reply = client.generate(client.attach(), "hello", max_new_tokens=4)

@@ -54,6 +54,8 @@ def test_a_999k_character_prompt_is_refused_before_tokenizing_and_the_small_one_
     assert [j for j, _ in answered] == [huge, messages] and all(isinstance(e, GenerationError) for _, e in answered)
     for _, error in answered:
         assert "cannot fit in 256 positions" in str(error) and "refused before tokenizing" in str(error), str(error)
+    # A timing claim, kept: refused before tokenizing. Measured on the 2-core VM under load: 25-30 ms for the refusals
+    # and the small prompt's prefill (x17 to the bound), 2.5 s to tokenize the huge prompt once (5 times the bound)
     assert took < 0.5, f"the refusals took {took:.2f} s (tokenizing 999,000 characters takes seconds)"
     assert [row.job for row in engine.rows] == [small]
     # the bound is no cap on prompts that fit: one of 240 tokens (of 256) is served

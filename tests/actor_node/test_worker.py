@@ -38,6 +38,6 @@ def test_requests_waiting_during_a_forward_form_the_next_batch(broker, start_act
         threads.append(threading.Thread(target=lambda c=c: replies.append(c.step(c.attach(), OBS)), daemon=True))
         threads[-1].start()
     for t in threads:
-        t.join(15)
+        t.join(15)  # answered after the first batch's 1 s sleep (a timer) and ms of work; x15
     wait_for(lambda: len(replies) == 6, what="all six replies")
     assert policy.batches == [1, 5]
