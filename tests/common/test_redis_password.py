@@ -53,6 +53,7 @@ def test_a_url_with_a_password_in_its_old_place_is_not_repeated_either(tmp_path,
 
 
 def test_the_command_line_refuses_it_and_says_where_the_password_goes() -> None:
+    # `ppoz broker` (no torch) refuses its flags at start: under 1 s alone; x100
     done = subprocess.run([*PPOZ, "broker", "--redis-url", f"redis://:{SECRET}@127.0.0.1:1/0"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert PASSWORD_ENV in done.stderr and SECRET not in done.stderr + done.stdout
@@ -104,7 +105,7 @@ def test_a_learner_given_the_password_in_a_file_keeps_it_out_of_argv_and_its_che
         proc = learner(tiny_models["llama"], server.url, key_prefix, ckpt, resume=False, max_updates=1)
         try:
             assert SECRET not in _cmdline(proc.pid)
-            assert proc.wait(180) == 0
+            assert proc.wait(180) == 0  # a learner process: torch's start, one update of the tiny model, a checkpoint: 15-20 s alone; x9
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -142,6 +143,8 @@ def test_a_broker_on_a_password_protected_redis_keeps_it_out_of_its_status_and_i
         thread = threading.Thread(target=broker.run, daemon=True)
         thread.start()
         try:
+            # a broker thread of this process answers in ms (x1000); the detach while Redis is away is retried until the
+            # deadline, then raised, which the test wants
             with Client(broker.frontend_endpoint, deadline=5, context=zmq_context) as client:
                 task = client.attach()
                 status = client.status()
@@ -151,7 +154,7 @@ def test_a_broker_on_a_password_protected_redis_keeps_it_out_of_its_status_and_i
                 status_after = client.status()
         finally:
             broker.stop()
-            thread.join(15)
+            thread.join(15)  # as RunningBroker.stop in tests/conftest.py
     assert status["storage_ok"] and not status_after["storage_ok"]
     for text in (json.dumps(status), json.dumps(status_after), caplog.text):
         assert SECRET not in text

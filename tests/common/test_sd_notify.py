@@ -16,7 +16,7 @@ def listener(tmp_path):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     path = str(tmp_path / "notify.sock")
     sock.bind(path)
-    sock.settimeout(2)
+    sock.settimeout(2)  # each datagram read is sent before its read, on a local socket: ms alone; x1000
     yield path, sock
     sock.close()
 
@@ -39,7 +39,7 @@ def test_abstract_socket_names(listener):
     name = f"ppoz-test-{uuid.uuid4().hex}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind("\0" + name)
-    sock.settimeout(2)
+    sock.settimeout(2)  # as above
     try:
         assert Notifier({"NOTIFY_SOCKET": "@" + name}).ready()
         assert sock.recv(4096) == b"READY=1"

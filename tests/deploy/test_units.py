@@ -178,7 +178,7 @@ def test_systemd_analyze_verify_finds_nothing_to_say(tmp_path):
         [SYSTEMD_ANALYZE, "verify", f"--root={root}", "--man=no", *names, "ppoz-canary.service"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=120,  # systemd-analyze reads a dozen unit files offline: 1-3 s alone; x40
     )
     output = (result.stdout + result.stderr).splitlines()
     assert any("ppoz-canary.service" in line and "NoSuchSetting" in line for line in output), (
@@ -198,7 +198,7 @@ def test_systemd_analyze_security_rates_every_service_ok(tmp_path):
         [SYSTEMD_ANALYZE, "security", "--offline=yes", "--threshold=40", f"--root={root}", *names],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=120,  # as above
     )
     overall = [line for line in result.stdout.splitlines() if "Overall exposure level" in line]
     assert len(overall) == len(names), result.stdout + result.stderr
@@ -217,6 +217,7 @@ def test_enabling_as_the_readme_says_puts_the_services_under_the_target(tmp_path
         "ppoz-actor@0.service",
         "ppoz-actor@1.service",
     ]
+    # systemctl writes a few links offline: under 1 s alone; x60
     result = subprocess.run([SYSTEMCTL, f"--root={root}", "enable", *enable], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     wants = root / "etc/systemd/system/ppoz.target.wants"
