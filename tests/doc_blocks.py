@@ -117,7 +117,10 @@ class Session:
         where = f"{self.doc.name} line {line} ({language}{stopped})"
         if code != 0:
             why = "did not end within its deadline" if code is None else f"exited with {code}"
-            return f"{where} {why}; it ran in {self.workdir}:\n{_indented(source)}\n--- its output, last 80 lines ---\n{_tail(output, 80)}"
+            return (
+                f"{where} {why}; it ran in {self.workdir}:\n{_indented(source)}\n--- its output, last 80 lines ---\n{_tail(output, 80)}"
+                + self._logs_left()
+            )
         first = source.strip().splitlines()[0]
         for key, check in self.checks.items():
             if first.startswith(key):
@@ -127,6 +130,14 @@ class Session:
                 except AssertionError as e:
                     return f"{where}: {e}\n--- its output, last 80 lines ---\n{_tail(output, 80)}"
         return None
+
+    def _logs_left(self) -> str:
+        """The last lines of the log files the blocks wrote in the working directory (a stack started with `&`
+        writes its own): what a failing command's background went through, which the temporary folder loses."""
+        parts = []
+        for log in sorted(self.workdir.glob("*.log")):
+            parts.append(f"\n--- {log.name}, last 40 lines ---\n{_tail(log.read_text(errors='replace'), 40)}")
+        return "".join(parts)
 
     def close(self) -> None:
         """Stop what the blocks left running in the background: SIGTERM, then SIGKILL 30 s later."""
