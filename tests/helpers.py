@@ -27,6 +27,9 @@ from client import Client
 IN_PROCESS_S = 10.0
 # One request answered by a broker, actor or service thread of this process with nothing else to do: ms alone; x1000.
 REPLY_S = 5.0
+# The socket timeout of a Redis connection of a learner or broker in a test: a command on loopback takes ms, a blocking
+# read its read_block_ms (0.1-0.2 s) at most; x100.
+REDIS_S = 30.0
 # A `ppoz` process without torch (broker, gateway) bound and ready: about 1 s alone (0.6 s of CPU); x30.
 PROCESS_START_S = 30.0
 # A `ppoz` process importing torch, transformers and peft (actor, learner), a tiny model loaded: 7-10 s alone; x12.

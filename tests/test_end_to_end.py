@@ -25,7 +25,7 @@ from envs.kea_sim import KeaSim, SimConfig
 from envs.runner import Runner
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
-from tests.helpers import actors_ready, wait_for
+from tests.helpers import REDIS_S, actors_ready, wait_for
 
 APP = SimConfig(screens=5, links_per_screen=2, external_links=1, horizon=6, history_limit=1, event_hashes=False)
 # The run's fixed budget of environment steps. A probe run (2026-11-24, the CPU VM, not quiet) had the
@@ -67,7 +67,7 @@ def test_a_lora_policy_beats_random_at_the_end_of_its_budget(start_broker, make_
             checkpoint_dir=str(tmp_path / "ckpt"),
             tensorboard_dir="",
         ),
-        connect(redis_url, socket_timeout=30),
+        connect(redis_url, socket_timeout=REDIS_S),
     )
     learner_thread = threading.Thread(target=learner.run, daemon=True)
     learner_thread.start()

@@ -55,6 +55,7 @@ def own_redis(tmp_path, start_actor, make_client, zmq_context) -> Iterator[Calla
             heartbeat_ms=100,
             storage_timeout_ms=1000,
         )
+        # its commands take ms; 1 s bounds how long one waits on the Redis the tests stop, which is what they test
         broker = Broker(cfg, connect(server.url, socket_timeout=1.0), zmq_context)
         broker.start()
         thread = threading.Thread(target=broker.run, daemon=True)

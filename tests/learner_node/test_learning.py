@@ -15,7 +15,7 @@ from common.shared_settings import PolicySpec, StoreSettings
 from common.tiny_models import LORA_TRAINABLE
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
-from tests.helpers import actors_ready, wait_for
+from tests.helpers import REDIS_S, actors_ready, wait_for
 from tests.learner_node.helpers import BANDIT
 
 UPDATES = 30  # the run's fixed budget of policy updates
@@ -53,7 +53,7 @@ def test_bandit_through_broker_and_actor_learns_and_stays_learned(
         tensorboard_dir=str(tmp_path / "tb"),
         max_updates=UPDATES,
     )
-    learner = Learner(learner_cfg, connect(redis_url, socket_timeout=30))
+    learner = Learner(learner_cfg, connect(redis_url, socket_timeout=REDIS_S))
     learner_thread = threading.Thread(target=learner.run, daemon=True)
     learner_thread.start()
     stop = threading.Event()
@@ -67,22 +67,26 @@ def test_bandit_through_broker_and_actor_learns_and_stays_learned(
         heartbeat_ms=100,
     )
     threading.Thread(target=run_actor, args=(actor_cfg, stop), daemon=True).start()
+    # A step: a forward of the tiny model on the actor thread while the learner trains in this process too, 0.05-1 s
+    # alone (x60). The actor thread loads the model and registers in 1-3 s alone (x20).
     client = make_client(broker.frontend, deadline=60)
     wait_for(lambda: actors_ready(client, 1), timeout=60, what="the actor")
     task = client.attach()
     green = []
-    deadline = time.monotonic() + 400  # a safety net for a broken build, not the measure
+    # a safety net for a broken build, not the measure: the 30 updates and their steps take under 40 s alone (x10); the
+    # suite's 300 s per-test timeout comes first
+    deadline = time.monotonic() + 400
     try:  # the whole budget runs: the learner stops itself after UPDATES updates
         while learner_thread.is_alive() and time.monotonic() < deadline:
             if client.ask(task)["status"] == "wait":
-                time.sleep(0.02)
+                time.sleep(0.02)  # a tick of the loop above, which the deadline bounds
                 continue
             reply = client.step(task, BANDIT)
             client.feedback(task, 1.0 if reply["action"] == 1 else 0.0, done=True)
             green.append((reply["policy_version"], reply["probs"][1]))
     finally:
         learner.stop()
-        learner_thread.join(60)
+        learner_thread.join(60)  # the learner ends its update in hand: 1-2 s alone; x30
         stop.set()
     assert learner.version == UPDATES, f"the learner made {learner.version} of {UPDATES} updates"
     assert green[0][1] < 0.6, "the untrained policy should not already prefer the rewarded action"

@@ -7,6 +7,7 @@ import hashlib
 import math
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from common.shared_settings import PolicySpec, StoreSettings
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
+from tests.helpers import REDIS_S
 from tests.learner_node.test_resume import write_segments
 from tests.processes import free_port
 
@@ -42,9 +44,27 @@ def settings(model: str, redis_url: str, prefix: str, ckpt: str) -> LearnerConfi
     )
 
 
+# Two spawned learner ranks: each imports torch and transformers (spawned, not forked), then trains its updates of the
+# tiny model over gloo: about 30 s alone on the 2-core VM (the whole two-rank test took 45 s). The ranks were waited for
+# 240 s (x8) in one test and by nothing but pytest's 300 s in the others: RANKS_S, x10, and these tests get 600 s in all.
+RANKS_S = 300.0
+
+
+def spawn_ranks(fn: Any, *args: Any) -> None:
+    """fn(rank, 2, a free port, *args) on 2 spawned ranks, waited for up to RANKS_S (a rank that fails raises here);
+    past it both are killed and the test fails: one waits in a collective the other never entered."""
+    processes = mp.spawn(fn, args=(2, free_port(), *args), nprocs=2, join=False)
+    deadline = time.monotonic() + RANKS_S
+    while not processes.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in processes.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {RANKS_S:.0f} s: one waits in a collective the other never entered")
+
+
 def _rank(rank: int, world: int, port: int, cfg: LearnerConfig) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    learner = Learner(cfg, connect(cfg.store.redis_url, socket_timeout=30))
+    learner = Learner(cfg, connect(cfg.store.redis_url, socket_timeout=REDIS_S))
     learner.run()
 
 
@@ -63,14 +83,15 @@ def write_the_same_stream(redis_client, prefixes: tuple[str, ...], kind: str, mo
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # RANKS_S for the ranks, then one rank's run in this process
 @pytest.mark.parametrize("kind", ["candidates", "generation"])
 def test_two_rank_learner_matches_one_rank(tiny_models, redis_url, redis_client, key_prefix, tmp_path, kind):
     """Candidate steps, or generated responses (the token-level update), trained on 2 ranks and on 1."""
     one, two = f"{key_prefix}-one", f"{key_prefix}-two"
     write_the_same_stream(redis_client, (one, two), kind, tiny_models["llama"])
     try:
-        mp.spawn(_rank, args=(2, free_port(), settings(tiny_models["llama"], redis_url, two, str(tmp_path / "two"))), nprocs=2, join=True)
-        Learner(settings(tiny_models["llama"], redis_url, one, str(tmp_path / "one")), connect(redis_url, socket_timeout=30)).run()
+        spawn_ranks(_rank, settings(tiny_models["llama"], redis_url, two, str(tmp_path / "two")))
+        Learner(settings(tiny_models["llama"], redis_url, one, str(tmp_path / "one")), connect(redis_url, socket_timeout=REDIS_S)).run()
         a = load_file(str(checkpoint.latest(tmp_path / "one") / "policy.safetensors"))
         b = load_file(str(checkpoint.latest(tmp_path / "two") / "policy.safetensors"))
         assert a.keys() == b.keys()
@@ -91,7 +112,7 @@ def test_two_rank_learner_matches_one_rank(tiny_models, redis_url, redis_client,
 def _rank_with_a_nan_gradient_on_rank_1(rank: int, world: int, port: int, cfg: LearnerConfig) -> None:
     """As `_rank`, but rank 1 alone sees a NaN gradient, once: its first backward of the policy."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    learner = Learner(cfg, connect(cfg.store.redis_url, socket_timeout=30))
+    learner = Learner(cfg, connect(cfg.store.redis_url, socket_timeout=REDIS_S))
     if rank == 1:
         lora = next(p for name, p in learner.lp.model.named_parameters() if p.requires_grad and "lora_B" in name)
         calls = [0]
@@ -105,9 +126,10 @@ def _rank_with_a_nan_gradient_on_rank_1(rank: int, world: int, port: int, cfg: L
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # RANKS_S for the ranks, then one rank's run in this process
 def test_a_nan_gradient_on_one_rank_discards_the_update_on_every_rank(tiny_models, redis_url, redis_client, key_prefix, tmp_path):
     """Gradients are averaged before they are checked, so every rank sees the NaN and undoes the same update (a
-    rank that went on alone would wait for the others in its next collective until the test's timeout). The
+    rank that went on alone would wait for the others in its next collective until RANKS_S ends it). The
     run then ends where one rank that never saw the poisoned batch ends."""
     from tests.learner_node.test_nonfinite import CLEAN, responses, write_batch
 
@@ -118,8 +140,8 @@ def test_a_nan_gradient_on_one_rank_discards_the_update_on_every_rank(tiny_model
     cfg_two = dataclasses.replace(settings(tiny_models["llama"], redis_url, two, str(tmp_path / "two")), max_updates=1)
     cfg_one = dataclasses.replace(settings(tiny_models["llama"], redis_url, one, str(tmp_path / "one")), max_updates=1)
     try:
-        mp.spawn(_rank_with_a_nan_gradient_on_rank_1, args=(2, free_port(), cfg_two), nprocs=2, join=True)
-        Learner(cfg_one, connect(redis_url, socket_timeout=30)).run()
+        spawn_ranks(_rank_with_a_nan_gradient_on_rank_1, cfg_two)
+        Learner(cfg_one, connect(redis_url, socket_timeout=REDIS_S)).run()
         a = load_file(str(checkpoint.latest(tmp_path / "one") / "policy.safetensors"))
         b = load_file(str(checkpoint.latest(tmp_path / "two") / "policy.safetensors"))
         assert any(float(v.abs().max()) > 0 for k, v in b.items() if "lora_B" in k)  # the second update applied
@@ -135,6 +157,7 @@ def test_a_nan_gradient_on_one_rank_discards_the_update_on_every_rank(tiny_model
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # RANKS_S for the ranks, then one rank's runs in this process
 @pytest.mark.parametrize(("kind", "lora_rank"), [("candidates", 4), ("generation", 0)])
 def test_a_sharded_two_rank_learner_matches_one_rank_and_resumes_in_one(
     tiny_models, redis_url, redis_client, key_prefix, tmp_path, kind, lora_rank
@@ -154,8 +177,8 @@ def test_a_sharded_two_rank_learner_matches_one_rank_and_resumes_in_one(
         return dataclasses.replace(base, policy=policy, parallelism=parallelism, **changes)
 
     try:
-        mp.spawn(_rank, args=(2, free_port(), cfg(two, "fsdp")), nprocs=2, join=True)
-        single = Learner(cfg(one, "ddp"), connect(redis_url, socket_timeout=30))
+        spawn_ranks(_rank, cfg(two, "fsdp"))
+        single = Learner(cfg(one, "ddp"), connect(redis_url, socket_timeout=REDIS_S))
         single.run()
         assert checkpoint.is_sharded(checkpoint.latest(tmp_path / "two"))
         reference = load_file(str(checkpoint.latest(tmp_path / "one") / "policy.safetensors"))
@@ -164,7 +187,7 @@ def test_a_sharded_two_rank_learner_matches_one_rank_and_resumes_in_one(
         assert published.keys() == reference.keys() and weights.latest(redis_client, two).version == 2
         for key in reference:
             assert (published[key] - reference[key]).abs().max() < bar, key
-        resumed = Learner(cfg(two, "ddp", resume=True), connect(redis_url, socket_timeout=30))
+        resumed = Learner(cfg(two, "ddp", resume=True), connect(redis_url, socket_timeout=REDIS_S))
         resumed.restore()
         assert resumed.version == 2 and resumed.updates == 2
         got = policy_state_dict(resumed.lp.model)
@@ -201,10 +224,11 @@ def _rank_whose_store_fails_mid_publication(rank: int, world: int, port: int, cf
             return real(client, prefix, version, tensors, *args, **kwargs)
 
         weights.store_snapshot = store_that_fails_once
-    Learner(cfg, connect(cfg.store.redis_url, socket_timeout=30)).run()
+    Learner(cfg, connect(cfg.store.redis_url, socket_timeout=REDIS_S)).run()
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # RANKS_S for the ranks
 def test_a_sharded_publication_that_loses_redis_half_way_is_done_again_by_every_rank(
     tiny_models, redis_url, redis_client, key_prefix, tmp_path
 ):
@@ -215,13 +239,7 @@ def test_a_sharded_publication_that_loses_redis_half_way_is_done_again_by_every_
     write_segments(redis_client, key_prefix, 16)
     base = settings(tiny_models["llama"], redis_url, key_prefix, str(tmp_path / "ckpt"))
     cfg = dataclasses.replace(base, parallelism="fsdp")
-    processes = mp.spawn(_rank_whose_store_fails_mid_publication, args=(2, free_port(), cfg), nprocs=2, join=False)
-    deadline = time.monotonic() + 240
-    while not processes.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in processes.processes:
-                process.kill()
-            pytest.fail("the ranks did not finish: one waits in a collective the other never entered")
+    spawn_ranks(_rank_whose_store_fails_mid_publication, cfg)
     kept = [entry.decode().rsplit(":", 2)[1] for entry in redis_client.lrange(f"{key_prefix}:weights:kept", 0, -1)]
     assert kept == ["2", "1", "0"], "version 1 must have been published again, whole"
     latest = weights.latest(redis_client, key_prefix)

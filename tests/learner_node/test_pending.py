@@ -100,10 +100,10 @@ def test_pending_entries_deleted_from_the_stream_do_not_stall_the_reader(tiny_mo
         result: list = []
         worker = threading.Thread(target=lambda: result.append(learner.step()), daemon=True)
         worker.start()
-        worker.join(120)
+        worker.join(120)  # one rollout of the tiny model, read and trained: 1-3 s alone; x40
         if worker.is_alive():
             learner.stop()
-            worker.join(30)
+            worker.join(30)  # the update in hand, then the loop sees the stop; x10
             pytest.fail("the learner kept re-reading pending entries that are no longer in the stream")
         assert result and result[0] is not None
         trained_once(learner)

@@ -23,6 +23,7 @@ from common.redis_server import EmbeddedRedis, connect
 from common.shared_settings import PolicySpec, StoreSettings
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
+from tests.helpers import REDIS_S
 from tests.learner_node.test_resume import write_segments
 
 
@@ -49,28 +50,28 @@ def test_an_outage_after_the_checkpoint_delays_the_updates_redis_work_but_loses_
             read_block_ms=100,
             max_updates=1,
         )
-        learner = Learner(cfg, connect(server.url, socket_timeout=30))
+        learner = Learner(cfg, connect(server.url, socket_timeout=REDIS_S))
         lost = threading.Event()
         save_checkpoint = learner.save_checkpoint
 
         def checkpoint_then_lose_redis(entry_ids: list[str]) -> None:
             save_checkpoint(entry_ids)
             server.process.send_signal(signal.SIGKILL)  # the update is trained and checkpointed; none of its Redis work is done
-            server.process.wait(10)
+            server.process.wait(10)  # SIGKILL ends it at once (ms); x1000
             lost.set()
 
         learner.save_checkpoint = checkpoint_then_lose_redis  # type: ignore[method-assign]
         caplog.set_level("INFO", logger="learner_node.worker")
         runner = threading.Thread(target=learner.run, daemon=True)
         runner.start()
-        assert lost.wait(120), f"the learner did not reach its checkpoint: {caplog.text[-2000:]}"
+        assert lost.wait(120), f"the learner did not reach its checkpoint: {caplog.text[-2000:]}"  # one update: 2-5 s alone; x24
         # Restarted from this thread: the server dies with the thread that started it (PR_SET_PDEATHSIG).
-        time.sleep(4.0)  # past redis-py's own retries (about 1.6 s): the learner's back-off must take over
+        time.sleep(4.0)  # past redis-py's own retries (about 1.6 s): the learner's back-off must take over (not a deadline)
         server.start()
-        runner.join(120)
+        runner.join(120)  # the back-off's next try (a few s at most), then the update's Redis work: under 10 s alone; x12
         if runner.is_alive():
             learner.stop()
-            runner.join(30)
+            runner.join(30)  # as above: the loop sees the stop within a try
             pytest.fail(f"the learner did not finish its one update: {caplog.text[-2000:]}")
         assert "Redis unreachable" in caplog.text and "Redis is back" in caplog.text
         after = connect(server.url)

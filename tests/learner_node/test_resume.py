@@ -94,17 +94,18 @@ def test_learner_killed_mid_run_resumes_without_loss_or_double_training(tiny_mod
     all_ids = write_segments(redis_client, key_prefix, 80)  # 10 updates of 8
     ckpt = tmp_path / "ckpt"
     proc = learner(tiny_models["llama"], redis_url, key_prefix, ckpt, resume=False, max_updates=10)
+    # a learner process starts (torch, transformers, peft: 7-10 s alone) and makes 3 updates (about 1 s each): x10
     deadline = time.monotonic() + 120
     while len(list(ckpt.glob("ckpt-*"))) < 3:  # let it finish a few updates, then kill it inside the next one
         assert proc.poll() is None and time.monotonic() < deadline, "the learner stopped or stalled"
         time.sleep(0.05)
-    time.sleep(0.15)
+    time.sleep(0.15)  # aims the kill inside the next update; any moment is a valid test of the resume (not a deadline)
     proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
+    proc.wait(10)  # SIGKILL ends it at once (ms); x1000
     killed_at = checkpoint.read_state(checkpoint.latest(ckpt) or ckpt)
 
     proc = learner(tiny_models["llama"], redis_url, key_prefix, ckpt, resume=True, max_updates=10)
-    assert proc.wait(180) == 0
+    assert proc.wait(180) == 0  # the start (7-10 s alone) and the 6 or 7 updates left (about 1 s each): x10
     final = checkpoint.read_state(checkpoint.latest(ckpt) or ckpt)
     assert final["updates"] == 10 and final["version"] == 10  # the version sequence went on from the checkpoint
     assert final["version"] > killed_at["version"]

@@ -36,7 +36,7 @@ from learner_node.update import TrainableSnapshot, adam
 from tests.processes import free_port
 
 WORLD = 2
-JOB_TIMEOUT_S = 120.0
+JOB_TIMEOUT_S = 120.0  # forked ranks (no imports) on a few steps of the tiny models over gloo: 3-10 s alone; x12
 LR = 1e-2  # large: a wrong gradient moves a weight by about one step, far past the 1e-5 the tests allow
 KINDS = {  # (tiny model, LoRA rank, modules trained in full beside the adapter)
     "lora": ("llama", 4, ()),  # a real model's default: every trained tensor sharded (fused Adam on DTensors)
@@ -192,7 +192,7 @@ def run_ranks(job: Callable[..., None], *args: Any, world: int = WORLD, timeout:
         warnings.filterwarnings("ignore", message=r"This process .* is multi-threaded", category=DeprecationWarning)
         ctx = mp.start_processes(_rank, args=(world, free_port(), job, args), nprocs=world, join=False, start_method="fork")
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
+    while not ctx.join(timeout=1.0):  # a tick; the deadline bounds the wait
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
