@@ -19,6 +19,6 @@ def stack(start_broker, start_actor, make_client, words_llm):
     model, tokenizer = words_llm
     broker = start_broker(segment_len=4)
     start_actor(broker.backend, credits=8, policy=LLMPolicy(model, tokenizer, SamplingConfig(seed=1)))
-    client = make_client(broker.frontend, deadline=60)
+    client = make_client(broker.frontend, deadline=60)  # a few tokens of the tiny model on an actor thread: 0.05-0.5 s; x100
     wait_for(lambda: actors_ready(client, 1), what="the actor to register")
     return broker

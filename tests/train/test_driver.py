@@ -47,7 +47,7 @@ def test_each_turn_is_rewarded_in_the_driver_and_stored_with_its_reward(stack, r
         turns = [t for s in segments(redis_client, key_prefix) for t in s.transitions]
         return turns if len(turns) == 12 else None
 
-    stored = wait_for(stored_turns, timeout=30, what="the 12 rewarded turns in the stream")
+    stored = wait_for(stored_turns, timeout=30, what="the 12 rewarded turns in the stream")  # acknowledged already: ms; x1000
     assert all(t.done and t.mode == "generate" for t in stored)
     assert sorted(t.reward for t in stored) == sorted(r for r in progress.recent)  # the driver's rewards, as sent
     counters = stack.broker.metrics
@@ -70,7 +70,7 @@ def test_a_reward_that_does_not_come_in_time_leaves_the_turn_unrewarded(stack) -
     import time
 
     def slow(data_source, solution_str, ground_truth, extra_info=None):
-        time.sleep(1.5)
+        time.sleep(1.5)  # past the 0.3 s reward timeout under test
         return 1.0
 
     scorer = BatchingScorer(CompositeReward({"rule_score": 1.0}, reward_fn=slow), max_batch=1)
@@ -95,6 +95,7 @@ def test_a_run_resumes_where_it_stopped_and_validation_is_not_trained(stack, red
     finally:
         scorer.close()
     assert second.done == set(range(5, 12)) and second.rewarded + second.unrewarded == 7
+    # acknowledged already: ms; x1000
     wait_for(lambda: sum(len(s.transitions) for s in segments(redis_client, key_prefix)) == 12, timeout=30, what="12 turns stored")
     result = validate(stack.frontend, data, reward, max_new_tokens=2, workers=2)
     # --chat-template: the prompt goes as a user message; this model's tokenizer has no template, and says so
@@ -147,7 +148,7 @@ def test_grpo_sends_each_groups_advantages_and_skips_groups_that_cannot_be_compa
         return turns if len(turns) == 9 else None  # the lone prompt's 3 responses are not stored
 
     by_prompt: dict[tuple[int, ...], list[float]] = collections.defaultdict(list)
-    for t in wait_for(stored_turns, timeout=30, what="3 groups of 3 turns in the stream"):
+    for t in wait_for(stored_turns, timeout=30, what="3 groups of 3 turns in the stream"):  # acknowledged already: ms; x1000
         by_prompt[tuple(t.obs["prompt_ids"])].append(t.reward)
     assert len(by_prompt) == 3 and all(len(v) == 3 for v in by_prompt.values())
     # rewards 1, 2, 3: mean 2, sample std 1, advantages -1, 0, 1 (over 1 + eps); the group that scored alike: 0s
@@ -274,7 +275,7 @@ def test_groups_of_several_workers_with_short_and_long_prompts_each_meet_in_the_
         turns = [t for s in segments(redis_client, key_prefix) for t in s.transitions]
         return turns if len(turns) >= total else None
 
-    stored = wait_for(stored_turns, timeout=30, what=f"the {total} turns in the stream")
+    stored = wait_for(stored_turns, timeout=30, what=f"the {total} turns in the stream")  # acknowledged already: ms; x1000
     assert collections.Counter(tuple(t.obs["prompt_ids"]) for t in stored) == {prompt: rollout_n for prompt in prompts}
 
 
@@ -297,7 +298,7 @@ def test_the_scorer_overlaps_batches_at_a_slow_judge_but_runs_the_reward_functio
         def judge_many(self, items):
             with lock:
                 waiting.append(len(items))
-            release.wait(30)
+            release.wait(30)  # the test releases it within a second alone; a bound for a failing test
             return [Verdict(1.0, 10.0, "Score: 10") for _ in items]
 
     def rule(data_source, solution_str, ground_truth, extra_info=None):
@@ -315,14 +316,14 @@ def test_the_scorer_overlaps_batches_at_a_slow_judge_but_runs_the_reward_functio
         reward = CompositeReward({"rule_score": 1.0, "judge_score": 1.0}, reward_fn=rule, judge=HeldJudge())
         scorer = BatchingScorer(reward, max_batch=4, wait_s=0.0, batches_in_flight=in_flight)
         first = scorer.submit(Item("p", "r0", "t"))
-        wait_for(lambda: len(waiting) == 1, timeout=10, what="the first batch at the judge")
+        wait_for(lambda: len(waiting) == 1, timeout=10, what="the first batch at the judge")  # a scorer thread's: ms; x1000
         later = [scorer.submit(Item("p", f"r{i}", "t")) for i in range(1, 9)]
         if overlapping:  # the later responses reach the judge while the first batch is still there
-            wait_for(lambda: sum(waiting) == 9, timeout=10, what="every response at the judge at once")
+            wait_for(lambda: sum(waiting) == 9, timeout=10, what="every response at the judge at once")  # as above
         else:
-            time.sleep(0.3)
+            time.sleep(0.3)  # a look for a batch that must not come, not a deadline
             assert waiting == [1], "one batch at a time: the others wait for the first"
         release.set()
-        assert [f.result(timeout=10).reward for f in [first, *later]] == [2.0] * 9
+        assert [f.result(timeout=10).reward for f in [first, *later]] == [2.0] * 9  # released: ms each; x1000
         scorer.close()
     assert rule_peak[0] == 1

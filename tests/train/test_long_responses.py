@@ -34,7 +34,7 @@ def counting(top: int) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(900)  # past the run's timeout below, so its output is shown
 def test_ppoz_train_on_responses_of_up_to_64_tokens_applies_every_update_and_learns(tmp_path, tiny_model) -> None:
     model = tiny_model("llama", tokenizer="numbers")
     rows = counting(6)
@@ -50,11 +50,12 @@ def test_ppoz_train_on_responses_of_up_to_64_tokens_applies_every_update_and_lea
         'tensorboard_dir = ""\n'
         "[generation]\nvalue_hidden = [64]\nmicro_batch_tokens = 64\n"
         "[actor]\nweights_poll_s = 1.0\n"
-        "[up]\nactors = 1\nstop_timeout_s = 60\n"
+        "[up]\nactors = 1\nstop_timeout_s = 60\n"  # a component's exit after SIGTERM: 1-5 s alone; x12
         f'[train]\nworkers = 8\nmax_new_tokens = 64\nreport_every_s = 10\noutput_dir = "{tmp_path / "out"}"\n'
     )
     data = ["--data", str(tmp_path / "count.jsonl"), "--val", str(tmp_path / "count.jsonl")]
     reward = ["--reward-fn", f"{tmp_path / 'reward.py'}:compute_score"]
+    # the whole stack's start, 1,600 responses of up to 64 tokens, validations and the stop: 76 s alone; x11
     run = ppoz(
         "train", "--config", str(config), "--model", model, *data, *reward, "--epochs", "0", "--max-samples", "1600", "--json",
         timeout=840, cwd=tmp_path,

@@ -40,7 +40,7 @@ def train_config(tmp_path: Path) -> Path:
         # partial rollouts trained after 1 s (the run waits for the last ones), nothing dropped as stale: each sample trains
         "rollout_timeout_s = 1.0\nmax_policy_lag = 100000\n"
         "[generation]\nvalue_hidden = [16]\n"
-        "[up]\nactors = 1\nstop_timeout_s = 30\n"
+        "[up]\nactors = 1\nstop_timeout_s = 30\n"  # a component's exit after SIGTERM: 1-5 s alone; x6, SIGKILL past it
         f'[train]\nworkers = 2\nmax_new_tokens = 2\nreport_every_s = 0.25\noutput_dir = "{tmp_path / "out"}"\n'
     )
     return config
@@ -54,8 +54,10 @@ def train_args(tmp_path: Path, model: str) -> list[str]:
     ]
 
 
-def wait_until_driving(log: Path, proc: subprocess.Popen[str], timeout: float = 120) -> None:
-    """Until the run's progress lines show samples being done (the stack is up, the actor serves)."""
+def wait_until_driving(log: Path, proc: subprocess.Popen[str], timeout: float = 240) -> None:
+    """Until the run's progress lines show samples being done (the stack is up, the actor serves). `timeout`: the
+    stack's start (Redis, a broker, an actor and a learner importing torch at once on two cores) and its first
+    samples, 15-20 s alone. It was 120 s (x6): 240 s."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -63,7 +65,7 @@ def wait_until_driving(log: Path, proc: subprocess.Popen[str], timeout: float = 
         done = [int(n) for n in re.findall(r"^samples (\d+)", log.read_text(), re.MULTILINE)]
         if done and done[-1] > done[0]:
             return
-        time.sleep(0.1)
+        time.sleep(0.1)  # a tick of the loop, which `timeout` bounds
     pytest.fail(f"ppoz train did not start driving within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
@@ -82,7 +84,9 @@ def sample_ledger(out: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+# eight stacks started one after another: 118-149 s alone, 179 s beside another test in a CI run. It was 600 s (x4):
+# 1,500 s (x10), which a loaded machine's two or three times as long leaves room in.
+@pytest.mark.timeout(1500)
 def test_killed_at_five_random_moments_then_stopped_and_resumed_every_sample_is_trained_exactly_once(tmp_path, tiny_model) -> None:
     model = tiny_model("llama", tokenizer="words")
     write_dataset(tmp_path / "train.jsonl", RECORDS)
@@ -92,6 +96,7 @@ def test_killed_at_five_random_moments_then_stopped_and_resumed_every_sample_is_
         log = tmp_path / f"run{i}.log"
         proc = start_ppoz(*args, log=log, cwd=tmp_path)
         try:
+            # the random moments of the kills are the claim, not deadlines
             if i == 0:  # before the stack is up: a run killed before its first report
                 time.sleep(rng.uniform(1.0, 4.0))
             else:
@@ -100,23 +105,28 @@ def test_killed_at_five_random_moments_then_stopped_and_resumed_every_sample_is_
         finally:
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)  # this process started it: killed by its own pid
-            proc.wait(10)
+            proc.wait(10)  # SIGKILL ends it at once (ms); x1000
         assert proc.returncode == -signal.SIGKILL, f"run {i} ended before its kill:\n{log.read_text()[-2000:]}"
     # SIGTERM: the run stops within seconds and says where; the next run goes on from there
     log = tmp_path / "stopped.log"
     proc = start_ppoz(*args, "--json", log=log, cwd=tmp_path)
     wait_until_driving(log, proc)
-    time.sleep(rng.uniform(0.2, 1.0))
+    time.sleep(rng.uniform(0.2, 1.0))  # a random moment, as above
     asked = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0, log.read_text()[-3000:]
+    assert proc.wait(60) == 0, log.read_text()[-3000:]  # as `took` below
     took = time.monotonic() - asked
     stopped = json.loads(log.read_text().strip().splitlines()[-1])
     assert stopped["stopped"] and f"stopped at sample {stopped['resume_from']}" in log.read_text()
     drivers = float(re.search(r"the drivers stopped ([\d.]+) s after the signal", log.read_text()).group(1))
-    assert drivers <= 6.0, f"the drivers took {drivers} s to stop"  # STOP_GRACE_S, then turns in flight are left
-    assert took < 45, f"SIGTERM took {took:.1f} s to stop the run and its stack"  # each process's exit, one after another
-    final = ppoz(*args, "--json", timeout=300, cwd=tmp_path)
+    # STOP_GRACE_S (5 s) and the loop's poll, then turns in flight are left: the bound was 6 s, 1 s for a loaded
+    # machine's late wake-up; 10 s, still short of the turns' own deadlines, which a run that waited for them would take
+    assert drivers <= 10.0, f"the drivers took {drivers} s to stop"
+    # A timing claim, kept: each process's exit, one after another, in seconds, not a component's 30 s stop_timeout_s
+    assert took < 45, f"SIGTERM took {took:.1f} s to stop the run and its stack"
+    # the stack's start, the rest of the 1,000 samples, the learner's catching up, the stop: 30-40 s alone. It was
+    # 300 s (x8): 400 s
+    final = ppoz(*args, "--json", timeout=400, cwd=tmp_path)
     output = final.stdout + final.stderr
     assert final.returncode == 0, output[-4000:]
     assert f"resuming at sample {stopped['resume_from']}" in output
@@ -148,7 +158,7 @@ def test_a_resumed_driver_skips_what_was_stored_and_completes_a_cut_group(stack,
 
     run = "0123456789ab"
     marks = SampleMarks(redis_client, key_prefix)
-    with Client(stack.frontend, deadline=60) as client:  # what the earlier run's drivers sent before the kill
+    with Client(stack.frontend, deadline=60) as client:  # what the earlier run's drivers sent before the kill (as conftest's client)
         for position, advantage in ((1, 0.7), (2, 0.0), (3, 0.0)):
             task = client.attach()
             client.generate(task, "say the word red", max_new_tokens=2)
@@ -171,7 +181,7 @@ def test_a_resumed_driver_skips_what_was_stored_and_completes_a_cut_group(stack,
         turns = {t.sample: t.reward for s in segments(redis_client, key_prefix) for t in s.transitions}
         return turns if len(turns) == 4 else None
 
-    stored = wait_for(stored_turns, timeout=30, what="the four samples, each stored once")
+    stored = wait_for(stored_turns, timeout=30, what="the four samples, each stored once")  # acknowledged already: ms; x1000
     assert set(stored) == {f"{run}:{position}" for position in range(4)}
     assert stored[f"{run}:0"] == pytest.approx(GroupAdvantage()([1.0, 0.0])[1])  # over the group's raw scores 1 and 0
     assert marks.scores(run)[0] == 0.0  # recorded before its feedback was sent

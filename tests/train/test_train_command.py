@@ -54,7 +54,8 @@ def test_ppoz_train_runs_a_stack_on_this_machine_and_reports(tmp_path, tiny_mode
         grpo = ["--advantage", "grpo", "--rollout-n", "2"]
         model_and_config = ["--config", str(config), "--model", str(model)]
         run_for = ["--epochs", "0", "--max-samples", "96"]
-        # the whole stack's start (torch processes at once on two cores), 96 samples, validations, the stop: 30 s alone; x18
+        # the whole stack's start (torch processes at once on two cores), 96 samples, validations, the stop: 9 s on the
+        # 2-core VM beside other work; x60
         run = ppoz("train", *model_and_config, *data, *reward, *run_for, *grpo, "--json", timeout=540, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
@@ -132,7 +133,7 @@ def test_a_run_whose_learner_never_updated_says_so_and_fails(tmp_path, tiny_mode
     model_and_config = ["--config", str(config), "--model", model]
     data, reward = ["--data", str(tmp_path / "train.jsonl")], ["--reward-fn", "tests.train.test_run:first_word"]
     run_for = ["--epochs", "0", "--max-samples", "8"]
-    # the whole stack's start, 8 samples, the stop: 20-30 s alone; x10
+    # the whole stack's start, 8 samples, the stop: 6 s on the 2-core VM beside other work; x50
     run = ppoz("train", *model_and_config, *data, *reward, *run_for, "--json", timeout=300, cwd=tmp_path)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert "the learner applied no update (8 responses, policy version 0): the learner's log lines above say why" in run.stderr
