@@ -67,6 +67,7 @@ def test_a_slow_judge_times_out() -> None:
         started = time.monotonic()
         verdict = make(server, timeout_s=0.3).judge("p", "r", "1")
         elapsed = time.monotonic() - started
+    # its 0.3 s timeout, not the stand-in's 3 s: 2.2 s left for a loaded machine
     assert verdict.reward is None and "Timeout" in verdict.error and elapsed < 2.5
 
 

@@ -31,6 +31,10 @@ from tests.rewards.test_composite import poisoned
 from tests.rewards.test_judge import grader
 from tests.rewards.test_reward_model import PAIRS
 
+# A request to a reward service thread of this process: the tiny reward model scores a few pairs in 50-200 ms alone,
+# the judge stand-in answers at once unless a test gives it a latency; x100 and more.
+REQUEST_S = 30
+
 
 @contextmanager
 def serving(reward_model: Any = None, judge: Any = None, **settings: Any) -> Iterator[RewardService]:
@@ -45,7 +49,7 @@ def serving(reward_model: Any = None, judge: Any = None, **settings: Any) -> Ite
         yield service
     finally:
         service.stop()
-        thread.join(30)
+        thread.join(30)  # the loop sees the stop within its poll and ends the batch in hand (under 1 s alone); x30
         service.close()
 
 
@@ -76,14 +80,14 @@ def dealer(endpoint: str) -> Iterator[zmq.Socket]:
 
 def ask(sock: zmq.Socket, body: Any, raw: bytes | None = None) -> dict[str, Any]:
     sock.send_multipart([b"", raw if raw is not None else msgpack.packb(body)])
-    assert sock.poll(10_000), "no reply within 10 s"
+    assert sock.poll(10_000), "no reply within 10 s"  # a refusal or a small batch: ms to 0.2 s alone; x50
     return msgpack.unpackb(sock.recv_multipart()[-1])
 
 
 def test_reward_model_scores_through_the_service_equal_the_local_models(rm_dir) -> None:
     local = RewardModel(RewardModelConfig(rm_dir)).score(PAIRS)
     with serving(RewardModel(RewardModelConfig(rm_dir, batch_size=32))) as service:
-        remote = RemoteRewardModel(service.endpoint, timeout_s=30)
+        remote = RemoteRewardModel(service.endpoint, timeout_s=REQUEST_S)
         assert remote.components() == ["rm_score"]
         assert remote.score(PAIRS) == pytest.approx(local, abs=1e-5)
         assert remote.score([]) == []
@@ -95,7 +99,7 @@ def test_a_judge_through_the_service_gives_the_local_judges_verdicts() -> None:
     with chat_server(judge_or_refuse) as api:
         local = local_judge(api.base_url).judge_many(items)
         with serving(judge=local_judge(api.base_url)) as service:
-            remote = RemoteJudge(service.endpoint, timeout_s=30)
+            remote = RemoteJudge(service.endpoint, timeout_s=REQUEST_S)
             verdicts = remote.judge_many(items)
             remote.close()
     assert [v.reward for v in local] == [1.0, 0.0, 1.0, None, 1.0]  # no ground truth: an empty reference, which "3" ends with
@@ -105,45 +109,55 @@ def test_a_judge_through_the_service_gives_the_local_judges_verdicts() -> None:
 
 
 def test_many_drivers_at_once_and_a_slow_judge_holds_up_neither_the_reward_model_nor_a_ping(rm_dir) -> None:
+    """The judge is slow: the stand-in holds every call until the test lets them go. Meanwhile the three judge calls are
+    at the stand-in together, a ping is answered and the reward model's requests too. (These were timings: the pings
+    within 1 s, the reward model within 1.3 s and the judges within 2.9 s of a 1.5 s judge, which a loaded machine
+    can miss; now each is the event itself, in the order that proves it.)"""
     local = RewardModel(RewardModelConfig(rm_dir)).score(PAIRS)
     results: dict[str, Any] = {}
+    release = threading.Event()
 
     def rm_driver(i: int) -> None:
-        client = RemoteRewardModel(service.endpoint, timeout_s=30)
-        started = time.monotonic()
-        results[f"rm{i}"] = (client.score(PAIRS[i:] + PAIRS[:i]), time.monotonic() - started)
+        client = RemoteRewardModel(service.endpoint, timeout_s=REQUEST_S)
+        results[f"rm{i}"] = client.score(PAIRS[i:] + PAIRS[:i])
         client.close()
 
     def judge_driver(i: int) -> None:
-        client = RemoteJudge(service.endpoint, timeout_s=30)
-        started = time.monotonic()
-        results[f"judge{i}"] = (client.judge_many([(f"{i}+0?", f"it is {i}", str(i))]), time.monotonic() - started)
+        client = RemoteJudge(service.endpoint, timeout_s=REQUEST_S)
+        results[f"judge{i}"] = client.judge_many([(f"{i}+0?", f"it is {i}", str(i))])
         client.close()
 
-    with chat_server(lambda body, n: (200, 1.5, grader(body, n))) as api:
+    def slow_judge(body: dict[str, Any], n: int) -> str:
+        release.wait(REQUEST_S)  # held until let go (at most as long as the request's own timeout)
+        return grader(body, n)
+
+    # batch_wait_ms: the window in which the four drivers' requests must arrive to be scored together (they start in
+    # ms alone). It was 300 ms: 1 s, so that a loaded machine's late thread still joins the batch.
+    with chat_server(slow_judge) as api:
         judge = local_judge(api.base_url)
-        with serving(RewardModel(RewardModelConfig(rm_dir, batch_size=32)), judge, batch_wait_ms=300, judge_workers=4) as service:
+        with serving(RewardModel(RewardModelConfig(rm_dir, batch_size=32)), judge, batch_wait_ms=1000, judge_workers=4) as service:
             judges = [threading.Thread(target=judge_driver, args=(i,)) for i in range(3)]
+            try:
+                for t in judges:
+                    t.start()
+                wait_for(lambda: api.in_flight == 3, what="the three judge calls at the stand-in at once")
+                RewardServiceClient(service.endpoint, timeout_s=5, retries=0).ping()  # answered while the judge holds three
+                drivers = [threading.Thread(target=rm_driver, args=(i,)) for i in range(4)]
+                for t in drivers:
+                    t.start()
+                for t in drivers:
+                    t.join(REQUEST_S)  # the requests' own timeout: a driver held by the judge fails below
+                assert sorted(results) == ["rm0", "rm1", "rm2", "rm3"], "a reward-model request waited for the judge"
+            finally:
+                release.set()
             for t in judges:
-                t.start()
-            time.sleep(0.2)  # the judge requests are in flight, each waiting 1.5 s for the stand-in
-            pinged = time.monotonic()
-            RewardServiceClient(service.endpoint, timeout_s=5, retries=0).ping()
-            ping_s = time.monotonic() - pinged
-            drivers = [threading.Thread(target=rm_driver, args=(i,)) for i in range(4)]
-            for t in drivers:
-                t.start()
-            for t in drivers + judges:
-                t.join(30)
+                t.join(REQUEST_S)
             batches, requests = service.counts["rm/batches"], service.counts["answered/rm_score"]
-    assert ping_s < 1.0
     for i in range(4):
-        scores, elapsed = results[f"rm{i}"]
-        assert scores == pytest.approx(local[i:] + local[:i], abs=1e-5)
-        assert elapsed < 1.3, "a reward-model request waited for the judge"
+        assert results[f"rm{i}"] == pytest.approx(local[i:] + local[:i], abs=1e-5)
     for i in range(3):
-        (verdict,), elapsed = results[f"judge{i}"]
-        assert verdict.reward == 1.0 and elapsed < 2.9  # the three ran at once, not one after the other (4.5 s)
+        (verdict,) = results[f"judge{i}"]
+        assert verdict.reward == 1.0
     assert requests == 4 and batches < 4  # drivers' requests scored together
 
 
@@ -193,7 +207,7 @@ def test_a_pair_the_model_cannot_take_fails_its_own_request_alone_not_the_batch_
 
         def driver(name: str, pairs: list[tuple[str, str]]) -> None:
             try:
-                results[name] = RemoteRewardModel(service.endpoint, timeout_s=30).score(pairs)
+                results[name] = RemoteRewardModel(service.endpoint, timeout_s=REQUEST_S).score(pairs)
             except RewardServiceError as e:
                 results[name] = e
 
@@ -201,7 +215,7 @@ def test_a_pair_the_model_cannot_take_fails_its_own_request_alone_not_the_batch_
         for t in threads:
             t.start()
         for t in threads:
-            t.join(30)
+            t.join(REQUEST_S)  # the requests' own timeout
         assert service.counts["errors/scoring_failed"] == 1
     assert results["good"] == pytest.approx(expected, abs=1e-5)
     assert isinstance(results["bad"], RewardServiceError)
@@ -210,11 +224,13 @@ def test_a_pair_the_model_cannot_take_fails_its_own_request_alone_not_the_batch_
 
 def test_a_service_that_is_down_times_out_clearly_and_its_responses_go_unrewarded() -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
-    remote = RemoteRewardModel(endpoint, timeout_s=0.3, retries=1)
+    remote = RemoteRewardModel(endpoint, timeout_s=0.3, retries=1)  # the timeouts under test: nothing answers
     started = time.monotonic()
     with pytest.raises(RewardServiceError, match=re.escape(f"the reward service at {endpoint} did not answer `rm_score` after 2 attempts")):
         remote.score(PAIRS[:1])
-    assert time.monotonic() - started < 2.0
+    # two 0.3 s attempts and the pause between them, not the drivers' default minutes: the bound was 2 s (1.5 s was
+    # seen beside two spinners), 4 s
+    assert time.monotonic() - started < 4.0
     reward = CompositeReward(
         {"rm_score": 0.5, "judge_score": 0.5}, reward_model=remote, judge=RemoteJudge(endpoint, timeout_s=0.3, retries=0)
     )
@@ -231,9 +247,11 @@ def test_a_client_retries_on_a_fresh_socket_until_the_service_comes_up(rm_dir) -
     got: list[Any] = []
     caller = threading.Thread(target=lambda: got.append(remote.score(PAIRS[:2])))
     caller.start()
-    time.sleep(1.2)  # two attempts have gone unanswered
+    # two attempts have gone unanswered, the third is out: waited for (it was 1.2 s of sleep, which a loaded machine's
+    # late attempts need not fill); 1 s of 0.5 s attempt timers alone, x10
+    wait_for(lambda: remote.attempts >= 3, what="three attempts")
     with serving(RewardModel(RewardModelConfig(rm_dir)), bind=f"tcp://127.0.0.1:{port}") as service:
-        caller.join(30)
+        caller.join(REQUEST_S)  # the next attempt (0.5 s), then a small batch; x30
         assert got and got[0] == pytest.approx(RewardModel(RewardModelConfig(rm_dir)).score(PAIRS[:2]), abs=1e-5)
         assert remote.attempts >= 3 and service.counts["answered/rm_score"] == 1
 
@@ -243,9 +261,9 @@ def test_a_retried_request_joins_the_one_in_progress_and_is_judged_once() -> Non
         with serving(judge=local_judge(api.base_url)) as service, dealer(service.endpoint) as first, dealer(service.endpoint) as second:
             body = {"op": "judge", "rid": uuid.uuid4().hex, "items": [["p", "r", "1"]]}
             first.send_multipart([b"", msgpack.packb(body)])
-            time.sleep(0.2)
+            wait_for(lambda: api.requests, what="the first at the judge")  # it was a 0.2 s sleep; ms alone
             again = ask(second, body)  # the same rid from a new socket, as a client that timed out sends it
-            assert first.poll(5000)
+            assert first.poll(5000)  # the stand-in's 0.8 s, a timer, and ms of work; x6
             replies = [again, msgpack.unpackb(first.recv_multipart()[-1])]
     assert [r["verdicts"][0]["reward"] for r in replies] == [1.0, 1.0]
     assert len(api.requests) == 1 and service.counts["retries_joined"] == 1
@@ -258,9 +276,9 @@ def test_two_clients_with_one_rid_get_their_own_verdicts_never_each_others() -> 
         with serving(judge=local_judge(api.base_url)) as service, dealer(service.endpoint) as first, dealer(service.endpoint) as second:
             rid = uuid.uuid4().hex
             first.send_multipart([b"", msgpack.packb({"op": "judge", "rid": rid, "items": [["p", "the right answer", "1"]]})])
-            time.sleep(0.2)  # the first is at the judge
+            wait_for(lambda: api.requests, what="the first at the judge")  # it was a 0.2 s sleep; ms alone
             theirs = ask(second, {"op": "judge", "rid": rid, "items": [["p", "a wrong one", "1"]]})
-            assert first.poll(5000)
+            assert first.poll(5000)  # the stand-in's 0.8 s, a timer, and ms of work; x6
             mine = msgpack.unpackb(first.recv_multipart()[-1])
     assert mine["rid"] == theirs["rid"] == rid
     assert (mine["verdicts"][0]["reward"], theirs["verdicts"][0]["reward"]) == (1.0, 0.0)
@@ -305,7 +323,7 @@ def test_a_score_that_cannot_be_a_reward_goes_out_as_nil_for_its_pair_alone(rm_d
         raw = ask(sock, {"op": "rm_score", "rid": "r1", "pairs": [list(pair) for pair in pairs]})
         assert raw["scores"][1] is None and raw["errors"] == ["", "the reward model's score nan is not a finite number", ""]
         assert all(s is None or math.isfinite(s) for s in raw["scores"])  # no NaN on the wire
-        remote = RemoteRewardModel(service.endpoint, timeout_s=30)
+        remote = RemoteRewardModel(service.endpoint, timeout_s=REQUEST_S)
         scores = remote.score(pairs)
         reward = CompositeReward({"rm_score": 1.0}, reward_model=remote)
         scored = reward.score([Item(p, r, where=f"d.jsonl line {n}") for n, (p, r) in enumerate(pairs, 1)])
@@ -336,7 +354,7 @@ def older_service(reply: dict[str, Any]) -> Iterator[str]:
 
 def test_the_clients_hold_a_reply_to_the_bound_whatever_the_service_sends() -> None:
     scores = [math.nan, 1e300, -math.inf, 0.5, 2e6]
-    with older_service({"scores": scores}) as endpoint:
+    with older_service({"scores": scores}) as endpoint:  # its replies come at once (ms): the clients' 5 s are x1000
         got = RemoteRewardModel(endpoint, timeout_s=5, max_abs_reward=1e6).score([("p", str(n)) for n in range(5)])
         small = RemoteRewardModel(endpoint, timeout_s=5, max_abs_reward=0.25).score([("p", str(n)) for n in range(5)])
     assert got[3] == 0.5 and small[3].reason == "out_of_range"  # a smaller bound of the driver's own holds too
@@ -358,14 +376,14 @@ def test_a_service_nobody_runs_is_reported_within_seconds_with_its_address_and_e
     started = time.monotonic()
     with pytest.raises(RewardServiceError, match=re.escape(f"the reward service at {endpoint} did not answer `ping` after 3 attempts")):
         client.components()
-    assert time.monotonic() - started < 15  # 3 x 1.5 s + 2 x 1 s
+    assert time.monotonic() - started < 15  # 3 x 1.5 s + 2 x 1 s of timers, and 8.5 s for a loaded machine
     tries = [r.getMessage() for r in caplog.records if "no answer to `ping`" in r.getMessage()]
     assert tries == [f"the reward service at {endpoint}: no answer to `ping` within 1.5 s (try {n} of 3), retrying in 1 s" for n in (1, 2)]
     once = RewardServiceClient(endpoint, timeout_s=1.0, retries=0)  # as `ppoz up` polls a service it started: one try
     started = time.monotonic()
-    with pytest.raises(RewardServiceError, match="after 1 attempts"):
+    with pytest.raises(RewardServiceError, match="after 1 attempts"):  # one try: the message counts them
         once.ping()
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 5  # its 1 s, not minutes (the bound was 2 s: 5 s, for a loaded machine)
 
 
 def test_fair_shares_give_each_request_its_turn_in_a_batch() -> None:
@@ -389,6 +407,7 @@ def test_a_large_rm_score_request_does_not_hold_up_a_small_one_for_more_than_a_b
     with serving(RewardModel(RewardModelConfig(rm_dir, batch_size=8)), batch_size=8, batch_wait_ms=0) as service:
         with dealer(service.endpoint) as big, dealer(service.endpoint) as small:
             big.send_multipart([b"", msgpack.packb({"op": "rm_score", "rid": "big", "pairs": long_pairs})])
+            # three batches of 8 long pairs: 1-3 s alone; x20
             wait_for(lambda: service.counts["rm/batches"] >= 3, timeout=60, what="the large request's first batches")
             at_arrival = service.counts["rm/batches"]
             answer = ask(small, {"op": "rm_score", "rid": "small", "pairs": PAIRS[:2]})
@@ -396,7 +415,7 @@ def test_a_large_rm_score_request_does_not_hold_up_a_small_one_for_more_than_a_b
             assert len(answer["scores"]) == 2 and all(isinstance(x, float) for x in answer["scores"])
             assert not big.poll(0), "the large request finished first"
             assert batches_waited <= 3, f"the small request waited {batches_waited} batches"
-            assert big.poll(120_000)
+            assert big.poll(120_000)  # 40 batches: about 8 s alone, 18 s beside two spinners; x15
             reply = msgpack.unpackb(big.recv_multipart()[-1])
     assert len(reply["scores"]) == 320 and all(isinstance(x, float) for x in reply["scores"])
     alone = RewardModel(RewardModelConfig(rm_dir, batch_size=8)).score([tuple(pair) for pair in long_pairs[:16]])
@@ -414,15 +433,19 @@ def test_a_30_mb_pair_does_not_hold_up_a_small_request(rm_dir) -> None:
         with dealer(service.endpoint) as big, dealer(service.endpoint) as small:
             started = time.monotonic()
             big.send_multipart([b"", msgpack.packb({"op": "rm_score", "rid": "huge", "pairs": [pair]})])
-            wait_for(lambda: service.counts["requests"] >= 1, timeout=10, what="the 30 MB request's arrival")  # read before the small one
+            # read before the small one: the 30 MB on loopback, 0.2-0.3 s alone; x30
+            wait_for(lambda: service.counts["requests"] >= 1, timeout=10, what="the 30 MB request's arrival")
             answer = ask(small, {"op": "rm_score", "rid": "small", "pairs": [list(p) for p in PAIRS[:2]]})
             small_s = time.monotonic() - started
-            assert big.poll(10_000), "the 30 MB pair was not scored within 10 s"
+            assert big.poll(30_000), "the 30 MB pair was not scored within 30 s"
             big_s = time.monotonic() - started
             reply = msgpack.unpackb(big.recv_multipart()[-1])
+    # Timing claims against the old behaviour's 133 s (the whole 30 MB tokenized): both answered at once, 0.2-0.3 s
+    # alone. The bounds were 2 s, 5 s and a 10 s wait: 10 s, 30 s and 30 s tell the two apart as well and leave a
+    # loaded machine room.
     assert answer["scores"] == pytest.approx(RewardModel(RewardModelConfig(rm_dir)).score(PAIRS[:2]), abs=1e-5)
-    assert small_s < 2.0, f"the small request waited {small_s:.2f} s behind the 30 MB pair"
-    assert isinstance(reply["scores"][0], float) and reply["errors"] == [""] and big_s < 5.0
+    assert small_s < 10.0, f"the small request waited {small_s:.2f} s behind the 30 MB pair"
+    assert isinstance(reply["scores"][0], float) and reply["errors"] == [""] and big_s < 30.0
 
 
 def test_a_large_judge_request_does_not_hold_up_a_small_one_for_more_than_a_few_calls() -> None:
@@ -434,14 +457,14 @@ def test_a_large_judge_request_does_not_hold_up_a_small_one_for_more_than_a_few_
         with serving(judge=judge, judge_concurrency=2) as service, dealer(service.endpoint) as big, dealer(service.endpoint) as small:
             items = [[f"large {i}", "r", "1"] for i in range(80)]
             big.send_multipart([b"", msgpack.packb({"op": "judge", "rid": "large", "items": items})])
-            wait_for(lambda: len(api.requests) >= 6, timeout=30, what="the large request's first judge calls")
+            wait_for(lambda: len(api.requests) >= 6, timeout=30, what="the large request's first judge calls")  # 0.15 s alone
             calls_at_arrival, started = len(api.requests), time.monotonic()
             answer = ask(small, {"op": "judge", "rid": "small", "items": [["the small one", "r", "1"]]})
             small_s = time.monotonic() - started
             order = [body["messages"][1]["content"] for body, _ in api.requests]
             calls_before = next(i for i, content in enumerate(order) if "the small one" in content) - calls_at_arrival
             assert not big.poll(0), "the large request finished first"
-            assert big.poll(30_000)
+            assert big.poll(30_000)  # 80 calls of 50 ms, two at once: 2 s alone; x15
             reply = msgpack.unpackb(big.recv_multipart()[-1])
             most_in_flight = api.most_in_flight
     assert answer["verdicts"][0]["reward"] == 1.0
@@ -486,6 +509,8 @@ def test_the_record_count_and_size_are_refused_before_anything_is_decoded_or_sco
             reply = ask(sock, None, body)
             took = time.monotonic() - started
             assert reply["error"]["code"] == "too_large" and words in reply["error"]["message"], reply
+            # a timing claim, kept beside the proof below that nothing was decoded: the header read and the refusal
+            # take ms once the 15-24 MB are across; decoding 5 million entries takes 3 s. Passed under --busy 2.
             assert reply["rid"] is not None and took < 1.0, f"refused after {took:.2f} s"
         assert max(decoded, default=0) < 1024 and spy.calls == 0  # nothing of them decoded, nothing scored
         assert ask(sock, {"op": "rm_score", "rid": "ok", "pairs": [["p", "r"]]})["scores"] == [0.5] and spy.calls == 1

@@ -51,7 +51,10 @@ def test_a_service_reachable_from_other_machines_is_refused_without_curve(tmp_pa
 
 def test_the_command_refuses_to_start_on_every_address_without_curve() -> None:
     done = subprocess.run(
-        [*PPOZ, "reward-server", "--judge-model", "j", "--bind", "tcp://0.0.0.0:5560"], capture_output=True, text=True, timeout=120
+        [*PPOZ, "reward-server", "--judge-model", "j", "--bind", "tcp://0.0.0.0:5560"],
+        capture_output=True,
+        text=True,
+        timeout=120,  # refused at start: 2-3 s alone; x40
     )
     assert done.returncode != 0 and "is reachable from other machines" in done.stderr, done.stderr[-2000:]
 
@@ -95,6 +98,7 @@ def test_with_curve_only_drivers_whose_keys_are_allowed_are_answered(tmp_path: P
                     TrainConfig(data="d", reward_service="x", reward_service_curve_key=str(service_public)).reward_service_keys(),
                 ),
             ]:
+                # a look for an answer that must not come (a refused key): 0.5 s, where an allowed one is answered in ms
                 client = RewardServiceClient(service.endpoint, timeout_s=0.5, retries=0, curve=keys)
                 try:
                     client.request("judge", items=[["p", "r", "1"]])
@@ -109,7 +113,7 @@ def test_with_curve_only_drivers_whose_keys_are_allowed_are_answered(tmp_path: P
 
 def test_ping_says_what_a_client_needs_and_not_where_the_models_are(tmp_path) -> None:
     with chat_server(lambda body, n: "Score: 1") as api, serving(judge=local_judge(api.base_url)) as service:
-        client = RewardServiceClient(service.endpoint, timeout_s=5.0, retries=0)
+        client = RewardServiceClient(service.endpoint, timeout_s=5.0, retries=0)  # ms; x1000
         reply = client.ping()
         client.close()
     assert set(reply) == {"op", "rid", "components", "max_items"}
