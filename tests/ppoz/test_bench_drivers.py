@@ -19,11 +19,14 @@ def run(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # past the bench's timeout below, so its stderr is shown
 def test_the_judge_bounds_throughput_and_concurrency_lifts_it() -> None:
+    # The bench: a stack's start (torch processes), three legs of each kind and its stop, 38 s alone on the 2-core VM
+    # (docs/testing.md's slowest tests). It was 280 s (x7): 400 s (x10).
     result = run(
         *("--latency", str(LATENCY), "--workers", str(WORKERS), "--concurrency", "1,4"),
         *("--seconds", "2", "--scoring-seconds", "1.5", "--repeats", "1", "--json"),
-        timeout=280,
+        timeout=400,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.splitlines()[-1])  # the stack's processes may print above it
@@ -38,6 +41,9 @@ def test_the_judge_bounds_throughput_and_concurrency_lifts_it() -> None:
         assert serial["p50_ms"] >= LATENCY * 1000 and serial["most_in_flight"] == 1
         assert parallel["rewarded_per_s"] <= 1.1 * WORKERS / LATENCY and parallel["most_in_flight"] <= 4
         assert rule["rewarded_per_s"] > serial["rewarded_per_s"]  # the rule reward is the ceiling
+    # What follows are performance claims of the bench's, kept: rates compared between legs of one run, not with a
+    # clock. The upper bounds above hold whatever the load (a loaded machine only slows a leg); the lower ones below
+    # compare legs that ran beside the same load, and passed beside two spinners (bin/test --busy 2).
     alone, driven = figures["scoring_only"], figures["end_to_end"]
     # Alone, 4 requests in flight reward about 4 times as fast; driven, generation takes its share.
     assert alone["judge_c4"]["rewarded_per_s"] > 2.5 * alone["judge_c1"]["rewarded_per_s"], alone
@@ -50,5 +56,5 @@ def test_help_explains_every_flag_and_nonsense_is_refused() -> None:
     help_text = command_help("bench", "drivers")
     for flag in ("--latency", "--concurrency", "--workers", "--seconds", "--scoring-seconds", "--repeats", "--new-tokens", "--json"):
         assert flag in help_text
-    refused = run("--concurrency", "0,8", "--scoring-only", timeout=60)
+    refused = run("--concurrency", "0,8", "--scoring-only", timeout=60)  # refused at start: 2-3 s under load; x20
     assert refused.returncode != 0 and "must be positive" in refused.stderr

@@ -55,7 +55,7 @@ def test_legs_alternate_their_order_every_repeat():
     ],
 )
 def test_bad_flags_are_refused_by_name_before_anything_starts(flags, named):
-    result = ppoz("bench", "stability", *flags, timeout=60)
+    result = ppoz("bench", "stability", *flags, timeout=60)  # refused at start: 2-3 s under load; x20
     assert result.returncode != 0 and named in result.stderr, result.stderr[-1000:]
     assert "load average" not in result.stderr  # refused before the bench began
 
@@ -73,6 +73,7 @@ def test_a_small_run_reports_a_leg_with_the_learning_rate_the_learner_used(tmp_p
     os.kill(learner, signal.SIGSTOP)
     time.sleep(20)  # the clients go on meanwhile: about 30 responses a second on the 2-core VM
     os.kill(learner, signal.SIGCONT)
+    # the stack's start, 600 responses, the learner's 20 s stop and its catching up, the stop: 60-70 s alone; x9
     stdout, _ = bench.communicate(timeout=600)
     result = subprocess.CompletedProcess(bench.args, bench.returncode, stdout, (tmp_path / "bench.log").read_text())
     assert result.returncode == 0, result.stderr[-3000:]

@@ -39,6 +39,7 @@ from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
 from ppoz.cli import main as ppoz_main
+from tests.helpers import REDIS_S
 from tests.learner_node.test_resume import write_segments
 from tests.processes import PPOZ
 
@@ -71,7 +72,7 @@ class Run:
 def learner_run(base: str, lora_rank: int, redis_url: str, prefix: str, ckpt: Path) -> dict[str, torch.Tensor]:
     """Two real updates of the learner on 16 bandit steps in its stream (checkpoints ckpt-00000001 and -2); the
     weights it published last, as an actor fetches them."""
-    client = connect(redis_url, socket_timeout=30)
+    client = connect(redis_url, socket_timeout=REDIS_S)
     try:
         write_segments(client, prefix, 16)
         cfg = LearnerConfig(
