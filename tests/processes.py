@@ -136,6 +136,14 @@ class NotifySocket:
     def count(self, line: str) -> int:
         return sum(line in m.split("\n") for m in self.messages)
 
+    def settle(self, line: str, timeout: float = 10.0) -> None:
+        """Until a message holding `line` has been read, or `timeout` s; no failure (for a test's teardown: it asserts
+        the count after). The default: a process that has exited sent its datagrams already, and the reader takes
+        them within its 0.2 s tick (ms of work): x50."""
+        end = time.monotonic() + timeout
+        while not self.count(line) and time.monotonic() < end:
+            time.sleep(0.02)
+
     def close(self) -> None:
         self._closed.set()
         self._reader.join(2)  # the reader sees `_closed` within its 0.2 s socket timeout; x10 (a daemon thread)
