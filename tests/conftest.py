@@ -133,7 +133,7 @@ def start_broker(redis_url: str, key_prefix: str, zmq_context: zmq.Context) -> I
             backend="tcp://127.0.0.1:*",
             store=StoreSettings(redis_url=redis_url, key_prefix=key_prefix),
             heartbeat_ms=100,
-            drain_timeout_s=2.0,
+            drain_timeout_s=2.0,  # how long a stopping broker waits for steps in flight: their actor threads answer in ms
         )
         settings.update(overrides)
         cfg = BrokerConfig(**settings)

@@ -90,6 +90,8 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
     broker = start_broker(retrieval=RetrievalConfig(history_len=4))
     retriever, link, stop, thread = start_rag_actor(broker.backend, tiny_models["llama"], corpus, budget, zmq_context)
     try:
+        # a rag_step of the tiny model with retrieval on an actor thread of this process: 0.1-0.5 s alone (x100); the
+        # actor registers on 0.1 s heartbeats, its model loaded already (x100 and more)
         alpha, bravo = make_client(broker.frontend, deadline=60), make_client(broker.frontend, deadline=60)
         wait_for(lambda: actors_ready(alpha, 1), timeout=60, what="the rag actor")
         # The two tasks play at once, so their jobs share the actor's batches.
@@ -100,7 +102,7 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
         for t in threads:
             t.start()
         for t in threads:
-            t.join(120)
+            t.join(120)  # 12 steps: 2-5 s alone; x24
         (task_a, replies_a), (task_b, _) = played["ALPHA"], played["BRAVO"]
         # Both tasks' history is in Redis while they are attached (and would come back after a broker restart).
         store = SessionStore(redis_client, RedisKeys(key_prefix), "learners")
@@ -111,7 +113,7 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
         bravo.detach(task_b)
     finally:
         stop.set()
-        thread.join(30)
+        thread.join(30)  # serve() sees `stop` after its batch in hand: under 0.5 s alone; x60 (a daemon thread)
         link.close()
     assert retriever.jobs == 12
     assert all(r["retrieved"] for r in replies_a[1:])  # the reply names what was put into the prompt

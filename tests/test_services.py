@@ -67,6 +67,7 @@ def test_broker_sigterm_with_steps_no_actor_is_left_to_answer_stops_without_wait
     proc = start_service([*args, "--redis-url", redis_url, "--key-prefix", key_prefix, "--drain-timeout-s", "120"], notify)
     try:
         notify.wait_for("READY=1", 60)  # a broker imports no torch: 1 s alone on the 2-core VM
+        # `c`: a ready broker answers in ms (x1000); `stepping`'s 1 s is the timeout the queued step must meet
         with Client(f"tcp://127.0.0.1:{front}", deadline=30) as c, Client(f"tcp://127.0.0.1:{front}", deadline=1) as stepping:
             task = c.attach()
             with pytest.raises(RequestTimeout):  # no actor: the step waits in the queue

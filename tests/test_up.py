@@ -42,11 +42,12 @@ def test_up_runs_the_whole_stack_restarts_a_killed_actor_and_stops_cleanly(tmp_p
         config.read_text() + f"rollout_batch = 8\npolicy_minibatch = 8\nmicro_batch = 8\nupdate_epochs = 1\n"
         f'checkpoint_dir = "{tmp_path / "ckpt"}"\ntensorboard_dir = ""\n'
         "[actor]\nweights_poll_s = 1.0\nheartbeat_ms = 200\n"
-        '[up]\nactors = 1\nenv = "kea"\nenv_clients = 2\nstop_timeout_s = 60\n'
+        '[up]\nactors = 1\nenv = "kea"\nenv_clients = 2\nstop_timeout_s = 60\n'  # a component's exit: 1-5 s alone; x12
     )
     up = Up(config)
     try:
-        # Wired together: the actor serves a version the learner trained and published.
+        # Wired together: the actor serves a version the learner trained and published. The stack's start (two torch
+        # processes at once), a rollout of 8, an update and the actor's next poll: 20-25 s alone (the test: 53 s); x10
         wait_for(
             lambda: (s := status(front)) and s["actors"] and s["actors"][0]["policy_version"] >= 1,
             timeout=240,
@@ -55,7 +56,7 @@ def test_up_runs_the_whole_stack_restarts_a_killed_actor_and_stops_cleanly(tmp_p
         for name in ("broker", "learner", "actor-0", "clients"):
             assert re.search(rf"^ *{name} \| ", up.text(), re.M), f"no log line prefixed with {name}"
         # `ppoz status` against the running stack: actors and load, sessions, speed, backlog, version and lag, losses.
-        table = ppoz("status", "--broker", f"tcp://127.0.0.1:{front}", timeout=60)
+        table = ppoz("status", "--broker", f"tcp://127.0.0.1:{front}", timeout=60)  # no torch: under 1 s alone; x60
         assert table.returncode == 0, table.stderr
         assert "sessions 2" in table.stdout and "steps/s" in table.stdout and "stream backlog" in table.stdout
         assert re.search(r"actor-0 +load \d+/\d+  policy v\d+  lag \d+", table.stdout), table.stdout
@@ -69,9 +70,9 @@ def test_up_runs_the_whole_stack_restarts_a_killed_actor_and_stops_cleanly(tmp_p
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             assert f"OMP_NUM_THREADS={expected}".encode() in environ
         os.kill(actor, signal.SIGKILL)
-        wait_for(lambda: up.pid("actor-0", 2), timeout=60, what="actor-0 to be restarted")
+        wait_for(lambda: up.pid("actor-0", 2), timeout=60, what="actor-0 to be restarted")  # the 1 s back-off, a timer; x60
         assert "actor-0 died (killed by SIGKILL); its last lines:" in up.text()
-        wait_for(
+        wait_for(  # the restarted actor process: torch, the model, its first steps; TORCH_START_S
             lambda: (s := status(front)) and len(s["actors"]) == 1 and s["actors"][0]["served"] > 0 and "actor-0" in s["actors"][0]["name"],
             timeout=120,
             what="the restarted actor to serve",
@@ -123,9 +124,10 @@ def test_up_stops_everything_when_a_component_dies_and_on_failure_is_stop(tmp_pa
     config = write_config(tmp_path / "up.toml", front, back, weights)
     up = Up(config, "--no-learner", "--actors", "2", "--on-failure", "stop")  # uniform-policy actors, no model needed
     try:
+        # a broker and two uniform actors, which import torch (2-5 s alone each, side by side): x12
         wait_for(lambda: (s := status(front)) and len(s["actors"]) == 2, timeout=60, what=f"two actors\n{up.text()[-2000:]}")
         os.kill(up.pid("actor-1"), signal.SIGKILL)
-        assert up.proc.wait(60) == 1
+        assert up.proc.wait(60) == 1  # up stops the others, one by one (no model, nothing in flight): 2-3 s alone; x20
     finally:
         up.stop()
     text = up.text()
@@ -159,16 +161,17 @@ def test_up_starts_a_curve_farm_its_readiness_reported_by_the_broker_itself(tmp_
             f'curve_allowed_clients = "{allowed_clients}"\ncurve_allowed_actors = "{allowed_actors}"\n',
         )
         + f'[actor]\ncurve_secret_key = "{keys / "actor.key_secret"}"\ncurve_broker_key = "{keys / "broker.key"}"\n'
-        + "[up]\nready_timeout_s = 20\n"
+        + "[up]\nready_timeout_s = 20\n"  # the broker's READY=1 (no torch): about 1 s alone; x20
     )
     up = Up(config, "--no-learner", "--actors", "1")
     try:
-        with Client(
+        with Client(  # a status call: ms once the broker is up, and retried by the poll below while it starts
             f"tcp://127.0.0.1:{front}",
             deadline=5,
             curve_secret_key=str(keys / "emulator.key_secret"),
             curve_server_key=str(keys / "broker.key"),
         ) as client:
+            # a broker and a uniform actor (torch imported: 2-5 s alone); x12
             wait_for(lambda: len(client.status()["actors"]) == 1, timeout=60, what=f"the CURVE actor\n{up.text()[-2000:]}")
         assert up.proc.poll() is None, up.text()[-2000:]
     finally:
@@ -207,6 +210,7 @@ def test_each_host_of_a_curve_farm_holds_only_its_own_keys_and_ppoz_up_starts_it
         'curve_secret_key = "keys/gpu.key_secret"\ncurve_broker_key = "keys/broker.key"\ncurve_learner_key = "keys/learner.key"\n'
         f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\ncurve_secret_key = "keys/learner.key_secret"\n'
         'curve_allowed_actors = "allowed-actors"\ncheckpoint_dir = "checkpoints"\ntensorboard_dir = ""\n'
+        # ready_timeout_s: the broker's READY=1, about 1 s alone (x120); stop_timeout_s: a component's exit, 1-5 s (x12)
         "[up]\nbroker = false\nlearner = false\nactors = 0\nready_timeout_s = 120\nstop_timeout_s = 60\n"
     )
     hosts = {}
@@ -240,6 +244,7 @@ def test_each_host_of_a_curve_farm_holds_only_its_own_keys_and_ppoz_up_starts_it
         )
         assert ups["learner"].proc.poll() is None, ups["learner"].text()[-3000:]
         secret, server = str(trusted / "emu.key_secret"), str(trusted / "broker.key")  # an emulator's keys
+        # a status call: ms once the broker serves; a failed one counts as 0 and the poll below asks again
         with Client(f"tcp://127.0.0.1:{front}", deadline=5, curve_secret_key=secret, curve_server_key=server) as client:
 
             def actors() -> int:

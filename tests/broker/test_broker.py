@@ -378,7 +378,7 @@ class SilentActor:
 
     def run(self, heartbeat):
         while not self.stop.is_set():
-            if self.sock.poll(50):
+            if self.sock.poll(50):  # a tick: how often `stop` is looked at
                 msg = p.decode(self.sock.recv())
                 self.jobs += len(msg.get("jobs", []))
             if heartbeat:
@@ -800,6 +800,7 @@ def test_a_flood_of_held_asks_gets_one_answer_each_and_the_broker_keeps_serving(
         pinging.start()
         try:
             sent, task_of = _flood(socks, tag, per_socket, tasks)
+            # before the first 1 s hold ends (0.1-0.2 s alone): a timing claim, as the comment above ping_along says
             wait_for(lambda: len(held) == total, timeout=0.5, what=f"all {total} asks held (held now: {len(held)})")
             if tag == "release":
                 redis_client.xdel(stream, *[entry_id for entry_id, _ in redis_client.xrange(stream)])  # the learner read them

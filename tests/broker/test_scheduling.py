@@ -9,7 +9,7 @@ from broker.scheduling import FairQueue
 
 
 def job(client: bytes, n: int) -> Job:
-    return Job(n, f"task-{client.decode()}{n}", "step", f"r{n}", {}, [], deadline=1e9, created=0.0, client=client)
+    return Job(n, f"task-{client.decode()}{n}", "step", f"r{n}", {}, [], deadline=1e9, created=0.0, client=client)  # never due
 
 
 def names(jobs: list[Job]) -> list[str]:

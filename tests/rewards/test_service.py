@@ -190,7 +190,7 @@ def test_bad_requests_get_named_errors_and_the_service_goes_on(rm_dir) -> None:
             RewardModel(RewardModelConfig(rm_dir)).score([("p", "r")])[0], abs=1e-5
         )
         with pytest.raises(RewardServiceError, match=r"refused `judge`: not_hosted"):
-            RemoteJudge(service.endpoint, timeout_s=5).request("judge", items=[["p", "r", "1"]])
+            RemoteJudge(service.endpoint, timeout_s=5).request("judge", items=[["p", "r", "1"]])  # refused at once: ms; x1000
         assert service.counts["errors/bad_request"] == 7 and service.counts["errors/too_large"] == 2
 
 
@@ -243,7 +243,7 @@ def test_a_service_that_is_down_times_out_clearly_and_its_responses_go_unrewarde
 
 def test_a_client_retries_on_a_fresh_socket_until_the_service_comes_up(rm_dir) -> None:
     port = free_port()
-    remote = RemoteRewardModel(f"tcp://127.0.0.1:{port}", timeout_s=0.5, retries=20)
+    remote = RemoteRewardModel(f"tcp://127.0.0.1:{port}", timeout_s=0.5, retries=20)  # the attempts under test
     got: list[Any] = []
     caller = threading.Thread(target=lambda: got.append(remote.score(PAIRS[:2])))
     caller.start()
@@ -413,7 +413,7 @@ def test_a_large_rm_score_request_does_not_hold_up_a_small_one_for_more_than_a_b
             answer = ask(small, {"op": "rm_score", "rid": "small", "pairs": PAIRS[:2]})
             batches_waited = service.counts["rm/batches"] - at_arrival
             assert len(answer["scores"]) == 2 and all(isinstance(x, float) for x in answer["scores"])
-            assert not big.poll(0), "the large request finished first"
+            assert not big.poll(0), "the large request finished first"  # a look, not a wait
             assert batches_waited <= 3, f"the small request waited {batches_waited} batches"
             assert big.poll(120_000)  # 40 batches: about 8 s alone, 18 s beside two spinners; x15
             reply = msgpack.unpackb(big.recv_multipart()[-1])

@@ -77,7 +77,7 @@ def test_a_reward_that_does_not_come_in_time_leaves_the_turn_unrewarded(stack) -
     try:
         progress = drive(
             stack.frontend, records(2), PromptOrder(2, shuffle=False), scorer, Sampling(max_new_tokens=2), workers=1, reward_timeout_s=0.3
-        )
+        )  # the reward timeout under test, which the 1.5 s function misses
     finally:
         scorer.close()
     assert progress.done == {0, 1} and progress.unrewarded == 2 and progress.errors[0] == "t.jsonl line 1: no reward within 0.3 s"

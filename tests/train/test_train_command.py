@@ -176,12 +176,12 @@ def test_a_wrong_reward_function_or_a_record_over_the_brokers_limits_stops_the_r
     )  # made absolute
     assert not any(s in run.stdout + run.stderr for s in STARTED) and time.monotonic() - began < 60
     (tmp_path / "reward.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
-    run = ppoz("train", *data, "--reward-fn", "reward.py:compute_score", timeout=120, cwd=tmp_path)
+    run = ppoz("train", *data, "--reward-fn", "reward.py:compute_score", timeout=120, cwd=tmp_path)  # refused, as above
     assert run.returncode == 2 and "reward.py has no function 'compute_score'" in run.stderr, run.stderr[-2000:]
     # a record over the broker's limits ([broker] max_prompt_chars here), named with its line and the limit
     with (tmp_path / "train.jsonl").open("a") as f:
         f.write("\n" + json.dumps({"prompt": "say " + "red " * 20, "ground_truth": "red"}))
-    run = ppoz("train", *data, "--reward-fn", "first_word", "--strict", timeout=120, cwd=tmp_path)
+    run = ppoz("train", *data, "--reward-fn", "first_word", "--strict", timeout=120, cwd=tmp_path)  # refused, as above
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "train.jsonl line 5: over the broker's limits: `prompt` has 84 characters, the limit is 60" in run.stderr
     assert not any(s in run.stdout + run.stderr for s in STARTED)
