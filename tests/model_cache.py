@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ import transformers
 import common.tiny_models
 
 _BUILDER_SOURCE = Path(common.tiny_models.__file__).read_bytes()
+# How long a worker waits for another one's build of the same model: a tiny model and its tokenizer take 5-20 s alone
+# on the 2-core VM; x30. (The wait had no deadline but pytest's 300 s per test.)
+BUILD_WAIT_S = 600.0
 
 
 def cached_build(root: Path, build: Callable[..., Path], name: str, **spec: Any) -> str:
@@ -35,7 +39,15 @@ def cached_build(root: Path, build: Callable[..., Path], name: str, **spec: Any)
         return str(folder)
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker building the same model: wait for it
+        end = time.monotonic() + BUILD_WAIT_S
+        while True:  # another worker building the same model: wait for it, up to BUILD_WAIT_S
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > end:
+                    raise TimeoutError(f"{folder.name}: another worker held its build lock for {BUILD_WAIT_S:.0f} s") from None
+                time.sleep(0.1)
         if not done.exists():
             shutil.rmtree(folder, ignore_errors=True)  # what a build that was killed half-way left
             build(folder, **spec)

@@ -264,7 +264,7 @@ def test_stop_from_another_thread_ends_watch(make_supervisor: Callable[..., tupl
     timer = threading.Timer(0.3, sup.stop)
     timer.start()
     assert watch(sup) == 0 and sup.failed is None
-    timer.join()
+    timer.join(10)  # its 0.3 s are over by now; x30
     assert sleeper.process is not None and sleeper.process.returncode == -signal.SIGTERM
 
 
