@@ -41,7 +41,7 @@ def c_build() -> Path:
         pytest.fail("pkg-config does not find libzmq: install libzmq3-dev (bin/test does; PPOZ_SKIP_BINDINGS=1 skips)")
     if not pkg_config_finds("msgpack-c", "msgpack") and not Path("/usr/include/msgpack.h").exists():
         pytest.fail("msgpack-c is not installed: install libmsgpack-dev (bin/test does; PPOZ_SKIP_BINDINGS=1 skips)")
-    result = subprocess.run(["make", "-C", str(C_DIR)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(["make", "-C", str(C_DIR)], capture_output=True, text=True, timeout=300)  # a C build: 5-15 s alone; x20
     assert result.returncode == 0, f"make -C bindings/c failed:\n{result.stdout}\n{result.stderr}"
     return BUILD
 
@@ -60,10 +60,11 @@ def processes() -> Iterator[Callable[..., subprocess.Popen]]:
     for proc in started:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate()
+        proc.communicate()  # ended or SIGKILLed: its pipes close at once
 
 
 def run(*args: Any, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A C program to its end; the default `timeout` is for one that needs no model (ms alone; x1000)."""
     return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -77,7 +78,7 @@ def test_every_conformance_vector_byte_for_byte(c_build):
 
 
 def test_make_test_runs_the_vectors(c_build):
-    result = subprocess.run(["make", "-C", str(C_DIR), "test"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(["make", "-C", str(C_DIR), "test"], capture_output=True, text=True, timeout=120)  # built: 1 s alone; x100
     assert result.returncode == 0, result.stdout + result.stderr
     assert ": ok" in result.stdout
 
@@ -98,14 +99,16 @@ def test_example_usage(c_build):
 def test_example_gives_up_at_its_deadline_when_nothing_listens(c_build):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     start = time.monotonic()
-    result = run(c_build / "ppoz_example", endpoint, 1, 1, 1500, 500, timeout=30)
+    result = run(c_build / "ppoz_example", endpoint, 1, 1, 1500, 500, timeout=30)  # its 1.5 s deadline is under test; x20
     elapsed = time.monotonic() - start
     assert result.returncode == 1, result.stdout + result.stderr
     assert "attach failed: timeout: no reply to attach within 1500 ms" in result.stderr, result.stderr
-    assert 1.4 <= elapsed < 6, f"gave up after {elapsed:.1f} s, the deadline was 1.5 s"
+    assert 1.4 <= elapsed < 6, f"gave up after {elapsed:.1f} s, the deadline was 1.5 s"  # and 4.5 s for a loaded machine
 
 
 # --- The retry rule, against a scripted broker ----------------------------------------------------
+# The waits below: the C client's process starts and sends, or answers and exits, in ms alone (10 s: x1000); a
+# `not router.poll(300)` looks for a resend that must not come, where load can only make it pass wrongly.
 @pytest.fixture
 def scripted(zmq_context: zmq.Context, c_build: Path, processes) -> Callable[..., tuple[zmq.Socket, subprocess.Popen]]:
     """A bare ROUTER standing in for the broker, and `test_client attach` (or another command) pointed at it."""
@@ -122,7 +125,7 @@ def scripted(zmq_context: zmq.Context, c_build: Path, processes) -> Callable[...
 
 def receive(router: zmq.Socket) -> tuple[bytes, bytes]:
     """One request: (routing id, body); checks the framing of docs/protocol.md section 1."""
-    assert router.poll(10_000), "no request from the C client"
+    assert router.poll(10_000), "no request from the C client"  # as the comment above says
     frames = router.recv_multipart()
     assert len(frames) == 3 and frames[1] == b"", f"expected [routing id, empty delimiter, body], got {frames!r}"
     return frames[0], frames[2]
@@ -154,9 +157,9 @@ def test_retry_rule_new_socket_same_rid_late_replies_ignored_and_retry_after(scr
     sent_at = time.monotonic()
     peer3, third = receive(router)
     assert third == first and peer3 == peer2  # an answered attempt keeps its socket
-    assert time.monotonic() - sent_at >= 0.25, "the client must wait retry_after_ms before resending"
+    assert time.monotonic() - sent_at >= 0.25, "the client must wait retry_after_ms before resending"  # load only lengthens it
     answer(router, peer3, attached(request["rid"]))
-    out, err = proc.communicate(timeout=10)
+    out, err = proc.communicate(timeout=10)  # it exits on its answer (see above)
     assert proc.returncode == 0, out + err
     assert out.strip() == "attached emu-7 attempts 3"
 
@@ -166,7 +169,7 @@ def test_an_error_that_is_not_retried_returns_at_once(scripted):
     peer, body = receive(router)
     rid = p.decode(body)["rid"]
     answer(router, peer, p.error_body(rid, p.OP_ATTACH, p.E_BAD_REQUEST, "`task_id` must be a str"))
-    out, err = proc.communicate(timeout=10)
+    out, err = proc.communicate(timeout=10)  # it exits on its answer (see above)
     assert proc.returncode == 1
     assert out.strip() == "error bad_request attempts 1: `task_id` must be a str", out + err
     assert not router.poll(300), "a bad_request must not be resent"
@@ -178,7 +181,7 @@ def test_an_error_with_rid_nil_answers_the_request_and_is_final(scripted, code):
     router, proc = scripted(20_000, 5000)
     peer, _ = receive(router)
     answer(router, peer, p.error_body(None, None, code, "no readable rid"))
-    out, err = proc.communicate(timeout=10)
+    out, err = proc.communicate(timeout=10)  # it exits on its answer (see above)
     assert proc.returncode == 1
     assert out.strip() == f"error {code} attempts 1: no readable rid", out + err
     assert not router.poll(300), "a request the broker could not read must not be resent"
@@ -189,7 +192,7 @@ def test_a_retried_error_whose_wait_ends_past_the_deadline_is_reported(scripted)
     peer, body = receive(router)
     rid = p.decode(body)["rid"]
     answer(router, peer, p.error_body(rid, p.OP_ATTACH, p.E_OVERLOADED, "storage (Redis) unavailable", retry_after_ms=5000))
-    out, err = proc.communicate(timeout=10)
+    out, err = proc.communicate(timeout=10)  # it exits on its answer (see above)
     assert proc.returncode == 1
     assert out.strip() == "error overloaded attempts 1: storage (Redis) unavailable", out + err
 
@@ -223,7 +226,7 @@ def test_generate_sends_the_documented_fields_retries_as_a_step_and_returns_the_
     assert again == body and peer2 == peer, "a generate answered `timeout` is sent again, same rid, same socket"
     text = "Blue.\nÉ bleu"  # a newline and a two-byte character
     answer(router, peer2, generated(request["rid"], text))
-    out, err = proc.communicate(timeout=10)
+    out, err = proc.communicate(timeout=10)  # it exits on its answer (see above)
     assert proc.returncode == 0, out + err
     refused, result, rest = out.split("\n", 2)
     assert refused == (
@@ -243,7 +246,7 @@ def test_a_long_generated_text_is_cut_at_a_character_boundary(scripted, text_cap
     router, proc = scripted(20_000, 5000, "generate", str(text_cap))
     peer, body = receive(router)
     answer(router, peer, generated(p.decode(body)["rid"], "é" * 40_000, n_tokens=4096, finish_reason="length"))
-    out, err = proc.communicate(timeout=10)
+    out, err = proc.communicate(timeout=10)  # it exits on its answer (see above)
     assert proc.returncode == 0, out + err
     _, result, rest = out.split("\n", 2)
     assert result == "generated n_tokens 4096 finish_reason length policy_version 12 text_len 80000 logprob -2.25 attempts 1"
@@ -254,7 +257,7 @@ def test_a_malformed_generate_reply_is_a_protocol_error(scripted):
     router, proc = scripted(20_000, 5000, "generate", "64")
     peer, body = receive(router)
     answer(router, peer, generated(p.decode(body)["rid"], "Blue", finish_reason="tired"))
-    out, err = proc.communicate(timeout=10)
+    out, err = proc.communicate(timeout=10)  # it exits on its answer (see above)
     assert proc.returncode == 1
     assert out.splitlines()[-1] == 'error protocol_error attempts 1: generate reply: `finish_reason` "tired" is not eos, stop or length'
     assert not router.poll(300), "a reply with this request's rid is final"
@@ -263,7 +266,7 @@ def test_a_malformed_generate_reply_is_a_protocol_error(scripted):
 # --- A real broker ------------------------------------------------------------------------------
 def test_error_codes_and_fields_against_a_real_broker(c_build, broker, start_actor):
     start_actor(broker.backend)
-    result = run(c_build / "test_client", "live", broker.frontend, timeout=120)
+    result = run(c_build / "test_client", "live", broker.frontend, timeout=120)  # requests to a broker thread here: 1 s alone; x100
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"test_client live: (\d+)/\1 checks ok", result.stdout), result.stdout
 
@@ -271,7 +274,7 @@ def test_error_codes_and_fields_against_a_real_broker(c_build, broker, start_act
 @pytest.mark.slow
 def test_example_against_the_live_stack(c_build, live_stack, make_client):
     """The real broker and a real LLM actor (tiny model): 3 episodes of 4 steps."""
-    result = run(c_build / "ppoz_example", live_stack.frontend, 3, 4, timeout=240)
+    result = run(c_build / "ppoz_example", live_stack.frontend, 3, 4, timeout=240)  # 12 steps of the tiny model: 1-3 s alone; x80
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[-1] == "episodes 3 steps 12", result.stdout
@@ -287,7 +290,7 @@ def test_example_against_the_live_stack(c_build, live_stack, make_client):
 def test_generate_against_the_live_stack(c_build, live_stack, redis_client, key_prefix):
     """ppoz_generate through the real broker to a real LLM actor (tiny model); its feedback closes the segment, whose
     one transition is the response the C client was told about."""
-    result = run(c_build / "test_client", "generate-live", live_stack.frontend, timeout=240)
+    result = run(c_build / "test_client", "generate-live", live_stack.frontend, timeout=240)  # a few generates: 1-3 s alone; x80
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"test_client generate-live: (\d+)/\1 checks ok", result.stdout), result.stdout
     m = re.search(r"^generated task (\S+) n_tokens (\d+) finish_reason (\w+) policy_version (\d+) text_len (\d+) logprob (\S+)$",
@@ -307,12 +310,12 @@ def test_generate_against_the_live_stack(c_build, live_stack, redis_client, key_
 @pytest.mark.slow
 def test_example_waits_for_a_broker_that_starts_late(c_build, start_broker, start_actor, make_client, processes):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    proc = processes(str(c_build / "ppoz_example"), endpoint, "1", "2", "30000", "500")
-    time.sleep(2.0)
+    proc = processes(str(c_build / "ppoz_example"), endpoint, "1", "2", "30000", "500")  # a 30 s deadline, 0.5 s attempts
+    time.sleep(2.0)  # not a deadline: still trying after 2 s of its 30
     assert proc.poll() is None, "with nothing listening the example must keep retrying until its deadline"
     broker = start_broker(frontend=endpoint)
     start_actor(broker.backend)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)  # its next 0.5 s attempt, then 2 steps of a uniform actor: under 1 s alone; x60
     assert proc.returncode == 0, out + err
     assert out.splitlines()[-1] == "episodes 1 steps 2", out
     counters = make_client(broker.frontend).status()["counters"]
@@ -330,5 +333,6 @@ def test_no_leaks_under_valgrind(c_build, broker, start_actor):
     check = [valgrind, "-q", "--leak-check=full", "--errors-for-leak-kinds=definite,indirect,possible", "--error-exitcode=99"]
     for args in (["test_client", "offline"], ["test_client", "live", broker.frontend],
                  ["ppoz_example", broker.frontend, "2", "2"]):
+        # under valgrind, 20-50 times slower: 5-10 s alone each; x24
         result = subprocess.run([*check, str(c_build / args[0]), *args[1:]], capture_output=True, text=True, timeout=240)
         assert result.returncode == 0, f"{' '.join(args)}:\n{result.stdout}\n{result.stderr}"

@@ -21,7 +21,8 @@ from tests.bindings.conftest import BINDINGS, LiveStack, require_tool
 NODE_DIR = os.path.join(BINDINGS, "node")
 
 # Attach, one step, feedback with the integral reward 1 (done), detach; print the task id and the bytes
-# the client builds for that feedback, for Python to decode.
+# the client builds for that feedback, for Python to decode. (deadlineMs: a step of the tiny model on an actor thread
+# of the test's process, 0.05-0.5 s alone; x100 and more. The generate below gets twice as long.)
 REWARD_SCRIPT = r"""
 const ppoz = require("./ppoz.js");
 (async () => {
@@ -61,7 +62,7 @@ const ppoz = require("./ppoz.js");
 """
 
 
-def run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+def run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:  # each caller's timeout says why
     return subprocess.run(args, cwd=NODE_DIR, capture_output=True, text=True, timeout=timeout)
 
 
@@ -75,19 +76,19 @@ def node() -> str:
     node = require_tool("node", "install Node.js 18 or later")
     npm = require_tool("npm", "install npm (it comes with Node.js)")
     if not os.path.isdir(os.path.join(NODE_DIR, "node_modules")):
-        proc = run([npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts"], timeout=300)
+        proc = run([npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts"], timeout=300)  # from npm's cache: 5-20 s alone; x15
         assert proc.returncode == 0, f"npm ci failed in {NODE_DIR}: {explain(proc)}"
     return node
 
 
 def test_npm_test_passes(node: str) -> None:
-    proc = run([require_tool("npm", "install npm"), "test"], timeout=180)
+    proc = run([require_tool("npm", "install npm"), "test"], timeout=180)  # node's own tests: 2-5 s alone; x36
     assert proc.returncode == 0, explain(proc)
 
 
 @pytest.mark.slow
 def test_example_runs_episodes_against_the_live_stack(node: str, live_stack: LiveStack, make_client: Callable[..., Client]) -> None:
-    proc = run([node, "example.js", live_stack.frontend, "3", "4"], timeout=240)
+    proc = run([node, "example.js", live_stack.frontend, "3", "4"], timeout=240)  # 12 steps of the tiny model: 1-3 s alone; x80
     assert proc.returncode == 0, explain(proc)
     lines = proc.stdout.strip().splitlines()
     assert lines[-1] == "episodes 3 steps 12", explain(proc)
@@ -100,10 +101,10 @@ def test_example_runs_episodes_against_the_live_stack(node: str, live_stack: Liv
 
 def test_example_against_nothing_times_out(node: str) -> None:
     start = time.monotonic()
-    proc = run([node, "example.js", f"tcp://127.0.0.1:{free_port()}", "1", "1", "1500"], timeout=30)
+    proc = run([node, "example.js", f"tcp://127.0.0.1:{free_port()}", "1", "1", "1500"], timeout=30)  # its 1.5 s is under test
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, explain(proc)
-    assert elapsed < 10, f"took {elapsed:.1f} s\n{explain(proc)}"
+    assert elapsed < 10, f"took {elapsed:.1f} s\n{explain(proc)}"  # node's start and the 1.5 s deadline, 2 s alone; x5
     assert "timeout" in proc.stderr, explain(proc)
     assert "attach" in proc.stderr, explain(proc)
 
@@ -112,7 +113,7 @@ def test_example_against_nothing_times_out(node: str) -> None:
 def test_integral_reward_goes_out_as_a_float(
     node: str, live_stack: LiveStack, redis_client: redis_py.Redis, key_prefix: str
 ) -> None:
-    proc = run([node, "-e", REWARD_SCRIPT, live_stack.frontend], timeout=120)
+    proc = run([node, "-e", REWARD_SCRIPT, live_stack.frontend], timeout=120)  # a step of the tiny model: under 1 s alone; x100
     assert proc.returncode == 0, explain(proc)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["segmentClosed"] is True and out["pings"] == 4, out
@@ -133,7 +134,7 @@ def test_integral_reward_goes_out_as_a_float(
 def test_generate_against_the_live_stack(node: str, live_stack: LiveStack, redis_client: redis_py.Redis, key_prefix: str) -> None:
     """client.generate through the real broker to a real LLM actor (tiny model); its feedback closes the segment, whose one
     transition is the response the client was told about."""
-    proc = run([node, "-e", GENERATE_SCRIPT, live_stack.frontend], timeout=240)
+    proc = run([node, "-e", GENERATE_SCRIPT, live_stack.frontend], timeout=240)  # 8 tokens of the tiny model: under 1 s alone; x200
     assert proc.returncode == 0, explain(proc)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     reply = out["reply"]
