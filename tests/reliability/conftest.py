@@ -18,6 +18,7 @@ from common.shared_settings import PolicySpec, StoreSettings
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
+from tests.helpers import REDIS_S
 from tests.processes import PPOZ
 
 POLICY = dict(lora_rank=0, normalisation="token")
@@ -74,7 +75,7 @@ def wait_until_ready(learner: RunningLearner) -> None:
             pytest.fail(f"the learner ended before it was ready; it said:\n{learner.said()[-4000:]}")
         if time.monotonic() > deadline:
             pytest.fail(f"the learner was not ready after {READY_TIMEOUT_S} s; it said:\n{learner.said()[-4000:]}")
-        time.sleep(0.2)
+        time.sleep(0.2)  # a tick of the loop above, which READY_TIMEOUT_S bounds
 
 
 def launch_learner(
@@ -106,7 +107,7 @@ def launch_learner(
         def stop_process() -> None:
             if proc.poll() is None:
                 proc.terminate()
-                proc.wait(120)
+                proc.wait(120)  # its update in hand (seconds at most here), a checkpoint, the exit: 2-10 s alone; x12
 
         return RunningLearner(ckpt, log_path.read_text, lambda: proc.poll() is None, stop_process)
     caplog.set_level(logging.INFO, logger="learner_node.worker")
@@ -117,12 +118,12 @@ def launch_learner(
         checkpoint_dir=str(ckpt),
         **LEARNER_SETTINGS,
     )
-    learner = Learner(cfg, connect(redis_url, socket_timeout=30))
+    learner = Learner(cfg, connect(redis_url, socket_timeout=REDIS_S))
     thread = threading.Thread(target=learner.run, daemon=True)
     thread.start()
 
     def stop_thread() -> None:
         learner.stop()
-        thread.join(120)
+        thread.join(120)  # as the process's stop above
 
     return RunningLearner(ckpt, lambda: caplog.text, thread.is_alive, stop_thread)

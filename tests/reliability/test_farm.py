@@ -57,6 +57,7 @@ def test_a_host_that_cannot_reach_the_store_is_named_before_anything_starts():
     try:
         assert net.unreachable("store") == []
         net.cut("actor-a")
+        # each probe's connect: ms across the bridge where the link is up (x1000); the cut host's is the one that times out
         assert net.unreachable("store", timeout_s=1.0) == ["actor-a"]
         net.restore("actor-a")
         assert net.unreachable("store") == []

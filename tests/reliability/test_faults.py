@@ -22,7 +22,7 @@ from client import Client
 from common.redis_server import EmbeddedRedis, connect
 from learner_node import checkpoint
 from reliability.ledger import Ledger, settle_ledger
-from tests.helpers import OBS, wait_for
+from tests.helpers import OBS, TORCH_START_S, wait_for
 from tests.processes import PPOZ, BrokerProcess
 from tests.reliability.conftest import SETTLE_STALL_S, RunningLearner
 
@@ -75,6 +75,8 @@ def play_emulators(
 
     def emulator() -> None:
         try:
+            # A step waits behind the others' at an actor of one job a batch (LONG_OBS: 0.1-0.5 s each) and through the
+            # faults: an attempt that times out is resent (the rid makes it safe); the deadline, x20 of the slowest wait
             c = make_client(frontend, deadline=120, attempt_timeout=10)
             task = c.attach()
             for _ in range(steps):
@@ -127,15 +129,16 @@ def test_actor_killed_mid_batch_its_requests_go_to_another_and_nothing_is_lost(
     doomed = start_actor_process(broker.backend, tiny_models["llama"], "doomed")
     status = make_client(broker.frontend)
     try:
-        wait_for(lambda: status.status()["actors"], timeout=120, what="the actor process")
+        wait_for(lambda: status.status()["actors"], timeout=TORCH_START_S, what="the actor process")
         acknowledged, errors = [0], []
         threads = play_emulators(broker.frontend, 16, 5, acknowledged, errors, make_client)
+        # 16 emulators attach and step at once: their steps reach the actor in about 1 s alone; x60
         wait_for(lambda: sum(a["inflight"] for a in status.status()["actors"]) >= 10, timeout=60, what="a batch at the actor")
         doomed.send_signal(signal.SIGKILL)  # in the middle of its work: jobs scored, queued and in the forward
-        doomed.wait(10)
+        doomed.wait(10)  # SIGKILL ends it at once (ms); x1000
         start_actor(broker.backend, name="survivor")
         for t in threads:
-            t.join(180)
+            t.join(180)  # the rest served by the uniform survivor, in ms each: a few s alone; x30
     finally:
         if doomed.poll() is None:
             doomed.kill()
@@ -159,18 +162,19 @@ def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(
     frozen = start_actor_process(broker.backend, tiny_models["llama"], "frozen")
     status = make_client(broker.frontend)
     try:
-        wait_for(lambda: status.status()["actors"], timeout=120, what="the actor process")
+        wait_for(lambda: status.status()["actors"], timeout=TORCH_START_S, what="the actor process")
         acknowledged, errors = [0], []
         threads = play_emulators(broker.frontend, 8, 5, acknowledged, errors, make_client)
-        wait_for(lambda: sum(a["inflight"] for a in status.status()["actors"]) >= 4, timeout=60, what="jobs at the actor")
+        wait_for(lambda: sum(a["inflight"] for a in status.status()["actors"]) >= 4, timeout=60, what="jobs at the actor")  # as above
         os.kill(frozen.pid, signal.SIGSTOP)  # hung, not dead: its socket stays open
         start_actor(broker.backend, name="healthy")
         for t in threads:
-            t.join(180)
+            t.join(180)  # the frozen actor's jobs requeued after its 3 s job timeout, the rest in ms: a few s alone; x30
         assert not errors, errors[:3]
         counters = status.status()["counters"]
         assert counters.get("actors/dead", 0) + counters.get("actors/hung", 0) >= 1, counters
         os.kill(frozen.pid, signal.SIGCONT)
+        # SIGCONT: its next heartbeat (0.1 s) or ready, and the broker's answer: under 1 s alone; x60
         wait_for(lambda: any(a["name"] == "frozen" for a in status.status()["actors"]), timeout=60, what="the resumed actor to rejoin")
         task = status.attach()  # and it serves again (the broker may pick either actor; both answer)
         for _ in range(4):
@@ -182,7 +186,7 @@ def test_a_frozen_actor_is_bypassed_and_rejoins_when_it_resumes(
         if frozen.poll() is None:
             os.kill(frozen.pid, signal.SIGCONT)
             frozen.terminate()
-            frozen.wait(30)
+            frozen.wait(30)  # PROCESS_STOP_S: an actor's exit after SIGTERM
     assert acknowledged[0] == 44
     assert status.status()["counters"]["broker/feedbacks"] == 44
     ledger = settle(redis_url, key_prefix, acknowledged[0], learner)
@@ -198,16 +202,18 @@ def test_broker_killed_and_restarted_clients_go_on_and_nothing_is_applied_twice(
     learner = start_learner(redis_url, key_prefix)
     start_actor(broker.backend, name="steady")
     frontend = broker.frontend
+    # `ppoz broker` (no torch) starts, then restarts, in about 1 s alone: its status calls get x60, the actor thread's
+    # registration x30 (after the learner's start, which start_learner waited for)
     status = make_client(frontend, deadline=60)
     acknowledged, errors = [0], []
     try:
         wait_for(lambda: status.status()["actors"], timeout=60, what="the actor at the broker")
         threads = play_emulators(frontend, 8, 10, acknowledged, errors, make_client)
-        wait_for(lambda: acknowledged[0] >= 20, timeout=60, what="some feedbacks")
+        wait_for(lambda: acknowledged[0] >= 20, timeout=60, what="some feedbacks")  # 20 steps of a uniform actor: under 1 s alone
         broker.kill()  # no drain, no flush: whatever was acknowledged is already in Redis
         broker.restart()  # sessions and open segments come back from Redis
         for t in threads:
-            t.join(180)
+            t.join(180)  # the restart (1 s alone), then the 60 steps left, in ms each; x60
         assert not errors, errors[:3]
         assert acknowledged[0] == 80
     finally:
@@ -234,14 +240,15 @@ def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_los
     learner = start_learner(redis_server.url, "aof", as_process=learner_kind == "process")
     start_actor(broker.backend, name="steady")
     frontend = broker.frontend
-    status = make_client(frontend, deadline=60)
+    status = make_client(frontend, deadline=60)  # as in the test above
     acknowledged, errors = [0], []
     try:
-        wait_for(lambda: status.status()["actors"], timeout=60, what="the actor at the broker")
+        wait_for(lambda: status.status()["actors"], timeout=60, what="the actor at the broker")  # as in the test above
         threads = play_emulators(frontend, 8, 30, acknowledged, errors, make_client, MEDIUM_OBS)
-        wait_for(lambda: acknowledged[0] >= 20, timeout=120, what="some feedbacks")
+        wait_for(lambda: acknowledged[0] >= 20, timeout=120, what="some feedbacks")  # under 1 s alone (fsync always); x100
         redis_server.process.send_signal(signal.SIGKILL)  # no shutdown save: only the append-only file survives
-        redis_server.process.wait(10)
+        redis_server.process.wait(10)  # SIGKILL ends it at once (ms); x1000
+        # the broker's next write or its once-a-second read fails: 1-2 s alone; x15
         wait_for(lambda: not status.status()["storage_ok"], timeout=30, what="the broker to notice")
         # Down until the learner too has given up its client's quick retries and gone to its back-off;
         # meanwhile clients are refused with `overloaded` and retry.
@@ -250,7 +257,7 @@ def test_redis_killed_and_restarted_with_append_only_nothing_acknowledged_is_los
         assert learner.alive(), f"the learner ended when Redis went away; it said:\n{learner.said()[-3000:]}"
         redis_server.start()  # same directory: it replays the append-only file
         for t in threads:
-            t.join(180)
+            t.join(180)  # the broker's reload (once a second) and the clients' retries, then 220 steps: 5-10 s alone; x18
         assert not errors, errors[:3]
         assert acknowledged[0] == 240
         assert status.status()["storage_ok"]
@@ -324,22 +331,22 @@ def test_learner_killed_mid_update_resumes_and_the_ledger_balances(
     try:
         # Phase 1: 48 feedbacks, trained and checkpointed.
         for t in play_emulators(broker.frontend, 8, 6, acknowledged, errors, make_client):
-            t.join(180)
+            t.join(180)  # 48 steps of a uniform actor: under 2 s alone; x90
         first = settle_ledger(redis_client, key_prefix, acknowledged[0], SETTLE_STALL_S, alive, poll_s=0.5)
         assert first.balanced and list(ckpt.glob("ckpt-*")), f"the first updates: {first}\n{learner_log.read_text()[-3000:]}"
         # Phase 2: 48 more; the learner is killed while it holds a rollout it read but has not acknowledged.
         threads = play_emulators(broker.frontend, 8, 6, acknowledged, errors, make_client)
-        wait_for(
+        wait_for(  # the learner reads the next rollout as the steps come: 1-5 s alone; x36
             lambda: redis_client.xpending(stream, "learners")["pending"] >= 1,
             timeout=180,
             what=f"a rollout in the learner's hands ({learner_log.read_text()[-3000:]})",
         )
         learner.send_signal(signal.SIGKILL)
-        learner.wait(10)
+        learner.wait(10)  # SIGKILL ends it at once (ms); x1000
         killed_at = checkpoint.read_state(checkpoint.latest(ckpt) or ckpt)
         assert redis_client.xpending(stream, "learners")["pending"] >= 1  # left pending by the dead learner
         for t in threads:
-            t.join(180)
+            t.join(180)  # as in phase 1
         assert not errors, errors[:3]
         assert acknowledged[0] == 96
         learner = subprocess.Popen(args + ["--resume"], stderr=learner_log.open("a"))
@@ -347,7 +354,7 @@ def test_learner_killed_mid_update_resumes_and_the_ledger_balances(
     finally:
         if learner.poll() is None:
             learner.terminate()
-            learner.wait(60)
+            learner.wait(120)  # as tests/reliability/conftest.py's learner process (it was 60 s: x6)
     assert ledger.balanced and ledger.stored == 96, str(ledger)
     final = checkpoint.read_state(checkpoint.latest(ckpt) or ckpt)
     assert final["version"] > killed_at["version"] and final["updates"] > killed_at["updates"]  # the sequence goes on

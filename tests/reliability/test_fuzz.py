@@ -12,6 +12,7 @@ from reliability.ledger import settle_ledger
 from tests.gateway.test_gateway import start_gateway  # noqa: F401 - a fixture
 from tests.helpers import wait_for
 from tests.processes import PPOZ, free_port
+from tests.reliability.conftest import SETTLE_STALL_S
 
 
 @pytest.fixture
@@ -38,10 +39,10 @@ def broker_process(redis_url: str, key_prefix: str) -> Iterator[tuple[subprocess
     yield proc, f"tcp://127.0.0.1:{front}", f"tcp://127.0.0.1:{back}"
     proc.terminate()
     try:
-        proc.wait(15)
+        proc.wait(15)  # `ppoz broker` drains and exits in under 1 s alone; x15
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait(5)
+        proc.wait(5)  # SIGKILL ends it at once (ms)
 
 
 def test_generators_are_deterministic():
@@ -58,6 +59,8 @@ def test_fuzz_broker_and_gateway(
     proc, frontend, backend = broker_process
     learner = start_learner(redis_url, key_prefix)
     start_actor(backend)
+    # the broker process (no torch) up in about 1 s alone, the actor thread registered on 0.1 s heartbeats: x10; a
+    # status attempt is answered in ms once it is up, 1 s attempts only resend sooner while it starts
     probe = make_client(frontend, deadline=20, attempt_timeout=1)
     wait_for(lambda: probe.status()["actors"], timeout=20, what="the actor to register")
     gateway = start_gateway(frontend)
@@ -70,7 +73,7 @@ def test_fuzz_broker_and_gateway(
         http_share=0.1,
         pid=proc.pid,
         flood_size=1000,
-        reply_timeout=20.0,
+        reply_timeout=20.0,  # a broker reply, ms alone, a second behind the fuzz's 1,000-message flood; x20
     )
     print(fuzz.format_report(report))
 
@@ -85,7 +88,7 @@ def test_fuzz_broker_and_gateway(
     assert report.rss_after_kb - report.rss_before_kb < 200 * 1024
     # Nothing the fuzz did cost an acknowledged feedback: all of them were stored and trained (or dropped by rule).
     try:
-        ledger = settle_ledger(redis_client, key_prefix, report.acknowledged_feedbacks, stall_s=300)
+        ledger = settle_ledger(redis_client, key_prefix, report.acknowledged_feedbacks, stall_s=SETTLE_STALL_S)
     finally:
         learner.stop()
     assert ledger.balanced and ledger.stored == report.acknowledged_feedbacks >= report.client_steps > 0, str(ledger)

@@ -52,8 +52,10 @@ def test_settling_gives_up_only_when_the_ledger_stops_moving(redis_client, key_p
     report(redis_client, key_prefix, stored=0, trained=0)
     stop = threading.Event()
 
-    def slow_learner() -> None:  # one transition every 0.2 s: 10 in about 2 s, far longer than the stall limit
-        for n in range(1, 11):
+    # One transition every 0.2 s: 20 in about 4 s, twice the stall limit. The limit was 0.8 s for 10 transitions, so
+    # a worker held 0.6 s by a loaded machine looked stalled; 2 s is 10 times the cadence.
+    def slow_learner() -> None:
+        for n in range(1, 21):
             if stop.wait(0.2):
                 return
             report(redis_client, key_prefix, stored=n, trained=n)
@@ -62,13 +64,13 @@ def test_settling_gives_up_only_when_the_ledger_stops_moving(redis_client, key_p
     worker.start()
     try:
         started = time.monotonic()
-        ledger = settle_ledger(redis_client, key_prefix, acknowledged=10, stall_s=0.8, poll_s=0.05)
+        ledger = settle_ledger(redis_client, key_prefix, acknowledged=20, stall_s=2.0, poll_s=0.05)
         assert ledger.balanced, str(ledger)
-        assert time.monotonic() - started > 1.2  # it waited past the stall limit because the ledger kept moving
+        assert time.monotonic() - started > 3.0  # it waited past the stall limit because the ledger kept moving
     finally:
         stop.set()
-        worker.join()
+        worker.join(10)  # it sees `stop` within its 0.2 s wait; x50
     # Nothing moves any more: one acknowledged feedback too many is reported after the stall limit, not waited for.
     started = time.monotonic()
     ledger = settle_ledger(redis_client, key_prefix, acknowledged=11, stall_s=0.5, poll_s=0.05)
-    assert not ledger.balanced and 0.5 <= time.monotonic() - started < 5
+    assert not ledger.balanced and 0.5 <= time.monotonic() - started < 5  # the 0.5 s limit, and 4.5 s for a loaded machine

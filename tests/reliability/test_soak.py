@@ -11,13 +11,18 @@ from tests.processes import ppoz
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1260)  # past the soak's timeout below, so its output is shown
 def test_soak_200_clients_one_minute_no_errors_bounded_memory_stable_latency_ledger_balanced(tmp_path):
-    run = ppoz("soak", "--clients", "200", "--minutes", "1", "--window-s", "15", "--json", "--keep", str(tmp_path), timeout=900)
+    # The soak's start, its minute, the ledger settled and its stop: 116 s alone on the 2-core VM, 210 s beside two
+    # spinners (bin/test --busy 2), which the suite's 300 s per-test timeout barely covered. 1,200 s: x10.
+    run = ppoz("soak", "--clients", "200", "--minutes", "1", "--window-s", "15", "--json", "--keep", str(tmp_path), timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert report["failures"] == []
     assert report["error_count"] == 0
     assert report["ledger_balanced"], report["ledger"]
+    # A count per unit of time, kept as the soak's performance claim: more than 1,000 steps in its minute (17 a
+    # second, of 200 clients), a step in every 15 s window. It passed beside two spinners (bin/test --busy 2).
     assert report["steps"] > 1000 and report["acknowledged"] == report["steps"]
     assert len(report["windows"]) == 4 and all(w["steps"] > 0 for w in report["windows"])
     assert set(report["rss_growth_mb"]) == {"broker", "actor", "learner", "redis"}
