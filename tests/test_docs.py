@@ -30,7 +30,9 @@ OTHER_LANGUAGES = {"", "toml", "json", "hex", "ini", "text"}  # shown, not run: 
 def _learned(workdir: Path, output: str) -> None:
     assert "ppoz export" in output, "no export command printed at the end"
     summary = json.loads((workdir / "outputs" / "summary.json").read_text())
-    assert summary["val_after"] >= summary["val_before"] + 0.08, f"validation reward {summary['val_before']} -> {summary['val_after']}"
+    # 0.04 before; 0.32-0.44 after in five runs, quiet and beside two spinners (docs/train.md): 0.20 is 5 of the
+    # 25 sums, which a policy that drifted without learning reaches about once in 50 (Poisson, mean 1.5)
+    assert summary["val_after"] >= summary["val_before"] + 0.16, f"validation reward {summary['val_before']} -> {summary['val_after']}"
 
 
 def _demo_summary(workdir: Path, output: str) -> None:
