@@ -168,12 +168,15 @@ def local_path(value: str) -> str:
     return os.path.abspath(os.path.expanduser(value)) if value else value
 
 
+def is_local_path(value: str) -> bool:
+    """Whether a model name is a folder here rather than a Hugging Face id (`Qwen/Qwen2.5-0.5B`): it exists here, or
+    is written as a path (`./m`, `../m`, `~/m`, `/m`)."""
+    return value.startswith(("./", "../", "~", "/")) or value in (".", "..") or os.path.exists(os.path.expanduser(value))
+
+
 def local_path_or_id(value: str) -> str:
-    """A local model folder made absolute, or a Hugging Face id (`Qwen/Qwen2.5-0.5B`) left as it is: a name is a
-    path when it exists here or is written as one (`./m`, `../m`, `~/m`, `/m`)."""
-    if value and (value.startswith(("./", "../", "~", "/")) or value in (".", "..") or os.path.exists(os.path.expanduser(value))):
-        return local_path(value)
-    return value
+    """A local model folder made absolute, or a Hugging Face id left as it is (`is_local_path`)."""
+    return local_path(value) if value and is_local_path(value) else value
 
 
 def local_path_or_any(value: str) -> str:

@@ -32,7 +32,20 @@ def latest_key(key_prefix: str) -> str:
 
 
 def write_latest(client: redis.Redis, key_prefix: str, figures: Mapping[str, float]) -> None:
-    client.hset(latest_key(key_prefix), mapping=dict(figures))
+    """The learner's latest figures, merged into what is there. An update's figures replace the last update's
+    whole: a learner that trained the other kind of policy before leaves none of its figures to pass for the
+    last update's (the counters and the version stay)."""
+    key = latest_key(key_prefix)
+    prefixes = tuple(f"{p}/" for p in UPDATE_PREFIXES.values())
+    stale: list[bytes] = []
+    if any(name.startswith(prefixes) for name in figures):
+        names = {field: field.decode(errors="replace") for field in client.hkeys(key)}
+        stale = [field for field, name in names.items() if name.startswith(prefixes) and name not in figures]
+    with client.pipeline(transaction=True) as pipe:  # one MULTI: a reader never sees the figures half replaced
+        if stale:
+            pipe.hdel(key, *stale)
+        pipe.hset(key, mapping=dict(figures))
+        pipe.execute()
 
 
 def read_latest(client: redis.Redis, key_prefix: str) -> dict[str, float]:

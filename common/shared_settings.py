@@ -114,6 +114,7 @@ class RetrievalConfig:
         "",
         "actor: a sentence-transformers style encoder (local directory) to embed with; empty: the "
         "policy's base model, mean-pooled, adapter off",
+        path=local_path_or_id,
     )
     embed_batch: int = option(16, "actor: texts per embedding forward")
 

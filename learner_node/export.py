@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from common.config import is_local_path, local_path_or_id
 from common.shared_settings import AUTO, PolicySpec
 from learner_node import checkpoint
 
@@ -74,16 +75,6 @@ class ExportResult:
     parameters: int
 
 
-def is_local(name: str) -> bool:
-    """Whether a model name is a folder here rather than a Hugging Face id: it exists, or is written as a path."""
-    return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or os.path.exists(os.path.expanduser(name))
-
-
-def absolute_model(name: str) -> str:
-    """A local model folder made absolute against the working directory; a Hugging Face id as it is."""
-    return os.path.abspath(os.path.expanduser(name)) if name and is_local(name) else name
-
-
 def find_checkpoint(path: str | Path) -> tuple[Path, int]:
     """(the checkpoint folder, how many checkpoints the folder named held: 0 when `path` is a checkpoint itself)."""
     path = Path(path)
@@ -120,10 +111,10 @@ def describe(path: str | Path, model: str = "") -> Source:
     sharded = checkpoint.is_sharded(ckpt)
     if not sharded and not (ckpt / "policy.safetensors").is_file():
         raise ExportError(f"{ckpt} holds no policy weights (neither policy.safetensors nor {checkpoint.SHARDED}/)")
-    base = absolute_model(model or spec.model)  # a relative recorded folder (a run from before paths were made absolute): from here
+    base = local_path_or_id(model or spec.model)  # a relative recorded folder (a run from before paths were made absolute): from here
     if not base:
         raise ExportError(f"{ckpt}/state.json records no base model; name it with --model")
-    if is_local(base) and not os.path.isdir(os.path.expanduser(base)):
+    if is_local_path(base) and not os.path.isdir(os.path.expanduser(base)):
         if model:
             raise ExportError(f"the base model {base} (--model) is not a folder")
         raise ExportError(f"the base model {base}, recorded in {ckpt}/state.json, is not there; if it moved, name its folder with --model")
@@ -134,14 +125,17 @@ def check_out(out: Path, source: Source, force: bool) -> None:
     """Refuse a destination in use (unless `force`), and any that would hold the checkpoint or the base model."""
     out = Path(os.path.abspath(out))
     for name, path in (("checkpoint", source.checkpoint), ("base model", source.policy.model)):
-        if is_local(str(path)):
+        if is_local_path(str(path)):
             inside = Path(os.path.abspath(os.path.expanduser(str(path))))
             if out == inside or out in inside.parents:
                 raise ExportError(f"--out {out} would replace the {name} {inside}: write the export elsewhere")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ExportError(f"--out {out} exists and is not empty; choose another folder or add --force to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ExportError(f"--out {out} exists and is not empty; choose another folder or add --force to replace it")
+        if not (out / PROVENANCE).is_file():  # --force replaces an export, never a folder of the user's (`--out .`, `~`)
+            raise ExportError(f"--out {out} holds files and no {PROVENANCE}: --force replaces only an earlier export")
 
 
 def export_checkpoint(

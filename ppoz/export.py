@@ -16,6 +16,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from common.config import local_path, local_path_or_id
+
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # learner_node.export.DTYPE_CHOICES, without its torch
 
 
@@ -23,12 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "checkpoint",
         metavar="CHECKPOINT",
+        type=local_path,
         help="a checkpoint folder (ckpt-NNNNNNNN: LoRA adapter, all weights or sharded), or a folder of them: its newest is taken",
     )
-    parser.add_argument("--out", required=True, metavar="DIR", help="the model folder to write (must not exist, or be empty)")
+    parser.add_argument(
+        "--out", required=True, metavar="DIR", type=local_path, help="the model folder to write (must not exist, or be empty)"
+    )
     parser.add_argument(
         "--model",
         default="",
+        type=local_path_or_id,
         help="the base model to merge into, in place of the one the checkpoint records (which moved, or is on another machine)",
     )
     parser.add_argument(
@@ -43,16 +49,13 @@ def export_command(checkpoint: str | Path, out: str | Path) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from learner_node.export import ExportError, absolute_model, export_checkpoint
+    from learner_node.export import ExportError, export_checkpoint
 
     def say(line: str) -> None:
         print(f"ppoz export: {line}", file=sys.stderr, flush=True)
 
-    checkpoint = os.path.abspath(os.path.expanduser(args.checkpoint))
-    out = os.path.abspath(os.path.expanduser(args.out))
-    model = absolute_model(args.model)
     try:
-        result = export_checkpoint(checkpoint, out, model=model, dtype=args.dtype, force=args.force, progress=say)
+        result = export_checkpoint(args.checkpoint, args.out, model=args.model, dtype=args.dtype, force=args.force, progress=say)
     except ExportError as e:
         print(f"ppoz export: {e}", file=sys.stderr)
         return 2

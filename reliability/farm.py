@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from client import Client
+from common.config import local_path
 from common.processes import die_with_parent
 from common.redis_server import connect, find_redis_server
 from common.weights import latest
@@ -86,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--settle-s", type=float, default=300.0, help="give up on the ledger once it has not moved for this long (default: 300)"
     )
-    parser.add_argument("--keep", default="", help="keep the logs and checkpoints in this folder (default: a temporary one, removed)")
+    parser.add_argument(
+        "--keep", default="", type=local_path, help="keep the logs and checkpoints in this folder (default: a temporary one, removed)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 

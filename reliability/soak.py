@@ -47,6 +47,7 @@ from typing import Any
 import zmq.asyncio
 
 from client import AsyncClient
+from common.config import local_path
 from common.learner_figures import read_latest
 from common.redis_server import EmbeddedRedis, connect
 from reliability.fuzz import rss_kb
@@ -94,7 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="give up on the ledger once it has not moved (the learner counting, the stream shrinking) for this long (default: 600)",
     )
-    parser.add_argument("--keep", default="", help="keep the logs and checkpoints in this folder (default: a temporary one, removed)")
+    parser.add_argument(
+        "--keep", default="", type=local_path, help="keep the logs and checkpoints in this folder (default: a temporary one, removed)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 

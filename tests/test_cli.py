@@ -173,6 +173,21 @@ def test_status_labels_each_kind_of_update_when_the_learner_trained_both():
     assert last_update({**figures, "version": 3.0}) == "candidates: policy_loss 0.5  clipfrac 0.125; generation: policy_loss -0.25"
 
 
+def test_an_update_s_figures_replace_the_last_update_s_whole_in_redis(redis_client, key_prefix):
+    """A learner that trained candidate choices, then generated responses: `ppoz status` showed the old candidate
+    update's figures beside the new one's as its last update, since the figures were merged into the hash."""
+    from common.learner_figures import read_latest, write_latest
+    from ppoz.status import last_update
+
+    write_latest(redis_client, key_prefix, {"losses/policy_loss": 0.5, "counters/transitions_trained": 64.0, "version": 1.0})
+    write_latest(redis_client, key_prefix, {"generation/policy_loss": -0.25, "version": 2.0})
+    figures = read_latest(redis_client, key_prefix)
+    assert last_update(figures) == "policy_loss -0.25"
+    assert figures["counters/transitions_trained"] == 64.0 and figures["version"] == 2.0  # the rest stays
+    write_latest(redis_client, key_prefix, {"counters/transitions_trained": 96.0})  # a write without an update's figures
+    assert last_update(read_latest(redis_client, key_prefix)) == "policy_loss -0.25"
+
+
 def test_status_without_a_broker_fails_clearly():
     result = ppoz("status", "--broker", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.5")  # its timeout is under test
     assert result.returncode == 1 and "no answer from" in result.stderr

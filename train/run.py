@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.config import local_path
 from common.learner_figures import GENERATION
 from common.protocol import Limits
 from rewards.composite import CompositeReward
@@ -163,7 +164,10 @@ def read_state(path: Path, order: PromptOrder, data: str) -> tuple[str, int]:
         log.warning("%s cannot be read: starting from the first prompt", path)
         return "", 0
     same = order_identity(order, data)
-    if {k: state.get(k) for k in same} != same:
+    recorded = {k: state.get(k) for k in same}
+    if isinstance(recorded["data"], str):  # a run from before paths were made absolute recorded the path as given
+        recorded["data"] = local_path(recorded["data"])
+    if recorded != same:
         print(f"ppoz train: {path} is for another dataset or order: starting from the first prompt", flush=True)
         return "", 0
     return str(state.get("run") or ""), int(state.get("resume_from", 0))

@@ -28,16 +28,20 @@ from typing import Any
 
 import torch
 
+from common.config import local_path, local_path_or_id
+
 log = logging.getLogger(__name__)
 
 TOPICS = ["login", "checkout", "settings", "search", "profile", "cart", "licences", "adverts", "sharing", "notifications"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="", help="model directory (default: the demo's tiny model, built locally)")
+    parser.add_argument(
+        "--model", default="", type=local_path_or_id, help="model directory (default: the demo's tiny model, built locally)"
+    )
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank of the served model (0: none; default: 8)")
-    parser.add_argument("--corpus", default="", help="folder of .md/.txt files (default: a synthetic corpus)")
+    parser.add_argument("--corpus", default="", type=local_path, help="folder of .md/.txt files (default: a synthetic corpus)")
     parser.add_argument("--docs", type=int, default=40, help="pages of the synthetic corpus (default: 40)")
     parser.add_argument("--tasks", type=int, default=4, help="simulated tasks (default: 4)")
     parser.add_argument("--steps", type=int, default=16, help="steps per task (default: 16)")

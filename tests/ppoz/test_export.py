@@ -289,11 +289,17 @@ def test_export_refuses_bad_input_by_name_and_writes_nothing(
     err = refused("runs/qwen2", "--out", "runs", "--model", "moved/qwen2", "--force")
     assert f"--out {work}/runs would replace the checkpoint {work}/runs/qwen2/ckpt-00000002" in err
     assert not (work / "a").exists() and not list(work.glob(".*.tmp"))
-    # with --force the folder is replaced whole, through a temporary folder beside it
-    assert ppoz_main(["export", "runs/qwen2/ckpt-00000001", "--out", "taken", "--model", "moved/qwen2", "--force"]) == 0
-    assert capsys.readouterr().out.strip() == str(work / "taken")
-    assert not (work / "taken" / "mine.txt").exists() and (work / "taken" / "model.safetensors").exists()
-    assert json.loads((work / "taken" / "ppoz_export.json").read_text())["checkpoint"] == str(work / "runs/qwen2/ckpt-00000001")
+    # --force replaces an earlier export only, never a folder of the user's (`--out . --force` would have removed it)
+    err = refused("runs/qwen2", "--out", "taken", "--model", "moved/qwen2", "--force")
+    assert f"--out {work}/taken holds files and no ppoz_export.json" in err
+    assert [p.name for p in (work / "taken").iterdir()] == ["mine.txt"]
+    assert ppoz_main(["export", "runs/qwen2/ckpt-00000002", "--out", "taken-2", "--model", "moved/qwen2"]) == 0
+    capsys.readouterr()
+    # with --force an export is replaced whole, through a temporary folder beside it
+    assert ppoz_main(["export", "runs/qwen2/ckpt-00000001", "--out", "taken-2", "--model", "moved/qwen2", "--force"]) == 0
+    assert capsys.readouterr().out.strip() == str(work / "taken-2")
+    assert (work / "taken-2" / "model.safetensors").exists()
+    assert json.loads((work / "taken-2" / "ppoz_export.json").read_text())["checkpoint"] == str(work / "runs/qwen2/ckpt-00000001")
     assert not list(work.glob(".*.tmp"))
 
 
@@ -301,8 +307,8 @@ def test_export_refuses_bad_input_by_name_and_writes_nothing(
 def test_a_full_weights_checkpoint_exports_as_a_model_that_writes_what_the_actor_writes(
     tiny_models: dict[str, str], redis_url: str, tmp_path: Path
 ) -> None:
-    """lora_rank 0: every weight trained. Llama, and a Qwen2 with a head of its own (a tied head cannot be
-    checkpointed on a CPU today: learner_node/checkpoint.py's save_file refuses tensors that share memory)."""
+    """lora_rank 0: every weight trained. Llama, and a Qwen2 with a head of its own (the tied Qwen2's full-weights
+    checkpoint is tested in tests/learner_node/test_checkpoint.py, and exported in the sharded test)."""
     work = tmp_path
     runs = []
     for arch, base in (("llama", tiny_models["llama"]), ("qwen2", untied_qwen2(tmp_path / "qwen2-untied"))):

@@ -120,3 +120,18 @@ def test_the_progress_line_shows_the_share_done_and_the_time_left_at_this_runs_p
     assert progress_line(103, 112, resumed, 30.0, {}).startswith("samples 103/112 (92%, eta 1m30s)  reward_mean nan")
     assert progress_line(103, None, resumed, 30.0, {}).startswith("samples 103  ")  # epochs 0: no end to count to
     assert progress_line(100, 112, DriverProgress(start=100), 5.0, {}).startswith("samples 100/112 (89%)  ")  # no pace yet
+
+
+def test_a_resume_point_recorded_with_a_relative_data_path_is_still_found(tmp_path, monkeypatch) -> None:
+    """A run from before paths were made absolute recorded `--data train.jsonl` as given: the same command again,
+    from the same folder, goes on from where it stopped instead of starting over (`train.jsonl` is the absolute
+    path now). Another folder's train.jsonl is another dataset."""
+    from train.data import PromptOrder
+    from train.run import read_state
+
+    monkeypatch.chdir(tmp_path)
+    order = PromptOrder(25, epochs=2)
+    state = {"data": "train.jsonl", "n_records": 25, "epochs": 2, "rollout_n": 1, "seed": 0, "shuffle": True}
+    (tmp_path / "driver_state.json").write_text(json.dumps({**state, "run": "abc", "resume_from": 17}))
+    assert read_state(tmp_path / "driver_state.json", order, str(tmp_path / "train.jsonl")) == ("abc", 17)
+    assert read_state(tmp_path / "driver_state.json", order, str(tmp_path / "other" / "train.jsonl")) == ("", 0)
