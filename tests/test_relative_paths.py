@@ -141,6 +141,9 @@ def test_broker_and_keygen_take_key_files_and_allow_lists_relative_to_the_workin
         curve_server_key=str(keys / "broker.key"),
     ) as c:
         assert c.ping()["status"] == "ok", "an allowed client is answered over CURVE"
+    # The path it works with is the absolute one, made so when it started (the folder it names stays right if the
+    # process changes directory, and its log and any child are told where it is).
+    assert f"whose keys are in {elsewhere / 'allowed'}" in (elsewhere / "ppoz.log").read_text()
     _stop(broker, elsewhere / "ppoz.log")
 
 
@@ -151,12 +154,15 @@ def test_learner_writes_its_tensorboard_logs_under_the_working_directory(
     shutil.copytree(tiny_model(), elsewhere / "models" / "tiny")
     learner = started(
         *("learner", "--model", "models/tiny", "--redis-url", redis_url, "--key-prefix", key_prefix),
-        *("--weights-bind", "tcp://127.0.0.1:0", "--checkpoint-dir", "runs/ckpt", "--tensorboard-dir", "runs/tb"),
+        *("--weights-bind", "tcp://127.0.0.1:0", "--checkpoint-dir", "runs/ckpt", "--tensorboard-dir", "runs/tb", "--resume"),
     )
     log = elsewhere / "ppoz.log"
     wait_for(lambda: "learner ready" in log.read_text() or learner.poll() is not None, START_S, "the learner to be ready")
     assert learner.poll() is None, log.read_text()[-3000:]
     assert list((elsewhere / "runs" / "tb").glob("events.out.tfevents.*")), "no TensorBoard file under the working directory"
+    # its checkpoints (which record the config, the base model's path among it, for `ppoz export` and a resume from
+    # anywhere) are looked for by the absolute path made when it started
+    assert f"no checkpoint in {elsewhere / 'runs' / 'ckpt'}, starting fresh" in log.read_text()
     _stop(learner, log)
 
 
@@ -171,5 +177,5 @@ def test_reward_server_loads_a_reward_model_folder_relative_to_the_working_direc
     log = elsewhere / "ppoz.log"
     wait_for(lambda: "reward service ready" in log.read_text() or server.poll() is not None, START_S, "the reward service to be ready")
     assert server.poll() is None, log.read_text()[-3000:]
-    assert "reward model" in log.read_text()
+    assert f"loading the reward model {elsewhere / 'rm'} on cpu" in log.read_text()
     _stop(server, log)
