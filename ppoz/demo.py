@@ -246,5 +246,6 @@ def print_summary(episodes: list[Any], random_baseline: float, learner: Any, cur
     print(f"  learning curve: {curve}")
     print(f"  TensorBoard:    tensorboard --logdir {out / 'tensorboard'}")
     print(f"  checkpoints:    {out / 'checkpoints'}")
-    print(f"  as a model:     {export_command(out / 'checkpoints', out / 'model')}   (a folder from_pretrained loads)")
+    if any((out / "checkpoints").glob("ckpt-*")):  # none before the learner's first update
+        print(f"  as a model:     {export_command(out / 'checkpoints', out / 'model')}   (a folder from_pretrained loads)")
     return 0 if better or interrupted else 1

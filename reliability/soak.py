@@ -19,10 +19,9 @@ fill; for the learner, until the first window that ends after its third update:
 its first updates grow it by steps as the optimizer's state, the backward pass's
 buffers and full-size rollouts appear, measured 408, 608, 722 MB after updates
 1, 2, 3 and 719 to 735 MB after updates 4 to 6; the 10-minute soak's learner
-stayed within +2 MB after minute 1), and the latency of the
-second half of the run is within `--latency-drift` times that of the first half
-(p50 and p99, both after the first window).
-The exit code is 1 otherwise; `--json` prints the whole report.
+stayed within +2 MB after minute 1), and the latency of the second half of the
+run is within `--latency-drift` times that of the first (p50 and p99, both after
+the first window). The exit code is 1 otherwise; `--json` prints the whole report.
 """
 
 from __future__ import annotations
@@ -95,9 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="give up on the ledger once it has not moved (the learner counting, the stream shrinking) for this long (default: 600)",
     )
-    parser.add_argument(
-        "--keep", default="", type=local_path, help="keep the logs and checkpoints in this folder (default: a temporary one, removed)"
-    )
+    parser.add_argument("--keep", default="", type=local_path, help="keep the logs and checkpoints here (default: a temporary folder)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 

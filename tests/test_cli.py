@@ -173,6 +173,30 @@ def test_status_labels_each_kind_of_update_when_the_learner_trained_both():
     assert last_update({**figures, "version": 3.0}) == "candidates: policy_loss 0.5  clipfrac 0.125; generation: policy_loss -0.25"
 
 
+def test_the_demo_s_exit_status_says_whether_the_trained_policy_beat_random_unless_it_was_stopped(tmp_path, capsys):
+    """The summary's verdict and the exit status agree: 0 when the trained policy beats the random one, 1 when it does
+    not after the whole run; a run stopped with Ctrl-C (the README's test stops it) is the user's choice and exits 0.
+    The export command is shown once there is a checkpoint to export."""
+    from types import SimpleNamespace
+
+    from ppoz.demo import print_summary
+
+    def episodes(ret: float) -> list[SimpleNamespace]:
+        return [SimpleNamespace(ret=ret, policy_version=int(i >= 10), steps=10) for i in range(60)]
+
+    learner = SimpleNamespace(updates=3, version=3)
+    curve = tmp_path / "learning_curve.png"
+    assert print_summary(episodes(4.0), 1.5, learner, curve, tmp_path) == 0
+    assert "beats the random one" in capsys.readouterr().out
+    assert print_summary(episodes(1.5), 1.5, learner, curve, tmp_path) == 1
+    shown = capsys.readouterr().out
+    assert "did NOT clearly beat the random one" in shown and "ppoz export" not in shown  # no checkpoint yet
+    (tmp_path / "checkpoints" / "ckpt-00000003").mkdir(parents=True)
+    assert print_summary(episodes(1.5), 1.5, learner, curve, tmp_path, interrupted=True) == 0
+    shown = capsys.readouterr().out
+    assert "stopped early" in shown and f"ppoz export {tmp_path / 'checkpoints'} --out {tmp_path / 'model'}" in shown
+
+
 def test_an_update_s_figures_replace_the_last_update_s_whole_in_redis(redis_client, key_prefix):
     """A learner that trained candidate choices, then generated responses: `ppoz status` showed the old candidate
     update's figures beside the new one's as its last update, since the figures were merged into the hash."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,12 +70,21 @@ def test_a_small_run_reports_a_leg_with_the_learning_rate_the_learner_used(tmp_p
     # how fast the learner went (600 responses, 18 rollouts of 32).
     command = ("bench", "stability", "--lr", "0", "--responses", "600", "--repeats", "1", "--json")
     bench = start_ppoz(*command, log=tmp_path / "bench.log", stdout=subprocess.PIPE)
-    learner = wait_for(lambda: _descendant(bench.pid, " learner "), timeout=120, what="the bench's learner process")  # 8 s alone
-    os.kill(learner, signal.SIGSTOP)
-    time.sleep(20)  # the clients go on meanwhile: about 30 responses a second on the 2-core VM
-    os.kill(learner, signal.SIGCONT)
-    # the stack's start, 600 responses, the learner's 20 s stop and its catching up, the stop: 60-70 s alone; x9
-    stdout, _ = bench.communicate(timeout=600)
+    learner = None
+    try:
+        learner = wait_for(lambda: _descendant(bench.pid, " learner "), timeout=120, what="the bench's learner process")  # 8 s alone
+        os.kill(learner, signal.SIGSTOP)
+        time.sleep(20)  # the clients go on meanwhile: about 30 responses a second on the 2-core VM
+        os.kill(learner, signal.SIGCONT)
+        # the stack's start, 600 responses, the learner's 20 s stop and its catching up, the stop: 60-70 s alone; x9
+        stdout, _ = bench.communicate(timeout=600)
+    finally:
+        if learner is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(learner, signal.SIGCONT)  # never left stopped; its stack dies with the bench (PDEATHSIG)
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(30)
     result = subprocess.CompletedProcess(bench.args, bench.returncode, stdout, (tmp_path / "bench.log").read_text())
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
