@@ -417,7 +417,7 @@ def cmd_actor(args: argparse.Namespace) -> int:
 
 
 def cmd_learner(args: argparse.Namespace) -> int:
-    from common.processes import EXIT_STOPPED_ON_INPUT
+    from common.processes import EXIT_STOPPED_ON_INPUT, exit_now
     from common.redis_server import check_server, connect
     from learner_node.config import LearnerConfig
     from learner_node.worker import Learner, PoisonedInput
@@ -435,6 +435,8 @@ def cmd_learner(args: argparse.Namespace) -> int:
         learner.close()
         return EXIT_STOPPED_ON_INPUT
     log.info("learner stopped after %d updates at policy version %d: %s", learner.updates, learner.version, dict(learner.counters))
+    if learner.world > 1:
+        exit_now(0)  # a rank's process group is gone (close): nothing is left for the interpreter's exit but torch's aborts
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
 import statistics
 import sys
 import threading
@@ -171,18 +172,22 @@ def main(args: argparse.Namespace) -> int:
         metrics_redis = connect(redis_server.url)
         runner = Runner(broker.frontend_endpoint, lambda i: KeaSim(app), args.clients, deadline=120, seed=args.seed).start()
         started = time.monotonic()
-        interrupted = False
-        try:
-            while time.monotonic() - started < args.minutes * 60 and runner.running():
-                time.sleep(min(args.report_every, max(0.1, args.minutes * 60 - (time.monotonic() - started))))
-                try:
-                    figures = read_latest(metrics_redis, store.key_prefix)
-                except redis.RedisError:
-                    figures = {}  # the line goes out without the learner's part
-                print(progress_line(runner.stats.snapshot(), figures), flush=True)
-        except KeyboardInterrupt:
-            interrupted = True
-            print("  stopped by Ctrl-C; writing the summary")
+        # Ctrl-C (or SIGTERM) sets an event the loop waits on, as every ppoz process stops: no KeyboardInterrupt that
+        # code the main thread is in could swallow (a demo once kept training past Ctrl-C, on a loaded machine).
+        interrupted = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: interrupted.set())
+        while time.monotonic() - started < args.minutes * 60 and runner.running() and not interrupted.is_set():
+            interrupted.wait(min(args.report_every, max(0.1, args.minutes * 60 - (time.monotonic() - started))))
+            try:
+                figures = read_latest(metrics_redis, store.key_prefix)
+            except redis.RedisError:
+                figures = {}  # the line goes out without the learner's part
+            print(progress_line(runner.stats.snapshot(), figures), flush=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C cuts the summary short
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if interrupted.is_set():
+            print("  stopped by Ctrl-C; writing the summary", flush=True)
         runner.stop()
         stop_actor.set()
         learner.stop()
@@ -198,7 +203,7 @@ def main(args: argparse.Namespace) -> int:
         started,
         title=f"ppoz demo: {args.clients} Kea-like clients, {Path(model).name}",
     )
-    return print_summary(episodes, random_baseline, learner, curve, out, interrupted)
+    return print_summary(episodes, random_baseline, learner, curve, out, interrupted.is_set())
 
 
 def progress_line(s: dict[str, Any], learner: dict[str, float]) -> str:

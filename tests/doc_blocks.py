@@ -81,6 +81,7 @@ class Session:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["PWD"] = str(self.workdir)
         env[INSIDE_ENV] = str(self.doc)  # a document's `bin/test` would run these tests again: they skip themselves
+        env["PYTHONFAULTHANDLER"] = "1"  # a block that does not end is sent SIGABRT: its Python processes show their stacks
         return env
 
     def run(self, example: Example, language: str) -> str | None:
@@ -152,12 +153,39 @@ class Session:
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
+    """The block's exit status, or None past `timeout`: then what its processes were doing goes into its log (their
+    signal masks on stderr, and each Python's threads' stacks in its log: SIGABRT makes PYTHONFAULTHANDLER dump them), then
+    they are killed."""
     try:
         return proc.wait(timeout)
     except subprocess.TimeoutExpired:
+        _note_group(proc.pid)
+        _killpg(proc.pid, signal.SIGABRT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
         _killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
         return None
+
+
+def _note_group(group: int) -> None:
+    """Each process of the group with the signals it blocks, ignores and catches, on stderr (pytest shows it with the failure)."""
+    lines = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or os.getpgid(int(entry.name)) != group:
+                continue
+            status = dict(line.split(":\t", 1) for line in (entry / "status").read_text().splitlines() if ":\t" in line)
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+        except (OSError, ValueError):
+            continue
+        lines.append(
+            f"pid {entry.name} {command!r}: SigBlk {status.get('SigBlk')} SigIgn {status.get('SigIgn')} "
+            f"SigCgt {status.get('SigCgt')} SigPnd {status.get('SigPnd')} ShdPnd {status.get('ShdPnd')}"
+        )
+    sys.stderr.write("the group did not end; its processes:\n" + "\n".join(lines) + "\n")
 
 
 def _group_alive(group: int) -> bool:

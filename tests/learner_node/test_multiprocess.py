@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from common.policy_model import policy_state_dict
+from common.processes import exit_now
 from common.redis_server import connect
 from common.shared_settings import PolicySpec, StoreSettings
 from learner_node import checkpoint
@@ -66,6 +67,7 @@ def _rank(rank: int, world: int, port: int, cfg: LearnerConfig) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     learner = Learner(cfg, connect(cfg.store.redis_url, socket_timeout=REDIS_S))
     learner.run()
+    exit_now(0)  # as `ppoz learner` ends a rank (common/processes.py says why)
 
 
 def write_the_same_stream(redis_client, prefixes: tuple[str, ...], kind: str, model: str) -> None:
@@ -123,6 +125,7 @@ def _rank_with_a_nan_gradient_on_rank_1(rank: int, world: int, port: int, cfg: L
 
         lora.register_hook(nan_once)
     learner.run()
+    exit_now(0)  # as `ppoz learner` ends a rank
 
 
 @pytest.mark.slow
@@ -225,6 +228,7 @@ def _rank_whose_store_fails_mid_publication(rank: int, world: int, port: int, cf
 
         weights.store_snapshot = store_that_fails_once
     Learner(cfg, connect(cfg.store.redis_url, socket_timeout=REDIS_S)).run()
+    exit_now(0)  # as `ppoz learner` ends a rank
 
 
 @pytest.mark.slow
