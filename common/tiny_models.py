@@ -38,12 +38,16 @@ LORA_TRAINABLE = {"llama": ("lm_head", "model.norm"), "qwen2": ("lm_head", "mode
 # (docs/benchmarks.md, "Does it stay learned").
 TINY_POLICY_LR = 3e-4
 MARKER = "ppoz_tiny.json"  # in a tiny model's directory: how it was built (and that its weights are random)
-TOKENIZERS = ("byte", "bpe", "sentencepiece", "words", "numbers")
+TOKENIZERS = ("byte", "bpe", "sentencepiece", "words", "numbers", "repeat")
 # The whole vocabulary of the `words` tokenizer: toy generation tasks (say the word the prompt names) that a
 # random tiny model can learn in minutes, where a byte-level one would first have to find each letter by chance.
 WORDS = ("say", "the", "word", "please", "now", "and", "then", "stop", "red", "green", "blue", "yellow", "black", "white", "pink", "grey")
 # The `numbers` tokenizer's vocabulary: "what is two plus three" -> "five", the arithmetic demo's task.
 NUMBER_WORDS = ("what", "is", "plus", "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+# The `repeat` tokenizer's vocabulary: "say seven one six times" -> "seven" 16 times, numbers said digit by digit
+# (ppoz bench train's long task).
+DIGIT_WORDS = NUMBER_WORDS[3:]
+REPEAT_WORDS = ("say", "times", *DIGIT_WORDS)
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
 # Text like what the policy reads and chooses (Kea's prompts and events, a text game's), so the
@@ -166,12 +170,18 @@ def build_numbers_tokenizer(path: str | Path):
     return build_words_tokenizer(path, NUMBER_WORDS)
 
 
+def build_repeat_tokenizer(path: str | Path):
+    """A word-level tokenizer over REPEAT_WORDS: a digit word said N times (ppoz bench train's long task)."""
+    return build_words_tokenizer(path, REPEAT_WORDS)
+
+
 TOKENIZER_BUILDERS = {
     "byte": build_byte_tokenizer,
     "bpe": build_bpe_tokenizer,
     "sentencepiece": build_sentencepiece_tokenizer,
     "words": build_words_tokenizer,
     "numbers": build_numbers_tokenizer,
+    "repeat": build_repeat_tokenizer,
 }
 
 

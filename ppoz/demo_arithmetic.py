@@ -48,9 +48,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stack_config(out: Path, lora_rank: int = 0, device: str = "auto", max_stream_backlog: int = -1) -> str:
+def stack_config(out: Path, lora_rank: int = 0, device: str = "auto", max_stream_backlog: int = -1, policy_lr: float = 0.0) -> str:
     """The stack's settings: small rollouts and a one-transition segment per response (each turn ends its episode).
-    `max_stream_backlog` -1 is the learner's own limit (four rollouts at its max_policy_lag of 8)."""
+    `max_stream_backlog` -1 is the learner's own limit (four rollouts at its max_policy_lag of 8); `policy_lr` 0 is
+    the model's default (docs/design.md)."""
     front, back, weights = _free_port(), _free_port(), _free_port()
     on = f"device = {json.dumps(device)}\n"
     return (
@@ -58,6 +59,7 @@ def stack_config(out: Path, lora_rank: int = 0, device: str = "auto", max_stream
         f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nsegment_len = 1\n'
         f"max_stream_backlog = {max_stream_backlog}\n"
         f'[learner]\n{on}weights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 32\npolicy_minibatch = 16\n'
+        f"policy_lr = {policy_lr!r}\n"
         f'tensorboard_dir = "{out / "tensorboard"}"\n'
         "[generation]\nvalue_hidden = [64]\n"
         f"[actor]\n{on}weights_poll_s = 1.0\nmax_generate_rows = 32\ncredits = 32\n"  # 8 workers x groups of 4 in one batch

@@ -20,6 +20,10 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
     )
     val: str = option("", "validation prompts in the same format (empty: no validation)", path=local_path)
     val_size: int = option(0, "validate on the first N validation records (0: all of them)")
+    val_every_s: float = option(
+        0.0,
+        "validate also every this many seconds of training, beside the drivers; progress.jsonl's val_reward (0: before and after only)",
+    )
     chat_template: bool = option(False, "send plain-text prompts as a user message through the model's chat template")
     strict: bool = option(False, "a bad record stops the run (default: skipped, counted and named)")
     epochs: int = option(1, "passes over the training prompts (0: until stopped)")
@@ -102,6 +106,10 @@ class TrainConfig(RewardSources):  # reward_model, judge_model, ...: rewards/con
             "[train] deadline_s, reward_timeout_s and report_every_s must be positive",
         )
         check(all(isinstance(s, str) and s for s in self.stop), f"[train] stop = {self.stop!r}: non-empty strings")
+        check(
+            math.isfinite(self.val_every_s) and self.val_every_s >= 0,
+            f"[train] val_every_s = {self.val_every_s}: must be 0 (before and after only) or a number of seconds",
+        )
         check(self.drain_timeout_s >= 0, f"[train] drain_timeout_s = {self.drain_timeout_s}: must be 0 or more")
         for name, weight in self.weights.items():
             check(isinstance(weight, (int, float)) and not isinstance(weight, bool), f"[train] weights.{name} = {weight!r}: a number")

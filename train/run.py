@@ -294,10 +294,12 @@ def run_training(
                 f"group-relative advantages ({grouping.estimator})" if grouping else "rewards (gae)",
             )
 
-    def validation(when: str) -> None:  # `before` or `after`: the mean reward and the first responses into the summary
+    def validation(when: str) -> float:  # `before`, `after` or `at N s`: the mean reward (before and after: into the summary)
         result = validate(frontend, val, reward, cfg.max_new_tokens, cfg.chat_template, cfg.workers, cfg.deadline_s)
-        summary[f"val_{when}"], summary[f"val_examples_{when}"] = result["mean_reward"], result["responses"][:3]
+        if when in ("before", "after"):
+            summary[f"val_{when}"], summary[f"val_examples_{when}"] = result["mean_reward"], result["responses"][:3]
         echo(f"ppoz train: validation reward {when}: {result['mean_reward']:.4f}")
+        return float(result["mean_reward"])
 
     if val:
         echo(f"ppoz train: validating on {len(val)} prompts (greedy) before training")
@@ -334,6 +336,9 @@ def run_training(
     before = _last_time(progress_path) if start else 0.0  # the curve of a resumed run goes on where the last one ended
     stopping_since: float | None = None  # when the loop saw `stop` (polled every STOP_POLL_S)
     next_report = time.monotonic() + cfg.report_every_s
+    # validation while training (val_every_s): greedy on the validation prompts beside the drivers, which go on
+    next_validation = started + cfg.val_every_s if val and cfg.val_every_s else math.inf
+    validations: list[list[float]] = []  # [seconds of training when it began, mean reward]
     with progress_path.open("a" if start else "w") as lines:
         while driving.is_alive():
             driving.join(STOP_POLL_S)
@@ -345,15 +350,22 @@ def run_training(
                 if driving.is_alive():  # their turns are not stored, or stored once: a resumed run plays or skips them
                     echo(f"ppoz train: stopping without the turns still in flight after {STOP_GRACE_S:g} s; a resumed run plays them")
                     break
-            elif driving.is_alive() and now < next_report:
+            elif driving.is_alive() and now < min(next_report, next_validation):
                 continue
-            next_report = now + cfg.report_every_s
             elapsed = now - started
+            val_reward = None
+            if driving.is_alive() and not stop.is_set() and now >= next_validation:
+                val_reward = validation(f"at {before + elapsed:.0f} s")
+                validations.append([round(before + elapsed, 1), val_reward])
+                next_validation = time.monotonic() + cfg.val_every_s
+            next_report = now + cfg.report_every_s
             figures = _safe(learner_figures)
             check_learner(figures)
             done = start + len(progress.done)  # positions from `start` on
             echo(progress_line(done, total, progress, elapsed, figures))
             row = {"time": before + elapsed, "samples": done, "reward_mean": progress.recent_mean()}
+            if val_reward is not None:
+                row["val_reward"] = val_reward
             lines.write(dumps({**row, **{k: figures.get(v) for k, v in LEARNER_FIGURES.items()}}) + "\n")
             lines.flush()
             write_state(state_path, order, cfg.data, run, progress.resume_from)
@@ -377,6 +389,8 @@ def run_training(
         **({"groups": progress.groups, "uniform_groups": progress.uniform_groups, "lone": progress.lone} if grouping else {}),
         stopped_workers=progress.stopped_workers,
         reward_mean=progress.reward_sum / progress.rewarded if progress.rewarded else None,
+        response_tokens=progress.response_tokens,
+        **({"validations": validations} if validations else {}),
         resume_from=progress.resume_from,
         seconds=round(time.monotonic() - started, 1),
         learner={k: v for k, v in _safe(learner_figures).items() if k in LEARNER_FIGURES.values()},

@@ -1,42 +1,45 @@
 """`ppoz bench train`: PPOZ's training loop against Hugging Face trl's GRPOTrainer on the same work and budget.
 
-Legs, each given the same wall-clock budget (`--seconds`) on this machine:
-- `ppoz`: `ppoz demo --task arithmetic --advantage grpo` as a process (its stack: embedded Redis, the
-  broker, one actor, the learner, the driver workers), whose last line is its summary;
+Tasks (`--tasks`, ppoz/bench/train_tasks.py): `demo` (the arithmetic demo's sums, 2 new tokens), `long` (a digit
+word said 16 to 255 times, 256 new tokens: responses of different lengths) and `real-shape` (the long task on
+Qwen2.5-0.5B's shape with random weights: throughput only). For each task, legs, each given the same
+wall-clock budget (`--seconds`, else the task's own) on this machine:
+- `ppoz`: `ppoz train` with GRPO on the task as a process (ppoz/bench/train_leg.py: the stack of `ppoz demo
+  --task arithmetic --advantage grpo`, embedded Redis, the broker, one actor, the learner, the driver workers),
+  whose last line is its summary;
 - `trl`: trl's `GRPOTrainer` on the same work (ppoz/bench/trl_grpo.py), run by the Python of a virtual
   environment of its own that this bench creates on first use (`--trl-venv`): a `.pth` file there
   puts this environment's packages on its path, so torch and transformers are the very versions the
   ppoz leg runs, and trl and what it needs besides (datasets, ...) are installed beside them, pinned so
   that pip changes none of this environment's packages. trl is never a dependency of PPOZ.
 
-The work is the arithmetic demo's (ppoz/demo_arithmetic.py): the tiny numbers-llama model and its
-weights, the 25 sums for training and validation, the `first_word` reward, 4 responses per sum, 2 new
-tokens at temperature 1, all weights at learning rate 3e-4, 32 responses per update in minibatches of 16,
-2 passes over each batch, clip 0.2, a KL penalty to the reference of 0.001 in the loss (k3: PPOZ's GRPO
-default, trl's beta), advantages scaled by the group's std (both defaults). What still differs is each
-trainer's own: PPOZ's learner stops an update's passes past target_kl and has a dual clip, and its actor
-samples while the learner trains (policy lag, stale samples dropped); trl alternates the two.
+Matched settings (both legs): the task's model and weights, prompts, reward and max_new_tokens, 4 responses per
+prompt at temperature 1, all weights at the task's learning rate (constant), 32 responses per update in
+minibatches of 16, 2 passes over each batch, clip 0.2, a KL penalty to the reference of 0.001 in the loss
+(k3: PPOZ's GRPO default, trl's beta), token-mean loss, gradient norm clipped at 0.5, advantages scaled by the
+group's std (both defaults); greedy validation on the task's held prompts every `--val-every-s` seconds of
+training, before and after. What still differs is each trainer's own: PPOZ's learner stops an update's passes
+past target_kl and has a dual clip, and its actor samples while the learner trains (policy lag, stale samples
+dropped), its validation runs beside the drivers; trl alternates the three.
 
-Figures per leg, medians of `--repeats` runs with min and max, legs alternating (A B, B A, A B, ...):
-- responses/s: responses generated for training over the training seconds (ppoz: the summary's `samples`
-  over its `seconds`, the drivers' time; trl: optimizer steps x 32 over the time from the first step
-  to the stop);
-- validation reward (greedy, 2 tokens, on the 25 sums) before and after;
-- the first time (seconds of training) a leg reached 0.7. The legs measure it differently, and the table
-  says which: trl validates greedily every ~15 s of training; the ppoz demo does not validate while it
-  trains, so its figure is the first progress row (every `--report-every` s) whose moving training reward
-  (the drivers' mean of the last 100 sampled responses, at temperature 1) is at least 0.7;
+Figures per task and leg, medians of `--repeats` runs with min and max, legs alternating (A B, B A, A B, ...):
+- responses/s and tokens/s: responses generated for training, and their tokens, over the training seconds
+  (ppoz: the summary's `samples` and `response_tokens` over its `seconds`, the drivers' time; trl: those its
+  reward function was given over the time from the first step to the stop, validation left out);
+- validation reward (greedy, on the task's held prompts) before and after;
+- the first time (seconds of training) a leg's validation reached the task's target (`first_at_target_s`);
 - CPU cores used: CPU seconds (user + system) over the leg's wall seconds, the process and every
-  descendant it waited for (resource.getrusage(RUSAGE_CHILDREN) around the process);
-- peak memory: the largest resident set of any one process of the leg (ru_maxrss of the children);
-  the ppoz leg runs several processes at once, so its total is more than this.
+  descendant it waited for (os.wait4 on the leg's process);
+- peak memory: the largest resident set of the leg's whole process tree at once (`peak_tree_mb`, sampled
+  every TREE_SAMPLE_S from /proc), and of its largest process (`peak_rss_mb`, ru_maxrss).
 Threads: the ppoz leg's processes share the cores (OMP_NUM_THREADS, ppoz/up.py: the cores over the torch
 processes, 1 each for the actor and the learner on 2 cores); the trl leg is one process on torch's default
 (every core) unless `--trl-threads` says otherwise. On a busy machine a process with more torch threads than
 free cores slows down far more than one thread would: another reason to run the bench on an idle machine.
-The budget is counted the same way for both legs: from the start of the leg's process (the ppoz demo
-starts its timer before it starts its stack; the trl runner before it imports trl), so model loading,
-the stack's start and the first validation are inside it for both.
+The budget is counted the same way for both legs: from the start of the leg's process after the model is
+built (the ppoz leg before it starts its stack; the trl runner before it imports trl), so model loading, the
+stack's start and the first validation are inside it for both. trl stops only between optimizer steps, so its
+runs can outlast the budget; its rates are counted over its own training seconds.
 """
 
 from __future__ import annotations
@@ -56,29 +59,34 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppoz.bench import load_at_start
+
+if TYPE_CHECKING:
+    from ppoz.bench.train_tasks import TrainTask
 
 log = logging.getLogger(__name__)
 
 LEGS = ("ppoz", "trl")
 TRL_VERSION = "1.16.0"
 DEFAULT_TRL_VENV = Path.home() / ".cache" / "ppoz" / "bench-trl-venv"
-TARGET = 0.7  # the validation (trl) or moving training reward (ppoz) whose first time is reported
-PPOZ_REPORT_EVERY_S = 5.0  # the ppoz demo's progress rows (progress.jsonl), which its first time at TARGET is read from
-MEASURES = {
-    "ppoz": "moving training reward (mean of the last 100 sampled responses, temperature 1), "
-    f"progress.jsonl every {PPOZ_REPORT_EVERY_S:g} s",
-    "trl": "greedy validation reward on the 25 sums, every ~15 s of training",
-}
-PEAK_MEASURE = "the largest resident set of any one process of the leg (ru_maxrss); the ppoz leg runs several at once, so its total is more"
+TREE_SAMPLE_S = 0.5  # how often a leg's process tree's resident memory is summed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seconds", type=float, default=306.0, help="wall-clock budget of every run of a leg (default: 306)")
+    from ppoz.bench.train_tasks import TASKS
+
+    budgets = ", ".join(f"{t.name} {t.seconds:g}" for t in TASKS.values())
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)} (default: all)")
+    parser.add_argument(
+        "--seconds", type=float, default=0.0, help=f"wall-clock budget of every run of a leg (default: the task's: {budgets})"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of every leg, in alternating order (default: 3)")
     parser.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated, of {', '.join(LEGS)} (default: all)")
+    parser.add_argument(
+        "--val-every-s", type=float, default=15.0, help="greedy validation every this many seconds of training (default: 15)"
+    )
     parser.add_argument(
         "--trl-venv",
         default=str(DEFAULT_TRL_VENV),
@@ -181,6 +189,7 @@ def ensure_trl(venv: Path) -> Path:
 @dataclass
 class LegRun:
     samples: int  # responses generated for training
+    response_tokens: int  # their tokens
     seconds: float  # training seconds
     val_before: float | None
     val_after: float | None
@@ -188,11 +197,16 @@ class LegRun:
     wall_s: float  # the leg's process, start to exit
     cpu_s: float  # user + system of the process and the descendants it waited for
     peak_rss_mb: float  # the largest resident set of any one of those processes
+    peak_tree_mb: float  # the largest resident set of the whole process tree at once
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property
     def responses_per_s(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.response_tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def cores(self) -> float:
@@ -201,38 +215,77 @@ class LegRun:
     def figures(self) -> dict[str, Any]:
         return {
             "responses_per_s": round(self.responses_per_s, 2),
+            "tokens_per_s": round(self.tokens_per_s, 1),
             "samples": self.samples,
+            "response_tokens": self.response_tokens,
             "seconds": self.seconds,
             "val_before": self.val_before,
             "val_after": self.val_after,
-            f"first_at_{TARGET}_s": self.first_at_target_s,
+            "first_at_target_s": self.first_at_target_s,
             "wall_s": round(self.wall_s, 1),
             "cpu_s": round(self.cpu_s, 1),
             "cores": round(self.cores, 2),
             "peak_rss_mb": round(self.peak_rss_mb, 1),
+            "peak_tree_mb": round(self.peak_tree_mb, 1),
         }
 
 
-def run_process(command: list[str], name: str, timeout_s: float) -> tuple[list[str], int, float, resource.struct_rusage]:
+def tree_rss_kb(root: int) -> int:
+    """The resident set of `root` and every process descended from it, in kB, from /proc (0 once it is gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # ended while we looked
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])  # after the command's name, which may hold spaces
+        children.setdefault(parent, []).append(int(entry.name))
+    total, todo = 0, [root]
+    page_kb = os.sysconf("SC_PAGE_SIZE") // 1024
+    while todo:
+        pid = todo.pop()
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page_kb
+        except (OSError, ValueError, IndexError):
+            pass
+        todo += children.get(pid, [])
+    return total
+
+
+def run_process(command: list[str], name: str, timeout_s: float) -> tuple[list[str], int, float, resource.struct_rusage, float]:
     """Run a leg's process, its output echoed to stderr line by line as it comes. Its lines, exit code, wall
-    seconds and resource use (os.wait4: the process and every descendant it waited for, this leg's alone)."""
+    seconds, resource use (os.wait4: the process and every descendant it waited for, this leg's alone) and the
+    peak resident MB of its whole process tree."""
     lines: list[str] = []
     started = time.monotonic()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1)
     killer = threading.Timer(timeout_s, process.kill)  # a leg that hangs must not hang the bench
     killer.daemon = True
     killer.start()
+    peak_kb, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(TREE_SAMPLE_S):
+            peak_kb[0] = max(peak_kb[0], tree_rss_kb(process.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     try:
         assert process.stdout is not None
         for line in process.stdout:
             line = line.rstrip("\n")
             lines.append(line)
             print(f"  {name} | {line}", file=sys.stderr, flush=True)
+        done.set()
+        sampler.join()
         _, status, usage = os.wait4(process.pid, 0)
     finally:
+        done.set()
         killer.cancel()
     process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, for its rusage: Popen must not wait again
-    return lines, process.returncode, time.monotonic() - started, usage
+    return lines, process.returncode, time.monotonic() - started, usage, peak_kb[0] / 1024
 
 
 def last_json(lines: list[str]) -> dict[str, Any] | None:
@@ -248,50 +301,46 @@ def last_json(lines: list[str]) -> dict[str, Any] | None:
     return None
 
 
-def first_time_at(rows: list[dict[str, Any]], key: str = "reward_mean", target: float = TARGET) -> float | None:
-    """The `time` of the first row whose `key` is at least `target` (None if none is)."""
-    for row in rows:
-        value = row.get(key)
+def first_time_at(validations: list[list[float | None]], target: float | None) -> float | None:
+    """The training seconds of the first validation [seconds, reward] at `target` or above (None if none is)."""
+    if target is None:
+        return None
+    for at, value in validations:
         if value is not None and value >= target:
-            return float(row["time"])
+            return float(at)  # type: ignore[arg-type]
     return None
 
 
-def _leg_run(name: str, command: list[str], seconds: float, first_at: Any) -> LegRun:
-    lines, code, wall, usage = run_process(command, name, timeout_s=seconds + 900)
+def _leg_run(name: str, command: list[str], seconds: float, target: float | None) -> LegRun:
+    lines, code, wall, usage, peak_tree_mb = run_process(command, name, timeout_s=3 * seconds + 900)
     summary = last_json(lines)
     if code != 0 or summary is None:
         tail = " / ".join(lines[-3:])[-400:]
         raise RuntimeError(f"exit {code}{'' if summary else ', no JSON summary'}: {tail}")
     return LegRun(
         samples=int(summary["samples"]),
+        response_tokens=int(summary.get("response_tokens") or 0),
         seconds=float(summary["seconds"]),
         val_before=summary.get("val_before"),
         val_after=summary.get("val_after"),
-        first_at_target_s=first_at(summary),
+        first_at_target_s=first_time_at(summary.get("validations") or [], target),
         wall_s=wall,
         cpu_s=usage.ru_utime + usage.ru_stime,
         peak_rss_mb=usage.ru_maxrss / 1024,  # kilobytes on Linux
+        peak_tree_mb=peak_tree_mb,
         summary=summary,
     )
 
 
-def run_ppoz(seconds: float) -> LegRun:
+def run_ppoz(task: TrainTask, seconds: float, val_every_s: float) -> LegRun:
     with tempfile.TemporaryDirectory(prefix="ppoz-bench-train-") as out:
-        command = [sys.executable, "-m", "ppoz.cli", "demo", "--task", "arithmetic", "--advantage", "grpo"]
-        command += ["--minutes", repr(seconds / 60), "--json", "--out", out, "--report-every", str(PPOZ_REPORT_EVERY_S)]
-
-        def first_at(_: dict[str, Any]) -> float | None:
-            progress = Path(out) / "train" / "progress.jsonl"
-            rows = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()] if progress.exists() else []
-            return first_time_at(rows)
-
-        return _leg_run("ppoz", command, seconds, first_at)
+        command = [sys.executable, "-m", "ppoz.bench.train_leg", "--task", task.name, "--seconds", repr(seconds), "--out", out]
+        return _leg_run("ppoz", command + ["--val-every-s", repr(val_every_s)], seconds, task.target)
 
 
-def run_trl(python: Path, seconds: float, threads: int = 0) -> LegRun:
-    command = [str(python), "-m", "ppoz.bench.trl_grpo", "--seconds", repr(seconds), "--threads", str(threads)]
-    return _leg_run("trl", command, seconds, lambda summary: summary.get(f"first_at_{TARGET}_s"))
+def run_trl(python: Path, task: TrainTask, seconds: float, val_every_s: float, threads: int = 0) -> LegRun:
+    command = [str(python), "-m", "ppoz.bench.trl_grpo", "--task", task.name, "--seconds", repr(seconds), "--threads", str(threads)]
+    return _leg_run("trl", command + ["--val-every-s", repr(val_every_s)], seconds, task.target)
 
 
 # --- figures -------------------------------------------------------------------------------------
@@ -315,11 +364,13 @@ def summarise(runs: list[LegRun]) -> dict[str, Any]:
     return {
         "runs": len(runs),
         "responses_per_s": _spread([r.responses_per_s for r in runs]),
+        "tokens_per_s": _spread([r.tokens_per_s for r in runs]),
         "val_before": _spread([r.val_before for r in runs]),
         "val_after": _spread([r.val_after for r in runs]),
-        f"first_at_{TARGET}_s": _spread(reached),
+        "first_at_target_s": _spread(reached),
         "reached_target": len(reached),
         "cores": _spread([r.cores for r in runs]),
+        "peak_tree_mb": _spread([r.peak_tree_mb for r in runs]),
         "peak_rss_mb": _spread([r.peak_rss_mb for r in runs]),
         "seconds": statistics.median(r.seconds for r in runs),
         "samples": statistics.median(r.samples for r in runs),
@@ -334,34 +385,24 @@ def ratio(result: dict[str, Any], top: str = "ppoz", bottom: str = "trl") -> flo
     return result[top]["responses_per_s"]["median"] / below if below else None
 
 
-def main(args: argparse.Namespace) -> int:
-    import torch
-    import transformers
-
-    legs = [leg for leg in args.legs.split(",") if leg]
-    unknown = [leg for leg in legs if leg not in LEGS]
-    if unknown or not legs:
-        raise SystemExit(f"ppoz bench train: unknown legs {', '.join(unknown) or '(none given)'}; known: {', '.join(LEGS)}")
-    if args.repeats < 1 or not 0 < args.seconds <= 24 * 3600 or args.trl_threads < 0:
-        given = f"got --repeats {args.repeats}, --seconds {args.seconds:g}, --trl-threads {args.trl_threads}"
-        raise SystemExit(f"ppoz bench train: --repeats must be at least 1, --seconds positive and --trl-threads not negative; {given}")
-    load = load_at_start("train")
-    python = ensure_trl(Path(args.trl_venv).expanduser()) if "trl" in legs else None
+def run_task(task: TrainTask, legs: list[str], args: argparse.Namespace, python: Path | None) -> dict[str, Any]:
+    """Every leg's runs on one task, alternating; the medians, the ratio, every run's figures and the errors."""
+    seconds = args.seconds or task.seconds
     runs: dict[str, list[LegRun]] = {leg: [] for leg in legs}
     errors: dict[str, str] = {}
     order = leg_order(legs, args.repeats)
     for i, leg in enumerate(order):
         if leg in errors:
             continue
-        print(f"ppoz bench train: {leg}, run {i + 1} of {len(order)}, {args.seconds:g} s", file=sys.stderr, flush=True)
+        print(f"ppoz bench train: {task.name}, {leg}, run {i + 1} of {len(order)}, {seconds:g} s", file=sys.stderr, flush=True)
         try:
             if leg == "ppoz":
-                run = run_ppoz(args.seconds)
+                run = run_ppoz(task, seconds, args.val_every_s)
             else:
-                assert python is not None  # made above when trl is among the legs
-                run = run_trl(python, args.seconds, args.trl_threads)
+                assert python is not None  # made before the tasks when trl is among the legs
+                run = run_trl(python, task, seconds, args.val_every_s, args.trl_threads)
         except Exception as e:  # noqa: BLE001 - a leg that fails is reported beside the other's figures
-            log.warning("%s failed: %s: %s", leg, type(e).__name__, e)
+            log.warning("%s %s failed: %s: %s", task.name, leg, type(e).__name__, e)
             errors[leg] = f"{type(e).__name__}: {e}"
             continue
         runs[leg].append(run)
@@ -369,49 +410,76 @@ def main(args: argparse.Namespace) -> int:
     result["ppoz_over_trl"] = ratio(result)
     result["runs"] = {leg: [r.figures() for r in runs[leg]] for leg in legs}
     result["errors"] = errors
-    result["measures"] = {f"first_at_{TARGET}_s": {leg: MEASURES[leg] for leg in legs}, "peak_rss_mb": PEAK_MEASURE}
+    result["setup"] = {"about": task.about, "seconds": seconds, "target": task.target, "order": order}
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    from ppoz.bench.train_tasks import TASKS
+
+    legs = [leg for leg in args.legs.split(",") if leg]
+    tasks = [name for name in args.tasks.split(",") if name]
+    unknown = [leg for leg in legs if leg not in LEGS] + [name for name in tasks if name not in TASKS]
+    if unknown or not legs or not tasks:
+        known = f"legs: {', '.join(LEGS)}; tasks: {', '.join(TASKS)}"
+        raise SystemExit(f"ppoz bench train: unknown legs or tasks {', '.join(unknown) or '(none given)'}; {known}")
+    if args.repeats < 1 or not 0 <= args.seconds <= 24 * 3600 or args.trl_threads < 0 or not 0 < args.val_every_s <= 24 * 3600:
+        given = f"got --repeats {args.repeats}, --seconds {args.seconds:g}, --trl-threads {args.trl_threads}"
+        given += f", --val-every-s {args.val_every_s:g}"
+        raise SystemExit(
+            f"ppoz bench train: --repeats must be at least 1, --seconds 0 (the task's) or positive, --trl-threads not negative"
+            f" and --val-every-s positive; {given}"
+        )
+    load = load_at_start("train")
+    python = ensure_trl(Path(args.trl_venv).expanduser()) if "trl" in legs else None
+    result: dict[str, Any] = {name: run_task(TASKS[name], legs, args, python) for name in tasks}
     result["setup"] = {
-        "seconds": args.seconds,
         "repeats": args.repeats,
-        "order": order,
+        "val_every_s": args.val_every_s,
         "load_average_at_start": load,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "trl": TRL_VERSION if python else None,
-        "trl_torch_threads": runs["trl"][-1].summary.get("torch_threads") if runs.get("trl") else None,
+        "trl_torch_threads": args.trl_threads or torch.get_num_threads(),
     }
+    failed = any(result[name]["errors"] for name in tasks)
     if args.json:
         print(json.dumps(result))
-        return 0 if not errors else 1
+        return 1 if failed else 0
     s = result["setup"]
     print(
-        f"the arithmetic demo's work, {s['seconds']:g} s per run, medians of {args.repeats} runs (min-max); {s['machine']}; "
-        f"load average {load:.2f} at start; torch {s['torch']}, transformers {s['transformers']}"
-        + (f", trl {s['trl']}" if s["trl"] else "")
-        + (f"; trl leg on {s['trl_torch_threads']} torch threads" if s["trl_torch_threads"] else "")
+        f"medians of {args.repeats} runs (min-max); {s['machine']}; load average {load:.2f} at start; torch {s['torch']}, "
+        f"transformers {s['transformers']}" + (f", trl {s['trl']} on {s['trl_torch_threads']} torch threads" if s["trl"] else "")
     )
-    print(f"{'leg':<6}{'responses/s':>12}{'(min-max)':>16}{'val before':>11}{'val after':>10}{'(min-max)':>14}{'first at 0.7':>13}", end="")
-    print(f"{'cores':>7}{'peak MB':>9}")
+    for name in tasks:
+        print_task(name, result[name], legs)
+    print("cores: CPU seconds over wall seconds of the leg's process tree; tree MB: the whole tree's peak resident set")
+    return 1 if failed else 0
+
+
+def print_task(name: str, r: dict[str, Any], legs: list[str]) -> None:
+    setup = r["setup"]
+    target = setup["target"]
+    print(f"\n{name}: {setup['about']}; {setup['seconds']:g} s per run" + (f", validation target {target:g}" if target is not None else ""))
+    print(f"{'leg':<6}{'responses/s':>12}{'(min-max)':>16}{'tokens/s':>10}{'val before':>11}{'val after':>10}", end="")
+    print(f"{'first at target':>16}{'cores':>7}{'tree MB':>9}")
     for leg in legs:
-        if leg not in result:
-            print(f"{leg:<6}  failed: {errors.get(leg, '')[:200]}")
+        if leg not in r:
+            print(f"{leg:<6}  failed: {r['errors'].get(leg, '')[:200]}")
             continue
-        v = result[leg]
-        rate, after, first = v["responses_per_s"], v["val_after"], v[f"first_at_{TARGET}_s"]
-        rate_spread = f"({rate['min']:.1f}-{rate['max']:.1f})"
+        v = r[leg]
+        rate, after, first = v["responses_per_s"], v["val_after"], v["first_at_target_s"]
         before = f"{v['val_before']['median']:.2f}" if v["val_before"] else "-"
         after_text = f"{after['median']:.2f}" if after else "-"
-        after_spread = f"({after['min']:.2f}-{after['max']:.2f})" if after else ""
         first_text = f"{first['median']:.0f} s ({v['reached_target']}/{v['runs']})" if first else f"- (0/{v['runs']})"
+        spread = f"({rate['min']:.1f}-{rate['max']:.1f})"
         print(
-            f"{leg:<6}{rate['median']:>12.1f}{rate_spread:>16}{before:>11}{after_text:>10}{after_spread:>14}"
-            f"{first_text:>13}{v['cores']['median']:>7.2f}{v['peak_rss_mb']['median']:>9.0f}"
+            f"{leg:<6}{rate['median']:>12.1f}{spread:>16}{v['tokens_per_s']['median']:>10.0f}"
+            f"{before:>11}{after_text:>10}{first_text:>16}{v['cores']['median']:>7.2f}{v['peak_tree_mb']['median']:>9.0f}"
         )
-    if result["ppoz_over_trl"] is not None:
-        print(f"ppoz / trl, median responses/s: {result['ppoz_over_trl']:.2f}x")
-    print(f"first at {TARGET}, seconds of training:")
-    for leg in legs:
-        print(f"  {leg}: {MEASURES[leg]}")
-    print(f"cores: CPU seconds over wall seconds of the leg's process tree; peak MB: {PEAK_MEASURE}")
-    return 0 if not errors else 1
+    if r["ppoz_over_trl"] is not None:
+        print(f"ppoz / trl, median responses/s: {r['ppoz_over_trl']:.2f}x")

@@ -1,19 +1,19 @@
-"""The trl leg of `ppoz bench train`: trl's GRPOTrainer on the arithmetic demo's work, for a wall-clock budget.
+"""The trl leg of `ppoz bench train`: trl's GRPOTrainer on one of ppoz/bench/train_tasks.py's tasks, for a budget.
 
 Run by the Python of the bench's trl environment (ppoz/bench/train.py `ensure_trl`), which sees this
 environment's packages through a `.pth` file: it imports trl, and of PPOZ only what needs no more than the
-PPOZ environment's packages (the sums, the tiny model's builder, the `first_word` reward). Its last line on
-stdout is one JSON object: samples, seconds, val_before, val_after, first_at_0.7_s, cpu_s, peak_rss_mb, ...
+PPOZ environment's packages (the task: its prompts, its model's builder, its reward). Its last line on
+stdout is one JSON object: samples, response_tokens, seconds, val_before, val_after, validations, cpu_s, ...
 
-The work, as `ppoz demo --task arithmetic --advantage grpo` defines it: the tiny numbers-llama model and its
-weights, the 25 sums for training and validation, reward 1.0 when the response's first word is the sum,
-4 responses per sum, 2 new tokens sampled at temperature 1 (no top-k, no top-p), all weights trained at
-3e-4 (constant), 32 responses generated per generation batch and trained on in minibatches of 16, one
-optimizer step each (per_device_train_batch_size 16, gradient_accumulation_steps 1, generation_batch_size
-32: trl's steps_per_generation becomes 2), 2 passes (num_iterations), clip 0.2, KL beta 0.001 (trl's k3),
-token-mean loss (trl's `dapo`, PPOZ's `token-mean`), gradient norm clipped at 0.5 (PPOZ's learner's
-max_grad_norm). So 32 responses make 4 optimizer steps here, as 32 responses (rollout_batch) make
-2 epochs x 2 minibatches of 16 in PPOZ's learner.
+The work, as ppoz/bench/train_leg.py gives it to `ppoz train`: the task's model and weights, prompts and reward,
+4 responses per prompt, the task's max_new_tokens sampled at temperature 1 (no top-k, no top-p), all weights
+trained at the task's learning rate (constant), 32 responses generated per generation batch and trained on in
+minibatches of 16, one optimizer step each (per_device_train_batch_size 16, gradient_accumulation_steps 1,
+generation_batch_size 32: trl's steps_per_generation becomes 2), 2 passes (num_iterations), clip 0.2, KL beta
+0.001 (trl's k3), token-mean loss (trl's `dapo`, PPOZ's `token-mean`), gradient norm clipped at 0.5 (PPOZ's
+learner's max_grad_norm). So 32 responses make 4 optimizer steps here, as 32 responses (rollout_batch) make
+2 epochs x 2 minibatches of 16 in PPOZ's learner. Validation: greedy, the task's max_new_tokens, on its
+validation prompts, every `--val-every-s` seconds of training (left out of the training seconds).
 
 Workarounds trl 1.16 needed for this model and this comparison:
 - the tokenizer is a word-level one without a chat template: the dataset's prompts are plain text
@@ -46,26 +46,26 @@ import sys
 import tempfile
 import time
 import warnings
-from pathlib import Path
 from typing import Any
-
-TARGET = 0.7
-VALIDATE_EVERY_S = 15.0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--task", required=True, help="demo, long or real-shape (ppoz/bench/train_tasks.py)")
     parser.add_argument("--seconds", type=float, required=True, help="wall-clock budget, counted from after the model is built")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: 0, torch's own default: every core)")
+    parser.add_argument("--val-every-s", type=float, default=15.0, help="greedy validation every this many seconds of training")
     args = parser.parse_args(argv)
 
-    from common.tiny_models import build_tiny_model  # imports torch and transformers, as the ppoz demo does before its timer
-    from ppoz.demo_arithmetic import GRPO_GROUP, REWARD_FN, sums
-    from rewards.functions import BUILTINS
+    from ppoz.bench.train_tasks import TASKS  # imports nothing beyond the PPOZ environment's packages
+    from ppoz.demo_arithmetic import GRPO_GROUP
+    from rewards.functions import load_reward_fn
 
-    model_dir = build_tiny_model(Path.home() / ".cache" / "ppoz" / "numbers-llama", "llama", tokenizer="numbers")
-    started = time.monotonic()  # the budget, from the point the ppoz demo starts its timer
+    task = TASKS[args.task]
+    val_every_s = args.val_every_s  # `args` is the callbacks' TrainingArguments below
+    model_dir = task.model()
+    started = time.monotonic()  # the budget, from the point the ppoz leg starts its timer
     deadline = started + args.seconds
 
     import torch
@@ -80,23 +80,25 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5's renames (gradient -> activation checkpointing)
-    score = BUILTINS[REWARD_FN]
-    rows = sums()
+    score = load_reward_fn(task.reward_fn)
+    rows, val_rows = task.train_rows(), task.val_rows()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
     tokenizer.pad_token = "<pad>"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    prompts = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True)
+    prompts = tokenizer([r["prompt"] for r in val_rows], return_tensors="pt", padding=True) if val_rows else None
 
-    def validate() -> float:
-        """Greedy, 2 new tokens, on the 25 sums, scored with the demo's reward."""
+    def validate() -> float | None:
+        """Greedy, the task's max_new_tokens, on its validation prompts, scored with its reward (None: it has none)."""
+        if prompts is None:
+            return None
         was_training = model.training
         model.eval()
         with torch.no_grad():
             out = model.generate(
                 **prompts,
-                max_new_tokens=2,
+                max_new_tokens=task.max_new_tokens,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
@@ -104,24 +106,24 @@ def main(argv: list[str] | None = None) -> int:
         if was_training:
             model.train()
         texts = tokenizer.batch_decode(out[:, prompts["input_ids"].shape[1] :], skip_special_tokens=True)
-        return sum(score(r["data_source"], t, r["ground_truth"]) for r, t in zip(rows, texts)) / len(rows)
+        return sum(score(r["data_source"], t, r["ground_truth"]) for r, t in zip(val_rows, texts)) / len(val_rows)
 
     val_before = validate()
-    generated = [0]
+    generated, tokens = [0], [0]
 
-    def first_word(completions: list[str], ground_truth: list[str], data_source: list[str], **_: Any) -> list[float]:
+    def reward(completions: list[str], ground_truth: list[str], data_source: list[str], completion_ids: list[Any], **_: Any) -> list[float]:
         generated[0] += len(completions)
+        tokens[0] += sum(len(ids) for ids in completion_ids)
         return [float(score(d, c, g)) for c, g, d in zip(completions, ground_truth, data_source)]
 
     class Budget(TrainerCallback):
-        """Stops training when the budget is spent; validates every VALIDATE_EVERY_S seconds of training."""
+        """Stops training when the budget is spent; validates every --val-every-s seconds of training."""
 
         def __init__(self) -> None:
             self.began = 0.0
             self.validating_s = 0.0  # time spent validating during training, left out of the training seconds
-            self.next_validation = VALIDATE_EVERY_S
-            self.validations: list[tuple[float, float]] = []
-            self.first_at_target: float | None = None
+            self.next_validation = val_every_s if prompts is not None else float("inf")
+            self.validations: list[tuple[float, float | None]] = []
             self.ended = 0.0
 
         def training_s(self) -> float:
@@ -136,10 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 value = validate()
                 self.validating_s += time.monotonic() - t0
                 self.validations.append((round(at, 1), value))
-                if value >= TARGET and self.first_at_target is None:
-                    self.first_at_target = round(at, 1)
                 print(f"trl: {at:.0f} s, step {state.global_step}, {generated[0]} responses, validation {value:.3f}", flush=True)
-                self.next_validation += VALIDATE_EVERY_S
+                self.next_validation += val_every_s
             if time.monotonic() >= deadline:
                 control.should_training_stop = True
             return control
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             bf16=False,
             fp16=False,
             activation_checkpointing=False,
-            learning_rate=3e-4,
+            learning_rate=task.policy_lr,
             lr_scheduler_type="constant",
             warmup_steps=0,
             max_grad_norm=0.5,
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             gradient_accumulation_steps=1,
             generation_batch_size=32,
             num_generations=GRPO_GROUP,
-            max_completion_length=2,
+            max_completion_length=task.max_new_tokens,
             temperature=1.0,
             top_p=1.0,
             top_k=0,
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         trainer = GRPOTrainer(
             model=model,
-            reward_funcs=first_word,
+            reward_funcs=reward,
             args=config,
             train_dataset=Dataset.from_list(rows),
             processing_class=tokenizer,
@@ -195,12 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     summary = {
         "samples": generated[0],
+        "response_tokens": tokens[0],
         "seconds": round(seconds, 1),
         "steps": steps,
         "val_before": val_before,
         "val_after": val_after,
         "validations": budget.validations,
-        f"first_at_{TARGET}_s": budget.first_at_target,
         "budget_s": args.seconds,
         "wall_s": round(time.monotonic() - started, 1),
         "cpu_s": round(own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, 1),

@@ -1,17 +1,23 @@
-"""`ppoz bench train`'s pure parts: the legs' order, the medians, the ratio, reading a leg's output.
-No test here installs trl or runs a leg (each takes minutes of CPU)."""
+"""`ppoz bench train`'s pure parts: the tasks, the legs' order, the medians, the ratio, reading a leg's output,
+a process tree's memory. No test here installs trl or runs a leg (each takes minutes of CPU)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
-from ppoz.bench.train import LegRun, add_arguments, first_time_at, last_json, leg_order, pins, ratio, summarise
+from ppoz.bench.train import LegRun, add_arguments, first_time_at, last_json, leg_order, pins, ratio, summarise, tree_rss_kb
+from ppoz.bench.train_tasks import TASKS, repeat_score, say, train_repeat_rows, val_repeat_rows
+from tests.helpers import wait_for
 
 
 def run(samples: int, seconds: float, val_after: float | None = 0.5, first: float | None = None, cpu: float = 20.0) -> LegRun:
-    return LegRun(samples, seconds, 0.04, val_after, first, wall_s=10.0, cpu_s=cpu, peak_rss_mb=400.0)
+    return LegRun(samples, 10 * samples, seconds, 0.04, val_after, first, wall_s=10.0, cpu_s=cpu, peak_rss_mb=400.0, peak_tree_mb=900.0)
 
 
 def test_legs_alternate_each_repeat_reversed():
@@ -22,10 +28,11 @@ def test_legs_alternate_each_repeat_reversed():
 def test_summary_is_medians_with_min_and_max():
     figures = summarise([run(100, 10.0, 0.2, cpu=10.0), run(300, 10.0, 0.8, first=40.0), run(200, 10.0, None, first=20.0)])
     assert figures["responses_per_s"] == {"median": 20.0, "min": 10.0, "max": 30.0}
+    assert figures["tokens_per_s"] == {"median": 200.0, "min": 100.0, "max": 300.0}
     assert figures["val_after"] == {"median": 0.5, "min": 0.2, "max": 0.8}  # the run without a validation is left out
-    assert figures["first_at_0.7_s"] == {"median": 30.0, "min": 20.0, "max": 40.0} and figures["reached_target"] == 2
+    assert figures["first_at_target_s"] == {"median": 30.0, "min": 20.0, "max": 40.0} and figures["reached_target"] == 2
     assert figures["cores"]["min"] == 1.0 and figures["cores"]["max"] == 2.0
-    assert summarise([run(10, 1.0)])["first_at_0.7_s"] is None
+    assert summarise([run(10, 1.0)])["first_at_target_s"] is None
 
 
 def test_ratio_of_the_median_rates_needs_both_legs():
@@ -34,13 +41,52 @@ def test_ratio_of_the_median_rates_needs_both_legs():
     assert ratio({"ppoz": result["ppoz"]}) is None
 
 
-def test_a_legs_summary_is_its_last_json_line_and_ppoz_first_time_is_from_its_progress_rows():
+def test_a_legs_summary_is_its_last_json_line_and_its_first_time_at_the_target_from_its_validations():
     lines = ["ppoz train: 10 responses", '{"samples": 1}', "  learner | {not json", '{"samples": 2, "seconds": 1.0}', "bye"]
     assert last_json(lines) == {"samples": 2, "seconds": 1.0}
     assert last_json(["no summary"]) is None
-    rows = [{"time": 5.0, "reward_mean": None}, {"time": 10.0, "reward_mean": 0.69}, {"time": 15.0, "reward_mean": 0.7}]
-    assert first_time_at(rows) == 15.0
-    assert first_time_at(rows[:2]) is None
+    validations = [[5.0, 0.1], [10.0, 0.69], [15.0, 0.7], [20.0, 0.9]]
+    assert first_time_at(validations, 0.7) == 15.0
+    assert first_time_at(validations[:2], 0.7) is None
+    assert first_time_at(validations, None) is None  # a throughput-only task has no target
+
+
+def test_the_long_task_asks_for_answers_of_16_to_255_words_and_holds_its_validation_lengths_out():
+    assert say(130) == "one three zero" and say(16) == "one six"
+    train, val = train_repeat_rows(), val_repeat_rows()
+    lengths = {len(r["ground_truth"].split()) for r in train}
+    assert min(lengths) == 16 and max(lengths) == 255 and len(lengths) == 216
+    assert {len(r["ground_truth"].split()) for r in val}.isdisjoint(lengths) and len(val) == 24
+    row = train[0]
+    assert row["prompt"] == "say zero one six times" and row["ground_truth"] == " ".join(["zero"] * 16)
+    assert TASKS["long"].max_new_tokens == 256 and TASKS["real-shape"].train_rows == TASKS["long"].train_rows
+
+
+def test_the_long_tasks_reward_by_hand():
+    answer = " ".join(["seven"] * 4)
+    assert repeat_score("repeat_words", "seven seven seven seven", answer) == 1.0
+    assert repeat_score("repeat_words", "seven seven", answer) == 0.5  # short: 2 of 4
+    assert repeat_score("repeat_words", "seven one seven seven", answer) == 0.75  # a wrong word in the middle
+    assert repeat_score("repeat_words", "seven " * 8, answer) == 0.5  # 8 right words past an answer of 4: 4 / 8
+    assert repeat_score("repeat_words", "", answer) == 0.0
+    assert repeat_score("repeat_words", "one two three", answer) == 0.0
+
+
+def test_a_process_trees_memory_counts_every_descendant():
+    hold = "import time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(60)"
+    parent = f"import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', {hold!r}]).pid, flush=True); exec({hold!r})"
+    process = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    child = int(process.stdout.readline())
+    try:
+        # both touch 200 MB: the tree is over 400 MB once both have, which neither does alone
+        wait_for(lambda: tree_rss_kb(process.pid) > 400 * 1024, timeout=60, what="two processes of 200 MB each")
+        assert tree_rss_kb(child) < 300 * 1024 < tree_rss_kb(process.pid) < 1000 * 1024  # the tree, not one process or the machine
+    finally:
+        for pid in (child, process.pid):
+            os.kill(pid, signal.SIGKILL)
+        process.wait()
+    wait_for(lambda: tree_rss_kb(process.pid) == 0, what="the reaped parent to count nothing")
 
 
 def test_the_trl_environment_is_pinned_to_this_ones_packages():
@@ -54,4 +100,12 @@ def test_options_and_defaults():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([])
-    assert (args.seconds, args.repeats, args.legs, args.trl_threads, args.json) == (306.0, 3, "ppoz,trl", 0, False)
+    assert (args.tasks, args.seconds, args.repeats, args.legs, args.trl_threads, args.json) == (
+        "demo,long,real-shape",
+        0.0,
+        3,
+        "ppoz,trl",
+        0,
+        False,
+    )
+    assert args.val_every_s == 15.0

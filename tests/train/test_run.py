@@ -4,6 +4,7 @@ the figures written, the resume state honoured, and the reward sources built fro
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -135,3 +136,39 @@ def test_a_resume_point_recorded_with_a_relative_data_path_is_still_found(tmp_pa
     (tmp_path / "driver_state.json").write_text(json.dumps({**state, "run": "abc", "resume_from": 17}))
     assert read_state(tmp_path / "driver_state.json", order, str(tmp_path / "train.jsonl")) == ("abc", 17)
     assert read_state(tmp_path / "driver_state.json", order, str(tmp_path / "other" / "train.jsonl")) == ("", 0)
+
+
+def slow_first_word(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.05)  # so the drivers outlive several validations on any machine
+    return first_word(data_source, solution_str, ground_truth)
+
+
+def test_validation_while_training_is_written_to_the_progress_rows_and_the_summary(stack, tmp_path) -> None:
+    write_dataset(tmp_path / "val.jsonl", 4)
+    cfg = small_run(
+        tmp_path,
+        8,
+        val=str(tmp_path / "val.jsonl"),
+        epochs=0,
+        max_samples=40,
+        val_every_s=0.2,
+        reward_fn=f"{__name__}:slow_first_word",
+    )
+    lines: list[str] = []
+    summary = run_training(cfg, stack.frontend, echo=lines.append)
+    validations = summary["validations"]
+    assert len(validations) >= 2, validations  # 40 rewards of 0.05 s on 2 workers: 1 s at least, validations every 0.2 s
+    assert [t for t, _ in validations] == sorted(t for t, _ in validations) and all(0.0 <= v <= 1.0 for _, v in validations)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "progress.jsonl").read_text().splitlines()]
+    assert [[round(r["time"], 1), r["val_reward"]] for r in rows if "val_reward" in r] == validations
+    assert sum(line.startswith("ppoz train: validation reward at ") for line in lines) == len(validations)
+    assert summary["response_tokens"] >= summary["samples"]  # every response has a token at least (its end)
+    # without validation prompts nothing is validated, whatever val_every_s says
+    again = run_training(TrainConfig(**{**cfg.__dict__, "val": "", "resume": False}), stack.frontend, echo=lines.append)
+    assert "validations" not in again and "val_before" not in again
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_val_every_s_must_be_zero_or_a_number_of_seconds(tmp_path, value) -> None:
+    with pytest.raises(ValueError, match=r"val_every_s"):
+        small_run(tmp_path, 2, val_every_s=value)
