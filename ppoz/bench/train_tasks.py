@@ -2,12 +2,12 @@
 
 - `demo`: the arithmetic demo's (ppoz/demo_arithmetic.py): "what is two plus three" -> "five" on the tiny
   numbers-llama model, `first_word`, 2 new tokens; validated on the 25 sums it trains on.
-- `long`: a digit word said N times, "say seven one six times" -> "seven" 16 times, for N from 16 to 255, so the
+- `long`: a word said N times, "say seven one six times" -> "seven" 16 times, for N from 16 to 255, so the
   rewarded answers run from 16 to 255 tokens, differently per prompt; the reward (`repeat_score`) counts the
   response's words that are the word asked for over the longer of the answer and the response, so it needs
   the whole response: every right word counts, every word short of N or past it costs, and only the answer
   itself scores 1. 256 new tokens. A tiny Llama (hidden 128, 4 layers) with the `repeat` word tokenizer;
-  2,160 training prompts (10 words x 216 lengths), 24 held-out lengths (every tenth) validated greedily.
+  216 training prompts (lengths), 24 held-out lengths (every tenth) validated greedily.
 - `real-shape`: the `long` task on a model with Qwen2.5-0.5B's configuration (hidden 896, 24 layers, 14 heads
   with 2 KV heads, intermediate 4,864, vocabulary 151,936, tied embeddings, rope theta 1e6), random weights
   built here, and a byte-level BPE tokenizer as Qwen2's trained on the task's text and padded with filler
@@ -26,6 +26,8 @@ from common.tiny_models import DIGIT_WORDS, SPECIAL_TOKENS
 
 CACHE = Path.home() / ".cache" / "ppoz"
 REPEAT_SOURCE = "repeat_words"
+REPEAT_WORD = "seven"  # one word for every prompt: the task is the length (with a word per prompt to copy, the tiny
+# model had learned nothing in 150 s: validation 0.00 after, responses of ~200 random words)
 REPEAT_TIMES = (16, 255)  # answers of 16 to 255 words, then the end token: max_new_tokens 256
 REAL_SHAPE_VOCAB = 151_936  # Qwen2.5's
 VAL_TIMES = frozenset(range(20, 255, 10))  # held out: 24 lengths the policy never trains on
@@ -51,13 +53,11 @@ def repeat_score(data_source: str, solution_str: str, ground_truth: Any, extra_i
 
 
 def train_repeat_rows() -> list[dict[str, Any]]:
-    lengths = [n for n in range(REPEAT_TIMES[0], REPEAT_TIMES[1] + 1) if n not in VAL_TIMES]
-    return [repeat_row(word, n) for n in lengths for word in DIGIT_WORDS]
+    return [repeat_row(REPEAT_WORD, n) for n in range(REPEAT_TIMES[0], REPEAT_TIMES[1] + 1) if n not in VAL_TIMES]
 
 
 def val_repeat_rows() -> list[dict[str, Any]]:
-    """One held-out length per prompt, the words taken in turn."""
-    return [repeat_row(DIGIT_WORDS[i % len(DIGIT_WORDS)], n) for i, n in enumerate(sorted(VAL_TIMES))]
+    return [repeat_row(REPEAT_WORD, n) for n in sorted(VAL_TIMES)]
 
 
 def numbers_model() -> Path:
@@ -166,7 +166,7 @@ TASKS = {
         "ppoz.bench.train_tasks:repeat_score",
         256,
         3e-4,
-        0.2,
+        0.5,  # saying the word to the end of the budget for every prompt scores 0.53: learned length control is above it
         306.0,
     ),
     "real-shape": TrainTask(

@@ -4,6 +4,7 @@ a process tree's memory. No test here installs trl or runs a leg (each takes min
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -55,10 +56,10 @@ def test_the_long_task_asks_for_answers_of_16_to_255_words_and_holds_its_validat
     assert say(130) == "one three zero" and say(16) == "one six"
     train, val = train_repeat_rows(), val_repeat_rows()
     lengths = {len(r["ground_truth"].split()) for r in train}
-    assert min(lengths) == 16 and max(lengths) == 255 and len(lengths) == 216
+    assert min(lengths) == 16 and max(lengths) == 255 and len(lengths) == len(train) == 216
     assert {len(r["ground_truth"].split()) for r in val}.isdisjoint(lengths) and len(val) == 24
     row = train[0]
-    assert row["prompt"] == "say zero one six times" and row["ground_truth"] == " ".join(["zero"] * 16)
+    assert row["prompt"] == "say seven one six times" and row["ground_truth"] == " ".join(["seven"] * 16)
     assert TASKS["long"].max_new_tokens == 256 and TASKS["real-shape"].train_rows == TASKS["long"].train_rows
 
 
@@ -109,3 +110,19 @@ def test_options_and_defaults():
         False,
     )
     assert args.val_every_s == 15.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_ppoz_leg_trains_the_long_task_and_validates_while_it_trains(tmp_path) -> None:
+    # 25 s of budget and 10-20 s of start and stop alone; 840 s is x20 of it
+    command = [sys.executable, "-m", "ppoz.bench.train_leg", "--task", "long", "--seconds", "25", "--val-every-s", "5", "--out", "run"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=840)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = last_json(done.stdout.splitlines())
+    assert summary is not None, done.stdout[-3000:]
+    assert summary["samples"] > 0 and summary["response_tokens"] >= summary["samples"] and summary["learner"]["version"] >= 1
+    assert summary["val_records"] == 24 and summary["records"] == 216
+    assert summary["validations"] and all(0.0 <= v <= 1.0 for _, v in summary["validations"])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "train" / "progress.jsonl").read_text().splitlines()]
+    assert any("val_reward" in row for row in rows)
