@@ -36,6 +36,7 @@ from typing import Any
 from client import BadRequest, Client, Overloaded, PPOZError, RequestTimeout, TooLarge, UnknownTask
 from client.retry import generate_fields
 from common import protocol as p
+from common.daemon_pool import DaemonPool
 from rewards.composite import CompositeReward, Item, Scored, prompt_text
 from rewards.group import GroupAdvantage
 from train.data import PromptOrder, PromptRecord
@@ -409,7 +410,7 @@ def drive(
     def work(worker: int) -> None:
         client = make_client(frontend, deadline=deadline_s)
         clients = [client]  # one per member of a group (a blocking client has one request out at a time)
-        members: ThreadPoolExecutor | None = None  # runs a group's requests at once
+        members: DaemonPool | None = None  # runs a group's requests at once
 
         def each(call: Callable[[int], Any], ks: list[int]) -> list[Any]:
             if len(ks) < 2 or members is None:
@@ -429,7 +430,7 @@ def drive(
                 while len(clients) < len(group):
                     clients.append(make_client(frontend, deadline=deadline_s))
                 if len(group) > 1 and members is None:
-                    members = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix=f"driver-{worker}-member")
+                    members = DaemonPool(len(clients), f"driver-{worker}-member")
                 play(clients, each, tasks, group, pending, known)
                 if stop.is_set():
                     pending.clear()  # abandoned, not done: a resumed run plays them
@@ -442,7 +443,7 @@ def drive(
                 progress.stopped_workers.append(f"worker {worker}: {type(e).__name__}: {e}")
         finally:
             if members is not None:
-                members.shutdown(wait=True)
+                members.shutdown()
             for task in tasks:
                 try:
                     client.detach(task)
