@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 LEGS = ("one_at_a_time", "static_batch", "generate_batch", "ppoz", "ppoz_unfolded", "ppoz_broker")
 CASES = ("default", "long_tail", "rollout")
+SHAPES = ("llama", "qwen2.5-0.5b")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt, default and rollout cases (default: 512)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per response, default and rollout cases (default: 128)")
     parser.add_argument("--spread", type=float, default=2.0, help="long_tail: requests arrive over this many seconds (default: 2)")
-    parser.add_argument("--hidden", type=int, default=512, help="model width (default: 512)")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default: 4)")
+    parser.add_argument(
+        "--shape",
+        default="llama",
+        choices=SHAPES,
+        help="llama: a Llama of --hidden x --layers and a byte tokenizer (default); qwen2.5-0.5b: Qwen2.5-0.5B's configuration "
+        "(hidden 896, 24 layers, 14 heads, 2 KV heads, a 151,936-token vocabulary, tied embeddings), random weights, "
+        "a byte-level BPE (ppoz bench train's real-shape model; --hidden and --layers do not apply)",
+    )
+    parser.add_argument("--hidden", type=int, default=512, help="model width, --shape llama (default: 512)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers, --shape llama (default: 4)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -111,7 +120,7 @@ def build_model(path: Path, hidden: int, layers: int) -> str:
 
 
 def letters(n_tokens: int, rng: random.Random) -> str:
-    """A prompt of n byte tokens: the start token and n - 1 letters."""
+    """A prompt of the start token and n - 1 letters: n tokens with a byte tokenizer, at most n with a BPE."""
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n_tokens - 1))
 
 
@@ -425,7 +434,12 @@ def main(args: argparse.Namespace) -> int:
     load = load_at_start("generate")
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp) / "model", args.hidden, args.layers)
+        if args.shape == "llama":
+            model_dir = build_model(Path(tmp) / "model", args.hidden, args.layers)
+        else:  # built once into the cache, as ppoz bench train's real-shape task builds it
+            from ppoz.bench.train_tasks import real_shape_model
+
+            model_dir = str(real_shape_model())
         spec = ModelSpec.of(PolicySpec(model=model_dir), args.device)
         model, tokenizer = load_policy(spec)
         device, dtype = spec.resolved_device(), spec.resolved_dtype()
@@ -434,8 +448,12 @@ def main(args: argparse.Namespace) -> int:
             result[case] = run_case(case, args, legs, model, tokenizer, model_dir, peak)
         peak = max(peak, matmul_rate(device, dtype))  # measured again after the legs: the better of the two
     result["setup"] = {
-        "hidden": args.hidden,
-        "layers": args.layers,
+        "shape": args.shape,
+        "architecture": model.config.model_type,
+        "hidden": model.config.hidden_size,
+        "layers": model.config.num_hidden_layers,
+        "vocab": model.config.vocab_size,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "clients": args.clients,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
@@ -454,7 +472,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     s = result["setup"]
     print(
-        f"Llama hidden {s['hidden']} x {s['layers']} layers + LoRA on {s['device']} ({s['dtype']}), {s['machine']}; "
+        f"{s['architecture']} hidden {s['hidden']} x {s['layers']} layers, vocabulary {s['vocab']:,}, + LoRA on {s['device']} "
+        f"({s['gpu'] or s['dtype']}{', ' + s['dtype'] if s['gpu'] else ''}), {s['machine']}; "
         f"matmul {s['matmul_gflops']:.0f} GFLOP/s; load average {load:.2f} at start; medians of {args.repeats} runs"
     )
     for case in cases:

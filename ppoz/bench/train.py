@@ -8,12 +8,12 @@ wall-clock budget (`--seconds`, else the task's own) on this machine:
   --task arithmetic --advantage grpo`, embedded Redis, the broker, one actor, the learner, the driver workers),
   whose last line is its summary;
 - `trl`: trl's `GRPOTrainer` on the same work (ppoz/bench/trl_grpo.py), run by the Python of a virtual
-  environment of its own that this bench creates on first use (`--trl-venv`): a `.pth` file there
-  puts this environment's packages on its path, so torch and transformers are the very versions the
-  ppoz leg runs, and trl and what it needs besides (datasets, ...) are installed beside them, pinned so
-  that pip changes none of this environment's packages. trl is never a dependency of PPOZ.
+  environment of its own that this bench creates on first use (`--trl-venv`, ppoz/bench/trl_env.py: this
+  environment's torch and transformers, trl beside them; trl is never a dependency of PPOZ), or by
+  `--trl-python`, a Python that imports trl already.
 
-Matched settings (both legs): the task's model and weights, prompts, reward and max_new_tokens, 4 responses per
+Matched settings (both legs): the task's model and weights on `--device` in the dtype PPOZ's policy takes there
+(bfloat16 weights on cuda, no autocast; float32 on cpu), prompts, reward and max_new_tokens, 4 responses per
 prompt at temperature 1, all weights at the task's learning rate (constant), 32 responses per update in
 minibatches of 16, 2 passes over each batch, clip 0.2, a KL penalty to the reference of 0.001 in the loss
 (k3: PPOZ's GRPO default, trl's beta), token-mean loss, gradient norm clipped at 0.5, advantages scaled by the
@@ -53,7 +53,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -62,6 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ppoz.bench import load_at_start
+from ppoz.bench.trl_env import DEFAULT_TRL_VENV, TRL_VERSION, ensure_trl, probe
 
 if TYPE_CHECKING:
     from ppoz.bench.train_tasks import TrainTask
@@ -69,8 +69,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LEGS = ("ppoz", "trl")
-TRL_VERSION = "1.16.0"
-DEFAULT_TRL_VENV = Path.home() / ".cache" / "ppoz" / "bench-trl-venv"
 TREE_SAMPLE_S = 0.5  # how often a leg's process tree's resident memory is summed
 
 
@@ -93,6 +91,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the trl leg's virtual environment, created with trl {TRL_VERSION} on first use (default: {DEFAULT_TRL_VENV})",
     )
     parser.add_argument(
+        "--trl-python",
+        default="",
+        help="a Python that imports trl already, used as it is instead of --trl-venv (a machine without a package index)",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="both legs' device: auto (cuda if there is one; default), cpu or cuda; the weights in the dtype PPOZ's policy "
+        "takes there (bfloat16 on cuda, float32 on cpu)",
+    )
+    parser.add_argument(
         "--trl-threads",
         type=int,
         default=0,
@@ -100,89 +110,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the ppoz leg's processes share the cores by OMP_NUM_THREADS, ppoz/up.py)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-
-
-# --- the trl leg's environment ------------------------------------------------------------------
-def venv_python(venv: Path) -> Path:
-    return venv / ("Scripts" if os.name == "nt" else "bin") / ("python.exe" if os.name == "nt" else "python")
-
-
-def this_environment_dirs() -> list[str]:
-    """This environment's package directories (pure and platform), in order, once each."""
-    paths = sysconfig.get_paths()
-    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
-
-
-def pins() -> str:
-    """Every distribution installed here as `name==version`: pip's constraints for the trl environment, so that
-    installing trl changes none of the packages it shares with this one (it installs only what is missing)."""
-    from importlib import metadata
-
-    lines = set()
-    for dist in metadata.distributions():
-        name, version = dist.metadata["Name"], dist.version
-        if name and version and name.lower() != "ppoz":
-            lines.add(f"{name}=={version}")
-    return "\n".join(sorted(lines, key=str.lower)) + "\n"
-
-
-def _probe(python: Path) -> dict[str, Any] | None:
-    """trl's, torch's and transformers' versions as the trl environment's Python sees them; None without trl."""
-    code = (
-        "import json, torch, transformers\n"
-        "try:\n    import trl; v = trl.__version__\nexcept ImportError:\n    v = None\n"
-        "print(json.dumps({'trl': v, 'torch': torch.__version__, 'transformers': transformers.__version__}))"
-    )
-    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        return None
-    try:
-        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError):
-        return None
-
-
-def _run_shown(command: list[str], what: str) -> None:
-    """Run an install step with its output shown as it comes; a failure names the command."""
-    print(f"ppoz bench train: {what}: {' '.join(command)}", flush=True)
-    try:
-        done = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr)
-    except OSError as e:
-        raise SystemExit(f"ppoz bench train: {what} failed to start ({e}): {' '.join(command)}") from e
-    if done.returncode != 0:
-        raise SystemExit(f"ppoz bench train: {what} failed (exit {done.returncode}): {' '.join(command)}")
-
-
-def ensure_trl(venv: Path) -> Path:
-    """The trl environment's Python, with trl TRL_VERSION and this environment's torch and transformers."""
-    import torch
-    import transformers
-
-    python = venv_python(venv)
-    if not python.exists():
-        _run_shown([sys.executable, "-m", "venv", str(venv)], f"creating the trl leg's environment in {venv}")
-    purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    # site.addsitedir, not a plain path line: it also reads the .pth files there (PPOZ's editable install)
-    lines = "".join(f"import site; site.addsitedir({d!r})\n" for d in this_environment_dirs())
-    pth = Path(purelib) / "ppoz_environment.pth"
-    if not pth.exists() or pth.read_text() != lines:
-        pth.write_text(lines)
-    found = _probe(python)
-    if found is None or found["trl"] != TRL_VERSION:
-        with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="ppoz-pins-", delete=False) as f:
-            f.write(pins())
-        try:
-            command = [str(python), "-m", "pip", "install", "--disable-pip-version-check", f"trl=={TRL_VERSION}", "-c", f.name]
-            _run_shown(command, f"installing trl {TRL_VERSION} into {venv} (once)")
-        finally:
-            os.unlink(f.name)
-        found = _probe(python)
-    expected = {"trl": TRL_VERSION, "torch": torch.__version__, "transformers": transformers.__version__}
-    if found != expected:
-        raise SystemExit(f"ppoz bench train: the trl environment {venv} has {found}, expected {expected}; remove it to build it anew")
-    return python
 
 
 # --- running a leg -------------------------------------------------------------------------------
@@ -332,15 +259,15 @@ def _leg_run(name: str, command: list[str], seconds: float, target: float | None
     )
 
 
-def run_ppoz(task: TrainTask, seconds: float, val_every_s: float) -> LegRun:
+def run_ppoz(task: TrainTask, seconds: float, val_every_s: float, device: str = "auto") -> LegRun:
     with tempfile.TemporaryDirectory(prefix="ppoz-bench-train-") as out:
         command = [sys.executable, "-m", "ppoz.bench.train_leg", "--task", task.name, "--seconds", repr(seconds), "--out", out]
-        return _leg_run("ppoz", command + ["--val-every-s", repr(val_every_s)], seconds, task.target)
+        return _leg_run("ppoz", command + ["--val-every-s", repr(val_every_s), "--device", device], seconds, task.target)
 
 
-def run_trl(python: Path, task: TrainTask, seconds: float, val_every_s: float, threads: int = 0) -> LegRun:
+def run_trl(python: Path, task: TrainTask, seconds: float, val_every_s: float, threads: int = 0, device: str = "auto") -> LegRun:
     command = [str(python), "-m", "ppoz.bench.trl_grpo", "--task", task.name, "--seconds", repr(seconds), "--threads", str(threads)]
-    return _leg_run("trl", command + ["--val-every-s", repr(val_every_s)], seconds, task.target)
+    return _leg_run("trl", command + ["--val-every-s", repr(val_every_s), "--device", device], seconds, task.target)
 
 
 # --- figures -------------------------------------------------------------------------------------
@@ -397,10 +324,10 @@ def run_task(task: TrainTask, legs: list[str], args: argparse.Namespace, python:
         print(f"ppoz bench train: {task.name}, {leg}, run {i + 1} of {len(order)}, {seconds:g} s", file=sys.stderr, flush=True)
         try:
             if leg == "ppoz":
-                run = run_ppoz(task, seconds, args.val_every_s)
+                run = run_ppoz(task, seconds, args.val_every_s, args.device)
             else:
                 assert python is not None  # made before the tasks when trl is among the legs
-                run = run_trl(python, task, seconds, args.val_every_s, args.trl_threads)
+                run = run_trl(python, task, seconds, args.val_every_s, args.trl_threads, args.device)
         except Exception as e:  # noqa: BLE001 - a leg that fails is reported beside the other's figures
             log.warning("%s %s failed: %s: %s", task.name, leg, type(e).__name__, e)
             errors[leg] = f"{type(e).__name__}: {e}"
@@ -434,16 +361,24 @@ def main(args: argparse.Namespace) -> int:
             f" and --val-every-s positive; {given}"
         )
     load = load_at_start("train")
-    python = ensure_trl(Path(args.trl_venv).expanduser()) if "trl" in legs else None
+    python, trl_versions = None, None
+    if "trl" in legs:
+        python = Path(args.trl_python) if args.trl_python else ensure_trl(Path(args.trl_venv).expanduser())
+        trl_versions = probe(python)
+        if trl_versions is None or trl_versions["trl"] is None:
+            raise SystemExit(f"ppoz bench train: {python} does not import trl (--trl-python); found {trl_versions}")
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     result: dict[str, Any] = {name: run_task(TASKS[name], legs, args, python) for name in tasks}
     result["setup"] = {
         "repeats": args.repeats,
         "val_every_s": args.val_every_s,
         "load_average_at_start": load,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "device": "cuda" if on_gpu else "cpu",
+        "gpu": torch.cuda.get_device_name() if on_gpu else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "trl": TRL_VERSION if python else None,
+        "trl": trl_versions["trl"] if trl_versions else None,
         "trl_torch_threads": args.trl_threads or torch.get_num_threads(),
     }
     failed = any(result[name]["errors"] for name in tasks)
@@ -451,8 +386,9 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 1 if failed else 0
     s = result["setup"]
+    where = f"{s['machine']}, {s['gpu']}" if s["gpu"] else s["machine"]
     print(
-        f"medians of {args.repeats} runs (min-max); {s['machine']}; load average {load:.2f} at start; torch {s['torch']}, "
+        f"medians of {args.repeats} runs (min-max); {where}; load average {load:.2f} at start; torch {s['torch']}, "
         f"transformers {s['transformers']}" + (f", trl {s['trl']} on {s['trl_torch_threads']} torch threads" if s["trl"] else "")
     )
     for name in tasks:

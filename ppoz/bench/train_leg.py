@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the run's folder (data, stack settings, outputs)")
     parser.add_argument("--val-every-s", type=float, default=15.0, help="greedy validation every this many seconds of training")
     parser.add_argument("--report-every", type=float, default=5.0, help="seconds between progress rows")
+    parser.add_argument("--device", default="auto", help="the actor's and the learner's: cpu, cuda or auto (default: cuda if there is one)")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     args = parser.parse_args(argv)
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     val.write_text("".join(json.dumps(row) + "\n" for row in val_rows))
     model = str(task.model())
     config = out / "stack.toml"
-    config.write_text(stack_config(out, lora_rank=0, policy_lr=task.policy_lr))
+    config.write_text(stack_config(out, lora_rank=0, device=args.device, policy_lr=task.policy_lr))
     cfg = TrainConfig(
         data=str(data),
         val=str(val) if val_rows else "",

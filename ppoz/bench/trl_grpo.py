@@ -26,9 +26,10 @@ Workarounds trl 1.16 needed for this model and this comparison:
 - the saved generation_config.json has no sampling settings; trl builds its own GenerationConfig
   (do_sample, temperature 1, top_k 0, top_p 1), and validation passes its own greedy settings to
   model.generate, so nothing of the saved config decides the sampling;
-- trl's defaults that differ from its Trainer's are set back: bf16 off (trl turns it on when fp16 is
-  off), gradient checkpointing off (trl turns it on; PPOZ does not checkpoint), a constant learning rate
-  (the linear decay over max_steps would depend on the huge max_steps that a time budget needs);
+- trl's defaults that differ from its Trainer's are set back: bf16 autocast off (trl turns it on when fp16 is
+  off; on cuda the weights are bfloat16 themselves, as PPOZ's are), gradient checkpointing off (trl turns it
+  on; PPOZ does not checkpoint), a constant learning rate (the linear decay over max_steps would depend on
+  the huge max_steps that a time budget needs);
 - the trainer has no end but the budget: max_steps is huge and a TrainerCallback sets
   control.should_training_stop once the budget is spent; no saving (save_strategy "no", an output_dir
   in a temporary directory), no reporting, no progress bars, no logging of completions;
@@ -55,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, required=True, help="wall-clock budget, counted from after the model is built")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: 0, torch's own default: every core)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: cuda if there is one (default); weights in the dtype PPOZ's policy takes there: bfloat16 on cuda, float32 on cpu",
+    )
     parser.add_argument("--val-every-s", type=float, default=15.0, help="greedy validation every this many seconds of training")
     args = parser.parse_args(argv)
 
@@ -77,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if on_gpu else "cpu")
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5's renames (gradient -> activation checkpointing)
@@ -84,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, val_rows = task.train_rows(), task.val_rows()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
     tokenizer.pad_token = "<pad>"
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16 if on_gpu else torch.float32).to(device)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    prompts = tokenizer([r["prompt"] for r in val_rows], return_tensors="pt", padding=True) if val_rows else None
+    prompts = tokenizer([r["prompt"] for r in val_rows], return_tensors="pt", padding=True).to(device) if val_rows else None
 
     def validate() -> float | None:
         """Greedy, the task's max_new_tokens, on its validation prompts, scored with its reward (None: it has none)."""
@@ -151,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ppoz-bench-trl-") as tmp:
         config = GRPOConfig(
             output_dir=tmp,
-            use_cpu=True,
-            bf16=False,
+            use_cpu=not on_gpu,
+            bf16=False,  # no autocast: the weights are in the device's dtype already, as PPOZ's are
             fp16=False,
             activation_checkpointing=False,
             learning_rate=task.policy_lr,
@@ -206,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_s": round(own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, 1),
         "peak_rss_mb": round(max(own.ru_maxrss, children.ru_maxrss) / 1024, 1),
         "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "dtype": str(model.dtype).replace("torch.", ""),
         "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
         "python": sys.executable,
         "pid": os.getpid(),

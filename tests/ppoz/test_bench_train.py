@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from ppoz.bench.train import LegRun, add_arguments, first_time_at, last_json, leg_order, pins, ratio, summarise, tree_rss_kb
+from ppoz.bench.train import LegRun, add_arguments, first_time_at, last_json, leg_order, ratio, summarise, tree_rss_kb
 from ppoz.bench.train_tasks import TASKS, repeat_score, say, train_repeat_rows, val_repeat_rows
+from ppoz.bench.trl_env import pins
 from tests.helpers import wait_for
 
 
