@@ -110,7 +110,22 @@ def test_options_and_defaults():
         0,
         False,
     )
-    assert args.val_every_s == 15.0
+    assert (args.val_every_s, args.device, args.trl_python) == (15.0, "auto", "")
+    assert parser.parse_args(["--device", "cuda"]).device == "cuda"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--device", "tpu"])
+
+
+def test_a_trl_python_without_trl_is_refused_by_name(capsys) -> None:
+    """--trl-python is used as it is: one that cannot import trl stops the bench before any leg runs."""
+    from ppoz.bench.train import main
+
+    args = argparse.Namespace(
+        tasks="demo", legs="ppoz,trl", repeats=1, seconds=0.0, trl_threads=0, val_every_s=15.0, trl_python=sys.executable, device="cpu"
+    )
+    args.trl_venv, args.json = "unused", True
+    with pytest.raises(SystemExit, match="does not import trl"):
+        main(args)
 
 
 @pytest.mark.slow
@@ -127,3 +142,14 @@ def test_the_ppoz_leg_trains_the_long_task_and_validates_while_it_trains(tmp_pat
     assert summary["validations"] and all(0.0 <= v <= 1.0 for _, v in summary["validations"])
     rows = [json.loads(line) for line in (tmp_path / "run" / "train" / "progress.jsonl").read_text().splitlines()]
     assert any("val_reward" in row for row in rows)
+
+
+def test_the_decode_profile_runs_the_engine_and_generate_on_a_task(tmp_path) -> None:
+    """The diagnostic behind docs/benchmarks.md's GPU profile: both engines' passes are timed (40 steps, so
+    that the second pass runs its profiled steps 20 to 30)."""
+    command = [sys.executable, "-m", "ppoz.bench.decode_profile", "--tasks", "long", "--new-tokens", "40", "--device", "cpu"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    timed = [line for line in done.stdout.splitlines() if line.startswith("long, ")]
+    assert len(timed) == 6, done.stdout[-3000:]  # 2 cache settings x 2 passes, generate twice
+    assert "Self CPU time total" in done.stdout
