@@ -28,6 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-every-s", type=float, default=15.0, help="greedy validation every this many seconds of training")
     parser.add_argument("--report-every", type=float, default=5.0, help="seconds between progress rows")
     parser.add_argument("--device", default="auto", help="the actor's and the learner's: cpu, cuda or auto (default: cuda if there is one)")
+    parser.add_argument(
+        "--max-stream-backlog",
+        type=int,
+        default=-1,
+        help="the broker's max_stream_backlog (default: -1, the learner's own limit; 32: one rollout beyond the one trained)",
+    )
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     args = parser.parse_args(argv)
 
@@ -48,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     val.write_text("".join(json.dumps(row) + "\n" for row in val_rows))
     model = str(task.model())
     config = out / "stack.toml"
-    config.write_text(stack_config(out, lora_rank=0, device=args.device, policy_lr=task.policy_lr))
+    backlog = args.max_stream_backlog
+    config.write_text(stack_config(out, lora_rank=0, device=args.device, max_stream_backlog=backlog, policy_lr=task.policy_lr))
     cfg = TrainConfig(
         data=str(data),
         val=str(val) if val_rows else "",

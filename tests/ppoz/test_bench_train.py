@@ -133,12 +133,14 @@ def test_a_trl_python_without_trl_is_refused_by_name(capsys) -> None:
 def test_the_ppoz_leg_trains_the_long_task_and_validates_while_it_trains(tmp_path) -> None:
     # 25 s of budget and 10-20 s of start and stop alone; 840 s is x20 of it
     command = [sys.executable, "-m", "ppoz.bench.train_leg", "--task", "long", "--seconds", "25", "--val-every-s", "5", "--out", "run"]
+    command += ["--max-stream-backlog", "64"]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = last_json(done.stdout.splitlines())
     assert summary is not None, done.stdout[-3000:]
     assert summary["samples"] > 0 and summary["response_tokens"] >= summary["samples"] and summary["learner"]["version"] >= 1
     assert summary["val_records"] == 24 and summary["records"] == 216
+    assert "max_stream_backlog = 64\n" in (tmp_path / "run" / "stack.toml").read_text()
     assert summary["validations"] and all(0.0 <= v <= 1.0 for _, v in summary["validations"])
     rows = [json.loads(line) for line in (tmp_path / "run" / "train" / "progress.jsonl").read_text().splitlines()]
     assert any("val_reward" in row for row in rows)
