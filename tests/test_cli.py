@@ -279,10 +279,18 @@ def test_bench_learning_runs_the_three_methods_on_the_same_budget():
     assert decoupled["dropped"] == 0 and decoupled["used"] == 64 - 2 * 16  # the last 2 rollouts are still in the queue
     assert drop["dropped"] > 0 and drop["used"] + drop["dropped"] == decoupled["used"]  # same samples, most thrown away
     assert all(0.0 <= m["return"] <= 1.0 for m in figures["methods"].values())
+    assert figures["update_epochs"] == 2  # the learner's own default (learner_node/config.py)
 
 
 @pytest.mark.parametrize(
-    "args", [["soak", "--clients", "0"], ["fuzz", "--messages", "0"], ["bench", "rag", "--steps", "0"], ["bench", "learning", "--lag", "0"]]
+    "args",
+    [
+        ["soak", "--clients", "0"],
+        ["fuzz", "--messages", "0"],
+        ["bench", "rag", "--steps", "0"],
+        ["bench", "learning", "--lag", "0"],
+        ["bench", "learning", "--update-epochs", "0"],
+    ],
 )
 def test_load_commands_refuse_nonsense_counts(args):
     result = ppoz(*args)

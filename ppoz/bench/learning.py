@@ -55,11 +55,20 @@ ANSWERS = ["blue", "green", "yellow", "white", "red", "black", "orange", "purple
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from learner_node.config import UpdateConfig
+
+    epochs = UpdateConfig().update_epochs  # the learner's own (until 2026-11-28 the bench trained 4: docs/benchmarks.md)
     parser.add_argument("--steps", type=int, default=3072, help="environment steps per run (default: 3072)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per method (default: 3)")
     parser.add_argument("--lag", type=int, default=4, help="rollouts the actor runs ahead of the learner (default: 4)")
     parser.add_argument("--rollout-batch", type=int, default=32, help="transitions per update (default: 32)")
     parser.add_argument("--lr", type=float, default=5e-4, help="policy learning rate (default: 5e-4)")
+    parser.add_argument(
+        "--update-epochs",
+        type=int,
+        default=epochs,
+        help=f"policy passes over each rollout, every method (default: {epochs}, the learner's update_epochs)",
+    )
     parser.add_argument("--lora-rank", type=int, default=4, help="LoRA rank (default: 4; the head and final norm train beside it)")
     parser.add_argument(
         "--target-kl",
@@ -101,7 +110,7 @@ def run(model_dir: str, method: str, seed: int, args: argparse.Namespace) -> dic
     value_opt = torch.optim.Adam(lp.value_head.parameters(), lr=1e-3)
     cfg = UpdateConfig(
         objective="ppo" if method == "drop_stale" else "decoupled",
-        update_epochs=4,
+        update_epochs=args.update_epochs,
         policy_minibatch=args.rollout_batch // 2,
         micro_batch=args.rollout_batch // 2,
         value_epochs=4,
@@ -158,8 +167,11 @@ def run(model_dir: str, method: str, seed: int, args: argparse.Namespace) -> dic
 def main(args: argparse.Namespace) -> int:
     from common.tiny_models import build_tiny_model
 
-    if min(args.steps, args.seeds, args.lag, args.lora_rank) < 1 or args.rollout_batch < 2 or args.lr <= 0:
-        raise SystemExit("ppoz bench learning: --steps, --seeds, --lag, --lora-rank and --lr must be positive, --rollout-batch at least 2")
+    if min(args.steps, args.seeds, args.lag, args.lora_rank, args.update_epochs) < 1 or args.rollout_batch < 2 or args.lr <= 0:
+        raise SystemExit(
+            "ppoz bench learning: --steps, --seeds, --lag, --lora-rank, --update-epochs and --lr must be positive, "
+            "--rollout-batch at least 2"
+        )
     logging.getLogger("actor_node").setLevel(logging.WARNING)
     logging.getLogger("common").setLevel(logging.WARNING)
     started = time.perf_counter()
@@ -205,6 +217,7 @@ def main(args: argparse.Namespace) -> int:
         "steps": args.steps,
         "seeds": args.seeds,
         "lag": args.lag,
+        "update_epochs": args.update_epochs,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "seconds": round(time.perf_counter() - started, 1),
     }
