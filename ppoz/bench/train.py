@@ -367,7 +367,9 @@ def main(args: argparse.Namespace) -> int:
         trl_versions = probe(python)
         if trl_versions is None or trl_versions["trl"] is None:
             raise SystemExit(f"ppoz bench train: {python} does not import trl (--trl-python); found {trl_versions}")
-    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    from common.policy_model import ModelSpec
+
+    on_gpu = ModelSpec(device=args.device).resolved_device().type == "cuda"  # where both legs' models go
     result: dict[str, Any] = {name: run_task(TASKS[name], legs, args, python) for name in tasks}
     result["setup"] = {
         "repeats": args.repeats,

@@ -84,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if on_gpu else "cpu")
+    from common.policy_model import ModelSpec
+
+    placed = ModelSpec(model=str(model_dir), device=args.device)  # the device and dtype PPOZ's policy takes there
+    device = placed.resolved_device()
+    on_gpu = device.type == "cuda"
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5's renames (gradient -> activation checkpointing)
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, val_rows = task.train_rows(), task.val_rows()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
     tokenizer.pad_token = "<pad>"
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16 if on_gpu else torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=placed.resolved_dtype()).to(device)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     prompts = tokenizer([r["prompt"] for r in val_rows], return_tensors="pt", padding=True).to(device) if val_rows else None
