@@ -22,7 +22,6 @@ from tests.bindings.conftest import BINDINGS, require_tool
 from tests.processes import free_port
 
 C_DIR = Path(BINDINGS) / "c"
-BUILD = C_DIR / "build"
 VECTORS = Path(BINDINGS).parent / "conformance" / "vectors"
 RID = re.compile(r"^[0-9a-f]{16}-[0-9]+$")  # the C client's rids: a random 64-bit prefix and a counter
 
@@ -32,8 +31,13 @@ def pkg_config_finds(*names: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def c_build() -> Path:
-    """Build bindings/c with make; the directory of its programs."""
+def c_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Build bindings/c with make into this worker's own directory; that directory.
+
+    Each pytest-xdist worker runs a module fixture of its own: two makes in one build/
+    raced (one `ar rcs` rewrote libppoz.a while the other linked it: "file format not
+    recognized"), so no two workers share a build directory.
+    """
     require_tool("gcc", "the C client needs a C compiler (Debian: gcc)")
     require_tool("make", "the C client is built with make (Debian: make)")
     require_tool("pkg-config", "the C client finds libzmq and msgpack-c with pkg-config (Debian: pkg-config)")
@@ -41,9 +45,11 @@ def c_build() -> Path:
         pytest.fail("pkg-config does not find libzmq: install libzmq3-dev (bin/test does; PPOZ_SKIP_BINDINGS=1 skips)")
     if not pkg_config_finds("msgpack-c", "msgpack") and not Path("/usr/include/msgpack.h").exists():
         pytest.fail("msgpack-c is not installed: install libmsgpack-dev (bin/test does; PPOZ_SKIP_BINDINGS=1 skips)")
-    result = subprocess.run(["make", "-C", str(C_DIR)], capture_output=True, text=True, timeout=300)  # a C build: 5-15 s alone; x20
-    assert result.returncode == 0, f"make -C bindings/c failed:\n{result.stdout}\n{result.stderr}"
-    return BUILD
+    build = tmp_path_factory.mktemp("c-build")
+    make = ["make", "-C", str(C_DIR), f"BUILD={build}"]
+    result = subprocess.run(make, capture_output=True, text=True, timeout=300)  # a C build: 5-15 s alone; x20
+    assert result.returncode == 0, f"{' '.join(make)} failed:\n{result.stdout}\n{result.stderr}"
+    return build
 
 
 @pytest.fixture
@@ -78,7 +84,8 @@ def test_every_conformance_vector_byte_for_byte(c_build):
 
 
 def test_make_test_runs_the_vectors(c_build):
-    result = subprocess.run(["make", "-C", str(C_DIR), "test"], capture_output=True, text=True, timeout=120)  # built: 1 s alone; x100
+    make = ["make", "-C", str(C_DIR), f"BUILD={c_build}", "test"]  # the fixture's directory: no make here races another worker's
+    result = subprocess.run(make, capture_output=True, text=True, timeout=120)  # built: 1 s alone; x100
     assert result.returncode == 0, result.stdout + result.stderr
     assert ": ok" in result.stdout
 
