@@ -28,27 +28,59 @@ K3_CLAMP = 10.0  # verl's bound on the k3 estimate of one token
 
 # --- advantages ----------------------------------------------------------------------------------
 def gae(
-    rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: float | torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    dones: torch.Tensor,
+    next_value: float | torch.Tensor,
+    gamma: float,
+    lam: float,
+    ends: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimates and returns of one sequence of steps (Schulman et al. 2016).
+    """Generalised advantage estimates and returns of a sequence of steps (Schulman et al. 2016).
 
     delta_t = r_t + gamma * V(s_{t+1}) * (1 - done_t) - V(s_t)
     A_t = delta_t + gamma * lam * (1 - done_t) * A_{t+1}
     `dones[t]` is true when the episode ended with step t: its reward is kept and nothing is bootstrapped
     after it. `next_value` values the observation after the last step (0 when it ended with done).
     A step is a choice among candidates, or one token of a response.
-    """
+
+    Several sequences packed end to end: `ends` [T] (bool) marks each one's last step, and `next_value` holds
+    one value per marked step, in order: V(s_{t+1}) of a marked step is its `next_value`, not the following
+    sequence's first value, and A_{t+1} does not reach back across it. Without `ends` the one sequence ends at
+    its last step. The recursion runs as a scan (`reverse_linear_scan`): about 20 tensor operations for any T,
+    where a step-by-step loop is T Python iterations of a dozen kernels each (docs/design.md)."""
     steps = rewards.shape[0]
-    advantages = torch.zeros_like(rewards)
-    last = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
-    following_last = torch.as_tensor(next_value, dtype=rewards.dtype, device=rewards.device)
-    for t in reversed(range(steps)):
-        not_done = 1.0 - dones[t].to(rewards.dtype)
-        following = values[t + 1] if t + 1 < steps else following_last
-        delta = rewards[t] + gamma * following * not_done - values[t]
-        last = delta + gamma * lam * not_done * last
-        advantages[t] = last
+    if ends is None:
+        ends = torch.zeros(steps, dtype=torch.bool, device=rewards.device)
+        if steps:
+            ends[-1] = True
+    ends = ends.to(device=rewards.device, dtype=torch.bool)
+    not_done = 1.0 - dones.to(rewards.dtype)
+    following = torch.empty_like(values)
+    following[:-1] = values[1:]
+    boot = torch.as_tensor(next_value, dtype=rewards.dtype, device=rewards.device)
+    following[ends] = boot.reshape(-1) if boot.dim() else boot
+    deltas = rewards + gamma * following * not_done - values
+    decay = gamma * lam * not_done * (~ends).to(rewards.dtype)
+    advantages = reverse_linear_scan(deltas, decay)
     return advantages, advantages + values
+
+
+def reverse_linear_scan(x: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """y with y_t = x_t + decay_t * y_{t+1} (y past the end is 0), for a 1-D x.
+
+    A Hillis-Steele scan (Blelloch 1990, "Prefix sums and their applications"): the pairs (decay, x) compose
+    associatively, (a, u) after (b, v) = (a b, u + a v), so after the round with shift s each position holds
+    the composition of the 2s steps from it (ceil(log2 T) rounds, each a few whole-tensor operations). No
+    powers of gamma*lam are divided out, so nothing overflows: a product that underflows is a term that no
+    longer counts."""
+    y, a = x.clone(), decay.clone()
+    shift = 1
+    while shift < y.shape[0]:
+        y[:-shift] = y[:-shift] + a[:-shift] * y[shift:]  # the right-hand side is evaluated before the write
+        a[:-shift] = a[:-shift] * a[shift:]  # past the end it is never read again: t + shift >= T from here on
+        shift *= 2
+    return y
 
 
 # --- masks and aggregations ----------------------------------------------------------------------

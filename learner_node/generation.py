@@ -492,12 +492,29 @@ class GenerationUpdate:
         rewards[rows, last] += torch.tensor(b.rewards, device=self.device)
         dones = torch.zeros_like(mask, dtype=torch.bool)
         dones[rows, last] = torch.tensor(b.dones, device=self.device)
+        # Every chain (a segment's turns in order: one sequence of tokens) packed end to end, in one GAE scan.
+        rows_list: list[int] = []
+        cols_list: list[int] = []
+        ends_at: list[int] = []
+        next_values: list[torch.Tensor | float] = []
+        for chain in b.chains:
+            start = len(rows_list)
+            for i in chain.samples:
+                rows_list += [i] * self.sizes[i]
+                cols_list += range(self.sizes[i])
+            next_value = next(boot_values) if chain.next_prompt is not None else 0.0  # taken in order either way
+            if len(rows_list) > start:
+                ends_at.append(len(rows_list) - 1)
+                next_values.append(next_value)
         advantages, returns = torch.zeros_like(mask), torch.zeros_like(mask)
-        for chain in b.chains:  # a segment's turns in order: one sequence of tokens
-            tokens = [(i, t) for i in chain.samples for t in range(self.sizes[i])]
-            rows_, cols = torch.tensor([i for i, _ in tokens], device=self.device), torch.tensor([t for _, t in tokens], device=self.device)
-            next_value = next(boot_values) if chain.next_prompt is not None else 0.0
-            adv, ret = core_algos.gae(rewards[rows_, cols], values[rows_, cols], dones[rows_, cols], next_value, gen.gamma, gen.gae_lambda)
+        if rows_list:
+            rows_, cols = torch.tensor(rows_list, device=self.device), torch.tensor(cols_list, device=self.device)
+            ends = torch.zeros(len(rows_list), dtype=torch.bool, device=self.device)
+            ends[ends_at] = True
+            boot = torch.stack([torch.as_tensor(v, dtype=mask.dtype, device=self.device) for v in next_values])
+            adv, ret = core_algos.gae(
+                rewards[rows_, cols], values[rows_, cols], dones[rows_, cols], boot, gen.gamma, gen.gae_lambda, ends=ends
+            )
             advantages[rows_, cols], returns[rows_, cols] = adv, ret
         return values, returns, advantages
 

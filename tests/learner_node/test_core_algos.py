@@ -56,6 +56,61 @@ def test_gae_with_lambda_one_is_discounted_return_minus_value():
     assert ret.tolist() == pytest.approx([1 + 0.5 + 0.25, 1 + 0.5, 1.0])
 
 
+def naive_gae(rewards, values, dones, next_value, gamma, lam):
+    """The recursion step by step on Python floats: the reference the scan is checked against."""
+    advantages, last = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        following = values[t + 1] if t + 1 < len(rewards) else next_value
+        not_done = 0.0 if dones[t] else 1.0
+        last = rewards[t] + gamma * following * not_done - values[t] + gamma * lam * not_done * last
+        advantages[t] = last
+    return advantages
+
+
+def test_reverse_linear_scan_by_hand():
+    # y_t = x_t + d_t y_{t+1}: y_4 = 5; y_3 = 4 + 0.5*5 = 6.5; y_2 = 3 + 0*6.5 = 3; y_1 = 2 + 2*3 = 8; y_0 = 1 + 1*8 = 9
+    y = core_algos.reverse_linear_scan(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), torch.tensor([1.0, 2.0, 0.0, 0.5, 7.0]))
+    assert y.tolist() == [9.0, 8.0, 3.0, 6.5, 5.0]  # the last decay reaches past the end: it counts for nothing
+    assert core_algos.reverse_linear_scan(torch.zeros(0), torch.zeros(0)).tolist() == []
+    assert core_algos.reverse_linear_scan(torch.tensor([2.0]), torch.tensor([0.9])).tolist() == [2.0]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 7, 64, 1000, 5003])
+def test_gae_equals_the_step_by_step_recursion(steps: int) -> None:
+    gen = torch.Generator().manual_seed(steps)
+    rewards = torch.randn(steps, generator=gen, dtype=torch.float64) * 3
+    values = torch.randn(steps, generator=gen, dtype=torch.float64)
+    dones = torch.rand(steps, generator=gen) < 0.01  # episodes end here and there, mid-sequence too
+    adv, ret = core_algos.gae(rewards, values, dones, 0.7, 0.99, 0.95)
+    expected = naive_gae(rewards.tolist(), values.tolist(), dones.tolist(), 0.7, 0.99, 0.95)
+    assert adv.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert (ret - values).tolist() == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+def test_gae_over_a_long_undiscounted_sequence_neither_overflows_nor_loses_the_far_rewards() -> None:
+    # gamma = lam = 1 over 131,072 tokens: A_0 is the whole sum of rewards (here one at the very end), V = 0
+    steps = 131_072
+    rewards = torch.zeros(steps, dtype=torch.float64)
+    rewards[-1] = 1.0
+    adv, _ = core_algos.gae(rewards, torch.zeros(steps, dtype=torch.float64), torch.zeros(steps, dtype=torch.bool), 0.0, 1.0, 1.0)
+    assert torch.equal(adv, torch.ones(steps, dtype=torch.float64))
+    # gamma * lam = 0.5: 0.5 ** 131071 underflows; the scan keeps the near terms exact and the far ones at 0
+    adv, _ = core_algos.gae(rewards, torch.zeros(steps, dtype=torch.float64), torch.zeros(steps, dtype=torch.bool), 0.0, 1.0, 0.5)
+    assert adv[-1] == 1.0 and adv[-11] == pytest.approx(0.5**10) and adv[0] == 0.0 and torch.isfinite(adv).all()
+
+
+def test_packed_sequences_are_each_their_own_gae() -> None:
+    gen = torch.Generator().manual_seed(3)
+    lengths, boots = [5, 1, 9, 3], [0.4, -1.0, 0.0, 2.5]  # a length-1 sequence, and a sequence whose next value is 0
+    parts = [(torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.rand(n, generator=gen) < 0.2) for n in lengths]
+    ends = torch.cat([torch.arange(n) == n - 1 for n in lengths])
+    rewards, values, dones = (torch.cat([part[k] for part in parts]) for k in range(3))
+    adv, ret = core_algos.gae(rewards, values, dones, torch.tensor(boots), 0.9, 0.8, ends=ends)
+    expected = sum((naive_gae(r.tolist(), v.tolist(), d.tolist(), boot, 0.9, 0.8) for (r, v, d), boot in zip(parts, boots)), [])
+    assert adv.tolist() == pytest.approx(expected, abs=1e-5)
+    assert ret.tolist() == pytest.approx([a + v for a, v in zip(expected, values.tolist())], abs=1e-5)
+
+
 def test_advantage_normalisation_is_over_the_batch():
     b = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
     out = core_algos.masked_whiten(b, torch.ones(4, 1))
