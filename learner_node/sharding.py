@@ -87,28 +87,35 @@ def shard(model: nn.Module, mixed_precision: bool, mesh: Any = None) -> nn.Modul
     head that is the embedding table) correct; what it costs is memory: these parameters, their gradients and
     their Adam moments are not sharded (for a full fine-tune of an 8B Llama, 1.05B of its 8B parameters).
 
+    A LoRA adapter (with peft's modules_to_save: every trained parameter of a peft model) stays whole on every
+    rank too: it is a few MB, and sharded it would be gathered in bfloat16 under mixed precision while the actors
+    run it in float32 (peft keeps adapters in float32 over a 16-bit base): learner and actors would no longer
+    compute the same function with the same weights. With an adapter FSDP shards the frozen base, the bulk.
+
     `mixed_precision` (GPU): MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): blocks gathered
-    and computed in bfloat16, gradients reduced in float32 into float32 master weights (the trained parameters
-    are cast to float32 here; frozen ones keep their dtype, FSDP2 wants one dtype among the trained parameters of
-    a unit only). The unsharded modules compute in their parameters' own dtype, as without sharding: a trained
-    head or final norm in float32, a frozen one in the loaded dtype (scoring.head_logits upcasts a 16-bit head
-    itself). Off (CPU): the parameters' own dtype, float32 there."""
+    and computed in bfloat16, gradients reduced in float32 into float32 master weights (a full fine-tune's
+    trained block parameters are cast to float32 here; frozen ones keep their dtype, FSDP2 wants one dtype among
+    the trained parameters of a unit only). The unsharded modules compute in their parameters' own dtype, as
+    without sharding and as on the actors: a 16-bit trained embedding, final norm or head keeps its dtype, and
+    the optimizer keeps its float32 master (learner_node/optim.py). Off (CPU): the parameters' own dtype."""
     if is_sharded(model):
         raise ValueError("the model is sharded already")
     blocks = transformer_blocks(model)
     decoder = scoring.model_parts(model)[0]
+    adapter = {p for p in model.parameters() if p.requires_grad} if hasattr(model, "peft_config") else set()
     if mixed_precision:
         _LOADED_DTYPES[model] = {name: t.dtype for name, t in model.state_dict().items()}  # tied names too
-        for p in model.parameters():
-            if p.requires_grad and p.is_floating_point():
-                p.data = p.data.float()  # the master weights the optimizer steps on
+        for block in blocks:
+            for p in block.parameters():
+                if p.requires_grad and p.is_floating_point() and p not in adapter:
+                    p.data = p.data.float()  # the master weights the optimizer steps on
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         policy = MixedPrecisionPolicy()
     in_blocks = {p for block in blocks for p in block.parameters()}
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    whole = {p for p in decoder.parameters() if p not in in_blocks}
+        fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params={p for p in block.parameters() if p in adapter})
+    whole = {p for p in decoder.parameters() if p not in in_blocks or p in adapter}
     fully_shard(decoder, mesh=mesh, mp_policy=policy, ignored_params=whole)
     _ROOTS.add(decoder)
     return model
@@ -141,9 +148,10 @@ class Lockstep:
 
     @classmethod
     def of(cls, params: Iterable[torch.Tensor]) -> Lockstep:
-        """The lockstep for the decoder that holds `params` if `shard` sharded it; one that does nothing otherwise."""
-        ids = {id(p) for p in params if isinstance(p, DTensor)}
-        roots = [root for root in list(_ROOTS) if any(id(p) in ids for p in root.parameters())] if ids else []
+        """The lockstep for the decoder that holds `params` if `shard` sharded it; one that does nothing otherwise.
+        By membership, not by DTensor: a sharded LoRA model's trained parameters are all whole (see `shard`)."""
+        ids = {id(p) for p in params}
+        roots = [root for root in list(_ROOTS) if any(id(p) in ids for p in root.parameters())] if _ROOTS else []
         if len(roots) > 1:
             raise ValueError(f"the trained parameters belong to {len(roots)} sharded models; a lockstep keeps one in step")
         return cls(roots[0] if roots else None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,27 +58,6 @@ def _cloned(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_cloned(v) for v in value)
     return value
-
-
-FUSED_ADAM_DEVICES = ("cpu", "cuda")  # where torch has a fused Adam kernel for floating-point parameters
-
-
-def adam(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Adam:
-    """The learner's optimizer: Adam (eps 1e-5, as CleanRL's PPO), fused into one kernel where torch has one.
-
-    Fused is the same algorithm, one kernel for all parameters instead of a dozen tensor ops per parameter: on
-    the demo's 21 parameters a step took 0.25 ms fused against 3.3 ms one tensor at a time (0.74 ms `foreach`),
-    which on small models is most of the optimizer's share of an update (docs/benchmarks.md).
-
-    Parameters FSDP2 shards (DTensors) take the fused kernel too, but not in one list with whole ones (a LoRA
-    adapter sharded beside peft's modules_to_save, learner_node/sharding.py): the fused and foreach kernels refuse
-    such a list, so it is stepped one tensor at a time."""
-    trained = list(params)
-    sharded = sum(isinstance(p, DTensor) for p in trained)
-    if 0 < sharded < len(trained):
-        return torch.optim.Adam(trained, lr=lr, eps=1e-5, foreach=False)
-    fused = bool(trained) and all(p.device.type in FUSED_ADAM_DEVICES and p.is_floating_point() for p in trained)
-    return torch.optim.Adam(trained, lr=lr, eps=1e-5, fused=fused or None)
 
 
 def _all_finite(params: list[torch.nn.Parameter]) -> bool:
@@ -378,7 +357,7 @@ def minibatch_epochs(
 
     Returns (figures, optimizer steps, whether the target-KL stop ended the epochs)."""
     rank, world = _world()
-    sharded = world > 1 and any(isinstance(p, DTensor) for p in params)
+    sharded = world > 1 and Lockstep.of(params).root is not None  # a LoRA model's trained parameters are whole
     totals: dict[str, float] = collections.defaultdict(float)
     steps = 0
     for _ in range(epochs):

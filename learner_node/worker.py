@@ -49,9 +49,10 @@ from learner_node import checkpoint, sharding
 from learner_node.config import FSDP_FROM_PARAMETERS, LearnerConfig
 from learner_node.core_algos import AdaptiveKLController
 from learner_node.generation import GenerationBatch, build_generation_batch, check_layout, generation_update, split_by_mode
+from learner_node.optim import adam
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import EpisodeReturns, Rollout, build_rollout, candidate_update
-from learner_node.update import NonFiniteUpdate, TrainableSnapshot, adam
+from learner_node.update import NonFiniteUpdate, TrainableSnapshot
 
 log = logging.getLogger(__name__)
 

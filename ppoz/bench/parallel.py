@@ -96,9 +96,9 @@ def _rank(rank: int, world: int, port: int, model_dir: str, parallelism: str, ar
     from common.policy_model import ModelSpec, load_policy
     from learner_node.config import GenerationConfig, UpdateConfig
     from learner_node.generation import generation_update
+    from learner_node.optim import adam
     from learner_node.policy import LearnerPolicy
     from learner_node.sharding import shard
-    from learner_node.update import adam
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()

@@ -18,7 +18,8 @@ from broker.store import Batch, SessionStore
 from common import learner_figures
 from common.segments import RedisKeys, Segment, pack, unpack
 from learner_node import checkpoint
-from learner_node.update import _all_finite, adam
+from learner_node.optim import adam
+from learner_node.update import _all_finite
 from learner_node.worker import Learner, PoisonedInput
 from tests.learner_node.test_async_ppo import learner_on
 from tests.learner_node.test_generation_update import gen_transition

@@ -28,11 +28,20 @@ import torch.multiprocessing as mp
 from common.policy_model import ModelSpec, load_policy, policy_state_dict
 from common.segments import Segment, Transition
 from learner_node.config import GenerationConfig, UpdateConfig
-from learner_node.generation import build_generation_batch, generation_update, pack
+from learner_node.generation import build_generation_batch, generation_update, pack, response_logprobs
+from learner_node.optim import adam
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import build_rollout, candidate_update
-from learner_node.sharding import TrainState, full_state_chunks, load_sharded, policy_names, save_sharded, shard
-from learner_node.update import TrainableSnapshot, adam
+from learner_node.sharding import (
+    TrainState,
+    full_state_chunks,
+    load_sharded,
+    policy_names,
+    save_sharded,
+    shard,
+    transformer_blocks,
+)
+from learner_node.update import TrainableSnapshot
 from tests.processes import free_port
 
 WORLD = 2
@@ -299,8 +308,10 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process_with_no_process_group(
 def _mixed_precision_job(rank: int, world: int, model_dir: str, out: str) -> None:
     model, _ = load_policy(ModelSpec(model=model_dir, device="cpu", lora_rank=0, dtype="bfloat16"))
     loaded = {k: v.clone() for k, v in model.state_dict().items()}
+    block_ids = {id(p) for block in transformer_blocks(model) for p in block.parameters()}
+    in_blocks = {name for name, p in model.named_parameters() if id(p) in block_ids}  # FSDP makes new parameters
     shard(model, mixed_precision=True)
-    masters = {name: p.dtype for name, p in model.named_parameters()}
+    masters = {name: (p.dtype, name in in_blocks) for name, p in model.named_parameters()}
     published = {k: v.clone() for k, v in full_state_chunks(model, policy_names(model))}
     if rank == 0:
         torch.save({"loaded": loaded, "masters": masters, "published": published}, out)
@@ -308,12 +319,46 @@ def _mixed_precision_job(rank: int, world: int, model_dir: str, out: str) -> Non
 
 @pytest.mark.slow
 def test_mixed_precision_trains_float32_masters_and_publishes_the_loaded_dtype(tiny_models: dict[str, str], tmp_path: Path) -> None:
-    """With mixed precision (the GPU setting; it runs on gloo too) the trained weights become float32 masters, but
-    actors serve the model in the dtype it was loaded in: what is published is that dtype, at half the bytes."""
+    """With mixed precision (the GPU setting; it runs on gloo too) the trained block weights become float32
+    masters; the whole ones (embedding, final norm) keep the loaded dtype, their masters in the optimizer
+    (learner_node/optim.py), so they compute as on the actors. Actors serve the model in the dtype it was loaded
+    in: what is published is that dtype, at half the bytes."""
     run_ranks(_mixed_precision_job, tiny_models["qwen2"], str(tmp_path / "mixed.pt"))
     got = torch.load(tmp_path / "mixed.pt")
-    assert set(got["masters"].values()) == {torch.float32}
+    assert {dtype for dtype, in_block in got["masters"].values() if in_block} == {torch.float32}
+    assert {dtype for dtype, in_block in got["masters"].values() if not in_block} == {torch.bfloat16}
     assert list(got["published"]) == list(got["loaded"])
     for name, weight in got["loaded"].items():
         assert weight.dtype == torch.bfloat16 and got["published"][name].dtype == torch.bfloat16, name
         assert torch.equal(got["published"][name], weight), name
+
+
+def _adapter_precision_job(rank: int, world: int, model_dir: str, out: str) -> None:
+    """A LoRA adapter that is not the identity, on a bfloat16 base: log-probabilities unsharded (as an actor
+    computes them) and then sharded with mixed precision (as the learner on a GPU does)."""
+    torch.manual_seed(0)
+    model, _ = load_policy(ModelSpec(model=model_dir, device="cpu", lora_rank=4, dtype="bfloat16"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:  # the same on both ranks: one seed
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    prompts, responses = [[3, 9, 4, 11, 7], [5, 6], [8, 2, 10, 12, 3, 4, 5, 6, 7]], [[4, 5, 6, 7], [9], [3, 3, 8]]
+    with torch.no_grad():
+        actor, _ = response_logprobs(model, prompts, responses, [1.0, 0.7, 1.0], 64)
+        shard(model, mixed_precision=True)
+        learner_, _ = response_logprobs(model, prompts, responses, [1.0, 0.7, 1.0], 64)
+    adapter = [(type(p).__name__, p.dtype) for p in model.parameters() if p.requires_grad]
+    if rank == 0:
+        torch.save({"actor": actor, "learner": learner_, "adapter": adapter}, out)
+
+
+@pytest.mark.slow
+def test_a_sharded_adapter_computes_what_the_actors_compute_under_mixed_precision(tiny_models: dict[str, str], tmp_path: Path) -> None:
+    """peft keeps the adapter in float32 over a bfloat16 base, and actors run it so. Sharded, FSDP's mixed
+    precision would gather it in bfloat16 (it did: log-probabilities off by 0.013 here); it stays whole and
+    float32, and the sharded learner's log-probabilities are the unsharded model's."""
+    run_ranks(_adapter_precision_job, tiny_models["llama"], str(tmp_path / "adapter.pt"))
+    got = torch.load(tmp_path / "adapter.pt")
+    worst = max(float((a - b).abs().max()) for a, b in zip(got["actor"], got["learner"]))
+    assert worst <= 1e-4, worst
+    assert got["adapter"] and set(got["adapter"]) == {("Parameter", torch.float32)}

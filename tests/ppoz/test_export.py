@@ -326,8 +326,8 @@ def _sharded_job(rank: int, world: int, model_dir: str, lora_rank: int, redis_ur
     publishes (gathered shard by shard) for the actor."""
     from learner_node import sharding
     from learner_node.generation import generation_update
+    from learner_node.optim import adam
     from learner_node.policy import LearnerPolicy
-    from learner_node.update import adam
     from tests.learner_node.test_sharding import CFG, GEN, LR, fixed_batch
 
     policy = PolicySpec(model=model_dir, lora_rank=lora_rank)
