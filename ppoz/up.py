@@ -30,6 +30,7 @@ from typing import IO, Any
 from common.config import check, load, local_path, nested, option, read_toml, section
 from common.sd_notify import NotifyListener
 from common.shared_settings import StoreSettings
+from ppoz import device_deal
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,11 @@ class UpConfig:
     )
     broker: bool = option(True, "start the broker here")
     actors: int = option(1, "actor processes to start here")
-    actor_devices: list = option([""], "device of actor i is actor_devices[i % len]; empty entries keep [actor] device")
+    actor_devices: list = option(
+        [""],
+        "device of actor i is actor_devices[i % len]; empty entries keep [actor] device (auto: with GPUs, one GPU per"
+        " process where there are enough, the learner's cuda:0; docs/farm.md)",
+    )
     learner: bool = option(True, "start the learner here")
     env: str = option("", "environment clients to start as well: kea, frozenlake, cliffwalking or taxi (empty: none)")
     env_clients: int = option(4, "environment clients (threads of one `ppoz play` process)")
@@ -235,10 +240,12 @@ def _started(
     if up.broker:
         ready["broker"] = NotifyListener("broker")
         sup.add("broker", [*common, "broker", *config, *store_args], ready["broker"].env)
+    devices = dealt_devices(up, actor, learner)
     if up.learner:
-        sup.add("learner", [*common, "learner", *config, *store_args, "--resume", *learner_args], torch_env)
+        learner_device = ["--device", devices.learner] if devices.learner else []
+        sup.add("learner", [*common, "learner", *config, *store_args, "--resume", *learner_args, *learner_device], torch_env)
     for i in range(up.actors):
-        device = up.actor_devices[i % len(up.actor_devices)] if up.actor_devices else ""
+        device = devices.actors[i]
         argv = [
             *common,
             "actor",
@@ -269,6 +276,19 @@ def _started(
     finally:
         for listener in ready.values():
             listener.close()
+
+
+def dealt_devices(up: UpConfig, actor: Any, learner: Any) -> device_deal.Deal:
+    """One GPU per process where the machine has enough (ppoz/device_deal.py), logged; no GPU is looked for
+    when every process here has its device set to something other than auto or cuda."""
+    actor_device = actor.device if actor is not None else "auto"
+    learner_device = learner.device if learner else "auto"
+    settings = [d for d in up.actor_devices if d] + [actor_device, learner_device]
+    gpus = device_deal.visible_gpus() if any(d == "auto" or d.startswith("cuda") for d in settings) else 0
+    devices = device_deal.deal(gpus, up.actors, bool(learner), actor_device, learner_device, [d for d in up.actor_devices])
+    if gpus:
+        log.info("devices: %s", devices.summary)
+    return devices
 
 
 def store_flags(store: StoreSettings) -> list[str]:
