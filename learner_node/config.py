@@ -160,10 +160,10 @@ class LearnerConfig(UpdateConfig):
     )
     warmup_updates: int = option(0, "first updates train only the critic (with GRPO, which has none: nothing)")
     value_hidden: list = option([1024, 512], "hidden layer sizes of the value head MLP")
-    gradient_checkpointing: bool = option(
-        False,
+    gradient_checkpointing: str = option(
+        "auto",
         "generate transitions: recompute each decoder layer's activations in the backward pass of the policy update "
-        "(less memory for long responses, about a third more compute)",
+        "(less memory for long responses, about a third more compute): on, off, or auto (on where the learner runs on a GPU)",
     )
     # --- checkpoints, publication, logs ---
     checkpoint_dir: str = option("runs/learner/checkpoints", "where checkpoints go", path=local_path)
@@ -191,6 +191,10 @@ class LearnerConfig(UpdateConfig):
 
         return self.policy_lr or default_policy_lr(self.policy.model, self.policy.lora_rank)
 
+    def checkpoints_layers(self, device: str) -> bool:
+        """Whether the learner on `device` (a resolved torch device) recomputes layers in the backward pass."""
+        return self.gradient_checkpointing == "on" or (self.gradient_checkpointing == "auto" and device.startswith("cuda"))
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.policy.model != "", "`model` is required: a local directory or a Hugging Face id ([policy] model, or --model)")
@@ -198,6 +202,10 @@ class LearnerConfig(UpdateConfig):
         check(self.rollout_batch > 0, f"`rollout_batch` must be positive, got {self.rollout_batch}")
         check(self.rollout_timeout_s >= 0, f"`rollout_timeout_s` must be 0 or more, got {self.rollout_timeout_s}")
         check(self.max_policy_lag >= 0, f"`max_policy_lag` must be 0 or more, got {self.max_policy_lag}")
+        check(
+            self.gradient_checkpointing in ("auto", "on", "off"),
+            f"`gradient_checkpointing` must be auto, on or off, got {self.gradient_checkpointing!r}",
+        )
         check(0 < self.gamma <= 1, f"`gamma` must be in (0, 1], got {self.gamma}")
         check(0 <= self.gae_lambda <= 1, f"`gae_lambda` must be in [0, 1], got {self.gae_lambda}")
         check(self.policy_lr >= 0, f"`policy_lr` must be 0 (by the model) or positive, got {self.policy_lr}")

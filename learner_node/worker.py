@@ -109,7 +109,7 @@ class Learner:
             cfg.value_hidden,
             path,
             cfg.generation.value_hidden,
-            cfg.gradient_checkpointing,
+            cfg.checkpoints_layers(str(next(model.parameters()).device)),
             layout,
         )
         self.sharded = self.world > 1 and self._parallelism(model) == "fsdp"

@@ -71,6 +71,19 @@ def test_policy_lr_must_not_be_negative(tmp_path: Path) -> None:
         load(LearnerConfig, str(cfg))
 
 
+def test_gradient_checkpointing_is_on_by_default_on_a_gpu_only(tmp_path: Path) -> None:
+    def cfg(**kw: str) -> LearnerConfig:
+        return LearnerConfig(policy=PolicySpec(model="m"), store=StoreSettings(redis_url="redis://x"), **kw)  # type: ignore[arg-type]
+
+    assert cfg().checkpoints_layers("cuda:1") and not cfg().checkpoints_layers("cpu")
+    assert cfg(gradient_checkpointing="on").checkpoints_layers("cpu")
+    assert not cfg(gradient_checkpointing="off").checkpoints_layers("cuda:0")
+    bad = tmp_path / "c.toml"
+    bad.write_text('[policy]\nmodel = "m"\n[store]\nredis_url = "redis://x"\n[learner]\ngradient_checkpointing = "yes"\n')
+    with pytest.raises(ConfigError, match="`gradient_checkpointing` must be auto, on or off, got 'yes'"):
+        load(LearnerConfig, str(bad))
+
+
 def test_a_broken_build_record_is_named(tmp_path: Path) -> None:
     (tmp_path / MARKER).write_text("{not json")
     with pytest.raises(ValueError, match=MARKER):
