@@ -263,6 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
             "same tensors; legs alternating, medians of --repeats runs: GB/s and the publisher's peak memory (docs/benchmarks.md).",
         ),
         (
+            "gpu",
+            "every GPU figure in one command: GAE, one update's time and peak memory at a 1.5B shape, scoring, generate, weights",
+            "On a GPU, within --budget-s (8 minutes by default), at users' shapes: GAE on 131,072 tokens, one generation update "
+            "with the learner's defaults at Qwen2.5-1.5B's shape (time, peak memory), ppoz bench scoring, generate (against "
+            "one request at a time and the static batch at 64 rows) and weights, and bench train's long task against trl with "
+            "--trl-python; one JSON object with --json. With --device cpu the same code at tiny sizes (CI runs it).",
+        ),
+        (
             "farm",
             "the stack on six hosts (network namespaces, as root): links cut, Redis killed; throughput per host, recovery times",
             "Redis and the broker, two actors, a learner of two ranks on two hosts (torchrun --nnodes 2) and the clients, each "

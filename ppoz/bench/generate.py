@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 LEGS = ("one_at_a_time", "static_batch", "generate_batch", "ppoz", "ppoz_unfolded", "ppoz_broker")
 CASES = ("default", "long_tail", "rollout")
-SHAPES = ("llama", "qwen2.5-0.5b")
+SHAPES = ("llama", "qwen2.5-0.5b", "qwen2.5-1.5b", "tiny-qwen2")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=SHAPES,
         help="llama: a Llama of --hidden x --layers and a byte tokenizer (default); qwen2.5-0.5b: Qwen2.5-0.5B's configuration "
         "(hidden 896, 24 layers, 14 heads, 2 KV heads, a 151,936-token vocabulary, tied embeddings), random weights, "
-        "a byte-level BPE (ppoz bench train's real-shape model; --hidden and --layers do not apply)",
+        "a byte-level BPE (ppoz bench train's real-shape model; --hidden and --layers do not apply); qwen2.5-1.5b: "
+        "Qwen2.5-1.5B's (hidden 1536, 28 layers, 12 heads, 2 KV heads); tiny-qwen2: the same vocabulary at hidden 64 x 2 layers",
     )
     parser.add_argument("--hidden", type=int, default=512, help="model width, --shape llama (default: 512)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers, --shape llama (default: 4)")
@@ -439,7 +440,7 @@ def main(args: argparse.Namespace) -> int:
         else:  # built once into the cache, as ppoz bench train's real-shape task builds it
             from ppoz.bench.train_tasks import real_shape_model
 
-            model_dir = str(real_shape_model())
+            model_dir = str(real_shape_model(args.shape))
         spec = ModelSpec.of(PolicySpec(model=model_dir), args.device)
         model, tokenizer = load_policy(spec)
         device, dtype = spec.resolved_device(), spec.resolved_dtype()

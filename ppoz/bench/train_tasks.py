@@ -97,27 +97,41 @@ def shaped_tokenizer(path: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(str(path))
 
 
-def real_shape_model() -> Path:
-    """Qwen2.5-0.5B's configuration with random weights (seed 0) and shaped_tokenizer, built once."""
+# Real models' configurations (their config.json), random weights: (hidden, intermediate, layers, heads, KV heads,
+# the dtype the weights are saved in). "tiny-qwen2": the same architecture and vocabulary at a CPU test's width.
+MODEL_SHAPES: dict[str, tuple[int, int, int, int, int, str]] = {
+    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, "float32"),
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, "bfloat16"),  # 3.1 GB in bf16 (6.2 in float32)
+    "tiny-qwen2": (64, 128, 2, 4, 2, "float32"),
+}
+
+
+def real_shape_model(shape: str = "qwen2.5-0.5b") -> Path:
+    """A model of `shape`'s configuration (MODEL_SHAPES: Qwen2.5's, tied embeddings, a 151,936-token vocabulary)
+    with random weights (seed 0) and shaped_tokenizer, built once into the cache."""
     import json
 
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    path = CACHE / "qwen2.5-0.5b-shape"
+    hidden, intermediate, layers, heads, kv_heads, dtype = MODEL_SHAPES[shape]
+    path = CACHE / f"{shape}-shape"
     marker = path / "ppoz-bench-shape.json"
-    spec = {"shape": "Qwen2.5-0.5B", "vocab": REAL_SHAPE_VOCAB, "seed": 0, "tokenizer": "bpe"}
+    name = "Qwen2.5-0.5B" if shape == "qwen2.5-0.5b" else shape  # as caches built before the other shapes record it
+    spec = {"shape": name, "vocab": REAL_SHAPE_VOCAB, "seed": 0, "tokenizer": "bpe"}
+    if dtype != "float32":
+        spec["dtype"] = dtype
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return path
     path.mkdir(parents=True, exist_ok=True)
     shaped_tokenizer(path)
     config = Qwen2Config(
         vocab_size=REAL_SHAPE_VOCAB,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=32768,
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
@@ -128,7 +142,7 @@ def real_shape_model() -> Path:
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(str(path))
+    model.to(getattr(torch, dtype)).save_pretrained(str(path))
     marker.write_text(json.dumps(spec))
     return path
 
