@@ -71,10 +71,11 @@ class LLMPolicy:
     # --- weights ------------------------------------------------------------------------
     def set_weights(self, state: dict[str, torch.Tensor], version: int, run: str) -> None:
         """Swap to new weights (call between batches). Cached KV is stale after this, so it is dropped."""
-        device = next(self.model.parameters()).device
         if self.engine is not None and self.engine.active:
             raise RuntimeError("weights must not change while responses are being generated")
-        load_policy_state_dict(self.model, {k: v.to(device) for k, v in state.items()})
+        # each tensor copied into its parameter from where it is (the fetcher's CPU buffers): moving the whole
+        # snapshot to the GPU first held a second copy of every swapped weight there, a model's worth in a full swap
+        load_policy_state_dict(self.model, state)
         self.cache.clear()
         if self.engine is not None:
             self.engine.clear_cache()
