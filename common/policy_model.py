@@ -66,27 +66,34 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(spec.model)
     model: Any = AutoModelForCausalLM.from_pretrained(spec.model, dtype=spec.resolved_dtype(), attn_implementation=spec.attn_implementation)
-    if spec.lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
-        from transformers.pytorch_utils import Conv1D
-
-        config = LoraConfig(
-            # GPT-2 style models keep their linear weights transposed (Conv1D); peft must know, or it warns and guesses
-            fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
-            r=spec.lora_rank,
-            lora_alpha=spec.lora_alpha,
-            target_modules="all-linear",
-            lora_dropout=0.0,
-            modules_to_save=list(spec.lora_trainable) or None,
-            task_type="CAUSAL_LM",
-        )
-        # peft keeps adapter weights in float32 even over a bf16 base (autocast_adapter_dtype):
-        # a 1e-6 update would round away in 16 bits.
-        with peft_warnings_silenced():
-            model = get_peft_model(model, config)
+    model = with_adapter(model, spec)
     model.to(spec.resolved_device()).eval()
     log.info("loaded %s on %s (%s), LoRA rank %d", spec.model, spec.resolved_device(), spec.resolved_dtype(), spec.lora_rank)
     return model, tokenizer
+
+
+def with_adapter(model: Any, spec: ModelSpec) -> Any:
+    """`model` with a fresh LoRA adapter of `spec`'s rank on every linear layer (identity at start), or as it is
+    with `lora_rank` 0."""
+    if spec.lora_rank <= 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    config = LoraConfig(
+        # GPT-2 style models keep their linear weights transposed (Conv1D); peft must know, or it warns and guesses
+        fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
+        r=spec.lora_rank,
+        lora_alpha=spec.lora_alpha,
+        target_modules="all-linear",
+        lora_dropout=0.0,
+        modules_to_save=list(spec.lora_trainable) or None,
+        task_type="CAUSAL_LM",
+    )
+    # peft keeps adapter weights in float32 even over a bf16 base (autocast_adapter_dtype):
+    # a 1e-6 update would round away in 16 bits.
+    with peft_warnings_silenced():
+        return get_peft_model(model, config)
 
 
 @contextlib.contextmanager

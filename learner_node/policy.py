@@ -51,6 +51,7 @@ class LearnerPolicy:
         token_value_hidden: Sequence[int] = (256,),
         gradient_checkpointing: bool = False,
         generation_layout: str = "packed",
+        frozen: Any = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -64,9 +65,10 @@ class LearnerPolicy:
             from common.policy_model import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(model)
+        # without an adapter, the reference: `frozen` (a sharded learner loads it already sharded), else a copy
         self.frozen = None
         if not self.has_adapter:
-            self.frozen = copy.deepcopy(model).eval()
+            self.frozen = (frozen if frozen is not None else copy.deepcopy(model)).eval()
             self.frozen.requires_grad_(False)
         device = next(model.parameters()).device
         width = model.get_output_embeddings().weight.shape[1]

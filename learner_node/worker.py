@@ -22,6 +22,7 @@ and gradients are averaged across ranks before each optimizer step.
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import math
 import os
@@ -45,7 +46,7 @@ from common.security import AllowList, apply_server
 from common.segments import Segment, acknowledge, ensure_group, entry_samples
 from common.shared_settings import PolicyStamp
 from common.zmqio import bound
-from learner_node import checkpoint, sharding
+from learner_node import checkpoint, sharded_load, sharding
 from learner_node.config import FSDP_FROM_PARAMETERS, LearnerConfig
 from learner_node.core_algos import AdaptiveKLController
 from learner_node.generation import GenerationBatch, build_generation_batch, check_layout, generation_update, split_by_mode
@@ -97,10 +98,14 @@ class Learner:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.seed)
-        model, tokenizer = load_policy(ModelSpec.of(cfg.policy, device))  # in eval mode, and it stays so: no dropout
+        spec = ModelSpec.of(cfg.policy, device)
+        self.sharded = self.world > 1 and self._parallelism(spec) == "fsdp"
+        # Sharded before the optimizers (which must hold the sharded parameters): bf16 compute with float32 master
+        # weights on a GPU, float32 on a CPU. In eval mode, and it stays so: no dropout.
+        model, tokenizer, frozen, checked = self._load(spec, mixed=spec.resolved_device().type == "cuda")
         # The learner checks its scoring path as the actor does: every path it may use computes the model's own log-probabilities.
-        path = scoring.select_path(model, cfg.policy.scoring_path)
-        layout = check_layout(model, cfg.generation.micro_batch_tokens)  # and so does the generation path
+        path = scoring.select_path(checked, cfg.policy.scoring_path)
+        layout = check_layout(checked, cfg.generation.micro_batch_tokens)  # and so does the generation path
         self.lp = LearnerPolicy(
             model,
             tokenizer,
@@ -109,19 +114,11 @@ class Learner:
             cfg.value_hidden,
             path,
             cfg.generation.value_hidden,
-            cfg.checkpoints_layers(str(next(model.parameters()).device)),
+            cfg.checkpoints_layers(str(spec.resolved_device())),
             layout,
+            frozen=frozen,
         )
-        self.sharded = self.world > 1 and self._parallelism(model) == "fsdp"
-        self._published_names: dict[str, str] = {}
-        if self.sharded:
-            # After LearnerPolicy (it copies the reference from the whole model) and before the optimizers (which
-            # must hold the sharded parameters). bf16 compute with float32 master weights on a GPU, float32 on a CPU.
-            mixed = torch.device(device).type == "cuda"
-            sharding.shard(self.lp.model, mixed)
-            if self.lp.frozen is not None:
-                sharding.shard(self.lp.frozen, mixed)
-            self._published_names = sharding.policy_names(self.lp.model)
+        self._published_names: dict[str, str] = sharding.policy_names(self.lp.model) if self.sharded else {}
         policy_lr = cfg.resolved_policy_lr()
         log.info("policy learning rate %g%s", policy_lr, "" if cfg.policy_lr else " (by the model: [learner] policy_lr = 0)")
         self.policy_opt = adam(self.lp.trainable_parameters(), policy_lr)
@@ -706,13 +703,32 @@ class Learner:
             "token_value": sharding.TrainState(self.lp.token_value_head, self.token_value_opt),
         }
 
-    def _parallelism(self, model: Any) -> str:
+    def _load(self, spec: ModelSpec, mixed: bool) -> tuple[Any, Any, Any, Any]:
+        """(policy, tokenizer, the reference copy of a full fine-tune or None, the model the path checks run on).
+        Sharded: read straight into each rank's shards where the model is a local safetensors folder (no rank holds
+        it whole; the checks run on a two-layer model of its architecture), else loaded whole and then sharded."""
+        if self.sharded and sharded_load.loads_sharded(spec):
+            model, tokenizer = sharded_load.load_sharded_policy(spec, mixed)
+            frozen = sharded_load.load_sharded_policy(spec, mixed, trained=False)[0] if spec.lora_rank == 0 else None
+            return model, tokenizer, frozen, sharded_load.probe_model(spec)
+        model, tokenizer = load_policy(spec)
+        if not self.sharded:
+            return model, tokenizer, None, model
+        log.info("%s is no local safetensors folder: each rank loads it whole, then shards it", spec.model)
+        frozen = copy.deepcopy(model) if spec.lora_rank == 0 else None
+        if frozen is not None:
+            frozen.requires_grad_(False)
+            sharding.shard(frozen, mixed)
+        sharding.shard(model, mixed)
+        return model, tokenizer, frozen, model
+
+    def _parallelism(self, spec: ModelSpec) -> str:
         """[learner] parallelism, `auto` resolved by the model's size (FSDP_FROM_PARAMETERS); logged by rank 0."""
         chosen = self.cfg.parallelism
         if chosen == "auto":
             # Trained parameters: a LoRA adapter's ranks hold little beside the frozen base, which ddp keeps whole.
             # A run resumed from whole weights stays ddp (a sharded learner cannot read them).
-            trained = sum(p.numel() for p in model.parameters()) if self.cfg.policy.lora_rank == 0 else 0
+            trained = sharded_load.parameter_count(spec) if self.cfg.policy.lora_rank == 0 else 0
             ckpt = checkpoint.latest(self.cfg.checkpoint_dir) if self.cfg.resume else None
             resumes_whole = ckpt is not None and not checkpoint.is_sharded(ckpt)
             chosen = "fsdp" if trained >= FSDP_FROM_PARAMETERS and not resumes_whole else "ddp"

@@ -10,8 +10,9 @@ fixed batch of responses of different lengths. Measured per rank:
   sharded tensor its local shard);
 - `resident`, `peak`: the resident set after the updates and its peak during them (activations and FSDP's
   gathered blocks too), above the resident set before the model was built (/proc/self/status; on a GPU
-  torch.cuda's allocated and peak). The model is built whole on every rank before it is sharded (no meta-device
-  loading yet), so the peak is reset after sharding.
+  torch.cuda's allocated and peak), the peak reset after the models are built;
+- `load_peak`: the peak while the models are built (ddp: loaded whole, the reference copied; fsdp: as the learner
+  loads them, straight into each rank's shards, learner_node/sharded_load.py); `process_peak`: the larger of the two.
 Legs alternate (ddp, fsdp, fsdp, ddp, ...); medians of --repeats.
 """
 
@@ -98,7 +99,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, parallelism: str, ar
     from learner_node.generation import generation_update
     from learner_node.optim import adam
     from learner_node.policy import LearnerPolicy
-    from learner_node.sharding import shard
+    from learner_node.sharded_load import load_sharded_policy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
@@ -110,17 +111,20 @@ def _rank(rank: int, world: int, port: int, model_dir: str, parallelism: str, ar
     batch = _batch(args.responses, args.longest)
     before_kb = status_kb("VmRSS")
     torch.manual_seed(0)
-    model, tok = load_policy(ModelSpec(model=model_dir, device=device, lora_rank=0, dtype="float32"))
-    lp = LearnerPolicy(model, tok, "token", 1.0, [16], token_value_hidden=[16])
-    if parallelism == "fsdp":
-        shard(lp.model, mixed_precision=cuda)
-        if lp.frozen is not None:  # the reference: a frozen copy of all the weights (lora_rank 0)
-            shard(lp.frozen, mixed_precision=cuda)
+    spec = ModelSpec(model=model_dir, device=device, lora_rank=0, dtype="float32")
+    if parallelism == "fsdp":  # as the learner loads it: straight into each rank's shards, and the reference too
+        model, tok = load_sharded_policy(spec, mixed_precision=cuda)
+        frozen = load_sharded_policy(spec, mixed_precision=cuda, trained=False)[0]
+    else:
+        model, tok = load_policy(spec)
+        frozen = None  # LearnerPolicy copies the reference (lora_rank 0) from the whole model
+    lp = LearnerPolicy(model, tok, "token", 1.0, [16], token_value_hidden=[16], frozen=frozen)
     policy_opt, value_opt = adam(lp.trainable_parameters(), 1e-5), adam(lp.token_value_head.parameters(), 1e-3)
     cfg = UpdateConfig(update_epochs=1, policy_minibatch=args.responses, value_minibatch=args.responses, value_epochs=1, target_kl=0.0)
     gen = GenerationConfig(micro_batch_tokens=args.micro_tokens, kl_coef=0.05, value_hidden=[16])
+    load_peak_kb = status_kb("VmHWM") - before_kb
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak from here on: the model is built whole on every rank before it is sharded
+        f.write("5")  # the peak from here on, the updates' own (the load's is load_peak_mb)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base_gpu = torch.cuda.memory_allocated()
@@ -137,6 +141,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, parallelism: str, ar
         "held_mb": _held_mb([m for m in (lp.model, lp.frozen, lp.token_value_head) if m is not None], [policy_opt, value_opt]),
         "resident_mb": (status_kb("VmRSS") - before_kb) / 1024,
         "peak_mb": (status_kb("VmHWM") - before_kb) / 1024,
+        "load_peak_mb": load_peak_kb / 1024,
         "parameters": sum(p.numel() for p in model.parameters()) if parallelism == "ddp" else None,
     }
     if cuda:
@@ -189,8 +194,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for leg, legs in runs.items():
         medians[leg] = {
             key: statistics.median(max(rank[key] for rank in ranks) for ranks in legs)  # the larger rank's, per run
-            for key in ("held_mb", "resident_mb", "peak_mb") + (("gpu_peak_mb", "gpu_resident_mb") if "gpu_peak_mb" in legs[0][0] else ())
+            for key in ("held_mb", "resident_mb", "peak_mb", "load_peak_mb")
+            + (("gpu_peak_mb", "gpu_resident_mb") if "gpu_peak_mb" in legs[0][0] else ())
         }
+        # the process's peak over its life: loading, or the updates
+        medians[leg]["process_peak_mb"] = statistics.median(
+            max(max(rank["peak_mb"], rank["load_peak_mb"]) for rank in ranks) for ranks in legs
+        )
         medians[leg]["update_s"] = statistics.median(statistics.median(ranks[0]["update_s"][1:] or ranks[0]["update_s"]) for ranks in legs)
     shutil.rmtree(work, ignore_errors=True)
     parameters = next((ranks[0]["parameters"] for legs in runs.values() for ranks in legs if ranks[0]["parameters"]), None)
@@ -221,7 +231,7 @@ def main(args: argparse.Namespace) -> int:
     for leg, m in result["medians"].items():
         print(
             f"  {leg:<5} held {m['held_mb']:8.0f} MB a rank, resident {m['resident_mb']:8.0f} MB, peak {m['peak_mb']:8.0f} MB, "
-            f"update {m['update_s']:6.2f} s"
+            f"loading's peak {m['load_peak_mb']:8.0f} MB, process peak {m['process_peak_mb']:8.0f} MB, update {m['update_s']:6.2f} s"
         )
     for key, ratio in result["fsdp_over_ddp"].items():
         print(f"  fsdp / ddp {key}: {ratio:.2f}")
