@@ -220,12 +220,27 @@ def response_logprobs(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per response token: log pi(token | prompt, earlier tokens) with the logits divided by the sample's
     temperature (the distribution the actor sampled from before top-p), and that distribution's entropy."""
-    decoder, head, post = scoring.model_parts(model)
-    device = next(model.parameters()).device
+    return logprobs_of_hidden(model, response_hidden(model, prompts, responses, budget, layout), responses, temperatures)
+
+
+def response_hidden(
+    model: Any, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], budget: int, layout: str = "packed"
+) -> list[torch.Tensor]:
+    """The decoder's last hidden state before each response token, [len(response), width] per response: what the
+    LM head scores it from, and what the critic values it from (`GenerationUpdate.targets`)."""
+    decoder = scoring.model_parts(model)[0]
     sequences = [list(p) + list(r[:-1]) for p, r in zip(prompts, responses)]  # the last token predicts nothing we score
     positions = [range(len(p) - 1, len(p) - 1 + len(r)) for p, r in zip(prompts, responses)]
-    hidden = packed_hidden(decoder, sequences, positions, budget, layout)
-    flat = torch.cat(hidden)
+    return packed_hidden(decoder, sequences, positions, budget, layout)
+
+
+def logprobs_of_hidden(
+    model: Any, hidden: Sequence[torch.Tensor], responses: Sequence[Sequence[int]], temperatures: Sequence[float]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`response_logprobs` from `response_hidden`'s states: the LM head, the temperature, the log-softmax."""
+    _, head, post = scoring.model_parts(model)
+    device = next(model.parameters()).device
+    flat = torch.cat(list(hidden))
     targets = torch.tensor([t for r in responses for t in r], device=device)
     temps = torch.tensor([t for r, temp in zip(responses, temperatures) for t in [temp] * len(r)], dtype=torch.float32, device=device)
     logp, ent = head_logprobs(head, post, flat, targets, temps)
@@ -450,8 +465,13 @@ class GenerationUpdate:
         b, gen, n = self.batch, self.gen, len(self.batch)
         with torch.no_grad():
             prox, _ = response_logprobs(self.lp.model, b.prompts, b.responses, b.temperatures, gen.micro_batch_tokens, self.layout)
-            with self.lp.base() as base:  # adapter off: the reference policy
-                ref, _ = response_logprobs(base, b.prompts, b.responses, b.temperatures, gen.micro_batch_tokens, self.layout)
+            with self.lp.base() as base:  # adapter off: the reference policy, and the critic's frozen features
+                hidden = response_hidden(base, b.prompts, b.responses, gen.micro_batch_tokens, self.layout)
+                ref, _ = logprobs_of_hidden(base, hidden, b.responses, b.temperatures)
+            # GAE's critic values each token from the same states: one adapter-off forward serves both (kept for the
+            # critic's epochs); GRPO and RLOO have no critic
+            self.features = [h.float() for h in hidden] if gen.advantage == "gae" else []
+            del hidden
         mask = self.padded([torch.ones(s) for s in self.sizes])
         b_prox, self.ref = self.padded(prox), self.padded(ref)
         behaviour = self.padded([torch.tensor(x) for x in b.behaviour])
@@ -473,16 +493,13 @@ class GenerationUpdate:
 
     @torch.no_grad()
     def _critic_targets(self, kl: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """GAE's part: the critic's token values on the frozen base's features (kept for the critic's epochs),
+        """GAE's part: the critic's token values on the frozen base's features (`targets` keeps them for the critic's epochs),
         per-token rewards (the KL to the reference in them if so set: r_t = -beta KL_t + [t last] score), and
         GAE over each chain's tokens; (values, returns, advantages) [B, T]."""
         b, gen, value_head = self.batch, self.gen, self.lp.token_value_head
-        sequences = [p + r[:-1] for p, r in zip(b.prompts, b.responses)]
-        positions = [range(len(p) - 1, len(p) - 1 + len(r)) for p, r in zip(b.prompts, b.responses)]
         boot_prompts = [c.next_prompt for c in b.chains if c.next_prompt is not None]
-        with self.lp.base() as base:  # adapter off: the critic's frozen features
+        with self.lp.base() as base:  # adapter off: the critic's frozen features (the responses' came with the reference's)
             decoder = scoring.model_parts(base)[0]
-            self.features = [h.float() for h in packed_hidden(decoder, sequences, positions, gen.micro_batch_tokens, self.layout)]
             boot_features = packed_hidden(decoder, boot_prompts, [[len(p) - 1] for p in boot_prompts], gen.micro_batch_tokens, self.layout)
         values = self.padded([value_head(f) for f in self.features])
         boot_values = iter([value_head(f.float())[0] for f in boot_features])

@@ -453,3 +453,45 @@ def test_grpo_trains_nothing_during_the_warm_up(tiny_models, redis_url, redis_cl
     for name, p in learner.lp.model.named_parameters():
         if p.requires_grad:
             assert torch.equal(p, before[name]), name
+
+
+@pytest.mark.parametrize("advantage", ["gae", "grpo"])
+def test_the_reference_and_the_critic_share_one_adapter_off_forward(tiny_models, advantage) -> None:
+    """The reference's log-probabilities and the critic's features are the frozen base's states at the same
+    positions: one forward of the adapter-off decoder gives both (it gave them in two), and GRPO keeps none."""
+    from peft.tuners.lora import LoraLayer
+
+    from common import scoring
+    from learner_node.config import GenerationConfig
+    from learner_node.generation import Chain, GenerationBatch, GenerationUpdate, response_hidden
+    from learner_node.policy import LearnerPolicy
+
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4))
+    lp = LearnerPolicy(model, tokenizer, "token", 1.0, [8], token_value_hidden=[8])
+    g = torch.Generator().manual_seed(1)
+    batch = GenerationBatch()
+    for i, (n_prompt, n_response) in enumerate([(12, 5), (3, 9), (7, 1)]):  # one chain per response, nothing after
+        batch.prompts.append(torch.randint(3, 250, (n_prompt,), generator=g).tolist())
+        batch.responses.append(torch.randint(3, 250, (n_response,), generator=g).tolist())
+        batch.temperatures.append(1.0)
+        batch.rewards.append(float(i))
+        batch.dones.append(True)
+        batch.lags.append(0)
+        batch.behaviour.append([-1.0] * n_response)
+        batch.chains.append(Chain([i], None))
+    lora = next(m for m in model.modules() if isinstance(m, LoraLayer))
+    adapter_off: list[int] = []
+    scoring.model_parts(model)[0].register_forward_pre_hook(lambda *_: adapter_off.append(1) if lora.disable_adapters else None)
+    settings = {"kl_in_reward": False, "kl_estimator": "k3"} if advantage == "grpo" else {}  # as GRPO takes its KL
+    update = GenerationUpdate(lp, batch, GenerationConfig(micro_batch_tokens=64, advantage=advantage, value_hidden=[8], **settings))
+    update.targets({})
+    assert len(adapter_off) == 1  # all three responses fit one packed forward of 64 tokens
+    if advantage == "grpo":
+        assert update.features == []
+        return
+    with torch.no_grad(), lp.base() as base:
+        want = response_hidden(base, batch.prompts, batch.responses, 64)
+    assert [f.shape for f in update.features] == [(5, 64), (9, 64), (1, 64)]
+    for got, expected in zip(update.features, want):
+        assert torch.equal(got, expected.float())
