@@ -288,3 +288,26 @@ def test_gradients_flow_through_the_packed_path(tiny_models):
     total.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and any(float(g.abs().sum()) > 0 for g in grads)
+
+
+def test_a_16_bit_heads_float32_copy_is_made_once_per_version_of_its_weight() -> None:
+    from common.scoring import _float32_weight, head_logits
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 40, bias=False).to(torch.bfloat16).requires_grad_(False)
+    hidden = torch.randn(3, 16, dtype=torch.bfloat16)
+    want = hidden.float() @ head.weight.float().T
+    with torch.inference_mode():  # as the actor calls it; the copy must still serve a forward with a graph
+        assert torch.equal(head_logits(head, hidden), want)
+    first = _float32_weight(head.weight)
+    assert _float32_weight(head.weight) is first  # kept: no copy per call
+    with torch.no_grad():
+        head.weight.mul_(2)  # new weights copied in place (an actor's swap, an optimizer step)
+    assert _float32_weight(head.weight) is not first and torch.equal(head_logits(head, hidden), 2 * want)
+    head.weight.data = torch.zeros_like(head.weight)  # a new tensor put in its place
+    assert not head_logits(head, hidden).any()
+    grad_in = hidden.float().requires_grad_(True).to(torch.bfloat16)  # a frozen head under a graph (the reference's)
+    head_logits(head, grad_in).sum().backward()
+    trained = torch.nn.Linear(16, 40, bias=False).to(torch.bfloat16)  # a head being trained: upcast per call, gradient flows
+    head_logits(trained, hidden).sum().backward()
+    assert trained.weight.grad is not None and trained.weight.grad.abs().sum() > 0
