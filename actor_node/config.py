@@ -30,7 +30,7 @@ class ActorConfig:
     )
     prefill_tokens: int = option(2048, "generate: most prompt tokens (padded) computed per step; longer prompts prefill in chunks")
     fold_lora: bool = option(
-        True, "generate: fold a float32 model's LoRA adapter into its base weights while responses run (faster; restored exactly after)"
+        True, "generate: fold the LoRA adapter into the base weights while responses run (faster; restored exactly after)"
     )
     rag: bool = option(
         True,

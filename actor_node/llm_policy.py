@@ -38,7 +38,7 @@ class SamplingConfig:
     max_generate_rows: int = option(16, "most responses generated at once (the decode batch)")
     max_generate_positions: int = option(4096, "KV positions reserved per generated row (prompt + response)")
     prefill_tokens: int = option(2048, "most prompt tokens (padded) computed per generation step")
-    fold_lora: bool = option(True, "fold a float32 LoRA adapter into the base weights while responses are generated")
+    fold_lora: bool = option(True, "fold the LoRA adapter into the base weights while responses are generated")
 
 
 class LLMPolicy:

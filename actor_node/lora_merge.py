@@ -7,12 +7,17 @@ hidden 512 x 4, an adapter on every linear layer), the engine wrote about 20% mo
 per second folded (docs/benchmarks.md, "Generation").
 
 The fold is exact up to rounding: the logits differ from the unfolded model's in their
-last bits (about 1e-6 in float32), as a different batch shape's do. It is undone
-exactly: the base weights are restored from copies taken before the first fold, never by
-subtracting (W + sBA - sBA drifts by a rounding error per update, and a policy served for
-thousands of updates would drift from the learner's). So it is used where the copies are
-cheap and the rounding is float32's: a float32 model (`applies`); the copies cost the
-adapted layers' memory once more. The engine folds before each step and restores when
+last bits (about 1e-6 in float32), as a different batch shape's do. In bfloat16, W + sBA
+is rounded to 8 bits of mantissa, and an adapter's step smaller than that could seem
+lost; measured on a tiny Llama with adapters of every size from 3e-4 to 1e-2 (log-prob
+effects 0.0007 to 0.023), the folded model's error on the adapter's effect against
+float32 equals the unfolded bf16 model's (0.0007-0.0008 mean, both): unfolded, peft adds
+the adapter's product to a bf16 activation, rounded as finely (tests/actor_node/
+test_lora_fold.py). So every dtype folds (`applies`); on a GPU that saves about 6 kernel
+launches per adapted layer per decode step. It is undone exactly: the base weights are
+restored from copies taken before the first fold, never by subtracting (W + sBA - sBA
+drifts by a rounding error per update, and a policy served for thousands of updates
+would drift from the learner's). The copies cost the adapted layers' memory once more. The engine folds before each step and restores when
 the batch drains, which is the only time new weights are loaded (actor_node/worker.py),
 so set_weights always finds the plain model. Scoring jobs answered between two steps
 run on the folded weights: the same function up to rounding.
@@ -32,8 +37,8 @@ def lora_layers(model: Any) -> list[Any]:
 
 
 def applies(model: Any) -> bool:
-    """A peft LoRA model in float32."""
-    return hasattr(model, "peft_config") and next(model.parameters()).dtype == torch.float32 and bool(lora_layers(model))
+    """A peft LoRA model (float32, bfloat16 or float16)."""
+    return hasattr(model, "peft_config") and next(model.parameters()).is_floating_point() and bool(lora_layers(model))
 
 
 class FoldedLoRA:

@@ -10,7 +10,7 @@ weights and the actor's default LoRA adapter, saved and loaded through `from_pre
   KV cache), started when the last request has arrived, run to the longest budget;
 - `ppoz`: PPOZ's engine (actor_node/generation.py) in this process, requests added as
   they arrive, with the LoRA adapter folded into the base weights while rows run (its
-  default on a float32 model, actor_node/lora_merge.py);
+  default, actor_node/lora_merge.py);
 - `ppoz_unfolded`: the same engine computing the adapter as peft does, as the
   transformers legs do: the difference from `ppoz` is the fold, the rest is the engine;
 - `ppoz_broker`: the same requests from concurrent clients through a real broker

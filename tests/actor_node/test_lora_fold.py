@@ -79,3 +79,44 @@ def test_a_scoring_job_that_disables_the_adapter_between_steps_changes_nothing(t
             assert engine.folded is not None and all(layer.merged for layer in engine.folded.layers) == bool(engine.active)
     assert answers[0].response_ids == plain[0].response_ids
     assert all(torch.equal(before[n], p) for n, p in base_weights(model).items())
+
+
+def test_a_bfloat16_adapter_folds_and_keeps_its_effect_as_the_unfolded_model_does(tiny_models) -> None:
+    """Folded in bf16, W + sBA is rounded to 8 bits: the adapter's effect on the log-probabilities (against the
+    float32 model's) is off by as much as the unfolded bf16 model's, no more; the base comes back bit for bit."""
+    from actor_node.lora_merge import FoldedLoRA, applies
+    from learner_node.generation import response_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (20, 9, 33, 14)]
+    responses = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (12, 30, 5, 40)]
+
+    def logprobs(model) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat(response_logprobs(model, prompts, responses, [1.0] * 4, 256)[0])
+
+    effects = {}
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        model, _ = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=8, dtype=dtype))
+        assert applies(model)
+        plain = logprobs(model)
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:  # an adapter that has learned something: log-prob effects of about 0.02
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        effects[dtype] = logprobs(model) - plain
+        if dtype == "bfloat16":
+            before = base_weights(model)
+            fold = FoldedLoRA(model)
+            fold.fold()
+            assert all(layer.merged for layer in fold.layers)  # no LoRA product computed: the base weight is W + sBA
+            effects["folded"] = logprobs(model) - plain
+            fold.restore()
+            assert all(torch.equal(before[n], p) for n, p in base_weights(model).items())
+    reference = effects["float32"]
+    unfolded_error = float((effects["bfloat16"] - reference).abs().mean())
+    folded_error = float((effects["folded"] - reference).abs().mean())
+    assert float(reference.abs().mean()) > 10 * unfolded_error  # the effect is well above bf16's own noise
+    assert folded_error <= 1.5 * unfolded_error, (folded_error, unfolded_error)
