@@ -479,15 +479,17 @@ class GenerationEngine:
     def _sample(self, rows: list[_Row], logits: torch.Tensor, answered: list[Answer], finished: set[_Row]) -> None:
         """The next token of each of these rows, sampled at once; finished rows answered and marked."""
         params = [r.params for r in rows]
-        device = logits.device
-        tokens, logprobs, failed = sampling.sample(
+        tokens, logprobs, failed = sampling.sample(  # the settings built on the host: sample copies them over
             logits.float(),
-            torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32),
-            torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32),
-            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params]),
             sampling.row_uniforms(torch.tensor([r.seed for r in rows]), torch.tensor([len(r.response_ids) for r in rows])),
         )
-        for row, token, logprob, bad in zip(rows, tokens.tolist(), logprobs.tolist(), failed.tolist()):
+        # one device-to-host copy a step for all three (float64 holds every token id and float32 log-prob exactly)
+        host = torch.stack([tokens.double(), logprobs.double(), failed.double()]).cpu().tolist()
+        for row, token_, logprob, bad in zip(rows, *host):
+            token = int(token_)
             if bad:  # named by all its settings: the temperature alone blamed it when a top_p was what the client had set
                 settings = f"temperature {row.params.temperature:g}, top_p {row.params.top_p:g}, top_k {row.params.top_k}"
                 answered.append((row.job, GenerationError(f"the distribution at {settings} cannot be sampled (not finite)")))

@@ -60,13 +60,17 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [n], their log-probabilities [n], rows that could not be sampled [n] bool) for logits
     [n, vocab] (float32) and per-row settings [n]: temperature (0: greedy), top_p in (0, 1], top_k (0: off),
-    uniforms in [0, 1)."""
+    uniforms in [0, 1). The settings may be on the host (the engine's are): whether any row filters is then
+    decided there, with no wait for the device, and they are copied over once."""
+    vocab = logits.shape[-1]
+    filtered = (top_p < 1) | ((top_k > 0) & (top_k < vocab))
+    any_filtered = bool(filtered.any())
+    device = logits.device
+    temperature, top_p, top_k, filtered = (t.to(device, non_blocking=True) for t in (temperature, top_p, top_k, filtered))
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, 1.0, temperature).to(logits.dtype)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
-    vocab = logits.shape[-1]
-    filtered = (top_p < 1) | ((top_k > 0) & (top_k < vocab))
-    if bool(filtered.any()):
+    if any_filtered:
         sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
         rank = torch.arange(vocab, device=logits.device)[None, :]
         in_top_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])

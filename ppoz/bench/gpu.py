@@ -5,6 +5,8 @@ code at tiny sizes, which CI runs so that the command keeps working between the 
 its figures, or the error that stopped it; the command exits 1 if a part failed.
 
 - gae: `core_algos.gae` on 131,072 tokens (target: at most 50 ms).
+- head: the LM head a decode step runs (a bf16 head of 151,936 tokens, hidden 1,536 on a GPU, 896 on a CPU), its
+  float32 copy kept against upcast on every call.
 - update: one generation PPO update with the learner's own defaults ([learner] and [generation] settings: LoRA
   rank 8, micro-batches of 8,192 tokens, gradient checkpointing on a GPU, bf16 there) on long-tailed responses,
   at Qwen2.5-1.5B's shape (random weights): seconds and peak memory (target on a GPU: at most 20 GB).
@@ -78,6 +80,40 @@ def gae_part(device: torch.device) -> dict[str, Any]:
         seconds.append(time.perf_counter() - start)
     ms = statistics.median(seconds[1:]) * 1e3
     return {"tokens": GAE_TOKENS, "ms": round(ms, 2), "target_ms": 50.0, "met": ms <= 50.0}
+
+
+def head_part(device: torch.device, hidden: int, rows: int = 32, runs: int = 5) -> dict[str, Any]:
+    """The LM head as a decode step calls it (`scoring.head_logits`, a bf16 head of a 151,936-token vocabulary,
+    its float32 copy kept per weight version) against upcasting the weight on every call, as it did; alternating."""
+    from common import scoring
+    from ppoz.bench.train_tasks import REAL_SHAPE_VOCAB
+
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(hidden, REAL_SHAPE_VOCAB, bias=False, device=device, dtype=torch.bfloat16).requires_grad_(False)
+    states = torch.randn(rows, hidden, generator=generator).to(device, torch.bfloat16)
+    legs = {
+        "kept_copy": lambda: scoring.head_logits(head, states),
+        "upcast_per_call": lambda: torch.nn.functional.linear(states.float(), head.weight.float()),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in legs}
+    with torch.inference_mode():
+        for leg in legs.values():
+            leg()  # warm-up, and the kept copy made
+        for run in range(2 * runs):
+            for name in list(legs) if run % 2 == 0 else list(legs)[::-1]:
+                start = time.perf_counter()
+                legs[name]()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                seconds[name].append(time.perf_counter() - start)
+    ms = {name: statistics.median(times) * 1e3 for name, times in seconds.items()}
+    return {
+        "vocab": REAL_SHAPE_VOCAB,
+        "hidden": hidden,
+        "rows": rows,
+        **{f"{name}_ms": round(value, 3) for name, value in ms.items()},
+        "speedup": round(ms["upcast_per_call"] / ms["kept_copy"], 2),
+    }
 
 
 def update_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
@@ -193,6 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "error" not in result["generate"]:
         result["generate_targets"] = generate_targets(result["generate"])
     result["gae"] = gae_part(device)
+    result["head"] = head_part(device, 1536 if device.type == "cuda" else 896)
     try:
         result["update"] = update_part(device, sizes["update"])
     except Exception as e:  # reported as the part's error (out of memory, say): the other parts' figures still count
@@ -227,6 +264,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"ppoz bench gpu on {s['gpu'] or s['device']} ({s['machine']}), {s['seconds']} s")
         g, u = result["gae"], result["update"]
         print(f"gae: {g['tokens']:,} tokens in {g['ms']} ms (target 50 ms)")
+        h = result["head"]
+        print(f"head: {h['kept_copy_ms']} ms with its float32 copy kept, {h['upcast_per_call_ms']} ms upcast per call")
         if "error" not in u:
             memory = f"peak {u['peak_gb']} GB" if "peak_gb" in u else f"process peak RSS {u['process_peak_rss_mb']} MB"
             print(f"update: {u['shape']}, {u['tokens']:,} tokens in {u['seconds']} s, {memory}")

@@ -15,9 +15,10 @@ def test_bench_gpu_runs_every_part_on_the_cpu_and_prints_one_json_object(tmp_pat
     proc = ppoz("bench", "gpu", "--device", "cpu", "--json", timeout=600, cwd=tmp_path)  # 4 benches in processes: 20 s alone; x30
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert set(result) == {"scoring", "generate", "generate_targets", "weights", "gae", "update", "train", "setup"}
+    assert set(result) == {"scoring", "generate", "generate_targets", "weights", "gae", "head", "update", "train", "setup"}
     assert not [name for name, part in result.items() if "error" in part], proc.stdout
     assert result["gae"]["tokens"] == 131_072 and 0 < result["gae"]["ms"]
+    assert result["head"]["vocab"] == 151_936 and result["head"]["kept_copy_ms"] > 0 and result["head"]["upcast_per_call_ms"] > 0
     update = result["update"]
     assert update["shape"] == "tiny-qwen2" and update["dtype"] == "float32" and update["lora_rank"] == 8
     assert update["gradient_checkpointing"] is False and update["tokens"] > 0 and update["seconds"] > 0
