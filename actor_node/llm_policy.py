@@ -51,7 +51,7 @@ class LLMPolicy:
         prefix_cache_mb: float = 0.0,
         policy_version: int = 0,
     ) -> None:
-        self.model = model
+        self.model = model.requires_grad_(False)  # it serves, never trains: a frozen head keeps its float32 copy (scoring.head_logits)
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.path = scoring.select_path(model, path)

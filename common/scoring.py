@@ -204,17 +204,16 @@ def head_logits(head: Any, hidden: torch.Tensor) -> torch.Tensor:
     to 8 (bfloat16) or 11 (float16) significant bits before the log-softmax, an error of up to
     |logit| / 256 in each log-probability. Only the scored positions come here.
 
-    The float32 copy of a 16-bit head's weight (vocab x width x 4 bytes: 0.9 GB for Qwen2.5-1.5B) is made
-    once per version of the weight and kept (`_float32_weight`), not on every call: the actor calls this every
-    decode step. A head being trained (gradients on) is upcast on each call, so its gradient flows."""
+    The float32 copy of a frozen 16-bit head's weight (vocab x width x 4 bytes: 0.9 GB for Qwen2.5-1.5B) is made
+    once per version of the weight and kept (`_float32_weight`), not on every call: the actor (whose model is
+    frozen, actor_node/llm_policy.py) calls this every decode step. A trainable head is upcast on every call: an
+    optimizer step (torch's fused Adam) changes a weight without bumping its version counter, so a kept copy
+    could be stale, and its gradient must flow anyway."""
     if hidden.dtype == torch.float32 or not _is_plain_linear(head):
         return head(hidden).float()
     bias = head.bias
     weight = head.weight
-    if torch.is_grad_enabled() and weight.requires_grad:
-        upcast = weight.float()
-    else:
-        upcast = _float32_weight(weight)
+    upcast = weight.float() if weight.requires_grad else _float32_weight(weight)
     return torch.nn.functional.linear(hidden.float(), upcast, None if bias is None else bias.float())
 
 
@@ -222,8 +221,8 @@ FLOAT32_COPY = "_ppoz_float32_copy"  # the attribute of a 16-bit weight that hol
 
 
 def _float32_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` in float32, copied again only when the weight has changed since: every in-place change (new
-    weights copied in, an optimizer step) bumps a tensor's version counter, and a new tensor put in its place
+    """A frozen `weight` in float32, copied again only when the weight has changed since: an in-place change (new
+    weights copied in by `load_state_dict`) bumps a tensor's version counter, and a new tensor put in its place
     (`param.data = ...`) has storage of its own. The copy is made outside inference mode, so a learner may use
     it in a forward that keeps a graph."""
     with torch.inference_mode(False):

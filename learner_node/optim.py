@@ -76,8 +76,8 @@ class MasterWeightAdam(torch.optim.Adam):
         try:
             for group in self.param_groups:
                 for p in group["params"]:
-                    if p.dtype not in SIXTEEN_BITS:
-                        continue
+                    if p.dtype not in SIXTEEN_BITS or (with_grads and p.grad is None):
+                        continue  # Adam leaves a parameter with no gradient as it is: no state made for it here either
                     half, grad = p.data, p.grad
                     residual = self.state[p].get(RESIDUAL) if p in self.state else None
                     p.data = half.float() + residual if residual is not None else half.float()

@@ -37,9 +37,14 @@ ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lo
 
 
 def loads_sharded(spec: ModelSpec) -> bool:
-    """Whether `load_sharded_policy` can read `spec.model`: a local folder of safetensors files."""
+    """Whether `load_sharded_policy` can read `spec.model`: a local folder of safetensors files holding every
+    tensor of the model under the name `checkpoint_name` gives it (a checkpoint with other names, which
+    transformers renames as it loads, such as GPT-2's without its `transformer.` prefix, is loaded whole)."""
     folder = Path(spec.model)
-    return (folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists()
+    if not ((folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists()):
+        return False
+    files = checkpoint_files(folder)
+    return not _missing(_tensors_by_name(empty_model(spec)), files)
 
 
 def empty_model(spec: ModelSpec, layers: int | None = None) -> Any:
@@ -71,7 +76,8 @@ def probe_model(spec: ModelSpec, layers: int = 2) -> Any:
     weights, on the CPU: what the scoring-path and layout checks (`scoring.select_path`, `check_layout`) run on
     for a sharded learner, whose own model no rank holds whole. They check how the architecture masks, windows
     and post-processes logits, which its weights and depth do not change."""
-    model = empty_model(replace(spec, device="cpu"), layers)
+    dtype = str(spec.resolved_dtype()).removeprefix("torch.")  # the dtype the real model runs in, on its device
+    model = empty_model(replace(spec, device="cpu", dtype=dtype), layers)
     _materialise(model, torch.device("cpu"))
     with torch.no_grad():
         generator = torch.Generator().manual_seed(0)
@@ -81,11 +87,17 @@ def probe_model(spec: ModelSpec, layers: int = 2) -> Any:
 
 
 def _keep_layers(config: Any, layers: int) -> None:
+    """`layers` decoder layers, or one of each kind the model has (sliding-window and global attention, say)
+    where it has more kinds than that."""
+    kinds = getattr(config, "layer_types", None)
+    if isinstance(kinds, list) and kinds:
+        kept = kinds[:layers]
+        kept += [kind for kind in dict.fromkeys(kinds) if kind not in kept]  # a global layer after five sliding ones, say
+        config.layer_types = kept
+        layers = len(kept)
     for name in ("num_hidden_layers", "n_layer", "num_layers"):
         if isinstance(getattr(config, name, None), int):
             setattr(config, name, min(getattr(config, name), layers))
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:layers]
 
 
 def load_sharded_policy(spec: ModelSpec, mixed_precision: bool, mesh: Any = None, trained: bool = True) -> tuple[Any, Any]:
@@ -150,24 +162,36 @@ def _load_tensors(model: nn.Module, files: dict[str, Path]) -> None:
     several keys (a tied head) is loaded once; an adapter's tensors are not in the checkpoint."""
     from safetensors import safe_open
 
-    keys_of: dict[int, list[str]] = defaultdict(list)
-    tensors: dict[int, torch.Tensor] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        keys_of[id(value)].append(key)
-        tensors[id(value)] = value
+    grouped = _tensors_by_name(model)
+    missing = _missing(grouped, files)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {checkpoint_name(missing[0])!r} (the model's {missing[0]!r})")
     by_file: dict[Path, list[tuple[torch.Tensor, str]]] = defaultdict(list)
-    for ident, keys in keys_of.items():
-        if any(part in key.split(".") for key in keys for part in ADAPTER_PARTS):
-            continue
-        names = [checkpoint_name(key) for key in keys if checkpoint_name(key) in files]
-        if not names:
-            raise ValueError(f"the checkpoint lacks {checkpoint_name(keys[0])!r} (the model's {keys[0]!r})")
-        by_file[files[names[0]]].append((tensors[ident], names[0]))
+    for tensor, keys in grouped:
+        name = next(checkpoint_name(key) for key in keys if checkpoint_name(key) in files)
+        by_file[files[name]].append((tensor, name))
     with torch.no_grad():
         for path, wanted in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for target, name in wanted:
                     _copy_into(target, f.get_tensor(name))
+
+
+def _tensors_by_name(model: nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
+    """Each tensor of the model's state dict that a checkpoint holds (not the adapter's), with all its keys (a
+    tied head's tensor is the embedding table's: two keys)."""
+    keys_of: dict[int, list[str]] = defaultdict(list)
+    tensors: dict[int, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        keys_of[id(value)].append(key)
+        tensors[id(value)] = value
+    adapter = [ident for ident, keys in keys_of.items() if any(part in key.split(".") for key in keys for part in ADAPTER_PARTS)]
+    return [(tensors[ident], keys) for ident, keys in keys_of.items() if ident not in adapter]
+
+
+def _missing(grouped: list[tuple[torch.Tensor, list[str]]], files: dict[str, Path]) -> list[str]:
+    """The first key of each tensor none of whose names the checkpoint holds."""
+    return [keys[0] for _, keys in grouped if not any(checkpoint_name(key) in files for key in keys)]
 
 
 def _copy_into(target: torch.Tensor, whole: torch.Tensor) -> None:
@@ -195,8 +219,10 @@ def _init_adapter(model: nn.Module) -> None:
                 base_dtype = layer.get_base_layer().weight.dtype
                 for adapter in layer.lora_A:
                     parts = (layer.lora_A[adapter], layer.lora_B[adapter])
-                    for part in parts:
+                    device = parts[0].weight.device
+                    for part in parts:  # drawn on the CPU, from the generator load_policy draws from
+                        part.weight.data = torch.empty(part.weight.shape, dtype=part.weight.dtype)
                         part.reset_parameters()
                     layer.reset_lora_parameters(adapter, True)
-                    for part in parts:
-                        part.weight.copy_(part.weight.to(base_dtype))  # rounded as peft's pass through the base dtype rounds it
+                    for part in parts:  # rounded as peft's pass through the base dtype rounds it
+                        part.weight.data = part.weight.data.to(base_dtype).to(part.weight.dtype).to(device)

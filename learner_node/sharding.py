@@ -92,12 +92,14 @@ def shard(model: nn.Module, mixed_precision: bool, mesh: Any = None) -> nn.Modul
     run it in float32 (peft keeps adapters in float32 over a 16-bit base): learner and actors would no longer
     compute the same function with the same weights. With an adapter FSDP shards the frozen base, the bulk.
 
-    `mixed_precision` (GPU): MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): blocks gathered
-    and computed in bfloat16, gradients reduced in float32 into float32 master weights (a full fine-tune's
-    trained block parameters are cast to float32 here; frozen ones keep their dtype, FSDP2 wants one dtype among
-    the trained parameters of a unit only). The unsharded modules compute in their parameters' own dtype, as
-    without sharding and as on the actors: a 16-bit trained embedding, final norm or head keeps its dtype, and
-    the optimizer keeps its float32 master (learner_node/optim.py). Off (CPU): the parameters' own dtype."""
+    `mixed_precision` (a model loaded in 16 bits, as on a GPU): MixedPrecisionPolicy(param_dtype=the loaded dtype,
+    reduce_dtype=float32): blocks gathered and computed in bfloat16 (or float16), gradients reduced in float32
+    into float32 master weights (a full fine-tune's trained block parameters are cast to float32 here; frozen ones
+    keep their dtype, FSDP2 wants one dtype among the trained parameters of a unit only). The unsharded modules
+    compute in their parameters' own dtype, as without sharding and as on the actors: a 16-bit trained
+    embedding, final norm or head keeps its dtype, and the optimizer keeps its float32 master
+    (learner_node/optim.py). Off (a float32 model): float32 throughout.
+    (A 16-bit model sharded without it would step 16-bit DTensors, which MasterWeightAdam cannot.)"""
     if is_sharded(model):
         raise ValueError("the model is sharded already")
     blocks = transformer_blocks(model)
@@ -109,7 +111,8 @@ def shard(model: nn.Module, mixed_precision: bool, mesh: Any = None) -> nn.Modul
             for p in block.parameters():
                 if p.requires_grad and p.is_floating_point() and p not in adapter:
                     p.data = p.data.float()  # the master weights the optimizer steps on
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        loaded = next(p.dtype for p in model.parameters() if p.is_floating_point())  # bf16, or fp16
+        policy = MixedPrecisionPolicy(param_dtype=loaded, reduce_dtype=torch.float32)
     else:
         policy = MixedPrecisionPolicy()
     in_blocks = {p for block in blocks for p in block.parameters()}

@@ -100,9 +100,9 @@ class Learner:
         torch.manual_seed(cfg.seed)
         spec = ModelSpec.of(cfg.policy, device)
         self.sharded = self.world > 1 and self._parallelism(spec) == "fsdp"
-        # Sharded before the optimizers (which must hold the sharded parameters): bf16 compute with float32 master
-        # weights on a GPU, float32 on a CPU. In eval mode, and it stays so: no dropout.
-        model, tokenizer, frozen, checked = self._load(spec, mixed=spec.resolved_device().type == "cuda")
+        # Sharded before the optimizers (which must hold the sharded parameters): a model loaded in 16 bits (bf16 on
+        # a GPU by default) computes in them with float32 master weights. In eval mode, and it stays so: no dropout.
+        model, tokenizer, frozen, checked = self._load(spec, mixed=spec.resolved_dtype() != torch.float32)
         # The learner checks its scoring path as the actor does: every path it may use computes the model's own log-probabilities.
         path = scoring.select_path(checked, cfg.policy.scoring_path)
         layout = check_layout(checked, cfg.generation.micro_batch_tokens)  # and so does the generation path

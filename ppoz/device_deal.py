@@ -32,7 +32,9 @@ def visible_gpus() -> int:
     import os
     import sys
 
-    if sys.platform.startswith("linux") and not glob.glob("/dev/nvidia[0-9]*") and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    # NVIDIA's device nodes; WSL2's GPU (/dev/dxg) and ROCm's (/dev/kfd), which torch's cuda API serves too
+    nodes = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/dxg") + glob.glob("/dev/kfd")
+    if sys.platform.startswith("linux") and not nodes and "CUDA_VISIBLE_DEVICES" not in os.environ:
         return 0
     import torch
 

@@ -132,3 +132,32 @@ def test_a_bf16_full_fine_tune_moves_its_master_weights_every_update(tiny_models
         moved = sum(int((master(p, opt) != b).sum()) for p, b, g in zip(trained, before, with_grad) if g)
         total = sum(p.numel() for p, g in zip(trained, with_grad) if g)
         assert moved / total > 0.9, (update, moved / total)
+
+
+def test_a_parameter_without_a_gradient_is_left_alone_and_trains_once_it_has_one() -> None:
+    # an expert no token was routed to has no gradient this step: no state for it, and no crash when it has one
+    a, b = bf16_parameter(4, seed=1), bf16_parameter(4, seed=2)
+    opt = adam([a, b], 1e-3)
+    b_before = b.detach().clone()
+    a.grad = torch.ones_like(a)
+    opt.step()
+    opt.zero_grad()
+    assert RESIDUAL not in opt.state[b] and torch.equal(b.detach(), b_before)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    opt.step()
+    assert opt.state[b]["exp_avg"].dtype == torch.float32 and not torch.equal(master(b, opt), b_before.float())
+
+
+def test_a_trained_16_bit_head_is_never_served_from_a_stale_float32_copy() -> None:
+    # torch's fused Adam writes a weight without bumping its version counter: a kept copy would be the old head
+    from common.scoring import head_logits
+
+    head = torch.nn.Linear(8, 16, bias=False).to(torch.bfloat16)
+    opt = adam([head.weight], 1e-2)
+    hidden = torch.randn(3, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        head_logits(head, hidden)
+    head_logits(head, hidden).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        assert torch.equal(head_logits(head, hidden), torch.nn.functional.linear(hidden.float(), head.weight.float()))

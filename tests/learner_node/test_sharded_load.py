@@ -81,3 +81,20 @@ def test_the_probe_model_is_the_architecture_at_two_layers(tiny_models: dict[str
     assert sharded_load.parameter_count(spec) == sum(p.numel() for p in plain.parameters())  # the base's, tied counted once
     for (name, b), (_, want) in zip(probe.named_buffers(), whole.named_buffers()):
         assert torch.equal(b, want), name  # computed by the constructor, as the loaded model's
+
+
+def test_a_checkpoint_with_names_transformers_renames_is_loaded_whole(tiny_models: dict[str, str], tmp_path: Path) -> None:
+    """A GPT-2 checkpoint as the Hub has it, without the `transformer.` prefix: load_policy reads it (transformers
+    renames), the sharded loader would not find its names, so the learner loads it whole and then shards it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "hub-gpt2"
+    shutil.copytree(tiny_models["gpt2"], folder)
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({k.removeprefix("transformer."): v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    spec = ModelSpec(model=str(folder), device="cpu", lora_rank=4)
+    assert not sharded_load.loads_sharded(spec)
+    assert sharded_load.loads_sharded(ModelSpec(model=tiny_models["gpt2"], device="cpu", lora_rank=4))
+    load_policy(spec)  # what the learner falls back to
