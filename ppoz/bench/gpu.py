@@ -33,18 +33,36 @@ import torch
 from ppoz.bench import load_at_start, status_kb
 
 GAE_TOKENS = 131_072
+# generate's legs and case: the engine against one request at a time and the static batch, once
+GENERATE_LEGS = ("--cases", "default", "--legs", "one_at_a_time,static_batch,ppoz", "--repeats", "1")
 # Per device kind: the sub-benches' arguments, and the update part's shape and batch.
 SIZES: dict[str, dict[str, Any]] = {
     "cuda": {
-        "scoring": ["--hidden", "1536", "--layers", "28", "--vocab", "151936", "--shapes", "1024x32", "--history-steps", "4"],
-        "generate": ["--shape", "qwen2.5-1.5b", "--clients", "64", "--prompt-tokens", "128", "--new-tokens", "32"],
+        "scoring": [
+            "--hidden",
+            "1536",
+            "--layers",
+            "28",
+            "--vocab",
+            "151936",
+            "--shapes",
+            "1024x32",
+            "--history-steps",
+            "4",
+            "--repeats",
+            "3",
+        ],
+        "generate": ["--shape", "qwen2.5-1.5b", "--clients", "64", "--prompt-tokens", "128", "--new-tokens", "32", *GENERATE_LEGS],
         "weights": ["--repeats", "1"],
         "train": ["--tasks", "long", "--seconds", "60", "--repeats", "1"],
         "update": {"shape": "qwen2.5-1.5b", "responses": 16, "min_len": 256, "max_len": 1024, "prompt": 256},
     },
     "cpu": {
-        "scoring": ["--hidden", "64", "--layers", "2", "--vocab", "1024", "--shapes", "64x4", "--history-steps", "2"],
-        "generate": ["--shape", "llama", "--hidden", "64", "--layers", "2", "--clients", "4", "--prompt-tokens", "16", "--new-tokens", "8"],
+        "scoring": ["--hidden", "64", "--layers", "2", "--vocab", "1024", "--shapes", "64x4", "--history-steps", "2", "--repeats", "1"],
+        "generate": [
+            *("--shape", "llama", "--hidden", "64", "--layers", "2", "--clients", "4", "--prompt-tokens", "16", "--new-tokens", "8"),
+            *GENERATE_LEGS,
+        ],
         "weights": ["--hidden", "64", "--layers", "2", "--chunk-mb", "1", "--repeats", "1"],
         "train": ["--tasks", "demo", "--seconds", "20", "--repeats", "1"],
         "update": {"shape": "tiny-qwen2", "responses": 4, "min_len": 8, "max_len": 32, "prompt": 16},
@@ -184,10 +202,6 @@ def bench_part(name: str, device: torch.device, extra: list[str], limit_s: float
     """`ppoz bench NAME --json` in a process of its own: its JSON object, or the error that stopped it."""
     device_args = [] if name == "weights" else ["--device", device.type]
     argv = [sys.executable, "-m", "ppoz.cli", "bench", name, "--json", *device_args, *extra]
-    if name == "generate":
-        argv += ["--cases", "default", "--legs", "one_at_a_time,static_batch,ppoz", "--repeats", "1"]
-    if name == "scoring":
-        argv += ["--repeats", "1" if device.type == "cpu" else "3"]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s)  # the part's own limit, within the budget
     except subprocess.TimeoutExpired:

@@ -113,8 +113,9 @@ def _rank(rank: int, world: int, port: int, model_dir: str, parallelism: str, ar
     torch.manual_seed(0)
     spec = ModelSpec(model=model_dir, device=device, lora_rank=0, dtype="float32")
     if parallelism == "fsdp":  # as the learner loads it: straight into each rank's shards, and the reference too
-        model, tok = load_sharded_policy(spec, mixed_precision=cuda)
-        frozen = load_sharded_policy(spec, mixed_precision=cuda, trained=False)[0]
+        mixed = spec.resolved_dtype() != torch.float32  # the learner's rule (learner_node/worker.py): float32 here
+        model, tok = load_sharded_policy(spec, mixed_precision=mixed)
+        frozen = load_sharded_policy(spec, mixed_precision=mixed, trained=False)[0]
     else:
         model, tok = load_policy(spec)
         frozen = None  # LearnerPolicy copies the reference (lora_rank 0) from the whole model
