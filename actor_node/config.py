@@ -32,6 +32,11 @@ class ActorConfig:
     fold_lora: bool = option(
         True, "generate: fold the LoRA adapter into the base weights while responses run (faster; restored exactly after)"
     )
+    capture_decode: bool = option(
+        True,
+        "generate: on a GPU, replay each decode step as a CUDA graph captured per (rows, width) bucket (a model that "
+        "cannot be captured decodes eagerly, with a warning); off: always eager",
+    )
     rag: bool = option(
         True,
         "rag_step: put retrieved context (the task's recent steps, the corpus) into the prompt "

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from actor_node import lora_merge, sampling
+from actor_node.decode_step import INPUTS, AttentionMasks, DecodeStep
 from actor_node.kv_slots import SlotCache
 from actor_node.lora_merge import FoldedLoRA
 from actor_node.prefix_cache import PrefixCache
@@ -90,6 +91,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def filters(self) -> bool:
+        """Whether top-k or top-p may drop tokens (sampling sorts the vocabulary only when a row does)."""
+        return self.top_p < 1 or self.top_k > 0
 
     @property
     def stop_window(self) -> int:
@@ -182,53 +188,6 @@ def end_tokens(model: Any, tokenizer: Any) -> set[int]:
 Answer = tuple[dict[str, Any], "Generated | Exception"]
 
 
-class AttentionMasks:
-    """The 4D masks a forward over the slot cache needs, in the form the decoder takes them.
-
-    A query at position q of a row may attend to keys at positions [0, q] of its slot
-    (and only (q - window, q] in a sliding-window layer); a placeholder (padding, a row
-    still prefilling during a decode step) attends to position 0 of its slot only, so
-    its softmax stays finite, and its output is dropped. Models whose layers mix full
-    and sliding attention (`config.layer_types`) take one mask per layer type."""
-
-    def __init__(self, model: Any) -> None:
-        config = model.config
-        impl = getattr(config, "_attn_implementation", "eager")
-        if impl not in ("sdpa", "eager"):  # flash and flex kernels take no 4D mask: they would attend across rows' padding
-            raise GenerationError(f"generate needs attn_implementation sdpa or eager, this model runs {impl}")
-        self.use_bool, self.dtype = scoring._mask_value(model)
-        window = getattr(config, "sliding_window", None)
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types:
-            unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-            if unknown:
-                raise GenerationError(f"generate cannot serve layers of type {', '.join(unknown)} ({type(model).__name__})")
-            self.windows: dict[str, int | None] | None = {
-                kind: window if kind == "sliding_attention" else None for kind in set(layer_types)
-            }
-            self.window = None
-        else:
-            self.windows = None
-            self.window = int(window) if window and getattr(config, "use_sliding_window", True) else None
-
-    def build(self, query_positions: torch.Tensor, real: torch.Tensor, width: int) -> Any:
-        """query_positions [B, q] (absolute positions), real [B, q] bool (False: a placeholder) -> the mask(s)."""
-        keys = torch.arange(width, device=query_positions.device)[None, None, :]
-        q = query_positions[:, :, None]
-        causal = keys <= q
-        placeholder = (~real)[:, :, None] & (keys == 0)
-        real3 = real[:, :, None]
-
-        def one(window: int | None) -> torch.Tensor:
-            allowed = causal if window is None else causal & (keys > q - window)
-            allowed = (allowed & real3) | placeholder
-            return scoring._attention_mask(allowed[:, None], self.use_bool, self.dtype)
-
-        if self.windows is None:
-            return one(self.window)
-        return {kind: one(window) for kind, window in self.windows.items()}
-
-
 class GenerationEngine:
     """The running batch of one actor: `add` requests, `step` until none runs. Not thread-safe: one compute thread."""
 
@@ -242,6 +201,7 @@ class GenerationEngine:
         max_positions: int = 4096,
         prefill_tokens: int = 2048,
         fold_lora: bool = True,
+        capture_decode: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -263,8 +223,10 @@ class GenerationEngine:
         try:
             self.masks: AttentionMasks | None = AttentionMasks(model)
             self.unservable = ""
-        except GenerationError as e:  # the actor still scores; every generate request is answered with this
+        except ValueError as e:  # the actor still scores; every generate request is answered with this
             self.masks, self.unservable = None, str(e)
+        # the decode forward at bucketed shapes, captured per bucket on a GPU (actor_node/decode_step.py)
+        self.decode_step = DecodeStep(self, capture=capture_decode) if self.masks is not None else None
         self.seeds = torch.Generator().manual_seed(seed)  # seeds the requests that bring none
         # the adapter folded into the base weights while rows run (actor_node/lora_merge.py)
         self.folded = FoldedLoRA(model) if fold_lora and lora_merge.applies(model) else None
@@ -289,6 +251,8 @@ class GenerationEngine:
         failed step had already finished (a deadline), which the caller sends as they are."""
         self.rows = []
         self._drained()
+        if self.decode_step is not None:  # a step that failed part-way may have left a capture unfinished
+            self.decode_step.forget()
         answered, self.answered = self.answered, []
         return answered
 
@@ -402,10 +366,11 @@ class GenerationEngine:
         self._prefill()
         fresh = [r for r in self.rows if r.state == DECODE and not r.response_ids]
         if fresh:  # the first token of every row whose prompt's KV is complete
-            self._sample(fresh, torch.stack([r.first_logits for r in fresh]), answered, finished)  # type: ignore[misc]
+            logits = torch.stack([r.first_logits for r in fresh])  # type: ignore[misc]
+            self._sample(fresh, logits, self._settings(fresh), [r.params.filters for r in fresh], answered, finished)
         decoding = [r for r in self.rows if r.state == DECODE and r not in finished]
         if decoding:
-            self._sample(decoding, self._decode(decoding), answered, finished)
+            self._decode(decoding, answered, finished)
         if finished:
             self._remove(finished)
         self._drained()
@@ -451,19 +416,28 @@ class GenerationEngine:
             if row.state == WAITING and row.leader is not None and row.leader.state == DECODE:
                 self._copy_prompt(row.leader, row)
 
-    def _decode(self, decoding: list[_Row]) -> torch.Tensor:
-        """Feed every decoding row its last token (the others ride as placeholders); their logits."""
-        n = len(self.rows)
-        is_decoding = set(decoding)
-        real = torch.tensor([[r in is_decoding] for r in self.rows])
-        ids = torch.tensor([[r.response_ids[-1] if r in is_decoding else 0] for r in self.rows])
-        positions = torch.tensor([[r.filled if r in is_decoding else 0] for r in self.rows])
+    @staticmethod
+    def _settings(rows: list[_Row]) -> torch.Tensor:
+        """[4, len(rows)] float64 on the host: each row's temperature, top_p, top_k and the uniform number of its
+        next token (INPUTS' last four)."""
+        uniforms = sampling.row_uniforms(torch.tensor([r.seed for r in rows]), torch.tensor([len(r.response_ids) for r in rows]))
+        params = torch.tensor([[r.params.temperature, r.params.top_p, r.params.top_k] for r in rows], dtype=torch.float64)
+        return torch.cat([params.T, uniforms[None]])
+
+    def _decode(self, decoding: list[_Row], answered: list[Answer], finished: set[_Row]) -> None:
+        """Feed every decoding row its last token (the others, and the bucket's padding, ride as placeholders),
+        then sample each one's next token: one copy of the inputs to the device, one of the results back."""
+        inputs = torch.zeros(len(INPUTS), len(self.rows), dtype=torch.float64)  # column i is slot i (rows[i] owns it)
+        slots = [r.slot for r in decoding]
+        inputs[:3, slots] = torch.tensor([[r.response_ids[-1], r.filled, 1.0] for r in decoding], dtype=torch.float64).T
+        inputs[3:, slots] = self._settings(decoding)
         width = max(r.filled for r in decoding) + 1
-        hidden = self._forward(list(range(n)), ids, positions, real, width)
+        assert self.decode_step is not None  # rows exist only where the masks do (_row)
+        logits, on_device = self.decode_step.run(inputs, width)
         for r in decoding:
             r.filled += 1
-        picked = torch.tensor([r.slot for r in decoding], device=hidden.device)
-        return self.post(scoring.head_logits(self.head, hidden[picked, 0]))
+        settings = torch.stack([on_device[name] for name in INPUTS[3:]])
+        self._sample(decoding, logits, settings, [r.params.filters for r in decoding], answered, finished, slots)
 
     def _forward(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, width: int) -> torch.Tensor:
         """The decoder's last hidden states [B, q] for tokens `ids` at `positions` of these slots, writing their KV in place."""
@@ -476,23 +450,30 @@ class GenerationEngine:
         out = self.decoder(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device), **cache)
         return out.last_hidden_state
 
-    def _sample(self, rows: list[_Row], logits: torch.Tensor, answered: list[Answer], finished: set[_Row]) -> None:
-        """The next token of each of these rows, sampled at once; finished rows answered and marked."""
-        params = [r.params for r in rows]
-        tokens, logprobs, failed = sampling.sample(  # the settings built on the host: sample copies them over
-            logits.float(),
-            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params]),
-            sampling.row_uniforms(torch.tensor([r.seed for r in rows]), torch.tensor([len(r.response_ids) for r in rows])),
-        )
-        # one device-to-host copy a step for all three (float64 holds every token id and float32 log-prob exactly)
-        host = torch.stack([tokens.double(), logprobs.double(), failed.double()]).cpu().tolist()
-        for row, token_, logprob, bad in zip(rows, *host):
+    def _sample(
+        self,
+        rows: list[_Row],
+        logits: torch.Tensor,
+        settings: torch.Tensor,
+        filters: list[bool],
+        answered: list[Answer],
+        finished: set[_Row],
+        picked: list[int] | None = None,
+    ) -> None:
+        """The next token of each of these rows, sampled at once from `logits` and `settings` ([4, B]:
+        temperature, top_p, top_k, uniform; B rows, these rows at `picked`, else the first len(rows));
+        finished rows answered and marked."""
+        temperature, top_p, top_k, uniforms = settings
+        tokens, logprobs, failed = sampling.sample(logits.float(), temperature, top_p, top_k.long(), uniforms, any_filtered=any(filters))
+        # one device-to-host copy for all three (float64 holds every token id and float32 log-prob exactly)
+        host = torch.stack([tokens.double(), logprobs.double(), failed.double()]).cpu()
+        if picked is not None:
+            host = host[:, picked]
+        for row, token_, logprob, bad in zip(rows, *host.tolist()):
             token = int(token_)
             if bad:  # named by all its settings: the temperature alone blamed it when a top_p was what the client had set
-                settings = f"temperature {row.params.temperature:g}, top_p {row.params.top_p:g}, top_k {row.params.top_k}"
-                answered.append((row.job, GenerationError(f"the distribution at {settings} cannot be sampled (not finite)")))
+                named = f"temperature {row.params.temperature:g}, top_p {row.params.top_p:g}, top_k {row.params.top_k}"
+                answered.append((row.job, GenerationError(f"the distribution at {named} cannot be sampled (not finite)")))
                 finished.add(row)
                 self.kv.clear(row.slot)  # its KV may hold NaN: the next row in this slot reads past its own length
                 continue

@@ -55,6 +55,13 @@ class SlotCache(Cache):
         self._where = (index[:, None].expand_as(positions), positions)
         self._width = width
 
+    def plan_fixed(self, rows: int, slots: torch.Tensor, positions: torch.Tensor, width: int) -> None:
+        """`plan` for slots 0..rows-1 from tensors already on the device (slots and positions [rows, q]): no
+        host-to-device copy, and the same tensors every time, as a captured decode step needs."""
+        self._rows = slice(0, rows)
+        self._where = (slots, positions)
+        self._width = width
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         if layer_idx == len(self.keys):
             self._allocate(key_states)

@@ -39,6 +39,7 @@ class SamplingConfig:
     max_generate_positions: int = option(4096, "KV positions reserved per generated row (prompt + response)")
     prefill_tokens: int = option(2048, "most prompt tokens (padded) computed per generation step")
     fold_lora: bool = option(True, "fold the LoRA adapter into the base weights while responses are generated")
+    capture_decode: bool = option(True, "on a GPU, replay each decode step as a CUDA graph captured per bucket")
 
 
 class LLMPolicy:
@@ -112,6 +113,7 @@ class LLMPolicy:
                 max_positions=self.sampling.max_generate_positions,
                 prefill_tokens=self.sampling.prefill_tokens,
                 fold_lora=self.sampling.fold_lora,
+                capture_decode=self.sampling.capture_decode,
             )
         return self.engine
 

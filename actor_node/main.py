@@ -48,6 +48,7 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
             max_generate_positions=cfg.max_generate_positions,
             prefill_tokens=cfg.prefill_tokens,
             fold_lora=cfg.fold_lora,
+            capture_decode=cfg.capture_decode,
         )
         policy = LLMPolicy(model, tokenizer, sampling, cfg.policy.scoring_path, cfg.prefix_cache_mb)
         if cfg.rag:

@@ -56,15 +56,22 @@ def row_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, uniforms: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    uniforms: torch.Tensor,
+    any_filtered: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [n], their log-probabilities [n], rows that could not be sampled [n] bool) for logits
     [n, vocab] (float32) and per-row settings [n]: temperature (0: greedy), top_p in (0, 1], top_k (0: off),
-    uniforms in [0, 1). The settings may be on the host (the engine's are): whether any row filters is then
-    decided there, with no wait for the device, and they are copied over once."""
+    uniforms in [0, 1). The settings may be on the host: whether any row filters is then decided there, with
+    no wait for the device, and they are copied over. Settings already on the device come with `any_filtered`
+    decided by the caller from its host copy (a wrong False skips top-k and top-p: the caller's promise)."""
     vocab = logits.shape[-1]
     filtered = (top_p < 1) | ((top_k > 0) & (top_k < vocab))
-    any_filtered = bool(filtered.any())
+    if any_filtered is None:
+        any_filtered = bool(filtered.any())
     device = logits.device
     temperature, top_p, top_k, filtered = (t.to(device, non_blocking=True) for t in (temperature, top_p, top_k, filtered))
     greedy = temperature == 0

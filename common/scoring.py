@@ -223,17 +223,29 @@ FLOAT32_COPY = "_ppoz_float32_copy"  # the attribute of a 16-bit weight that hol
 def _float32_weight(weight: torch.Tensor) -> torch.Tensor:
     """A frozen `weight` in float32, copied again only when the weight has changed since: an in-place change (new
     weights copied in by `load_state_dict`) bumps a tensor's version counter, and a new tensor put in its place
-    (`param.data = ...`) has storage of its own. The copy is made outside inference mode, so a learner may use
-    it in a forward that keeps a graph."""
+    (`param.data = ...`) has storage of its own. The copy is refreshed in place, so a captured decode step
+    (actor_node/decode_step.py) that read it keeps reading the current one. It is made outside inference mode,
+    so a learner may use it in a forward that keeps a graph."""
     with torch.inference_mode(False):
         state = (weight._version, weight.data_ptr())
         kept = getattr(weight, FLOAT32_COPY, None)  # kept on the weight itself: it goes when the weight goes
         if kept is not None and kept[0] == state:
             return kept[1]
         with torch.no_grad():
-            copy = weight.detach().float()
+            if kept is not None and kept[1].shape == weight.shape:
+                copy = kept[1].copy_(weight)
+            else:
+                copy = weight.detach().float()
         setattr(weight, FLOAT32_COPY, (state, copy))
         return copy
+
+
+def refresh_float32_head(head: Any) -> None:
+    """Bring a frozen 16-bit head's kept float32 copy up to date with its weight (before replaying a captured
+    step, which reads the copy without running `head_logits`' check)."""
+    weight = getattr(head, "weight", None) if _is_plain_linear(head) else None
+    if isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16) and not weight.requires_grad:
+        _float32_weight(weight)
 
 
 def _is_plain_linear(head: Any) -> bool:
