@@ -28,15 +28,19 @@ The token's log-probability under that distribution is what the result carries f
 each token. T = 0 is greedy decoding: the argmax, logged with log-probability 0
 (probability 1) and marked greedy in the policy stamp.
 
-Weights change only while no row is running (the actor loop drains the batch
-first), so every token of a response comes from one policy version.
+New weights of the same learner run are applied between two steps, with rows
+running (`swap`, docs/design.md "New weights mid-flight"): each running row's KV,
+computed by the old weights, is computed again from its context (the prompt and the
+response so far) by a prefill under the new ones, and the row decodes on. So each
+token is sampled from exactly one version's distribution given everything before
+it, and each response records its tokens' versions (`Generated.token_versions`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +119,12 @@ class Generated:
     finish_reason: str  # eos, stop or length
     temperature: float
     top_p: float
+    token_versions: list[int] = field(default_factory=list)  # per response token: the policy version that sampled it
+
+    @property
+    def policy_version(self) -> int | None:
+        """The oldest version among its tokens (the first token's): a response is as stale as its oldest token."""
+        return self.token_versions[0] if self.token_versions else None
 
     @property
     def logprob(self) -> float:
@@ -139,6 +149,13 @@ class _Row:
     first_logits: torch.Tensor | None = None  # the logits after the prompt's last token (shared with later copies)
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens whose KV the row needs before its next decode step: the prompt, and the response but its
+        last token (which that step feeds). A row recomputing its KV under new weights prefills all of it."""
+        return self.prompt_ids + self.response_ids[:-1] if self.response_ids else self.prompt_ids
 
 
 def render_prompt(tokenizer: Any, obs: dict[str, Any]) -> list[int]:
@@ -202,6 +219,7 @@ class GenerationEngine:
         prefill_tokens: int = 2048,
         fold_lora: bool = True,
         capture_decode: bool = True,
+        version: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -230,6 +248,7 @@ class GenerationEngine:
         self.seeds = torch.Generator().manual_seed(seed)  # seeds the requests that bring none
         # the adapter folded into the base weights while rows run (actor_node/lora_merge.py)
         self.folded = FoldedLoRA(model) if fold_lora and lora_merge.applies(model) else None
+        self.version = version  # of the weights in the model: each sampled token records it
         self.rows: list[_Row] = []  # rows[i] owns slot i
         self.answered: list[Answer] = []  # answers of rows already removed in the running step (kept if the step fails)
         self.arrivals = 0
@@ -237,6 +256,8 @@ class GenerationEngine:
         self.steps = 0
         self.prefilled_tokens = 0
         self.shared_prompts = 0
+        self.swaps = 0
+        self.recomputed_tokens = 0  # KV positions computed again under new weights (swap)
 
     @property
     def active(self) -> int:
@@ -273,6 +294,22 @@ class GenerationEngine:
     def clear_cache(self) -> None:
         """Forget cached prompt KV (the weights changed)."""
         self.cache.clear()
+
+    def swap(self, load: Callable[[], None], version: int) -> None:
+        """New weights between two steps: `load()` copies them into the plain model (the LoRA fold is undone
+        first; the next step folds the new adapter). Every row whose KV the old weights computed prefills its
+        context again (under the new ones) before it decodes on; its later tokens record `version`."""
+        if self.folded is not None:
+            self.folded.restore()
+        load()
+        self.version = version
+        self.cache.clear()
+        self.swaps += 1
+        for row in self.rows:
+            if row.state == WAITING:  # its leader computes the prompt again; it copies it then
+                continue
+            self.recomputed_tokens += row.filled
+            row.state, row.filled, row.first_logits = PREFILL, 0, None
 
     # --- joining ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -329,7 +366,7 @@ class GenerationEngine:
             if other.first_logits is not None:  # its prompt's KV is in its slot: copy it now
                 self._copy_prompt(other, row)
                 return
-            if other.state == PREFILL:
+            if other.state == PREFILL and not other.response_ids:  # (one with a response computes more than the prompt)
                 row.state, row.leader = WAITING, other
                 return
         hit = self.cache.lookup(row.prompt_ids)
@@ -386,8 +423,9 @@ class GenerationEngine:
             return
         chosen: list[tuple[_Row, int]] = []
         width_q = 0
+        contexts = {row: row.context for row in queue}
         for row in queue:  # the oldest always goes; others while the padded batch stays within the budget
-            take = min(len(row.prompt_ids) - row.filled, self.prefill_tokens)
+            take = min(len(contexts[row]) - row.filled, self.prefill_tokens)
             if chosen and (len(chosen) + 1) * max(width_q, take) > self.prefill_tokens:
                 continue  # a shorter prompt further back may still fit
             chosen.append((row, take))
@@ -400,15 +438,17 @@ class GenerationEngine:
         positions = starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)
         ids = torch.zeros(len(rows), width_q, dtype=torch.long)
         for b, (row, take) in enumerate(chosen):
-            ids[b, :take] = torch.tensor(row.prompt_ids[row.filled : row.filled + take])
+            ids[b, :take] = torch.tensor(contexts[row][row.filled : row.filled + take])
         width = int((starts + lengths).max())
         hidden = self._forward([r.slot for r in rows], ids, positions, real, width)
         self.prefilled_tokens += int(lengths.sum())
         for b, (row, take) in enumerate(chosen):
             row.filled += take
-            if row.filled == len(row.prompt_ids):
-                row.first_logits = self.post(scoring.head_logits(self.head, hidden[b, take - 1]))
+            if row.filled == len(contexts[row]):
                 row.state = DECODE
+                if row.response_ids:  # its KV computed again after new weights: the next step feeds its last token
+                    continue
+                row.first_logits = self.post(scoring.head_logits(self.head, hidden[b, take - 1]))
                 if self.cache.enabled:
                     key = str(row.job.get("task_id", "")) or f"anon-{row.arrival}"
                     self.cache.insert(key, row.prompt_ids, self.kv.read(row.slot, row.filled))
@@ -486,6 +526,7 @@ class GenerationEngine:
         """Append the row's next token; the finished response if this token ends it."""
         row.response_ids.append(token)
         row.logprobs.append(logprob)
+        row.token_versions.append(self.version)
         self.tokens_out += 1
         if token in self.end_ids:
             return self._finish(row, FINISH_EOS)
@@ -516,6 +557,7 @@ class GenerationEngine:
             finish_reason=reason,
             temperature=row.params.temperature,
             top_p=row.params.top_p,
+            token_versions=row.token_versions,
         )
 
     # --- leaving ---------------------------------------------------------------------------
@@ -542,5 +584,6 @@ class GenerationEngine:
     def stats(self) -> str:
         return (
             f"{self.tokens_out} tokens generated in {self.steps} steps, {self.prefilled_tokens} prompt tokens prefilled, "
-            f"{self.shared_prompts} prompts shared; KV slots {self.kv.nbytes / 2**20:.0f} MiB; prompt cache {self.cache.stats()}"
+            f"{self.shared_prompts} prompts shared, {self.swaps} weight swaps mid-flight ({self.recomputed_tokens} KV positions "
+            f"computed again); KV slots {self.kv.nbytes / 2**20:.0f} MiB; prompt cache {self.cache.stats()}"
         )

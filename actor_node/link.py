@@ -144,7 +144,8 @@ class BrokerLink:
             "logprobs": answer.logprobs,
             "finish_reason": answer.finish_reason,
             "top_p": answer.top_p,
-            "policy_version": policy_version,
+            "policy_version": policy_version,  # its oldest token's
+            "token_versions": answer.token_versions,
         }
         if stamp is not None:
             result["policy"] = stamp.to_wire()

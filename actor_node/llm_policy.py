@@ -71,15 +71,19 @@ class LLMPolicy:
 
     # --- weights ------------------------------------------------------------------------
     def set_weights(self, state: dict[str, torch.Tensor], version: int, run: str) -> None:
-        """Swap to new weights (call between batches). Cached KV is stale after this, so it is dropped."""
-        if self.engine is not None and self.engine.active:
-            raise RuntimeError("weights must not change while responses are being generated")
-        # each tensor copied into its parameter from where it is (the fetcher's CPU buffers): moving the whole
-        # snapshot to the GPU first held a second copy of every swapped weight there, a model's worth in a full swap
-        load_policy_state_dict(self.model, state)
-        self.cache.clear()
+        """Swap to new weights (between batches, or between two decode steps of running responses: the engine
+        computes their KV again under the new weights). Cached KV is stale after this, so it is dropped."""
+
+        def load() -> None:
+            # each tensor copied into its parameter from where it is (the fetcher's CPU buffers): moving the whole
+            # snapshot to the GPU first held a second copy of every swapped weight there, a model's worth in a full swap
+            load_policy_state_dict(self.model, state)
+
         if self.engine is not None:
-            self.engine.clear_cache()
+            self.engine.swap(load, version)
+        else:
+            load()
+        self.cache.clear()
         if run != self.policy_run:
             log.info("following learner run %s (was %s)", run or "-", self.policy_run or "the base weights")
         self.policy_version = version
@@ -114,6 +118,7 @@ class LLMPolicy:
                 prefill_tokens=self.sampling.prefill_tokens,
                 fold_lora=self.sampling.fold_lora,
                 capture_decode=self.sampling.capture_decode,
+                version=self.policy_version,
             )
         return self.engine
 

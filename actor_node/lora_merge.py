@@ -20,9 +20,9 @@ drifts by a rounding error per update, and a policy served for thousands of upda
 would drift from the learner's). The copies cost the adapted layers' memory once more, on
 the model's device: about 2.6 GB for Qwen2.5-1.5B in bf16, 13 GB for a 7B model; an actor
 that cannot spare it sets `[actor] fold_lora = false`. The engine folds before each step and restores when
-the batch drains, which is the only time new weights are loaded (actor_node/worker.py),
-so set_weights always finds the plain model. Scoring jobs answered between two steps
-run on the folded weights: the same function up to rounding.
+the batch drains and before new weights load (GenerationEngine.swap), so set_weights always finds the
+plain model. Scoring jobs answered between two steps run on the folded weights: the same function up to
+rounding.
 """
 
 from __future__ import annotations

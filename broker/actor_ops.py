@@ -207,6 +207,7 @@ class ActorOps(BrokerState):
         if finish not in p.FINISH_REASONS:
             raise p.ProtocolError(p.E_BAD_REQUEST, f"`finish_reason` must be one of {', '.join(p.FINISH_REASONS)}, got {finish!r}")
         version = p.require(msg, "policy_version", int, "an int")
+        token_versions = _token_versions(msg, version, len(response_ids))
         sampling = job.obs["sampling"]
         logprob = float(sum(logprobs))
         body = p.header(job.mode, job.rid)
@@ -225,6 +226,7 @@ class ActorOps(BrokerState):
             "finish_reason": finish,
             "temperature": sampling["temperature"],
             "top_p": sampling["top_p"],
+            "token_versions": token_versions,
         }
         obs = {"prompt_ids": prompt_ids, "sampling": sampling}
         return PendingStep(job.rid, job.mode, obs, 0, logprob, [], version, now_ms(), p.encode(body), 0, stamp, generation)
@@ -306,6 +308,27 @@ class ActorOps(BrokerState):
         for actor in list(self.registry.actors.values()):
             if now - actor.last_sent >= heartbeat:
                 self._send_actor(actor.identity, p.header(p.OP_HEARTBEAT) | {"heartbeat_ms": self.cfg.heartbeat_ms})
+
+
+def _token_versions(msg: dict[str, Any], version: int, tokens: int) -> list[int]:
+    """The policy version of each response token: new weights may arrive while a response is generated, so
+    its versions never decrease, and the first is the result's `policy_version` (its oldest). Absent: every
+    token's is `policy_version`."""
+    versions = p.optional(msg, "token_versions", list, "an array of ints, one per response token", None)
+    if versions is None:
+        return [version] * tokens
+    if (
+        len(versions) != tokens
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions)
+        or (versions and versions[0] != version)
+        or any(b < a for a, b in zip(versions, versions[1:]))
+    ):
+        raise p.ProtocolError(
+            p.E_BAD_REQUEST,
+            f"`token_versions` must be {tokens} ints, one per response token, never decreasing, the first equal to"
+            f" `policy_version` ({version})",
+        )
+    return versions
 
 
 def _token_ids(msg: dict[str, Any], name: str) -> list[int]:

@@ -54,6 +54,7 @@ def test_generate_then_feedback_stores_a_transition_with_the_tokens_and_their_lo
         assert t.obs["sampling"]["temperature"] == 0.8 and t.obs["sampling"]["seed"] == turn
         gen = t.generation
         assert gen["finish_reason"] == "length" and len(gen["response_ids"]) == 5 and gen["temperature"] == 0.8
+        assert gen["token_versions"] == [0] * 5  # every token by version 0
         assert t.logprob == pytest.approx(reply["logprob"]) == pytest.approx(sum(gen["logprobs"]))
         with torch.inference_mode():  # the logged log-probabilities are the model's own, at T = 0.8
             logits = model(input_ids=torch.tensor([t.obs["prompt_ids"] + gen["response_ids"]])).logits[0].float() / 0.8
@@ -200,3 +201,27 @@ def test_an_actor_without_a_model_refuses_generate(broker, start_actor, make_cli
     wait_for(lambda: actors_ready(client, 1), what="the actor")
     with pytest.raises(BadRequest, match="serves no model"):
         client.generate(client.attach(), "hello", max_new_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "versions, accepted",
+    [
+        (None, [3, 3, 3]),  # an actor that sends none: every token the result's version
+        ([3, 3, 4], [3, 3, 4]),  # new weights applied after the second token
+        ([3, 4, 3], None),  # decreasing
+        ([4, 4, 4], None),  # the first is not the result's policy_version
+        ([3, 3], None),  # not one per token
+        ([3, True, 3], None),
+        ([3, 3.5, 4], None),
+        ("3,3,4", None),
+    ],
+)
+def test_token_versions_from_an_actor_are_checked(versions, accepted) -> None:
+    from broker.actor_ops import _token_versions
+
+    msg = {} if versions is None else {"token_versions": versions}
+    if accepted is not None:
+        assert _token_versions(msg, 3, 3) == accepted
+    else:
+        with pytest.raises(p.ProtocolError, match="token_versions"):
+            _token_versions(msg, 3, 3)

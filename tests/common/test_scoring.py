@@ -290,7 +290,7 @@ def test_gradients_flow_through_the_packed_path(tiny_models):
     assert grads and any(float(g.abs().sum()) > 0 for g in grads)
 
 
-def test_a_16_bit_heads_float32_copy_is_made_once_per_version_of_its_weight() -> None:
+def test_a_16_bit_heads_float32_copy_is_made_once_per_version_of_its_weight_and_refreshed_in_place() -> None:
     from common.scoring import _float32_weight, head_logits
 
     torch.manual_seed(0)
@@ -303,7 +303,9 @@ def test_a_16_bit_heads_float32_copy_is_made_once_per_version_of_its_weight() ->
     assert _float32_weight(head.weight) is first  # kept: no copy per call
     with torch.no_grad():
         head.weight.mul_(2)  # new weights copied in place (an actor's swap, an optimizer step)
-    assert _float32_weight(head.weight) is not first and torch.equal(head_logits(head, hidden), 2 * want)
+    assert torch.equal(head_logits(head, hidden), 2 * want)
+    # refreshed in place: a captured decode step that reads the copy's memory reads the new weights
+    assert _float32_weight(head.weight) is first and torch.equal(first, head.weight.float())
     head.weight.data = torch.zeros_like(head.weight)  # a new tensor put in its place
     assert not head_logits(head, hidden).any()
     grad_in = hidden.float().requires_grad_(True).to(torch.bfloat16)  # a frozen head under a graph (the reference's)
