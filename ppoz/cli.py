@@ -220,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
             "p50/p99 latency, fraction of the matmul peak, equal greedy outputs (docs/benchmarks.md).",
         ),
         (
+            "midflight",
+            "new weights while responses run: drain the batch, resubmit the unfinished rows, or continue (the actor's way)",
+            "The actor's engine generates a queue of responses while a new LoRA adapter arrives every --every decode steps, "
+            "taken three ways, legs alternating, medians of --repeats runs: drain the batch first, resubmit the unfinished "
+            "rows, or continue with their KV recomputed; wall time, useful tokens/s, decode steps (docs/benchmarks.md).",
+        ),
+        (
             "learning",
             "PPO under policy lag: sync, dropping stale samples, and the decoupled objective, side by side",
             "Train a contextual bandit with the actor's and learner's own code three ways under the same budget and "

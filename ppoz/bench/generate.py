@@ -41,6 +41,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -232,15 +233,27 @@ def engine_job(i: int, r: Request) -> dict[str, Any]:
     return {"job": i, "task_id": f"r{i}", "deadline_ms": 3_600_000, "obs": {"prompt": r.text, "sampling": sampling}}
 
 
+_engines: dict[tuple[int, int, int, bool], Any] = {}
+
+
 def ppoz_engine(model: Any, tokenizer: Any, requests: list[Request], rows: int, fold_lora: bool = True) -> LegRun:
+    """The engine's leg. One engine per model and settings, kept across runs as an actor keeps it: on a GPU its
+    first run captures the decode step's graphs (actor_node/decode_step.py), the later ones replay them."""
     from actor_node.generation import GenerationEngine
 
     longest = max(r.prompt_tokens + r.max_new_tokens for r in requests)
-    engine = GenerationEngine(model, tokenizer, max_rows=rows, max_positions=longest + 8, fold_lora=fold_lora)
+    key = (id(model), rows, longest, fold_lora)
+    if key not in _engines:
+        _engines[key] = GenerationEngine(model, tokenizer, max_rows=rows, max_positions=longest + 8, fold_lora=fold_lora)
+    engine = _engines[key]
     try:
         return _drive_engine(engine, tokenizer, requests)
     finally:
-        engine.reset()  # the model's own weights back, whatever happened
+        if engine.active:  # a failed run: the model's own weights back (a finished one restored them as it drained)
+            engine.reset()
+        step = engine.decode_step
+        if step is not None and step.graphs:
+            print(f"decode step: {len(step.graphs)} graphs captured, {step.replays} replays", file=sys.stderr)
 
 
 def _drive_engine(engine: Any, tokenizer: Any, requests: list[Request]) -> LegRun:

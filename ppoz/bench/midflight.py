@@ -1,4 +1,4 @@
-"""New weights while responses run, three ways: `python -m ppoz.bench.midflight [--json]`.
+"""New weights while responses run, three ways: `ppoz bench midflight [--json]`.
 
 The actor's engine (actor_node/generation.py) with a LoRA policy generates a queue of responses of
 16 to --longest tokens (every request its own budget, sampled at temperature 1 from its own seed),
@@ -58,15 +58,16 @@ def run_leg(leg: str, policy: Any, adapters: list[Any], jobs: list[dict[str, Any
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=16, help="responses decoded at once (default: 16)")
     parser.add_argument("--requests", type=int, default=64, help="responses in the queue (default: 64)")
     parser.add_argument("--longest", type=int, default=256, help="the longest budget; budgets spread from 16 (default: 256)")
     parser.add_argument("--every", type=int, default=100, help="decode steps between two new adapters (default: 100)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every leg, alternating (default: 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
 
     import random
     import tempfile
@@ -109,7 +110,3 @@ def main(argv: list[str] | None = None) -> int:
             )
     scratch.cleanup()
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

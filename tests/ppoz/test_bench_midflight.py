@@ -1,20 +1,16 @@
-"""`python -m ppoz.bench.midflight`: new weights while responses run, three ways, at tiny sizes."""
+"""`ppoz bench midflight`: new weights while responses run, three ways, at tiny sizes."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.processes import ppoz
 
 
 def test_midflight_bench_runs_its_three_legs_and_only_resubmit_leaves_responses_unfinished(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "ppoz.bench.midflight", "--rows", "4", "--requests", "8", "--longest", "40"]
-    argv += ["--every", "12", "--repeats", "1", "--json"]
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)  # 3-10 s alone; x30
+    sizes = ["--rows", "4", "--requests", "8", "--longest", "40", "--every", "12", "--repeats", "1"]
+    proc = ppoz("bench", "midflight", *sizes, "--json", timeout=300, cwd=tmp_path)  # 3-10 s alone; x30
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["drain"]["unfinished"] == result["continue"]["unfinished"] == 0
