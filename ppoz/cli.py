@@ -220,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
             "p50/p99 latency, fraction of the matmul peak, equal greedy outputs (docs/benchmarks.md).",
         ),
         (
+            "activations",
+            "what one learner forward keeps for its backward: plain, bf16 autocast, gradient checkpointing, both",
+            "A Qwen2 of a real model's width in bf16 with a float32 LoRA adapter of rank 8: the bytes autograd saves for the "
+            "backward of one sequence, counted through saved-tensor hooks, four ways (docs/benchmarks.md).",
+        ),
+        (
             "midflight",
             "new weights while responses run: drain the batch, resubmit the unfinished rows, or continue (the actor's way)",
             "The actor's engine generates a queue of responses while a new LoRA adapter arrives every --every decode steps, "
