@@ -42,21 +42,12 @@ def saved_bytes(model: Any, ids: Any, autocast: bool) -> int:
 def main(args: argparse.Namespace) -> int:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     from common.policy_model import enable_gradient_checkpointing
-    from ppoz.bench.train_tasks import MODEL_SHAPES, REAL_SHAPE_VOCAB
+    from ppoz.bench.train_tasks import shape_config
 
-    hidden, intermediate, _, heads, kv_heads, _ = MODEL_SHAPES[args.shape]
-    config = Qwen2Config(
-        vocab_size=REAL_SHAPE_VOCAB,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        attn_implementation="sdpa",
-    )
+    config = shape_config(args.shape, layers=args.layers)
     torch.manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (1, args.tokens))
     results: dict[str, Any] = {}
@@ -66,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
         ("checkpointing", True, False),
         ("checkpointing_autocast", True, True),
     ):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))  # adapters float32
         if checkpointing:  # as the learner turns it on (training mode around the forward, no KV cache)

@@ -106,30 +106,16 @@ MODEL_SHAPES: dict[str, tuple[int, int, int, int, int, str]] = {
 }
 
 
-def real_shape_model(shape: str = "qwen2.5-0.5b") -> Path:
-    """A model of `shape`'s configuration (MODEL_SHAPES: Qwen2.5's, tied embeddings, a 151,936-token vocabulary)
-    with random weights (seed 0) and shaped_tokenizer, built once into the cache."""
-    import json
+def shape_config(shape: str, layers: int | None = None) -> Any:
+    """The Qwen2Config of `shape` (MODEL_SHAPES), with `layers` decoder layers instead of the model's own if given."""
+    from transformers import Qwen2Config
 
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    hidden, intermediate, layers, heads, kv_heads, dtype = MODEL_SHAPES[shape]
-    path = CACHE / f"{shape}-shape"
-    marker = path / "ppoz-bench-shape.json"
-    name = "Qwen2.5-0.5B" if shape == "qwen2.5-0.5b" else shape  # as caches built before the other shapes record it
-    spec = {"shape": name, "vocab": REAL_SHAPE_VOCAB, "seed": 0, "tokenizer": "bpe"}
-    if dtype != "float32":
-        spec["dtype"] = dtype
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    shaped_tokenizer(path)
-    config = Qwen2Config(
+    hidden, intermediate, own_layers, heads, kv_heads, _ = MODEL_SHAPES[shape]
+    return Qwen2Config(
         vocab_size=REAL_SHAPE_VOCAB,
         hidden_size=hidden,
         intermediate_size=intermediate,
-        num_hidden_layers=layers,
+        num_hidden_layers=own_layers if layers is None else layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=32768,
@@ -140,6 +126,28 @@ def real_shape_model(shape: str = "qwen2.5-0.5b") -> Path:
         eos_token_id=2,
         pad_token_id=0,
     )
+
+
+def real_shape_model(shape: str = "qwen2.5-0.5b") -> Path:
+    """A model of `shape`'s configuration (MODEL_SHAPES: Qwen2.5's, tied embeddings, a 151,936-token vocabulary)
+    with random weights (seed 0) and shaped_tokenizer, built once into the cache."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = MODEL_SHAPES[shape][-1]
+    path = CACHE / f"{shape}-shape"
+    marker = path / "ppoz-bench-shape.json"
+    name = "Qwen2.5-0.5B" if shape == "qwen2.5-0.5b" else shape  # as caches built before the other shapes record it
+    spec = {"shape": name, "vocab": REAL_SHAPE_VOCAB, "seed": 0, "tokenizer": "bpe"}
+    if dtype != "float32":
+        spec["dtype"] = dtype
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    shaped_tokenizer(path)
+    config = shape_config(shape)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.to(getattr(torch, dtype)).save_pretrained(str(path))
