@@ -17,12 +17,14 @@ runs at bucketed shapes:
   length are masked, so a wider read changes nothing but the work.
 
 Its inputs live in one device buffer that each step overwrites with one host-to-device
-copy (from pinned memory on a GPU): token ids, positions, which rows are real, and the
-sampling settings and uniform numbers `sampling.sample` needs. The step's output is the
-logits of every bucket row (float32, through the LM head and the model's logit
-post-processing). On a GPU each (rows, width) bucket is captured on first use, after two
-eager warm-up runs, into one shared memory pool, and replayed after; on a CPU the same
-function runs eagerly at the same shapes, which is what the test suite checks.
+copy (from pinned memory on a GPU): token ids, positions, which rows are real, the
+sampling settings and uniform numbers `sampling.sample` needs, and which rows decode.
+The step's output is the logits of every bucket row (float32, through the LM head and
+the model's logit post-processing). On a GPU each (rows, width) bucket is captured on
+first use, after two eager warm-up runs, into one shared memory pool, its logits copied
+into one output buffer all graphs share, and a first replay is checked against the
+eager logits before the graph serves; on a CPU the same function runs eagerly at the
+same shapes, which is what the test suite checks.
 
 What a replay assumes: every weight it reads is changed in place (load_state_dict,
 the LoRA fold and restore, a 16-bit head's float32 copy: `scoring.refresh_float32_head`
@@ -44,7 +46,8 @@ from common.kv_cache import cache_kwargs
 log = logging.getLogger(__name__)
 
 MIN_WIDTH_STEP = 32
-INPUTS = ("ids", "positions", "real", "temperature", "top_p", "top_k", "uniform")
+INPUTS = ("ids", "positions", "real", "temperature", "top_p", "top_k", "uniform", "picked")
+# picked: in its first k rows, the slots of the k rows that decode (the rest are placeholders), in their order
 
 
 def row_bucket(rows: int, max_rows: int) -> int:
@@ -123,12 +126,16 @@ class DecodeStep:
         self.device: torch.device = engine.device
         self.capture = capture and self.device.type == "cuda"
         pinned = self.device.type == "cuda"
-        # float64 holds every token id, position and setting exactly; one copy carries them all
-        self.staging = torch.zeros(len(INPUTS), self.max_rows, dtype=torch.float64, pin_memory=pinned)
-        self.inputs = torch.zeros(len(INPUTS), self.max_rows, dtype=torch.float64, device=self.device)
+        # float64 holds every token id, position and setting exactly; one copy carries them all. Row-major, so
+        # the first `rows` rows are one contiguous block: the copy from pinned memory is then truly asynchronous.
+        self.staging = torch.zeros(self.max_rows, len(INPUTS), dtype=torch.float64, pin_memory=pinned)
+        self.inputs = torch.zeros(self.max_rows, len(INPUTS), dtype=torch.float64, device=self.device)
         self.slot_index = torch.arange(self.max_rows, device=self.device)[:, None]
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.eager: set[tuple[int, int]] = set()  # buckets whose capture ran out of memory: run eagerly
+        self.out: torch.Tensor | None = None  # [max_rows, vocab] float32: every graph writes its logits here
         self.pool: Any = None
+        self.stream: Any = None
         self.replays = 0
 
     def forget(self) -> None:
@@ -136,25 +143,26 @@ class DecodeStep:
         self.graphs.clear()
 
     def run(self, host_inputs: torch.Tensor, width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """host_inputs [len(INPUTS), n] float64 (rows 0..n-1, in INPUTS' order); `width` the positions the
+        """host_inputs [n, len(INPUTS)] float64 (row i: slot i, in INPUTS' order); `width` the positions the
         longest real row reads. The logits of the bucket's rows [B >= n, vocab] and the bucket's inputs on
-        the device by name (the sampling settings for those B rows: padding rows sample harmlessly)."""
-        n = host_inputs.shape[1]
+        the device by name ([B] each)."""
+        n = host_inputs.shape[0]
         rows, width = row_bucket(n, self.max_rows), width_bucket(width, self.capacity)
-        self.staging[:, :n] = host_inputs
-        self.staging[:, n:rows] = 0  # placeholders: token 0 at position 0, not real, greedy
-        self.inputs[:, :rows].copy_(self.staging[:, :rows], non_blocking=True)
-        if self.capture:
-            logits = self._replay(rows, width)
+        self.staging[:n] = host_inputs
+        self.staging[n:rows] = 0  # placeholders: token 0 at position 0, not real, greedy
+        self.inputs[:rows].copy_(self.staging[:rows], non_blocking=True)
+        if self.capture and (rows, width) not in self.eager:
+            with torch.cuda.device(self.device):  # graphs are captured and replayed on the model's own GPU
+                logits = self._replay(rows, width)
         else:
             logits = self._forward(rows, width)
-        return logits, {name: self.inputs[i, :rows] for i, name in enumerate(INPUTS)}
+        return logits, {name: self.inputs[:rows, i] for i, name in enumerate(INPUTS)}
 
     def _forward(self, rows: int, width: int) -> torch.Tensor:
         """The step at (rows, width), from the device inputs alone: what a graph records."""
-        ids = self.inputs[0, :rows, None].long()
-        positions = self.inputs[1, :rows, None].long()
-        real = self.inputs[2, :rows, None] > 0
+        ids = self.inputs[:rows, 0, None].long()
+        positions = self.inputs[:rows, 1, None].long()
+        real = self.inputs[:rows, 2, None] > 0
         writes = torch.where(real, positions, self.capacity)  # placeholders write to the sink column
         self.kv.plan_fixed(rows, self.slot_index[:rows], writes, width)
         mask = self.masks.build(positions, real, width)
@@ -167,30 +175,42 @@ class DecodeStep:
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._captured(rows, width)
+            except torch.cuda.OutOfMemoryError as e:  # this bucket runs eagerly; the others are still captured
+                log.warning("no memory to capture the decode step at %d rows x %d positions (%s); that shape runs eagerly", rows, width, e)
+                self.eager.add(key)
+                return self._forward(rows, width)
             except Exception as e:  # noqa: BLE001 - a model whose forward cannot be captured still serves, eagerly
                 why = f"{type(e).__name__}: {e}"
                 log.warning("cannot capture the decode step at %d rows x %d positions (%s); decoding eagerly", rows, width, why)
                 self.capture = False
                 self.graphs.clear()
                 return self._forward(rows, width)
-        graph, logits = self.graphs[key]
-        graph.replay()
+        self.graphs[key].replay()
         self.replays += 1
-        return logits
+        assert self.out is not None  # made by the first capture
+        return self.out[:rows]
 
-    def _captured(self, rows: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Two eager runs on a side stream (lazy initialisation, allocator warm-up), then one recorded. Each run
-        writes the same KV at the same positions as the replay that follows, so the warm-ups change nothing."""
+    def _captured(self, rows: int, width: int) -> torch.cuda.CUDAGraph:
+        """Two eager runs on the capture stream (lazy initialisation, allocator warm-up), then one recorded, then one
+        replay checked against the eager logits. Every run writes the same KV at the same positions, so the extra
+        runs change nothing. Each graph's own logits are an intermediate of the shared pool, copied into `out`."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+            self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
             for _ in range(2):
-                self._forward(rows, width)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+                eager = self._forward(rows, width)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if self.out is None:
+            self.out = torch.empty(self.max_rows, eager.shape[-1], dtype=torch.float32, device=self.device)
+        out = self.out
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(rows, width)
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out[:rows].copy_(self._forward(rows, width))
+        graph.replay()
+        gap = float((out[:rows] - eager.float()).abs().max())
+        if not gap <= 1e-3 * max(1.0, float(eager.abs().max())):  # an empty or wrong capture must never serve
+            raise RuntimeError(f"a replay of the captured step differs from the eager step by {gap:g}")
         log.info("decode step captured at %d rows x %d positions (%d graphs)", rows, width, len(self.graphs) + 1)
-        return graph, logits
+        return graph

@@ -301,10 +301,16 @@ class GenerationEngine:
         context again (under the new ones) before it decodes on; its later tokens record `version`."""
         if self.folded is not None:
             self.folded.restore()
-        load()
-        self.version = version
-        self.cache.clear()
+        try:
+            load()
+            self.version = version
+        finally:  # a load that failed part-way may have changed some weights: no KV of the old ones is kept either way
+            self._recompute()
         self.swaps += 1
+
+    def _recompute(self) -> None:
+        """Every row whose KV is in its slot prefills it again; cached prompts are forgotten."""
+        self.cache.clear()
         for row in self.rows:
             if row.state == WAITING:  # its leader computes the prompt again; it copies it then
                 continue
@@ -467,17 +473,19 @@ class GenerationEngine:
     def _decode(self, decoding: list[_Row], answered: list[Answer], finished: set[_Row]) -> None:
         """Feed every decoding row its last token (the others, and the bucket's padding, ride as placeholders),
         then sample each one's next token: one copy of the inputs to the device, one of the results back."""
-        inputs = torch.zeros(len(INPUTS), len(self.rows), dtype=torch.float64)  # column i is slot i (rows[i] owns it)
+        inputs = torch.zeros(len(self.rows), len(INPUTS), dtype=torch.float64)  # row i is slot i (rows[i] owns it)
         slots = [r.slot for r in decoding]
-        inputs[:3, slots] = torch.tensor([[r.response_ids[-1], r.filled, 1.0] for r in decoding], dtype=torch.float64).T
-        inputs[3:, slots] = self._settings(decoding)
+        inputs[slots, :3] = torch.tensor([[r.response_ids[-1], r.filled, 1.0] for r in decoding], dtype=torch.float64)
+        inputs[slots, 3:7] = self._settings(decoding).T
+        inputs[: len(slots), 7] = torch.tensor(slots, dtype=torch.float64)
         width = max(r.filled for r in decoding) + 1
         assert self.decode_step is not None  # rows exist only where the masks do (_row)
         logits, on_device = self.decode_step.run(inputs, width)
         for r in decoding:
             r.filled += 1
-        settings = torch.stack([on_device[name] for name in INPUTS[3:]])
-        self._sample(decoding, logits, settings, [r.params.filters for r in decoding], answered, finished, slots)
+        picked = on_device["picked"][: len(slots)].long()  # the decoding rows only: placeholders are not sampled
+        settings = torch.stack([on_device[name] for name in INPUTS[3:7]])[:, picked]
+        self._sample(decoding, logits[picked], settings, [r.params.filters for r in decoding], answered, finished)
 
     def _forward(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, width: int) -> torch.Tensor:
         """The decoder's last hidden states [B, q] for tokens `ids` at `positions` of these slots, writing their KV in place."""
@@ -498,17 +506,13 @@ class GenerationEngine:
         filters: list[bool],
         answered: list[Answer],
         finished: set[_Row],
-        picked: list[int] | None = None,
     ) -> None:
-        """The next token of each of these rows, sampled at once from `logits` and `settings` ([4, B]:
-        temperature, top_p, top_k, uniform; B rows, these rows at `picked`, else the first len(rows));
-        finished rows answered and marked."""
+        """The next token of each of these rows, sampled at once from their `logits` and `settings` ([4, rows]:
+        temperature, top_p, top_k, uniform); finished rows answered and marked."""
         temperature, top_p, top_k, uniforms = settings
         tokens, logprobs, failed = sampling.sample(logits.float(), temperature, top_p, top_k.long(), uniforms, any_filtered=any(filters))
         # one device-to-host copy for all three (float64 holds every token id and float32 log-prob exactly)
         host = torch.stack([tokens.double(), logprobs.double(), failed.double()]).cpu()
-        if picked is not None:
-            host = host[:, picked]
         for row, token_, logprob, bad in zip(rows, *host.tolist()):
             token = int(token_)
             if bad:  # named by all its settings: the temperature alone blamed it when a top_p was what the client had set

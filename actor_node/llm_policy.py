@@ -79,11 +79,13 @@ class LLMPolicy:
             # snapshot to the GPU first held a second copy of every swapped weight there, a model's worth in a full swap
             load_policy_state_dict(self.model, state)
 
-        if self.engine is not None:
-            self.engine.swap(load, version)
-        else:
-            load()
-        self.cache.clear()
+        try:
+            if self.engine is not None:
+                self.engine.swap(load, version)
+            else:
+                load()
+        finally:  # even a load that failed part-way may have changed weights: no cached KV of the old ones is kept
+            self.cache.clear()
         if run != self.policy_run:
             log.info("following learner run %s (was %s)", run or "-", self.policy_run or "the base weights")
         self.policy_version = version

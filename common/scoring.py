@@ -223,16 +223,18 @@ FLOAT32_COPY = "_ppoz_float32_copy"  # the attribute of a 16-bit weight that hol
 def _float32_weight(weight: torch.Tensor) -> torch.Tensor:
     """A frozen `weight` in float32, copied again only when the weight has changed since: an in-place change (new
     weights copied in by `load_state_dict`) bumps a tensor's version counter, and a new tensor put in its place
-    (`param.data = ...`) has storage of its own. The copy is refreshed in place, so a captured decode step
-    (actor_node/decode_step.py) that read it keeps reading the current one. It is made outside inference mode,
-    so a learner may use it in a forward that keeps a graph."""
+    (`param.data = ...`) has storage of its own. Where no gradient is recorded (the actor's inference) the copy
+    is refreshed in place, so a captured decode step (actor_node/decode_step.py) that read it keeps reading the
+    current one; where one is, a new copy is made, so a graph that saved the old one can still run its backward.
+    It is made outside inference mode, so a learner may use it in a forward that keeps a graph."""
+    in_place = not torch.is_grad_enabled()
     with torch.inference_mode(False):
         state = (weight._version, weight.data_ptr())
         kept = getattr(weight, FLOAT32_COPY, None)  # kept on the weight itself: it goes when the weight goes
         if kept is not None and kept[0] == state:
             return kept[1]
         with torch.no_grad():
-            if kept is not None and kept[1].shape == weight.shape:
+            if in_place and kept is not None and kept[1].shape == weight.shape:
                 copy = kept[1].copy_(weight)
             else:
                 copy = weight.detach().float()

@@ -243,6 +243,8 @@ def ppoz_engine(model: Any, tokenizer: Any, requests: list[Request], rows: int, 
 
     longest = max(r.prompt_tokens + r.max_new_tokens for r in requests)
     key = (id(model), rows, longest, fold_lora)
+    for other in [k for k in _engines if k[:3] != key[:3]]:  # another case's engines: their KV slots freed
+        del _engines[other]
     if key not in _engines:
         _engines[key] = GenerationEngine(model, tokenizer, max_rows=rows, max_positions=longest + 8, fold_lora=fold_lora)
     engine = _engines[key]

@@ -59,10 +59,14 @@ def test_padded_rows_and_width_leave_each_real_rows_logits_as_an_exact_forward_c
     positions = [r.filled if keep else 0 for r, keep in zip(engine.rows, real)]
     width = max(positions) + 1  # 130 + a few: a bucket of 160
     assert width_bucket(width, engine.capacity) > width and row_bucket(5, engine.max_rows) == 8
+    held = [engine.kv.read(slot, engine.rows[slot].filled) for slot in (1, 4)]  # the placeholders' own KV
     with torch.inference_mode():  # the padded step first: the exact one writes the same KV where it belongs
-        inputs = torch.zeros(len(INPUTS), 5, dtype=torch.float64)
-        inputs[0], inputs[1], inputs[2] = torch.tensor(ids), torch.tensor(positions), torch.tensor(real)
+        inputs = torch.zeros(5, len(INPUTS), dtype=torch.float64)
+        inputs[:, 0], inputs[:, 1], inputs[:, 2] = torch.tensor(ids), torch.tensor(positions), torch.tensor(real)
         padded, on_device = engine.decode_step.run(inputs, width)
+        for slot, kept in zip((1, 4), held):  # a placeholder writes to the sink column only
+            for (k0, v0), (k1, v1) in zip(kept, engine.kv.read(slot, engine.rows[slot].filled)):
+                assert torch.equal(k0, k1) and torch.equal(v0, v1)
         hidden = engine._forward(
             list(range(5)), torch.tensor(ids)[:, None], torch.tensor(positions)[:, None], torch.tensor(real)[:, None], width
         )
@@ -70,7 +74,7 @@ def test_padded_rows_and_width_leave_each_real_rows_logits_as_an_exact_forward_c
     assert padded.shape == (8, exact.shape[1])
     for b in (0, 2, 3):  # a placeholder's output is dropped: not compared
         torch.testing.assert_close(padded[b], exact[b], rtol=1e-5, atol=1e-5)
-    assert on_device["ids"].tolist()[:5] == ids and on_device["real"].tolist()[5:] == [0.0, 0.0, 0.0]
+    assert on_device["real"].tolist() == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]  # the bucket's padding: placeholders
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -83,12 +87,14 @@ def test_the_step_and_its_sampling_read_nothing_back_on_the_host(arch, tiny_mode
     engine = GenerationEngine(model, AutoTokenizer.from_pretrained(tiny_models[arch]), max_rows=16, max_positions=256)
     heads = config.num_key_value_heads
     engine.kv._allocate(torch.zeros(1, heads, 1, config.hidden_size // config.num_attention_heads, device="meta"))
-    inputs = torch.zeros(len(INPUTS), 11, dtype=torch.float64)  # 11 rows: a bucket of 16
+    inputs = torch.zeros(len(INPUTS), 11, dtype=torch.float64)  # 11 rows: a bucket of 16; 10 decode
     inputs[:3] = torch.tensor([[5.0] * 11, list(range(0, 110, 10)), [1.0] * 10 + [0.0]])
-    inputs[3:] = torch.tensor([[1.0] * 11, [0.9] * 11, [5.0] * 11, [0.5] * 11])
+    inputs[3:7] = torch.tensor([[1.0] * 11, [0.9] * 11, [5.0] * 11, [0.5] * 11])
+    inputs[7] = torch.tensor(list(range(10)) + [0.0])
     with torch.inference_mode():
-        logits, on_device = engine.decode_step.run(inputs, 101)
-        settings = [on_device[name] for name in INPUTS[3:]]
-        tokens, logprobs, failed = sampling.sample(logits, settings[0], settings[1], settings[2].long(), settings[3], any_filtered=True)
+        logits, on_device = engine.decode_step.run(inputs.T.contiguous(), 101)
+        picked = on_device["picked"][:10].long()  # as the engine samples: the decoding rows only
+        settings = torch.stack([on_device[name] for name in INPUTS[3:7]])[:, picked]
+        tokens, logprobs, failed = sampling.sample(logits[picked], *settings[:2], settings[2].long(), settings[3], any_filtered=True)
     assert logits.device.type == "meta" and logits.shape == (16, config.vocab_size)
-    assert tokens.shape == logprobs.shape == failed.shape == (16,)
+    assert tokens.shape == logprobs.shape == failed.shape == (10,)

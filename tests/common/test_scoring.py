@@ -303,9 +303,13 @@ def test_a_16_bit_heads_float32_copy_is_made_once_per_version_of_its_weight_and_
     assert _float32_weight(head.weight) is first  # kept: no copy per call
     with torch.no_grad():
         head.weight.mul_(2)  # new weights copied in place (an actor's swap, an optimizer step)
-    assert torch.equal(head_logits(head, hidden), 2 * want)
-    # refreshed in place: a captured decode step that reads the copy's memory reads the new weights
+    with torch.inference_mode():  # the actor's way: refreshed in place, so a captured step reading it reads the new weights
+        assert torch.equal(head_logits(head, hidden), 2 * want)
     assert _float32_weight(head.weight) is first and torch.equal(first, head.weight.float())
+    with torch.no_grad():
+        head.weight.mul_(2)
+    assert _float32_weight(head.weight) is not first  # where a gradient is recorded: a new copy, the saved one left be
+    assert torch.equal(head_logits(head, hidden), 4 * want)
     head.weight.data = torch.zeros_like(head.weight)  # a new tensor put in its place
     assert not head_logits(head, hidden).any()
     grad_in = hidden.float().requires_grad_(True).to(torch.bfloat16)  # a frozen head under a graph (the reference's)
