@@ -41,7 +41,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,156 +50,27 @@ from actor_node.decode_step import INPUTS, AttentionMasks, DecodeStep
 from actor_node.kv_slots import SlotCache
 from actor_node.lora_merge import FoldedLoRA
 from actor_node.prefix_cache import PrefixCache
+from actor_node.responses import (
+    DECODE,
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    PREFILL,
+    WAITING,
+    DeadlineExceeded,
+    Generated,
+    GenerationError,
+    Row,
+    SamplingParams,
+    end_tokens,
+    prompt_chars,
+    prompt_texts,
+    render_prompt,
+)
 from common import scoring
-from common.errors import BadInput
 from common.kv_cache import cache_kwargs
 
 log = logging.getLogger(__name__)
-
-FINISH_EOS = "eos"
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-
-
-class GenerationError(BadInput):
-    """A generate request this model cannot serve (no chat template, a prompt over its context); answered bad_request."""
-
-
-class DeadlineExceeded(Exception):
-    """The request's deadline passed before its response was finished; answered timeout."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling settings, as the broker checked them (common.protocol.check_generate)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    top_k: int = 0  # 0: off
-
-    @classmethod
-    def of(cls, sampling: dict[str, Any]) -> SamplingParams:
-        return cls(
-            max_new_tokens=int(sampling["max_new_tokens"]),
-            temperature=float(sampling.get("temperature", 1.0)),
-            top_p=float(sampling.get("top_p", 1.0)),
-            stop=tuple(sampling.get("stop", ())),
-            seed=sampling.get("seed"),
-            top_k=int(sampling.get("top_k") or 0),
-        )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def filters(self) -> bool:
-        """Whether top-k or top-p may drop tokens (sampling sorts the vocabulary only when a row does)."""
-        return self.top_p < 1 or self.top_k > 0
-
-    @property
-    def stop_window(self) -> int:
-        """Response tokens whose text holds any stop string that ends in the newest token: a token decodes
-        to at least one byte and a character is at most 4, plus a margin for the slice's ragged start."""
-        return 4 * max((len(stop) for stop in self.stop), default=0) + 4
-
-
-@dataclass
-class Generated:
-    """One finished response."""
-
-    text: str  # the response as the client reads it: special tokens and the stop string left out
-    prompt_ids: list[int]
-    response_ids: list[int]  # every sampled token, the end-of-sequence token and a stop string's tokens included
-    logprobs: list[float]  # per response token, under the distribution it was sampled from
-    finish_reason: str  # eos, stop or length
-    temperature: float
-    top_p: float
-    token_versions: list[int] = field(default_factory=list)  # per response token: the policy version that sampled it
-
-    @property
-    def policy_version(self) -> int | None:
-        """The oldest version among its tokens (the first token's): a response is as stale as its oldest token."""
-        return self.token_versions[0] if self.token_versions else None
-
-    @property
-    def logprob(self) -> float:
-        return float(sum(self.logprobs))
-
-
-PREFILL, WAITING, DECODE = "prefill", "waiting", "decode"
-
-
-@dataclass(eq=False)  # compared and hashed by identity: rows go in sets
-class _Row:
-    job: dict[str, Any]
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    deadline: float  # time.monotonic()
-    arrival: int  # the order rows prefill in
-    slot: int = -1
-    state: str = PREFILL  # prefill: its prompt is being computed; waiting: another row computes it; decode
-    filled: int = 0  # positions of this row's KV written (prompt, then every response token fed back)
-    leader: _Row | None = None  # waiting: the row whose prompt KV it will copy
-    first_logits: torch.Tensor | None = None  # the logits after the prompt's last token (shared with later copies)
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    token_versions: list[int] = field(default_factory=list)
-
-    @property
-    def context(self) -> list[int]:
-        """The tokens whose KV the row needs before its next decode step: the prompt, and the response but its
-        last token (which that step feeds). A row recomputing its KV under new weights prefills all of it."""
-        return self.prompt_ids + self.response_ids[:-1] if self.response_ids else self.prompt_ids
-
-
-def render_prompt(tokenizer: Any, obs: dict[str, Any]) -> list[int]:
-    """The prompt's token ids: chat messages through the tokenizer's chat template, or the plain prompt as the tokenizer encodes it."""
-    messages = obs.get("messages")
-    if messages is not None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise GenerationError("`messages` needs a chat template and this model's tokenizer has none; send `prompt` instead")
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # noqa: BLE001 - a template's own rule (roles must alternate, no system role, ...)
-            raise GenerationError(f"the model's chat template refused these messages: {type(e).__name__}: {e}") from e
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own special tokens
-    else:
-        ids = tokenizer(obs["prompt"])["input_ids"]
-    if not ids:
-        raise GenerationError("the prompt has no tokens")
-    return list(ids)
-
-
-def _prompt_texts(obs: dict[str, Any]) -> list[str]:
-    """A request's prompt, or its messages' text contents (a chat template only adds to them)."""
-    messages = obs.get("messages")
-    texts = [obs.get("prompt") or ""] if messages is None else [m["content"] for m in messages if isinstance(m, dict)]
-    return [text for text in texts if isinstance(text, str)]
-
-
-def prompt_chars(obs: dict[str, Any]) -> int:
-    """The characters other than white space of a request's prompt or messages. White space is left out: a
-    word-level tokenizer drops it, so no token covers it."""
-    return sum(len("".join(text.split())) for text in _prompt_texts(obs))
-
-
-def end_tokens(model: Any, tokenizer: Any) -> set[int]:
-    """The ids that end a response: the generation config's eos ids, else the tokenizer's eos."""
-    ids: set[int] = set()
-    config = getattr(model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None) if config is not None else None
-    for value in eos if isinstance(eos, (list, tuple)) else [eos]:
-        if isinstance(value, int):
-            ids.add(value)
-    if not ids and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
 
 Answer = tuple[dict[str, Any], "Generated | Exception"]
 
@@ -249,7 +119,7 @@ class GenerationEngine:
         # the adapter folded into the base weights while rows run (actor_node/lora_merge.py)
         self.folded = FoldedLoRA(model) if fold_lora and lora_merge.applies(model) else None
         self.version = version  # of the weights in the model: each sampled token records it
-        self.rows: list[_Row] = []  # rows[i] owns slot i
+        self.rows: list[Row] = []  # rows[i] owns slot i
         self.answered: list[Answer] = []  # answers of rows already removed in the running step (kept if the step fails)
         self.arrivals = 0
         self.tokens_out = 0
@@ -339,14 +209,14 @@ class GenerationEngine:
             self._share_or_reuse(row)
         return answered
 
-    def _row(self, job: dict[str, Any], now: float) -> _Row:
+    def _row(self, job: dict[str, Any], now: float) -> Row:
         if self.unservable:
             raise GenerationError(self.unservable)
         obs = job["obs"]
         params = SamplingParams.of(obs["sampling"])
         # The length with white space first: it bounds the count without it, which costs a copy of the prompt.
         bound = self.max_prompt_chars
-        if bound is not None and sum(map(len, _prompt_texts(obs))) > bound and (chars := prompt_chars(obs)) > bound:
+        if bound is not None and sum(map(len, prompt_texts(obs))) > bound and (chars := prompt_chars(obs)) > bound:
             raise GenerationError(
                 f"the prompt's {chars} characters (white space not counted) cannot fit in {self.capacity} positions: no"
                 f" token of this model's tokenizer covers more than {self.longest_token} characters (refused before tokenizing)"
@@ -362,9 +232,9 @@ class GenerationEngine:
         # the actor loop stamps when the job arrived (`deadline_at`); without it, from now
         deadline = job.get("deadline_at") or now + max(1, int(job.get("deadline_ms", 60_000))) / 1000
         self.arrivals += 1
-        return _Row(job, prompt_ids, params, seed, deadline, self.arrivals)
+        return Row(job, prompt_ids, params, seed, deadline, self.arrivals)
 
-    def _share_or_reuse(self, row: _Row) -> None:
+    def _share_or_reuse(self, row: Row) -> None:
         """A prompt another row holds or computes is not computed again; a cached prefix is copied in."""
         for other in self.rows:
             if other is row or other.prompt_ids != row.prompt_ids:
@@ -381,7 +251,7 @@ class GenerationEngine:
             self.kv.write(row.slot, kv, m)
             row.filled = m
 
-    def _copy_prompt(self, source: _Row, row: _Row) -> None:
+    def _copy_prompt(self, source: Row, row: Row) -> None:
         self.kv.copy(source.slot, row.slot, len(row.prompt_ids))
         row.filled = len(row.prompt_ids)
         row.first_logits = source.first_logits
@@ -397,7 +267,7 @@ class GenerationEngine:
         if self.folded is not None:
             self.folded.fold()  # (again, if a scoring job between two steps unmerged a layer)
         answered = self.answered
-        finished: set[_Row] = set()
+        finished: set[Row] = set()
         now = time.monotonic()
         for row in self.rows:
             if now > row.deadline:
@@ -427,7 +297,7 @@ class GenerationEngine:
         queue = sorted((r for r in self.rows if r.state == PREFILL), key=lambda r: r.arrival)
         if not queue:
             return
-        chosen: list[tuple[_Row, int]] = []
+        chosen: list[tuple[Row, int]] = []
         width_q = 0
         contexts = {row: row.context for row in queue}
         for row in queue:  # the oldest always goes; others while the padded batch stays within the budget
@@ -463,14 +333,14 @@ class GenerationEngine:
                 self._copy_prompt(row.leader, row)
 
     @staticmethod
-    def _settings(rows: list[_Row]) -> torch.Tensor:
+    def _settings(rows: list[Row]) -> torch.Tensor:
         """[4, len(rows)] float64 on the host: each row's temperature, top_p, top_k and the uniform number of its
         next token (INPUTS' last four)."""
         uniforms = sampling.row_uniforms(torch.tensor([r.seed for r in rows]), torch.tensor([len(r.response_ids) for r in rows]))
         params = torch.tensor([[r.params.temperature, r.params.top_p, r.params.top_k] for r in rows], dtype=torch.float64)
         return torch.cat([params.T, uniforms[None]])
 
-    def _decode(self, decoding: list[_Row], answered: list[Answer], finished: set[_Row]) -> None:
+    def _decode(self, decoding: list[Row], answered: list[Answer], finished: set[Row]) -> None:
         """Feed every decoding row its last token (the others, and the bucket's padding, ride as placeholders),
         then sample each one's next token: one copy of the inputs to the device, one of the results back."""
         inputs = torch.zeros(len(self.rows), len(INPUTS), dtype=torch.float64)  # row i is slot i (rows[i] owns it)
@@ -500,12 +370,12 @@ class GenerationEngine:
 
     def _sample(
         self,
-        rows: list[_Row],
+        rows: list[Row],
         logits: torch.Tensor,
         settings: torch.Tensor,
         filters: list[bool],
         answered: list[Answer],
-        finished: set[_Row],
+        finished: set[Row],
     ) -> None:
         """The next token of each of these rows, sampled at once from their `logits` and `settings` ([4, rows]:
         temperature, top_p, top_k, uniform); finished rows answered and marked."""
@@ -526,7 +396,7 @@ class GenerationEngine:
                 answered.append((row.job, done))
                 finished.add(row)
 
-    def _take(self, row: _Row, token: int, logprob: float) -> Generated | None:
+    def _take(self, row: Row, token: int, logprob: float) -> Generated | None:
         """Append the row's next token; the finished response if this token ends it."""
         row.response_ids.append(token)
         row.logprobs.append(logprob)
@@ -543,16 +413,16 @@ class GenerationEngine:
             return self._finish(row, FINISH_LENGTH)
         return None
 
-    def _stop_in_tail(self, row: _Row) -> bool:
+    def _stop_in_tail(self, row: Row) -> bool:
         """Whether a stop string may have just appeared, read from the newest tokens only: decoding the whole
         response at every token would cost O(n^2) over a long response. A hit is confirmed on the whole text."""
         tail = self.tokenizer.decode(row.response_ids[-row.params.stop_window :], skip_special_tokens=True)
         return any(stop in tail for stop in row.params.stop)
 
-    def _text(self, row: _Row) -> str:
+    def _text(self, row: Row) -> str:
         return self.tokenizer.decode(row.response_ids, skip_special_tokens=True)
 
-    def _finish(self, row: _Row, reason: str, text: str | None = None) -> Generated:
+    def _finish(self, row: Row, reason: str, text: str | None = None) -> Generated:
         return Generated(
             text=self._text(row) if text is None else text,
             prompt_ids=row.prompt_ids,
@@ -565,11 +435,11 @@ class GenerationEngine:
         )
 
     # --- leaving ---------------------------------------------------------------------------
-    def _remove(self, gone: set[_Row]) -> None:
+    def _remove(self, gone: set[Row]) -> None:
         """Free the slots of these rows; the highest surviving rows move into the freed slots, so
         slots 0..n-1 stay the running rows. A row waiting for a removed leader's prompt computes it itself."""
         survivors = [r for r in self.rows if r not in gone]
-        promoted: dict[_Row, _Row] = {}  # a removed leader -> the follower that computes the prompt instead
+        promoted: dict[Row, Row] = {}  # a removed leader -> the follower that computes the prompt instead
         for row in survivors:
             if row.state == WAITING and row.leader is not None and row.leader in gone:
                 if row.leader in promoted:

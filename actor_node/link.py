@@ -35,7 +35,7 @@ from common.security import ClientKeys
 from common.shared_settings import PolicyStamp
 
 if TYPE_CHECKING:
-    from actor_node.generation import Generated
+    from actor_node.responses import Generated
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,9 @@ from common import weights
 from common.errors import BadInput
 
 if TYPE_CHECKING:
-    from actor_node.generation import Generated, GenerationEngine
+    from actor_node.generation import GenerationEngine
     from actor_node.rag import Retriever
+    from actor_node.responses import Generated
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def _generated(link: BrokerLink, policy: Policy, job: dict[str, Any], answer: Ge
 
 
 def _error_code(e: Exception) -> str:
-    from actor_node.generation import DeadlineExceeded
+    from actor_node.responses import DeadlineExceeded
 
     if isinstance(e, DeadlineExceeded):
         return p.E_TIMEOUT

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from actor_node.generation import DeadlineExceeded, GenerationEngine, GenerationError, SamplingParams
+from actor_node.generation import GenerationEngine
+from actor_node.responses import DeadlineExceeded, GenerationError, SamplingParams
 from common.policy_model import ModelSpec, load_policy
 
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from actor_node.generation import GenerationEngine, GenerationError, prompt_chars
+from actor_node.generation import GenerationEngine
+from actor_node.responses import GenerationError, prompt_chars
 from common.policy_model import ModelSpec, load_policy
 from common.scoring import longest_token_chars
 from tests.actor_node.test_engine_against_generate import job

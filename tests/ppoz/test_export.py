@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 import torch
 
-from actor_node.generation import Generated
 from actor_node.llm_policy import LLMPolicy, SamplingConfig
+from actor_node.responses import Generated
 from actor_node.weight_follower import WeightFollower
 from common.policy_model import ModelSpec, load_policy
 from common.redis_server import connect
