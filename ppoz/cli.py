@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
             "gpu",
             "every GPU figure in one command: GAE, one update's time and peak memory at a 1.5B shape, scoring, generate, weights",
             "On a GPU, within --budget-s (8 minutes by default), at users' shapes: GAE on 131,072 tokens, one generation update "
-            "with the learner's defaults at Qwen2.5-1.5B's shape (time, peak memory), ppoz bench scoring, generate (against "
+            "with the learner's defaults at Qwen2.5-1.5B's shape (time, peak memory), the actor's decode step at 64 rows against "
+            "its kernels' own GPU time, ppoz bench scoring, generate (against "
             "one request at a time and the static batch at 64 rows) and weights, and bench train's long task against trl with "
             "--trl-python; one JSON object with --json. With --device cpu the same code at tiny sizes (CI runs it).",
         ),

@@ -56,6 +56,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "weights": ["--repeats", "1"],
         "train": ["--tasks", "long", "--seconds", "60", "--repeats", "1"],
         "update": {"shape": "qwen2.5-1.5b", "responses": 16, "min_len": 256, "max_len": 1024, "prompt": 256},
+        "decode": {"shape": "qwen2.5-1.5b", "rows": 64, "prompt": 128, "steps": 32},
     },
     "cpu": {
         "scoring": ["--hidden", "64", "--layers", "2", "--vocab", "1024", "--shapes", "64x4", "--history-steps", "2", "--repeats", "1"],
@@ -66,6 +67,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "weights": ["--hidden", "64", "--layers", "2", "--chunk-mb", "1", "--repeats", "1"],
         "train": ["--tasks", "demo", "--seconds", "20", "--repeats", "1"],
         "update": {"shape": "tiny-qwen2", "responses": 4, "min_len": 8, "max_len": 32, "prompt": 16},
+        "decode": {"shape": "tiny-qwen2", "rows": 4, "prompt": 16, "steps": 8},
     },
 }
 PART_LIMITS_S = {"scoring": 90.0, "generate": 180.0, "weights": 90.0, "update": 150.0, "train": 240.0}
@@ -198,6 +200,61 @@ def update_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def decode_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
+    """The actor engine's decode step at size["rows"] rows, warm (on a GPU: its graphs captured): the wall time of a
+    step against the GPU's own time for its kernels (torch's profiler), target at most 2x."""
+    from actor_node.generation import GenerationEngine
+    from common.policy_model import ModelSpec, load_policy
+    from common.shared_settings import PolicySpec
+    from ppoz.bench.train_tasks import real_shape_model
+
+    model, tokenizer = load_policy(ModelSpec.of(PolicySpec(model=str(real_shape_model(size["shape"]))), str(device)))
+    model.requires_grad_(False)  # as the actor serves it
+    rows, steps = size["rows"], size["steps"]
+    text = " ".join(f"w{i}" for i in range(size["prompt"]))
+    prompt_tokens = len(tokenizer(text)["input_ids"])
+    engine = GenerationEngine(model, tokenizer, max_rows=rows, max_positions=prompt_tokens + 4 * steps + 16)
+    engine.end_ids = set()  # random weights may sample an end token: every row runs its whole budget
+    sampling = {"max_new_tokens": 4 * steps, "temperature": 1.0, "stop": []}
+    engine.add([{"job": i, "obs": {"prompt": text, "sampling": {**sampling, "seed": i}}, "deadline_ms": 3_600_000} for i in range(rows)])
+    for _ in range(steps):  # prefill, then warm: the buckets these steps use captured
+        engine.step()
+
+    def timed(engine: GenerationEngine, n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            engine.step()  # each step ends in its copy of results to the host: nothing left running
+        return (time.perf_counter() - start) / n * 1e3
+
+    wall_ms = timed(engine, steps)
+    out: dict[str, Any] = {
+        "shape": size["shape"],
+        "rows": rows,
+        "prompt_tokens": prompt_tokens,
+        "active": engine.active,
+        "wall_ms_per_step": round(wall_ms, 3),
+    }
+    if device.type == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            timed(engine, steps)
+        events = prof.key_averages()
+        kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
+        kernel_ms = kernel_us / 1e3 / steps
+        step = engine.decode_step
+        out.update(
+            kernel_ms_per_step=round(kernel_ms, 3),
+            wall_over_kernel=round(wall_ms / kernel_ms, 2) if kernel_ms else None,
+            target=2.0,
+            met=bool(kernel_ms) and wall_ms / kernel_ms <= 2.0,
+            graphs=len(step.graphs) if step is not None else 0,
+        )
+    engine.reset()
+    del engine, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def bench_part(name: str, device: torch.device, extra: list[str], limit_s: float) -> dict[str, Any]:
     """`ppoz bench NAME --json` in a process of its own: its JSON object, or the error that stopped it."""
     device_args = [] if name == "weights" else ["--device", device.type]
@@ -244,10 +301,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["generate_targets"] = generate_targets(result["generate"])
     result["gae"] = gae_part(device)
     result["head"] = head_part(device, 1536 if device.type == "cuda" else 896)
-    try:
-        result["update"] = update_part(device, sizes["update"])
-    except Exception as e:  # reported as the part's error (out of memory, say): the other parts' figures still count
-        result["update"] = {"error": f"{type(e).__name__}: {e}"[:1500]}
+    for name, part in (("update", update_part), ("decode", decode_part)):
+        try:
+            result[name] = part(device, sizes[name])
+        except Exception as e:  # reported as the part's error (out of memory, say): the other parts' figures still count
+            result[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
     left = remaining("train")
     if not args.trl_python:
         result["train"] = {"skipped": "no --trl-python: trl's environment cannot be made without a package index"}
@@ -283,6 +341,9 @@ def main(args: argparse.Namespace) -> int:
         if "error" not in u:
             memory = f"peak {u['peak_gb']} GB" if "peak_gb" in u else f"process peak RSS {u['process_peak_rss_mb']} MB"
             print(f"update: {u['shape']}, {u['tokens']:,} tokens in {u['seconds']} s, {memory}")
+        d = result["decode"]
+        if "error" not in d and "kernel_ms_per_step" in d:
+            print(f"decode: {d['wall_ms_per_step']} ms a step at {d['rows']} rows, {d['kernel_ms_per_step']} ms of it kernels")
         if "generate_targets" in result:
             t = result["generate_targets"]
             print(f"generate: engine {t['vs_one_at_a_time']}x one at a time, {t['vs_static_batch']}x the static batch")

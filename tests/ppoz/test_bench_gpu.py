@@ -15,7 +15,7 @@ def test_bench_gpu_runs_every_part_on_the_cpu_and_prints_one_json_object(tmp_pat
     proc = ppoz("bench", "gpu", "--device", "cpu", "--json", timeout=600, cwd=tmp_path)  # 4 benches in processes: 20 s alone; x30
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert set(result) == {"scoring", "generate", "generate_targets", "weights", "gae", "head", "update", "train", "setup"}
+    assert set(result) == {"scoring", "generate", "generate_targets", "weights", "gae", "head", "update", "decode", "train", "setup"}
     assert not [name for name, part in result.items() if "error" in part], proc.stdout
     assert result["gae"]["tokens"] == 131_072 and 0 < result["gae"]["ms"]
     assert result["head"]["vocab"] == 151_936 and result["head"]["kept_copy_ms"] > 0 and result["head"]["upcast_per_call_ms"] > 0
@@ -26,6 +26,8 @@ def test_bench_gpu_runs_every_part_on_the_cpu_and_prints_one_json_object(tmp_pat
     assert engine["differing_outputs"] == 0  # greedy outputs equal to transformers' own
     assert result["generate_targets"]["vs_one_at_a_time"] == engine["vs_one_at_a_time"]
     assert result["scoring"]["cases"] and result["weights"]["medians"]
+    decode = result["decode"]
+    assert decode["rows"] == decode["active"] == 4 and decode["wall_ms_per_step"] > 0  # every row still decoding
     assert result["train"] == {"skipped": "no --trl-python: trl's environment cannot be made without a package index"}
     assert result["setup"]["device"] == "cpu" and result["setup"]["gpu"] is None
 
