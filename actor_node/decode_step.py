@@ -114,6 +114,15 @@ class AttentionMasks:
         return {kind: one(window) for kind, window in self.windows.items()}
 
 
+def run_decoder(
+    decoder: Any, kv: SlotCache, masks: AttentionMasks, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, width: int
+) -> torch.Tensor:
+    """The decoder's last hidden states [B, q] for tokens `ids` at `positions` (device tensors [B, q]; `real` False for
+    a placeholder) over the slots `kv` was planned for, reading positions [0, width): prefill and decode alike."""
+    mask = masks.build(positions, real, width)
+    return decoder(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(decoder, kv)).last_hidden_state
+
+
 class DecodeStep:
     """One decode forward of rows 0..n-1 (padded to a bucket): their next-token logits. Not thread-safe."""
 
@@ -165,9 +174,8 @@ class DecodeStep:
         real = self.inputs[:rows, 2, None] > 0
         writes = torch.where(real, positions, self.capacity)  # placeholders write to the sink column
         self.kv.plan_fixed(rows, self.slot_index[:rows], writes, width)
-        mask = self.masks.build(positions, real, width)
-        out = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(self.decoder, self.kv))
-        return self.post(scoring.head_logits(self.head, out.last_hidden_state[:, 0]))
+        hidden = run_decoder(self.decoder, self.kv, self.masks, ids, positions, real, width)
+        return self.post(scoring.head_logits(self.head, hidden[:, 0]))
 
     def _replay(self, rows: int, width: int) -> torch.Tensor:
         scoring.refresh_float32_head(self.head)  # new weights since the capture: the kept copy refreshed in place

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from actor_node import lora_merge, sampling
-from actor_node.decode_step import INPUTS, AttentionMasks, DecodeStep
+from actor_node.decode_step import INPUTS, AttentionMasks, DecodeStep, run_decoder
 from actor_node.kv_slots import SlotCache
 from actor_node.lora_merge import FoldedLoRA
 from actor_node.prefix_cache import PrefixCache
@@ -68,7 +68,6 @@ from actor_node.responses import (
     render_prompt,
 )
 from common import scoring
-from common.kv_cache import cache_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -362,11 +361,8 @@ class GenerationEngine:
         writes = torch.where(real, positions, torch.full_like(positions, self.capacity))  # padding goes to the sink column
         self.kv.plan(slots, writes, width)
         assert self.masks is not None  # rows exist only where the masks do (_row)
-        mask = self.masks.build(positions.to(self.device), real.to(self.device), width)
         device = self.device
-        cache = cache_kwargs(self.decoder, self.kv)
-        out = self.decoder(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device), **cache)
-        return out.last_hidden_state
+        return run_decoder(self.decoder, self.kv, self.masks, ids.to(device), positions.to(device), real.to(device), width)
 
     def _sample(
         self,
