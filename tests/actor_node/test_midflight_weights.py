@@ -53,13 +53,17 @@ def test_a_swap_between_decode_steps_recomputes_the_running_rows_and_records_eac
     policy.set_weights(old, 1, "run-a")
     engine = policy.generation_engine()
     assert engine.folded is not None  # the fold is undone before the load, and redone after
-    never_ends = {"stop": [], "max_new_tokens": 30}
-    early = [job(0, byte_prompt(9, seed=0), **never_ends), job(1, byte_prompt(40, seed=1), **never_ends)]
+    budgets = {0: 30, 1: 12, 2: 45, 3: 25, 4: 38}  # responses of different lengths; job 1 ends 3 tokens after the swap
+
+    def never_ends(i: int) -> dict[str, Any]:
+        return {"stop": [], "max_new_tokens": budgets[i]}
+
+    early = [job(0, byte_prompt(9, seed=0), **never_ends(0)), job(1, byte_prompt(40, seed=1), **never_ends(1))]
     engine.add(early)
     for _ in range(8):
         engine.step()
-    late = [job(2, byte_prompt(600, seed=2), **never_ends), job(3, byte_prompt(17, seed=3), **never_ends)]
-    twin = job(4, byte_prompt(600, seed=2), **never_ends)  # the same prompt as job 2: it waits for 2's prompt KV
+    late = [job(2, byte_prompt(600, seed=2), **never_ends(2)), job(3, byte_prompt(17, seed=3), **never_ends(3))]
+    twin = job(4, byte_prompt(600, seed=2), **never_ends(4))  # the same prompt as job 2: it waits for 2's prompt KV
     engine.add([*late, twin])
     # job 1 prefilled a step after job 0 (the prefill budget); job 2's prompt is one chunk in (600 tokens, 64 a
     # step); job 3 waits behind it for the budget
@@ -74,14 +78,13 @@ def test_a_swap_between_decode_steps_recomputes_the_running_rows_and_records_eac
         answers.update((j["job"], a) for j, a in engine.step())
     assert engine.swaps == 1 and engine.recomputed_tokens == (9 + 10 - 1) + (40 + 9 - 1) + 64  # prompt + response but its last
     for i, request in enumerate(early + late + [twin]):
-        answer = answers[i]
-        assert len(answer.response_ids) == 30 and len(answer.token_versions) == 30
-        k = before[i]
-        assert answer.token_versions == [1] * k + [2] * (30 - k), f"job {i}"
+        answer, n, k = answers[i], budgets[i], before[i]
+        assert len(answer.response_ids) == n and len(answer.token_versions) == n
+        assert answer.token_versions == [1] * k + [2] * (n - k), f"job {i}"
         prompt = tokenizer(request["obs"]["prompt"])["input_ids"]
         if k:
             assert answer.response_ids[:k] == greedy_after(tiny_models, old, prompt, k), f"job {i}: before the swap"
-        continued = greedy_after(tiny_models, new, prompt + answer.response_ids[:k], 30 - k)
+        continued = greedy_after(tiny_models, new, prompt + answer.response_ids[:k], n - k)
         assert answer.response_ids[k:] == continued, f"job {i}: after the swap, as the new weights write"
         assert answer.policy_version == (1 if k else 2)
 
