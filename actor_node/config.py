@@ -37,6 +37,17 @@ class ActorConfig:
         "generate: on a GPU, replay each decode step as a CUDA graph captured per (rows, width) bucket (a model that "
         "cannot be captured decodes eagerly, with a warning); off: always eager",
     )
+    stage_weights: bool = option(
+        True,
+        "a full snapshot is fetched, while the actor serves, into a second copy of the weights (memory: one more model) "
+        "and swapped in between two steps; off: fetched to the CPU and copied in (the copy pauses generation)",
+    )
+    weights_cache: str = option(
+        "auto",
+        "this host's copy of each snapshot, which its actors share (one fetch per host): a directory; auto: "
+        "/dev/shm/ppoz-UID-weights/PREFIX when the snapshots are in Redis, none when they are in [store] weights_dir; "
+        "off: none",
+    )
     rag: bool = option(
         True,
         "rag_step: put retrieved context (the task's recent steps, the corpus) into the prompt "

@@ -40,6 +40,7 @@ class SamplingConfig:
     prefill_tokens: int = option(2048, "most prompt tokens (padded) computed per generation step")
     fold_lora: bool = option(True, "fold the LoRA adapter into the base weights while responses are generated")
     capture_decode: bool = option(True, "on a GPU, replay each decode step as a CUDA graph captured per bucket")
+    stage_weights: bool = option(True, "fetch a full snapshot into a second copy of the weights, swapped in between two steps")
 
 
 class LLMPolicy:
@@ -64,20 +65,37 @@ class LLMPolicy:
         self.policy_run = ""
         self.prefix_cache_mb = prefix_cache_mb
         self.engine: GenerationEngine | None = None  # made on first use (generation_engine)
+        self._staging: dict[str, torch.Tensor] | None = None  # a full snapshot is fetched here (`staging`)
         self.generator = torch.Generator().manual_seed(sampling.seed)
         self.forwards = 0
         self.scored = 0
         self.busy_s = 0.0
 
     # --- weights ------------------------------------------------------------------------
+    def staging(self, kind: str) -> dict[str, torch.Tensor] | None:
+        """Where a snapshot of `kind` is fetched: a second copy of every weight, beside the serving one, for a full
+        snapshot (made on first use and kept; tied weights share one tensor), so that applying it is a swap between
+        two steps, not a copy; None (new CPU tensors, copied in) for an adapter or with `stage_weights` off."""
+        if kind != "full" or not self.sampling.stage_weights or hasattr(self.model, "peft_config"):
+            return None
+        if self._staging is None:
+            live = self.model.state_dict(keep_vars=True)
+            made: dict[int, torch.Tensor] = {}
+            self._staging = {name: made.setdefault(id(t), torch.empty_like(t.data)) for name, t in live.items()}
+        return self._staging
+
     def set_weights(self, state: dict[str, torch.Tensor], version: int, run: str) -> None:
         """Swap to new weights (between batches, or between two decode steps of running responses: the engine
         computes their KV again under the new weights). Cached KV is stale after this, so it is dropped."""
 
         def load() -> None:
-            # each tensor copied into its parameter from where it is (the fetcher's CPU buffers): moving the whole
-            # snapshot to the GPU first held a second copy of every swapped weight there, a model's worth in a full swap
-            load_policy_state_dict(self.model, state)
+            staged = self._staging or {}
+            if any(staged.get(name) is tensor for name, tensor in state.items()):
+                self._swap_staged(state, staged)
+            else:
+                # each tensor copied into its parameter from where it is (the fetcher's CPU buffers): moving the whole
+                # snapshot to the GPU first held a second copy of every swapped weight there, a model's worth in a full swap
+                load_policy_state_dict(self.model, state)
 
         try:
             if self.engine is not None:
@@ -91,6 +109,31 @@ class LLMPolicy:
         self.policy_version = version
         self.policy_run = run
         log.info("now serving policy version %d", version)
+
+    def _swap_staged(self, state: dict[str, torch.Tensor], staged: dict[str, torch.Tensor]) -> None:
+        """Put the staged tensors in place of the serving ones; the old ones become the next staging copy. On a GPU
+        the staged bytes are copied instead (device memory: a copy takes less than a decode step), so a captured
+        decode step keeps reading the addresses it was captured with."""
+        live = self.model.state_dict(keep_vars=True)
+        unexpected = [name for name in state if name not in live]
+        if unexpected:
+            raise ValueError(f"weight snapshot has keys this model lacks, e.g. {unexpected[:3]}")
+        # fetched apart: a tensor under a second name of one the model ties (weights.fetch fills one tensor once)
+        others = {name: tensor for name, tensor in state.items() if staged.get(name) is not tensor}
+        with torch.no_grad():
+            for name, tensor in state.items():
+                target = live[name]
+                if name in others:
+                    continue
+                if target.device.type != "cpu":
+                    target.data.copy_(tensor)
+                    continue
+                old = target.data
+                target.data = tensor
+                for other in [n for n, t in staged.items() if t is tensor]:
+                    staged[other] = old
+            if others:
+                self.model.load_state_dict(others, strict=False)
 
     def stamp(self) -> PolicyStamp:
         peft_config = getattr(self.model, "peft_config", None)

@@ -20,7 +20,7 @@ import threading
 from actor_node.config import ActorConfig
 from actor_node.link import BrokerLink
 from actor_node.policies import Policy, UniformPolicy
-from actor_node.weight_follower import WeightFollower
+from actor_node.weight_follower import WeightFollower, host_cache_dir
 from actor_node.worker import catch_up, serve
 from common.sd_notify import Notifier
 from common.security import client_keys
@@ -49,6 +49,7 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
             prefill_tokens=cfg.prefill_tokens,
             fold_lora=cfg.fold_lora,
             capture_decode=cfg.capture_decode,
+            stage_weights=cfg.stage_weights,
         )
         policy = LLMPolicy(model, tokenizer, sampling, cfg.policy.scoring_path, cfg.prefix_cache_mb)
         if cfg.rag:
@@ -65,8 +66,9 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
                 poll_s=cfg.weights_poll_s,
                 curve=client_keys(cfg.curve_secret_key, cfg.curve_learner_key, ("curve_secret_key", "curve_learner_key")),
                 weights_dir=cfg.store.weights_dir,
+                cache_dir=host_cache_dir(cfg.weights_cache, cfg.store),
             )
-            catch_up(policy, follower)
+            catch_up(policy, follower, wait=True)
     else:
         log.warning("no --model given: serving the uniform random policy")
         policy = UniformPolicy(cfg.seed)

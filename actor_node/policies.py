@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from common.shared_settings import PolicyStamp
 
 if TYPE_CHECKING:  # no torch at import: the uniform actor starts without it
+    import torch
+
     from actor_node.generation import GenerationEngine
 
 
@@ -40,6 +42,10 @@ class Policy(Protocol):
 
     def choose_batch(self, jobs: list[dict[str, Any]]) -> list[Choice | Exception]:
         """One answer per job, in order: a Choice, or the exception that job alone raised."""
+        ...
+
+    def staging(self, kind: str) -> dict[str, torch.Tensor] | None:
+        """Tensors beside the serving weights that a snapshot of `kind` is fetched into (None: new CPU tensors)."""
         ...
 
     def set_weights(self, state: dict[str, Any], version: int, run: str) -> None:
@@ -80,6 +86,9 @@ class UniformPolicy:
             except Exception as e:  # a malformed observation fails its own job only
                 out.append(e)
         return out
+
+    def staging(self, kind: str) -> dict[str, torch.Tensor] | None:
+        return None
 
     def set_weights(self, state: dict[str, Any], version: int, run: str) -> None:
         raise TypeError("the uniform policy has no weights to follow; serve a model (--model) to follow the learner")

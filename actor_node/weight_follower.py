@@ -1,13 +1,18 @@
-"""How an actor learns of new weights: PUB announcements, with Redis as the backstop."""
+"""How an actor learns of new weights (PUB announcements, with Redis as the backstop) and fetches them while it serves."""
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import redis
+import torch
 import zmq
 
+from common import weights
 from common.security import ClientKeys
+from common.shared_settings import StoreSettings
+from common.snapshot_stores import HostCache, default_host_cache
 from common.weights import TOPIC, Announcement, SnapshotStore, WeightsError, latest, parse_announcement, snapshot_store
 
 log = logging.getLogger(__name__)
@@ -25,11 +30,15 @@ class WeightFollower:
         poll_s: float = 5.0,
         curve: ClientKeys | None = None,
         weights_dir: str = "",
+        cache_dir: str = "",
     ) -> None:
         self.client = client
         self.prefix = prefix
         self.store: SnapshotStore = snapshot_store(client, prefix, weights_dir)  # where the snapshots' chunks are read
+        self.cache = HostCache(cache_dir) if cache_dir else None  # this host's copy, shared by its actors
         self.poll_s = poll_s
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-fetch-bg")
+        self.fetching: tuple[Announcement, Future[dict[str, torch.Tensor]]] | None = None
         self._next_poll = 0.0
         self.waiting: Announcement | None = None  # found by `newest`, not loaded yet (see `take`)
         self.refused: tuple[str, int, str] | None = None  # (run, version, checksum) of a snapshot that could not be loaded
@@ -54,12 +63,13 @@ class WeightFollower:
             self.waiting = found
         return self.waiting
 
-    def take(self, loaded: bool = True) -> None:
-        """The waiting snapshot was loaded, or could not be (`loaded` false): forget it; a refused one is not
-        offered again (a generating actor would stop admitting requests for it at every poll)."""
-        if not loaded and self.waiting is not None:
-            self.refused = (self.waiting.run, self.waiting.version, self.waiting.checksum)
-        self.waiting = None
+    def take(self, ann: Announcement, loaded: bool = True) -> None:
+        """`ann` was loaded, or could not be (`loaded` false): forget it, unless a newer one waits; a refused one
+        is not offered again (a generating actor would stop admitting requests for it at every poll)."""
+        if not loaded:
+            self.refused = (ann.run, ann.version, ann.checksum)
+        if self.waiting == ann:
+            self.waiting = None
 
     def _poll(self, now: float, current: int, current_run: str) -> Announcement | None:
 
@@ -92,6 +102,31 @@ class WeightFollower:
                 best = stored
         return best
 
+    def fetched(
+        self, ann: Announcement, into: dict[str, torch.Tensor] | None, wait: bool
+    ) -> tuple[Announcement, dict[str, torch.Tensor]] | None:
+        """The snapshot being fetched in the background, once it is all there (and checked): started for `ann`
+        (into `into`) if none is under way. None while it is still coming, unless `wait`; raises what the fetch
+        raised. The serving loop goes on meanwhile: the chunks are read and checked in threads that release the GIL."""
+        if self.fetching is None:
+            job = self._fetcher.submit(weights.fetch, self.client, self.prefix, ann, self.store, into=into, cache=self.cache)
+            self.fetching = (ann, job)
+        started, job = self.fetching
+        if not wait and not job.done():
+            return None
+        self.fetching = None
+        return started, job.result()
+
     def close(self) -> None:
+        self._fetcher.shutdown(wait=True, cancel_futures=True)
         if self.sub is not None:
             self.sub.close(linger=0)
+
+
+def host_cache_dir(setting: str, store: StoreSettings) -> str:
+    """Where this host's actors keep their shared copy of each snapshot (`[actor] weights_cache`), or "" for none."""
+    if setting == "off":
+        return ""
+    if setting == "auto":
+        return "" if store.weights_dir else default_host_cache(store.key_prefix)
+    return setting

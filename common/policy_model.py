@@ -130,16 +130,23 @@ def enable_gradient_checkpointing(model: Any) -> None:
     model.eval()
 
 
-def policy_state_items(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_state_items(model: Any, tied_once: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The trainable part of the policy, one tensor at a time on the CPU: the adapter's weights, or all
-    weights without an adapter. One at a time, so a publisher never holds a second copy of a GPU model."""
+    weights without an adapter. One at a time, so a publisher never holds a second copy of a GPU model.
+    `tied_once`: a tensor that is another's under a second name (tied embeddings) comes once, under its
+    first name (a weight snapshot: the actor's model ties them again)."""
     if hasattr(model, "peft_config"):
         from peft import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(model)
     else:
         state = model.state_dict()
+    seen: set[tuple[int, torch.dtype, tuple[int, ...]]] = set()
     for name, tensor in state.items():
+        identity = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+        if tied_once and tensor.numel() and identity in seen:
+            continue
+        seen.add(identity)
         yield name, tensor.detach().cpu().contiguous()
 
 

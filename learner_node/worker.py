@@ -85,6 +85,8 @@ class Learner:
     def __init__(self, cfg: LearnerConfig, client: redis.Redis, context: zmq.Context | None = None) -> None:
         self.cfg = cfg
         self.redis = client
+        # one store for the run: a directory store prepares the next publication's files after each one
+        self.snapshots = weights.snapshot_store(client, cfg.store.key_prefix, cfg.store.weights_dir)
         self.keys = cfg.store.keys
         self.stream = self.keys.stream
         device = cfg.device
@@ -756,7 +758,7 @@ class Learner:
         if not self.sharded:
             if not self.is_main:
                 return
-            tensors = policy_state_items(self.lp.model)
+            tensors = policy_state_items(self.lp.model, tied_once=True)
         else:  # every rank takes part in each tensor's all-gather; rank 0 alone gets the tensors and stores them
             tensors = sharding.full_state_chunks(self.lp.model, self._published_names)
             if not self.is_main:
@@ -772,7 +774,7 @@ class Learner:
                 tensors,
                 kind,
                 self.run_id,
-                weights.snapshot_store(self.redis, store.key_prefix, store.weights_dir),
+                self.snapshots,
                 keep=store.weights_kept,
             )
         finally:

@@ -20,21 +20,21 @@ def test_newer_versions_new_runs_and_a_refused_snapshot_not_offered_again(redis_
     found = follower.newest(1.0, current=0, current_run="")
     assert found is not None and (found.run, found.version) == ("run-a", 3)
     assert follower.newest(2.0, current=0, current_run="") == found  # kept as waiting until taken
-    follower.take()
+    follower.take(found)
     assert follower.newest(3.0, current=3, current_run="run-a") is None  # the one it serves
     # A new run at a lower version is followed (a learner restarted without --resume).
     weights.store_snapshot(redis_client, key_prefix, 1, snapshot(2.0), "lora", run="run-b")
     found = follower.newest(4.0, current=3, current_run="run-a")
     assert found is not None and (found.run, found.version) == ("run-b", 1)
     # The actor could not load it (another model's adapter, say): the same bytes are not offered again, at any poll.
-    follower.take(loaded=False)
+    follower.take(found, loaded=False)
     for now in (5.0, 6.0, 7.0):
         assert follower.newest(now, current=3, current_run="run-a") is None
     # Its repair (the same run and version, other bytes) and a later version are offered.
     weights.store_snapshot(redis_client, key_prefix, 1, snapshot(3.0), "lora", run="run-b")
     repaired = follower.newest(8.0, current=3, current_run="run-a")
     assert repaired is not None and repaired.version == 1 and repaired.checksum != found.checksum
-    follower.take(loaded=False)
+    follower.take(repaired, loaded=False)
     weights.store_snapshot(redis_client, key_prefix, 2, snapshot(3.0), "lora", run="run-b")
     later = follower.newest(9.0, current=3, current_run="run-a")
     assert later is not None and later.version == 2
