@@ -16,6 +16,9 @@ yardstick is a plain memory copy of the same tensors into the actor's model. Leg
              second one finds it there (`second_s`: its fetch and swap, one fetch per host);
 - lora       a rank-8 adapter of the same model through Redis (it must not get slower).
 
+A round of every leg runs first, not counted: the first touch of each buffer and a tmpfs's first files cost what a
+learner's first publication costs once. Each leg removes what it stored before the next runs.
+
 Then the swap pause (--swaps, on /dev/shm): the actor generates --rows responses while new snapshots are
 published from a thread; each is fetched in the background and applied between two decode steps. The
 pause is the time of the loop turn's `catch_up` that applied it (p50, p99, max), against a decode step's
@@ -157,7 +160,21 @@ class Legs:
             if second.fills:
                 raise RuntimeError("the second actor fetched the snapshot again instead of reading the host's copy")
         del state
+        self._clear(store, prefix, ann, cache)
         return figures
+
+    def _clear(self, store: Any, prefix: str, ann: Any, cache: Any) -> None:
+        """Remove what the leg stored (on a tmpfs: kept for the next publication's files, as a learner's store does),
+        so that no leg runs beside another's gigabytes in Redis, on the disk or in a host cache."""
+        import msgpack
+
+        from common.segments import RedisKeys
+
+        chunks = len(msgpack.unpackb(store.manifest(ann.run, ann.version))["chunks"])
+        store.remove(ann.run, ann.version, chunks)
+        self.client.delete(RedisKeys(prefix).weights_kept, RedisKeys(prefix).weights_latest)
+        if cache is not None:
+            shutil.rmtree(cache.local.root, ignore_errors=True)
 
     def check(self) -> None:
         for a, b in ((self.actor.model, self.learner), (self.lora_actor.model, self.lora_learner)):
@@ -266,6 +283,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bench = Legs(args, client, scratch, folder)
             nbytes = sum(t.numel() * t.element_size() for t in bench.learner.state_dict().values())
             print(f"snapshot: {nbytes / 1e9:.2f} GB in {len(bench.learner.state_dict())} tensors", file=sys.stderr, flush=True)
+            for leg in LEGS:  # a round not counted: first touches of the buffers, a tmpfs's first files (a learner's first publication)
+                print(f"  warm-up {leg}: {bench.run(leg)['total_s']:.3f} s", file=sys.stderr, flush=True)
             for repeat in range(args.repeats):
                 for leg in LEGS if repeat % 2 == 0 else LEGS[::-1]:
                     legs[leg].append(bench.run(leg))
