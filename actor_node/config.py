@@ -42,11 +42,16 @@ class ActorConfig:
         "a full snapshot is fetched, while the actor serves, into a second copy of the weights (memory: one more model) "
         "and swapped in between two steps; off: fetched to the CPU and copied in (the copy pauses generation)",
     )
+    weights_source: str = option(
+        "",
+        "the learner's snapshot server ([learner] weights_serve, e.g. tcp://learner-host:5558): snapshots are fetched "
+        "from it instead of from [store] (an actor on another host than the learner's; empty: from [store])",
+    )
     weights_cache: str = option(
         "auto",
         "this host's copy of each snapshot, which its actors share (one fetch per host): a directory; auto: "
-        "/dev/shm/ppoz-UID-weights/PREFIX when the snapshots are in Redis, none when they are in [store] weights_dir; "
-        "off: none",
+        "/dev/shm/ppoz-UID-weights/PREFIX when the snapshots come from Redis or a weights_source, none when they are "
+        "read from [store] weights_dir; off: none",
     )
     rag: bool = option(
         True,
@@ -87,6 +92,10 @@ class ActorConfig:
         check(self.max_batch_tokens > 0, f"`max_batch_tokens` must be positive, got {self.max_batch_tokens}")
         check(self.weights_poll_s > 0, f"`weights_poll_s` must be positive, got {self.weights_poll_s}")
         check(not self.weights or "://" in self.weights, f"`weights` must be a ZeroMQ endpoint, got {self.weights!r}")
+        check(
+            not self.weights_source or "://" in self.weights_source,
+            f"`weights_source` must be a ZeroMQ endpoint, got {self.weights_source!r}",
+        )
         check(self.credits > 0, f"`credits` must be positive, got {self.credits}")
         check(self.max_batch > 0, f"`max_batch` must be positive, got {self.max_batch}")
         check(self.max_generate_rows > 0, f"`max_generate_rows` must be positive, got {self.max_generate_rows}")

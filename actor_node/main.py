@@ -66,7 +66,8 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
                 poll_s=cfg.weights_poll_s,
                 curve=client_keys(cfg.curve_secret_key, cfg.curve_learner_key, ("curve_secret_key", "curve_learner_key")),
                 weights_dir=cfg.store.weights_dir,
-                cache_dir=host_cache_dir(cfg.weights_cache, cfg.store),
+                source=cfg.weights_source,
+                cache_dir=host_cache_dir(cfg.weights_cache, cfg.store, cfg.weights_source),
             )
             catch_up(policy, follower, wait=True)
     else:

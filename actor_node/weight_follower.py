@@ -12,6 +12,7 @@ import zmq
 from common import weights
 from common.security import ClientKeys
 from common.shared_settings import StoreSettings
+from common.snapshot_serve import ServedSnapshots
 from common.snapshot_stores import HostCache, default_host_cache
 from common.weights import TOPIC, Announcement, SnapshotStore, WeightsError, latest, parse_announcement, snapshot_store
 
@@ -30,11 +31,13 @@ class WeightFollower:
         poll_s: float = 5.0,
         curve: ClientKeys | None = None,
         weights_dir: str = "",
+        source: str = "",
         cache_dir: str = "",
     ) -> None:
         self.client = client
         self.prefix = prefix
-        self.store: SnapshotStore = snapshot_store(client, prefix, weights_dir)  # where the snapshots' chunks are read
+        # where the snapshots' chunks are read: the learner's snapshot server, or the farm's store
+        self.store: SnapshotStore = ServedSnapshots(source, context, curve) if source else snapshot_store(client, prefix, weights_dir)
         self.cache = HostCache(cache_dir) if cache_dir else None  # this host's copy, shared by its actors
         self.poll_s = poll_s
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-fetch-bg")
@@ -123,10 +126,12 @@ class WeightFollower:
             self.sub.close(linger=0)
 
 
-def host_cache_dir(setting: str, store: StoreSettings) -> str:
-    """Where this host's actors keep their shared copy of each snapshot (`[actor] weights_cache`), or "" for none."""
+def host_cache_dir(setting: str, store: StoreSettings, source: str = "") -> str:
+    """Where this host's actors keep their shared copy of each snapshot (`[actor] weights_cache`), or "" for none:
+    by default one where the snapshots come over the network (Redis, a learner's snapshot server), none where
+    they are read from a directory (on this host's tmpfs that is already the shared copy)."""
     if setting == "off":
         return ""
     if setting == "auto":
-        return "" if store.weights_dir else default_host_cache(store.key_prefix)
+        return "" if store.weights_dir and not source else default_host_cache(store.key_prefix)
     return setting

@@ -34,7 +34,7 @@ import redis
 
 from common.segments import RedisKeys
 
-Buffer = bytes | memoryview
+Buffer = bytes | bytearray | memoryview
 
 RUN_ID = re.compile(r"[0-9A-Za-z_-]{0,64}")  # a learner run's id: hex from uuid4 (a word: it names keys and folders)
 
@@ -82,7 +82,7 @@ class SnapshotStore(Protocol):
 class BytesChunk:
     """A chunk held in memory (a Redis value)."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: Buffer) -> None:
         self.data = memoryview(data)
         self.size = len(data)
 

@@ -170,6 +170,11 @@ class LearnerConfig(UpdateConfig):
     keep_checkpoints: int = option(3, "checkpoints kept")
     resume: bool = option(False, "restore the newest checkpoint and go on from it")
     weights_bind: str = option("tcp://127.0.0.1:5557", "endpoint the learner binds to announce new weights (PUB)")
+    weights_serve: str = option(
+        "",
+        "endpoint the learner binds to serve its weight snapshots' chunks to actors on other hosts (the actors' "
+        "weights_source), e.g. tcp://*:5558; each host fetches a version once (empty: off)",
+    )
     curve_secret_key: str = option(
         "",
         "CURVE: the learner's key pair file (NAME.key_secret from `ppoz keygen`) for the weight PUB; "
@@ -219,4 +224,7 @@ class LearnerConfig(UpdateConfig):
         )
         check(self.parallelism in PARALLELISMS, f"`parallelism` must be one of {', '.join(PARALLELISMS)}, got {self.parallelism!r}")
         check("://" in self.weights_bind, f"`weights_bind` must be a ZeroMQ endpoint, got {self.weights_bind!r}")
+        check(
+            not self.weights_serve or "://" in self.weights_serve, f"`weights_serve` must be a ZeroMQ endpoint, got {self.weights_serve!r}"
+        )
         check_server_settings(self.curve_secret_key, {"curve_allowed_actors": self.curve_allowed_actors})

@@ -45,6 +45,7 @@ from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
 from common.segments import Segment, acknowledge, ensure_group, entry_samples
 from common.shared_settings import PolicyStamp
+from common.snapshot_serve import SnapshotServer
 from common.zmqio import bound
 from learner_node import checkpoint, sharded_load, sharding
 from learner_node.config import FSDP_FROM_PARAMETERS, LearnerConfig
@@ -146,6 +147,7 @@ class Learner:
         self.pub: zmq.Socket | None = None
         self.allow_list: AllowList | None = None  # CURVE: which actors may subscribe
         self.weights_endpoint = ""
+        self.snapshot_server: SnapshotServer | None = None
         if self.is_main:
             self.pub = self.ctx.socket(zmq.PUB)
             self.pub.setsockopt(zmq.LINGER, 0)
@@ -153,6 +155,10 @@ class Learner:
                 self.allow_list = apply_server(self.pub, cfg.curve_secret_key, cfg.curve_allowed_actors, "learner weights")
             self.pub.bind(cfg.weights_bind)
             self.weights_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if cfg.weights_serve:  # actors on other hosts fetch the chunks from here (common/snapshot_serve.py)
+                self.snapshot_server = SnapshotServer(
+                    self.snapshots, cfg.weights_serve, self.ctx, cfg.curve_secret_key, cfg.curve_allowed_actors
+                )
         self.notifier = Notifier() if self.is_main else Notifier({})  # only rank 0 speaks to systemd
         self.writer = None
         if cfg.tensorboard_dir and self.is_main:
@@ -834,6 +840,8 @@ class Learner:
             self.writer.close()
         if self.pub is not None:
             self.pub.close(linger=0)
+        if self.snapshot_server is not None:
+            self.snapshot_server.close()
         if self.allow_list is not None:
             self.allow_list.close()
         if self.owns_process_group and dist.is_initialized():
