@@ -413,7 +413,7 @@ def _run_all(work: Any, count: int, threads: int) -> None:
 
 
 def fetch(
-    client: redis.Redis,
+    client: redis.Redis | None,
     prefix: str,
     ann: Announcement,
     store: SnapshotStore | None = None,
@@ -426,7 +426,10 @@ def fetch(
     The chunks are read `threads` at a time (the reads and checksums release the GIL), each straight into the
     tensors it fills: `into`'s (shapes and dtypes must match the manifest's), or new CPU tensors. With a host
     `cache`, the chunks are read from this host's copy, which the first actor to want the version makes."""
-    store = store or RedisSnapshots(client, prefix)
+    if store is None:
+        if client is None:
+            raise ValueError("fetch needs a store, or the Redis client of one")
+        store = RedisSnapshots(client, prefix)
     data, manifest = read_manifest(store, ann)
     state = _targets(ann, manifest, into)
     plan = _plan(ann, manifest, state)

@@ -37,6 +37,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 from ppoz.bench import load_at_start, status_kb
+from ppoz.bench.weights_hosts import run_hosts
 
 LEGS = ("memcpy", "redis", "directory", "shared", "host", "lora")
 QUIET_STEPS = 8  # decode steps between a swap and the next publication in the pause leg (the quiet steps measured)
@@ -58,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-mb", type=int, default=64, help="chunk size in MiB (default 64)")
     parser.add_argument("--threads", type=int, default=4, help="chunks an actor fetches and checks at once (default 4)")
     parser.add_argument("--swaps", type=int, default=20, help="snapshots applied while generating, for the pause (default 20; 0: none)")
+    parser.add_argument("--no-hosts", action="store_true", help="skip the leg across two hosts (network namespaces: root only)")
     parser.add_argument("--rows", type=int, default=8, help="responses generated at once in the pause leg (default 8)")
     parser.add_argument(
         "--peak",
@@ -298,6 +301,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pause = pause_leg(args, client, scratch, folder) if args.swaps else {}
             except RuntimeError as e:  # reported: the throughput legs' figures still count
                 pause = {"error": str(e)}
+            hosts: dict[str, Any] = {"skipped": "--no-hosts"}
+            if not args.no_hosts:
+                try:
+                    hosts = run_hosts(folder, args.chunk_mb, args.threads, args.repeats)
+                except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                    hosts = {"error": str(e)[-2000:]}
         finally:
             shutil.rmtree(shared_dir(scratch), ignore_errors=True)
     medians = {}
@@ -319,6 +328,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "targets": {"shared_gb_per_s": shared, "shared_over_memcpy": shared / memcpy, "met": shared >= 2.0 and shared / memcpy >= 0.25},
         "medians": medians,
         "pause": pause,
+        "hosts": hosts,
         "runs": legs,
     }
 
@@ -347,6 +357,14 @@ def main(args: argparse.Namespace) -> int:
     print(f"  same host (shared): {t['shared_gb_per_s']:.2f} GB/s, {t['shared_over_memcpy']:.2f} of memcpy (targets: 2 GB/s, 0.25)")
     if "host" in result["medians"]:
         print(f"  a second actor on the host (its copy found): {result['medians']['host']['second_s']:.3f} s")
+    h = result["hosts"]
+    if "snapshot_gb_per_s" in h:
+        print(
+            f"  across two hosts: {h['snapshot_gb_per_s']:.2f} GB/s, {h['snapshot_over_tcp']:.2f} of the bridge's TCP rate "
+            f"({h['tcp_gb_per_s']:.2f} GB/s; target 0.5)"
+        )
+    else:
+        print(f"  across two hosts: {h.get('skipped') or h.get('error')}")
     if "error" in result["pause"]:
         print(f"  swap pause: {result['pause']['error']}")
     elif result["pause"]:
