@@ -17,6 +17,7 @@ its actors. Every chunk is checked against the manifest's checksum on arrival, a
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +26,7 @@ import zmq
 
 from common import protocol as p
 from common.security import ClientKeys, apply_server
-from common.snapshot_stores import Buffer, BytesChunk, ChunkReader, SnapshotStore, WeightsError, check_run
+from common.snapshot_stores import Buffer, BytesChunk, ChunkReader, FileChunk, SnapshotStore, WeightsError, check_run
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,11 @@ class SnapshotServer:
         if chunk is None:
             return [p.encode({**p.header(op), "found": False}), b""]
         try:
-            data = bytearray(chunk.size)
-            chunk.read_into(0, memoryview(data))
+            if isinstance(chunk, FileChunk) and chunk.size:  # sent from the page cache, not copied first
+                data: Buffer = memoryview(mmap.mmap(chunk.fd, chunk.size, prot=mmap.PROT_READ))
+            else:
+                data = bytearray(chunk.size)
+                chunk.read_into(0, memoryview(data))
         finally:
             chunk.close()
         self.served += 1

@@ -259,15 +259,18 @@ class DirectorySnapshots:
         """Remove a snapshot; on a tmpfs its files become the next publication's (freeing and allocating again the
         pages of a model costs more than writing it). A reader still reading it then reads other bytes, which
         the checksum over the bytes it placed refuses: it tries the newest snapshot instead."""
-        final = self.final(run, version)
+        self.retire(self.final(run, version))
+
+    def retire(self, folder: Path) -> None:
+        """Remove a snapshot's folder, or on a tmpfs make its files the next publication's (see `remove`)."""
         with contextlib.suppress(OSError):
             (self.root / self.PREPARED).rmdir()  # only if the last publication took every file in it
         if self._on_tmpfs and not (self.root / self.PREPARED).exists():
             with contextlib.suppress(OSError):
-                (final / self.MANIFEST).unlink()  # nothing names it as a snapshot any more
-                os.replace(final, self.root / self.PREPARED)
+                (folder / self.MANIFEST).unlink()  # nothing names it as a snapshot any more
+                os.replace(folder, self.root / self.PREPARED)
                 return
-        shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
     def abort(self, run: str, version: int, chunks: int) -> None:
         if self._writing is not None:
@@ -339,7 +342,9 @@ class HostCache:
                 self.local.finish(run, version, manifest)
                 self.fills += 1
                 for old in self.local.versions()[: -self.keep]:
-                    shutil.rmtree(old, ignore_errors=True)  # a reader that has its chunks open reads on (unlinked files)
+                    self.local.retire(old)  # a reader that has its chunks open reads on, or is refused by its checksum
+                # the next version's files, allocated before it comes (on a tmpfs)
+                self.local.prepare([p.stat().st_size for p in sorted(self.local.final(run, version).glob("chunk-*.bin"))])
             return self.local
         finally:
             os.close(fd)  # releases the lock

@@ -57,6 +57,7 @@ from common import protocol as p
 from common.segments import RedisKeys
 from common.snapshot_stores import (
     BytesChunk,
+    ChunkReader,
     DirectorySnapshots,
     HostCache,
     RedisSnapshots,
@@ -352,6 +353,20 @@ def _targets(ann: Announcement, manifest: dict[str, Any], into: Mapping[str, tor
     return state
 
 
+def _fill(chunk: ChunkReader, placements: list[_Placement], digest: Any = None) -> None:
+    """Each piece of `chunk` into its rows (through host memory for a tensor on a device), `digest` updated
+    with the bytes as placed."""
+    for placement in placements:
+        rows = placement.rows
+        staged = rows if rows.device.type == "cpu" else torch.empty(rows.shape, dtype=rows.dtype)
+        dest = byte_view(staged)
+        chunk.read_into(placement.offset, dest)
+        if digest is not None:
+            digest.update(dest)
+        if staged is not rows:
+            rows.copy_(staged)
+
+
 def _place(store: SnapshotStore, ann: Announcement, index: int, entry: dict[str, Any], placements: list[_Placement]) -> None:
     """Read chunk `index` straight into its tensors' rows, checking its checksum over the bytes as placed (so
     what a concurrent writer did to the stored copy after the check cannot reach the tensors unseen)."""
@@ -362,22 +377,18 @@ def _place(store: SnapshotStore, ann: Announcement, index: int, entry: dict[str,
         if chunk.size != int(entry["size"]):
             raise WeightsError(f"snapshot v{ann.version}'s chunk {index} does not match its checksum ({chunk.size} bytes)")
         digest = xxhash.xxh3_128()
-        for placement in placements:
-            rows = placement.rows
-            staged = rows if rows.device.type == "cpu" else torch.empty(rows.shape, dtype=rows.dtype)
-            dest = byte_view(staged)
-            chunk.read_into(placement.offset, dest)
-            digest.update(dest)
-            if staged is not rows:
-                rows.copy_(staged)
+        _fill(chunk, placements, digest)
         if digest.hexdigest() != entry["xxh3"]:
             raise WeightsError(f"snapshot v{ann.version}'s chunk {index} does not match its checksum")
     finally:
         chunk.close()
 
 
-def _copy_chunks(source: SnapshotStore, local: SnapshotStore, ann: Announcement, manifest: dict[str, Any], threads: int) -> None:
-    """Every chunk from the farm's store into this host's copy, each checked before it is written."""
+def _copy_chunks(
+    source: SnapshotStore, local: SnapshotStore, ann: Announcement, manifest: dict[str, Any], plan: list[list[_Placement]], threads: int
+) -> None:
+    """Every chunk from the farm's store into this host's copy and into the tensors, each checked before it is
+    written anywhere (the bytes received are this process's own: nothing changes them after the check)."""
 
     def copy(index: int) -> None:
         entry = manifest["chunks"][index]
@@ -393,6 +404,7 @@ def _copy_chunks(source: SnapshotStore, local: SnapshotStore, ann: Announcement,
             if len(data) != int(entry["size"]) or checksum(data) != entry["xxh3"]:
                 raise WeightsError(f"snapshot v{ann.version}'s chunk {index} does not match its checksum")
             local.put_chunk(ann.run, ann.version, index, [data])
+            _fill(BytesChunk(data), plan[index])
         finally:
             chunk.close()
 
@@ -434,8 +446,15 @@ def fetch(
     state = _targets(ann, manifest, into)
     plan = _plan(ann, manifest, state)
     if cache is not None:
-        source = store
-        store = cache.ensure(ann.run, ann.version, data, lambda local: _copy_chunks(source, local, ann, manifest, threads))
+        source, filled = store, []
+
+        def fill(local: DirectorySnapshots) -> None:
+            _copy_chunks(source, local, ann, manifest, plan, threads)
+            filled.append(True)
+
+        store = cache.ensure(ann.run, ann.version, data, fill)
+        if filled:  # this process made the host's copy, and placed every chunk on the way
+            return state
     chunks = manifest["chunks"]
     _run_all(lambda index: _place(store, ann, index, chunks[index], plan[index]), len(chunks), threads)
     return state

@@ -2,10 +2,11 @@
 
 Two network namespaces (reliability/farm.py's `Network`) joined by a bridge, as the farm's hosts are:
 
-    learner   publishes a snapshot into a directory store on its /dev/shm and serves it
-              (common/snapshot_serve.py's SnapshotServer), beside a plain TCP sender
-    actor     fetches it (ServedSnapshots, --threads chunks at once) into a fresh host cache and from
-              there into its tensors: what the first actor of a host does
+    learner   publishes --repeats + 1 versions into a directory store on its /dev/shm and serves
+              them (common/snapshot_serve.py's SnapshotServer), beside a plain TCP sender
+    actor     fetches each (ServedSnapshots, --threads chunks at once) into its tensors and its host
+              cache: what the first actor of a host does; the first version is not counted (the
+              cache's first files), as a learner's first publication is not
 
 In the same run, legs alternating, medians of --repeats: the bridge's own TCP rate (the plain sender
 to a plain receiver, 1 and 4 connections, the better one counts) and the snapshot's. Needs root.
@@ -44,7 +45,7 @@ def run_hosts(folder: str, chunk_mb: int, threads: int, repeats: int, deadline_s
         with tempfile.TemporaryDirectory(prefix="ppoz-bench-hosts-") as scratch:
             address = net.addresses["learner"]
             ann = Path(scratch) / "announcement.json"
-            serve = [*_me(), "serve", folder, address, str(chunk_mb), str(ann)]
+            serve = [*_me(), "serve", folder, address, str(chunk_mb), str(ann), str(repeats + 1)]
             learner = subprocess.Popen(net.command("learner", serve), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             end = time.monotonic() + deadline_s
             while not ann.exists():
@@ -75,8 +76,8 @@ def _tail(process: subprocess.Popen[str]) -> str:
     return process.stderr.read()[-2000:]
 
 
-def serve(folder: str, address: str, chunk_mb: int, out: str) -> None:
-    """The learner's host: publish, serve the chunks and plain TCP, until killed."""
+def serve(folder: str, address: str, chunk_mb: int, out: str, versions: int) -> None:
+    """The learner's host: publish `versions` versions, serve their chunks and plain TCP, until killed."""
     from common import weights
     from common.policy_model import ModelSpec, load_policy, policy_state_items
     from common.redis_server import EmbeddedRedis, connect
@@ -86,13 +87,16 @@ def serve(folder: str, address: str, chunk_mb: int, out: str) -> None:
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="ppoz-hosts-", dir=_shm()) as root:
         client = connect(server.url)
         store = weights.DirectorySnapshots(root)
-        ann = weights.store_snapshot(client, "hosts", 1, policy_state_items(model, tied_once=True), "full", "bench", store, chunk_mb << 20)
+        anns = []
+        for version in range(1, versions + 1):
+            tensors = policy_state_items(model, tied_once=True)
+            anns.append(weights.store_snapshot(client, "hosts", version, tensors, "full", "bench", store, chunk_mb << 20, keep=versions))
         snapshots = SnapshotServer(store, f"tcp://{address}:{SERVE_PORT}")
         listener = socket.create_server((address, TCP_PORT), backlog=16)
         threading.Thread(target=_send_forever, args=(listener,), daemon=True).start()
         sums = {name: float(t.double().sum()) for name, t in policy_state_items(model, tied_once=True)}
         tmp = Path(out + ".tmp")
-        tmp.write_text(json.dumps({"announcement": ann.__dict__, "sums": sums}))
+        tmp.write_text(json.dumps({"announcements": [ann.__dict__ for ann in anns], "sums": sums}))
         tmp.replace(out)
         try:
             while True:
@@ -164,22 +168,31 @@ def fetch(address: str, announcement: str, threads: int, repeats: int) -> None:
     from common.snapshot_stores import HostCache
 
     published = json.loads(Path(announcement).read_text())
-    ann = weights.Announcement(**published["announcement"])
+    anns = [weights.Announcement(**ann) for ann in published["announcements"]]
     source = ServedSnapshots(f"tcp://{address}:{SERVE_PORT}")
     legs: dict[str, list[float]] = {"tcp_1": [], "tcp_4": [], "snapshot": []}
+    cache_root = tempfile.mkdtemp(prefix="ppoz-host-cache-", dir=_shm())
     moved = True
-    for repeat in range(repeats):
-        for leg in list(legs) if repeat % 2 == 0 else list(legs)[::-1]:
-            if leg == "snapshot":
-                cache_root = tempfile.mkdtemp(prefix="ppoz-host-cache-", dir=_shm())
-                start = time.perf_counter()
-                state = weights.fetch(None, "hosts", ann, source, threads, cache=HostCache(cache_root))
-                legs[leg].append(time.perf_counter() - start)
-                moved = moved and {k: float(v.double().sum()) for k, v in state.items()} == published["sums"]
-                del state
-                shutil.rmtree(cache_root, ignore_errors=True)
-            else:
-                legs[leg].append(_tcp(address, ann.size, int(leg[-1])))
+
+    def fetched(ann: weights.Announcement) -> float:
+        start = time.perf_counter()
+        state = weights.fetch(None, "hosts", ann, source, threads, cache=HostCache(cache_root))
+        seconds = time.perf_counter() - start
+        nonlocal moved
+        moved = moved and {k: float(v.double().sum()) for k, v in state.items()} == published["sums"]
+        return seconds
+
+    try:
+        fetched(anns[0])
+        for repeat in range(repeats):
+            for leg in list(legs) if repeat % 2 == 0 else list(legs)[::-1]:
+                if leg == "snapshot":
+                    legs[leg].append(fetched(anns[1 + repeat]))
+                else:
+                    legs[leg].append(_tcp(address, anns[0].size, int(leg[-1])))
+    finally:
+        shutil.rmtree(cache_root, ignore_errors=True)
+    ann = anns[0]
     medians = {leg: statistics.median(times) for leg, times in legs.items()}
     tcp = ann.size / 1e9 / min(medians["tcp_1"], medians["tcp_4"])
     snapshot = ann.size / 1e9 / medians["snapshot"]
@@ -201,14 +214,14 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m ppoz.bench.weights_hosts", description=__doc__)
     sub = parser.add_subparsers(dest="part", required=True)
     s = sub.add_parser("serve")
-    for name in ("folder", "address", "chunk_mb", "out"):
+    for name in ("folder", "address", "chunk_mb", "out", "versions"):
         s.add_argument(name)
     f = sub.add_parser("fetch")
     for name in ("address", "announcement", "threads", "repeats"):
         f.add_argument(name)
     args = parser.parse_args(argv)
     if args.part == "serve":
-        serve(args.folder, args.address, int(args.chunk_mb), args.out)
+        serve(args.folder, args.address, int(args.chunk_mb), args.out, int(args.versions))
     else:
         fetch(args.address, args.announcement, int(args.threads), int(args.repeats))
 
