@@ -214,7 +214,8 @@ class DecodeStep:
             self.out = torch.empty(self.max_rows, eager.shape[-1], dtype=torch.float32, device=self.device)
         out = self.out
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        # thread_local: a snapshot fetched in another thread (actor_node/weight_follower.py) may copy to the GPU meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             out[:rows].copy_(self._forward(rows, width))
         graph.replay()
         gap = float((out[:rows] - eager.float()).abs().max())

@@ -66,6 +66,7 @@ class LLMPolicy:
         self.prefix_cache_mb = prefix_cache_mb
         self.engine: GenerationEngine | None = None  # made on first use (generation_engine)
         self._staging: dict[str, torch.Tensor] | None = None  # a full snapshot is fetched here (`staging`)
+        self._no_staging = False  # a staging copy did not fit
         self.generator = torch.Generator().manual_seed(sampling.seed)
         self.forwards = 0
         self.scored = 0
@@ -76,12 +77,20 @@ class LLMPolicy:
         """Where a snapshot of `kind` is fetched: a second copy of every weight, beside the serving one, for a full
         snapshot (made on first use and kept; tied weights share one tensor), so that applying it is a swap between
         two steps, not a copy; None (new CPU tensors, copied in) for an adapter or with `stage_weights` off."""
-        if kind != "full" or not self.sampling.stage_weights or hasattr(self.model, "peft_config"):
+        if kind != "full" or not self.sampling.stage_weights or self._no_staging or hasattr(self.model, "peft_config"):
             return None
         if self._staging is None:
             live = self.model.state_dict(keep_vars=True)
             made: dict[int, torch.Tensor] = {}
-            self._staging = {name: made.setdefault(id(t), torch.empty_like(t.data)) for name, t in live.items()}
+            try:
+                for t in live.values():
+                    if id(t) not in made:
+                        made[id(t)] = torch.empty_like(t.data)
+            except torch.OutOfMemoryError:  # no room for a second copy: snapshots are copied in, between two steps
+                log.warning("no memory for a staging copy of the weights: new ones are copied in, pausing generation")
+                self._no_staging = True
+                return None
+            self._staging = {name: made[id(t)] for name, t in live.items()}
         return self._staging
 
     def set_weights(self, state: dict[str, torch.Tensor], version: int, run: str) -> None:
@@ -126,7 +135,7 @@ class LLMPolicy:
                 if name in others:
                     continue
                 if target.device.type != "cpu":
-                    target.data.copy_(tensor)
+                    target.copy_(tensor)  # on the parameter, not .data: its version moves, and a kept float32 head with it
                     continue
                 old = target.data
                 target.data = tensor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import redis
 import torch
@@ -13,7 +14,7 @@ from common import weights
 from common.security import ClientKeys
 from common.shared_settings import StoreSettings
 from common.snapshot_serve import ServedSnapshots
-from common.snapshot_stores import HostCache, default_host_cache
+from common.snapshot_stores import HostCache, default_host_cache, on_tmpfs
 from common.weights import TOPIC, Announcement, SnapshotStore, WeightsError, latest, parse_announcement, snapshot_store
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class WeightFollower:
         self.client = client
         self.prefix = prefix
         # where the snapshots' chunks are read: the learner's snapshot server, or the farm's store
-        self.store: SnapshotStore = ServedSnapshots(source, context, curve) if source else snapshot_store(client, prefix, weights_dir)
+        self.store: SnapshotStore = ServedSnapshots(source, curve=curve) if source else snapshot_store(client, prefix, weights_dir)
         self.cache = HostCache(cache_dir) if cache_dir else None  # this host's copy, shared by its actors
         self.poll_s = poll_s
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-fetch-bg")
@@ -66,10 +67,11 @@ class WeightFollower:
             self.waiting = found
         return self.waiting
 
-    def take(self, ann: Announcement, loaded: bool = True) -> None:
-        """`ann` was loaded, or could not be (`loaded` false): forget it, unless a newer one waits; a refused one
-        is not offered again (a generating actor would stop admitting requests for it at every poll)."""
-        if not loaded:
+    def take(self, ann: Announcement, loaded: bool = True, refuse: bool = True) -> None:
+        """`ann` was loaded, or could not be (`loaded` false): forget it, unless a newer one waits; one that could
+        not be loaded is not offered again if `refuse` (its bytes are wrong: a generating actor would stop admitting
+        requests for it at every poll), else it is found again at the next poll."""
+        if not loaded and refuse:
             self.refused = (ann.run, ann.version, ann.checksum)
         if self.waiting == ann:
             self.waiting = None
@@ -121,7 +123,9 @@ class WeightFollower:
         return started, job.result()
 
     def close(self) -> None:
-        self._fetcher.shutdown(wait=True, cancel_futures=True)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)  # a fetch under way ends with the process
+        if self.cache is not None:
+            self.cache.close()
         if self.sub is not None:
             self.sub.close(linger=0)
 
@@ -132,6 +136,7 @@ def host_cache_dir(setting: str, store: StoreSettings, source: str = "") -> str:
     they are read from a directory (on this host's tmpfs that is already the shared copy)."""
     if setting == "off":
         return ""
-    if setting == "auto":
-        return "" if store.weights_dir and not source else default_host_cache(store.key_prefix)
+    if setting == "auto":  # a directory on a tmpfs is the host's copy already; on NFS every actor would read it all
+        local = bool(store.weights_dir) and not source and on_tmpfs(Path(store.weights_dir))
+        return "" if local else default_host_cache(store.key_prefix)
     return setting

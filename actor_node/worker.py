@@ -13,6 +13,7 @@ from actor_node.link import BrokerLink
 from actor_node.policies import Policy
 from actor_node.weight_follower import WeightFollower
 from common import protocol as p
+from common import weights
 from common.errors import BadInput
 
 if TYPE_CHECKING:
@@ -41,9 +42,12 @@ def catch_up(policy: Policy, follower: WeightFollower | None, generating: bool =
         if fetched is None:
             return False
         policy.set_weights(fetched[1], ann.version, ann.run)
-    except Exception as e:  # a missing or corrupt snapshot, or one of another model: keep serving the current weights
+    except Exception as e:  # a missing or corrupt snapshot, one of another model, or a failure now: keep serving
+        # its bytes or its shapes are wrong: not offered again; anything else (a server that did not answer, a full
+        # disk, out of memory) is tried again when it is next found
+        refuse = isinstance(e, (weights.WeightsError, ValueError, KeyError)) and not isinstance(e, weights.WeightsUnavailable)
         log.warning("cannot load policy version %d: %s; keeping version %d", ann.version, e, policy.policy_version)
-        follower.take(ann, loaded=False)
+        follower.take(ann, loaded=False, refuse=refuse)
         return False
     follower.take(ann)
     return True
@@ -77,7 +81,9 @@ def serve(
         generating = engine is not None and engine.active > 0
         catch_up(policy, follower, generating)  # another run's weights kept as follower.waiting until loaded
         link.policy_version = policy.policy_version
-        jobs = link.get_jobs(max_batch, timeout=0.0 if generating or waiting else 0.1)
+        other_run = follower is not None and follower.waiting is not None and follower.waiting.run != policy.policy_run
+        joinable = bool(waiting) and not other_run and engine is not None and engine.free > 0
+        jobs = link.get_jobs(max_batch, timeout=0.0 if generating or joinable else 0.1)
         scoring_jobs = [job for job in jobs if job.get("mode") != p.OP_GENERATE]
         now = time.monotonic()
         for job in jobs:
@@ -93,7 +99,6 @@ def serve(
             late = [job for job in waiting if job["deadline_at"] <= now]
             waiting = [job for job in waiting if job["deadline_at"] > now]
             results += [link.error(job["job"], p.E_TIMEOUT, "the deadline passed before a row was free") for job in late]
-            other_run = follower is not None and follower.waiting is not None and follower.waiting.run != policy.policy_run
             if waiting and not other_run and engine.free:  # join the running batch (none joins while another run's weights wait)
                 joining, waiting = waiting[: engine.free], waiting[engine.free :]
                 results += [_generated(link, policy, job, answer) for job, answer in _guarded(engine, engine.add, joining)]

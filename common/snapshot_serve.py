@@ -17,7 +17,6 @@ its actors. Every chunk is checked against the manifest's checksum on arrival, a
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -26,13 +25,14 @@ import zmq
 
 from common import protocol as p
 from common.security import ClientKeys, apply_server
-from common.snapshot_stores import Buffer, BytesChunk, ChunkReader, FileChunk, SnapshotStore, WeightsError, check_run
+from common.snapshot_stores import Buffer, BytesChunk, ChunkReader, SnapshotStore, WeightsError, WeightsUnavailable, check_run
 
 log = logging.getLogger(__name__)
 
 OP_MANIFEST = "snapshot_manifest"
 OP_CHUNK = "snapshot_chunk"
 MAX_REQUEST_BYTES = 4096
+REPLIES_QUEUED = 4  # replies (chunks of up to 64 MiB) queued per peer: the learner's memory stays bounded
 POLL_MS = 200  # how often the server's thread looks at its stop flag
 
 
@@ -61,6 +61,7 @@ class SnapshotServer:
     ) -> None:
         self.store = store
         self.sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.SNDHWM, REPLIES_QUEUED)  # past it a reply to that peer is dropped; it asks again
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # a request is a small map: a bigger one drops the peer
         self.allow_list = apply_server(self.sock, curve_secret, allowed, "learner snapshots") if curve_secret else None
@@ -102,12 +103,9 @@ class SnapshotServer:
         chunk = self.store.open_chunk(run, version, index)
         if chunk is None:
             return [p.encode({**p.header(op), "found": False}), b""]
-        try:
-            if isinstance(chunk, FileChunk) and chunk.size:  # sent from the page cache, not copied first
-                data: Buffer = memoryview(mmap.mmap(chunk.fd, chunk.size, prot=mmap.PROT_READ))
-            else:
-                data = bytearray(chunk.size)
-                chunk.read_into(0, memoryview(data))
+        try:  # a copy of its own: a mapping of a file that a tmpfs store recycles could shrink under a queued reply
+            data = bytearray(chunk.size)
+            chunk.read_into(0, memoryview(data))
         finally:
             chunk.close()
         self.served += 1
@@ -135,10 +133,10 @@ class ServedSnapshots:
             if self.curve is not None:
                 self.curve.apply(sock)
             sock.connect(self.endpoint)
-            request = {**p.header(op, f"{run}:{version}:{index}"), "run": run, "version": version, "index": index}
+            request = {**p.header(op, f"{version}:{index}"), "run": run, "version": version, "index": index}
             sock.send_multipart([b"", p.encode(request)])
             if not sock.poll(int(self.timeout_s * 1000)):
-                raise WeightsError(f"the snapshot server at {self.endpoint} did not answer in {self.timeout_s:.0f} s")
+                raise WeightsUnavailable(f"the snapshot server at {self.endpoint} did not answer in {self.timeout_s:.0f} s")
             frames = sock.recv_multipart(copy=False)
         finally:
             sock.close(linger=0)

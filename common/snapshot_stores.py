@@ -23,6 +23,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -41,6 +42,10 @@ RUN_ID = re.compile(r"[0-9A-Za-z_-]{0,64}")  # a learner run's id: hex from uuid
 
 class WeightsError(RuntimeError):
     """A snapshot that is missing, incomplete, or does not match its announced checksums."""
+
+
+class WeightsUnavailable(WeightsError):
+    """A snapshot that could not be read now (a server that does not answer, a lock held too long): tried again."""
 
 
 def check_run(run: str, error: type[Exception]) -> None:
@@ -308,54 +313,125 @@ def snapshot_store(client: redis.Redis, prefix: str, weights_dir: str = "") -> S
 def default_host_cache(prefix: str) -> str:
     """A directory of this host's shared memory for its actors' copy of each snapshot ("" where there is none)."""
     shm = Path("/dev/shm")
-    return str(shm / f"ppoz-{os.getuid()}-weights" / prefix) if shm.is_dir() and os.access(shm, os.W_OK) else ""
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        return ""
+    mine = shm / f"ppoz-{os.getuid()}-weights"
+    with contextlib.suppress(FileExistsError):
+        mine.mkdir(mode=0o700)  # checked again before use: another user's folder of this name is refused
+    return str(mine / prefix)
 
 
 class HostCache:
     """One copy of each snapshot per host: the first actor that wants a version copies it from the farm's store
     into `root` (checked chunk by chunk on the way), holding a lock file; the others wait for the lock, then
-    read that copy. The `keep` newest versions are kept."""
+    read that copy. The `keep` newest versions are kept.
+
+    The copy is memory (a tmpfs), so it must not outlive its actors: each holds a shared lock on a second file
+    while it uses the cache, and the last one out (`close`), or the first one in after actors that were killed,
+    removes what is there."""
 
     LOCK = ".fill.lock"
+    USERS = ".users.lock"
 
     def __init__(self, root: str | os.PathLike[str], keep: int = 2, wait_s: float = 600.0) -> None:
         self.local = DirectorySnapshots(root, mode=0o700)
         self.keep, self.wait_s = keep, wait_s
         self.fills = 0  # versions this process copied in (the others it found there)
+        self._users: int | None = None  # the fd holding this actor's shared lock on USERS
 
-    def ensure(self, run: str, version: int, manifest: bytes, copy: Callable[[DirectorySnapshots], None]) -> DirectorySnapshots:
+    def _join(self) -> None:
+        self.local.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for folder in (self.local.root.parent, self.local.root):  # in a world-writable /dev/shm: this user's alone
+            found = os.lstat(folder)
+            if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o022:
+                raise OSError(1, f"{folder} is not a folder of this user's own (owner {found.st_uid}, mode {found.st_mode & 0o777:o})")
+        path = self.local.root / self.USERS
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                if _try_lock(fd, fcntl.LOCK_EX):  # no other actor uses it: what is there was left by actors that are gone
+                    self._wipe()
+                self._lock(fd, fcntl.LOCK_SH, self.USERS)  # held until close (or the process's end)
+            except BaseException:
+                os.close(fd)
+                raise
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # the last actor removed the cache meanwhile: join it anew
+        self._users = fd
+
+    def close(self) -> None:
+        """Leave the cache; the last actor to leave removes the copies."""
+        if self._users is None:
+            return
+        if _try_lock(self._users, fcntl.LOCK_EX):  # the last: the copies go, and the folder with them
+            self._wipe()
+            for name in (self.LOCK, self.USERS):
+                (self.local.root / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.local.root.rmdir()
+        os.close(self._users)
+        self._users = None
+
+    def _wipe(self) -> None:
+        for child in self.local.root.iterdir():
+            if child.name in (self.LOCK, self.USERS):
+                continue
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+
+    def ensure(self, run: str, version: int, manifest: bytes, size: int, copy: Callable[[DirectorySnapshots], None]) -> DirectorySnapshots:
         """The local store, holding this version with this manifest: found there, or copied in by `copy(local)`
-        (which writes every chunk, checked, through `local.put_chunk`) under the host's lock."""
+        (which writes every chunk, checked, through `local.put_chunk`) under the host's lock. OSError where the
+        host's copy cannot be made (no room for `size` bytes, a folder that is not this user's own)."""
+        if self._users is None:
+            self._join()
         if self.local.manifest(run, version) == manifest:
             return self.local
-        self.local.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(self.local.root / self.LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            self._lock(fd)
+            self._lock(fd, fcntl.LOCK_EX, self.LOCK)
             if self.local.manifest(run, version) != manifest:  # not filled by the actor that held the lock before
+                for old in self.local.versions()[: max(0, len(self.local.versions()) - self.keep + 1)]:
+                    self.local.retire(old)  # room first; a reader that has its chunks open reads on, or is refused by its checksum
+                room = os.statvfs(self.local.root)
+                free = room.f_bavail * room.f_frsize
+                if free < size:
+                    raise OSError(28, f"{self.local.root} has {free >> 20} MiB free, the snapshot needs {size >> 20}")
                 self.local.begin(run, version)
                 try:
                     copy(self.local)
+                    self.local.finish(run, version, manifest)
                 except BaseException:
                     self.local.abort(run, version, 0)
                     raise
-                self.local.finish(run, version, manifest)
                 self.fills += 1
-                for old in self.local.versions()[: -self.keep]:
-                    self.local.retire(old)  # a reader that has its chunks open reads on, or is refused by its checksum
-                # the next version's files, allocated before it comes (on a tmpfs)
-                self.local.prepare([p.stat().st_size for p in sorted(self.local.final(run, version).glob("chunk-*.bin"))])
             return self.local
         finally:
             os.close(fd)  # releases the lock
 
-    def _lock(self, fd: int) -> None:
+    def _lock(self, fd: int, kind: int, name: str) -> None:
         deadline = time.monotonic() + self.wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise WeightsError(f"another actor has held {self.local.root / self.LOCK} for over {self.wait_s:.0f} s") from None
-                time.sleep(0.02)
+        while not _try_lock(fd, kind):
+            if time.monotonic() > deadline:
+                raise WeightsUnavailable(f"another actor has held {self.local.root / name} for over {self.wait_s:.0f} s")
+            time.sleep(0.02)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd` (a lock on a file since removed guards nothing)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    """flock(fd, kind) without waiting: whether it was taken (or changed to `kind`)."""
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False

@@ -63,11 +63,21 @@ from common.snapshot_stores import (
     RedisSnapshots,
     SnapshotStore,
     WeightsError,
+    WeightsUnavailable,
     check_run,
     snapshot_store,
 )
 
-__all__ = ["Announcement", "DirectorySnapshots", "HostCache", "RedisSnapshots", "SnapshotStore", "WeightsError", "snapshot_store"]
+__all__ = [
+    "Announcement",
+    "DirectorySnapshots",
+    "HostCache",
+    "RedisSnapshots",
+    "SnapshotStore",
+    "WeightsError",
+    "WeightsUnavailable",
+    "snapshot_store",
+]
 
 log = logging.getLogger(__name__)
 
@@ -364,7 +374,19 @@ def _fill(chunk: ChunkReader, placements: list[_Placement], digest: Any = None) 
         if digest is not None:
             digest.update(dest)
         if staged is not rows:
-            rows.copy_(staged)
+            with torch.cuda.stream(_copy_stream(rows.device)):  # not the serving thread's stream: its steps do not wait
+                rows.copy_(staged)
+                torch.cuda.current_stream().synchronize()  # done before the swap reads it
+
+
+_COPY_STREAMS: dict[torch.device, Any] = {}
+
+
+def _copy_stream(device: torch.device) -> Any:
+    """A CUDA stream of a fetch's own on `device`, for the copies to a staging copy of the weights there."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
 
 
 def _place(store: SnapshotStore, ann: Announcement, index: int, entry: dict[str, Any], placements: list[_Placement]) -> None:
@@ -452,7 +474,10 @@ def fetch(
             _copy_chunks(source, local, ann, manifest, plan, threads)
             filled.append(True)
 
-        store = cache.ensure(ann.run, ann.version, data, fill)
+        try:
+            store = cache.ensure(ann.run, ann.version, data, ann.size, fill)
+        except OSError as e:  # no room in the host's shared memory (a container's 64 MB /dev/shm), not this user's folder
+            log.warning("no host copy of snapshot v%d (%s): this actor reads it for itself", ann.version, e)
         if filled:  # this process made the host's copy, and placed every chunk on the way
             return state
     chunks = manifest["chunks"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from common.config import check, local_path, local_path_or_any, nested, option, section
 from common.options import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OBJECTIVES
-from common.security import check_server_settings
+from common.security import check_server_settings, is_local_endpoint
 from common.shared_settings import PolicySpec, StoreSettings
 
 
@@ -226,5 +226,11 @@ class LearnerConfig(UpdateConfig):
         check("://" in self.weights_bind, f"`weights_bind` must be a ZeroMQ endpoint, got {self.weights_bind!r}")
         check(
             not self.weights_serve or "://" in self.weights_serve, f"`weights_serve` must be a ZeroMQ endpoint, got {self.weights_serve!r}"
+        )
+        check(
+            not self.weights_serve or bool(self.curve_secret_key) or is_local_endpoint(self.weights_serve),
+            f"`weights_serve` = {self.weights_serve!r} is reachable from other machines, and without CURVE anyone there could"
+            " read the policy's weights: set curve_secret_key and curve_allowed_actors (docs/security.md), or bind a"
+            " loopback address",
         )
         check_server_settings(self.curve_secret_key, {"curve_allowed_actors": self.curve_allowed_actors})

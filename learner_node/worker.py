@@ -156,9 +156,8 @@ class Learner:
             self.pub.bind(cfg.weights_bind)
             self.weights_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
             if cfg.weights_serve:  # actors on other hosts fetch the chunks from here (common/snapshot_serve.py)
-                self.snapshot_server = SnapshotServer(
-                    self.snapshots, cfg.weights_serve, self.ctx, cfg.curve_secret_key, cfg.curve_allowed_actors
-                )
+                keys = (cfg.curve_secret_key, cfg.curve_allowed_actors)
+                self.snapshot_server = SnapshotServer(self.snapshots, cfg.weights_serve, self.ctx, *keys)
         self.notifier = Notifier() if self.is_main else Notifier({})  # only rank 0 speaks to systemd
         self.writer = None
         if cfg.tensorboard_dir and self.is_main:

@@ -42,17 +42,18 @@ def run_hosts(folder: str, chunk_mb: int, threads: int, repeats: int, deadline_s
     net = Network(hosts=("learner", "actor")).create()
     learner: subprocess.Popen[str] | None = None
     try:
-        with tempfile.TemporaryDirectory(prefix="ppoz-bench-hosts-") as scratch:
+        # the hosts' shared memory made here, so that it goes even though the learner's host is killed
+        with tempfile.TemporaryDirectory(prefix="ppoz-bench-hosts-") as scratch, tempfile.TemporaryDirectory(dir=_shm()) as shm:
             address = net.addresses["learner"]
             ann = Path(scratch) / "announcement.json"
-            serve = [*_me(), "serve", folder, address, str(chunk_mb), str(ann), str(repeats + 1)]
+            serve = [*_me(), "serve", folder, address, str(chunk_mb), str(ann), str(repeats + 1), shm]
             learner = subprocess.Popen(net.command("learner", serve), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             end = time.monotonic() + deadline_s
             while not ann.exists():
                 if learner.poll() is not None or time.monotonic() > end:
                     raise RuntimeError(f"the learner's host did not publish: {_tail(learner)}")
                 time.sleep(0.1)
-            fetch = [*_me(), "fetch", address, str(ann), str(threads), str(repeats)]
+            fetch = [*_me(), "fetch", address, str(ann), str(threads), str(repeats), shm]
             done = subprocess.run(net.command("actor", fetch), capture_output=True, text=True, timeout=max(1.0, end - time.monotonic()))
             if done.returncode:
                 raise RuntimeError(f"the actor's host failed: {done.stderr[-2000:]}")
@@ -76,7 +77,7 @@ def _tail(process: subprocess.Popen[str]) -> str:
     return process.stderr.read()[-2000:]
 
 
-def serve(folder: str, address: str, chunk_mb: int, out: str, versions: int) -> None:
+def serve(folder: str, address: str, chunk_mb: int, out: str, versions: int, shm: str) -> None:
     """The learner's host: publish `versions` versions, serve their chunks and plain TCP, until killed."""
     from common import weights
     from common.policy_model import ModelSpec, load_policy, policy_state_items
@@ -84,9 +85,9 @@ def serve(folder: str, address: str, chunk_mb: int, out: str, versions: int) -> 
     from common.snapshot_serve import SnapshotServer
 
     model, _ = load_policy(ModelSpec(model=folder, device="cpu", lora_rank=0))
-    with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="ppoz-hosts-", dir=_shm()) as root:
+    with EmbeddedRedis() as server:
         client = connect(server.url)
-        store = weights.DirectorySnapshots(root)
+        store = weights.DirectorySnapshots(Path(shm) / "learner")
         anns = []
         for version in range(1, versions + 1):
             tensors = policy_state_items(model, tied_once=True)
@@ -159,7 +160,7 @@ def _tcp(address: str, nbytes: int, connections: int) -> float:
     return time.perf_counter() - start
 
 
-def fetch(address: str, announcement: str, threads: int, repeats: int) -> None:
+def fetch(address: str, announcement: str, threads: int, repeats: int, shm: str) -> None:
     """The actor's host: the legs, alternating; prints one JSON object."""
     import shutil
 
@@ -171,7 +172,7 @@ def fetch(address: str, announcement: str, threads: int, repeats: int) -> None:
     anns = [weights.Announcement(**ann) for ann in published["announcements"]]
     source = ServedSnapshots(f"tcp://{address}:{SERVE_PORT}")
     legs: dict[str, list[float]] = {"tcp_1": [], "tcp_4": [], "snapshot": []}
-    cache_root = tempfile.mkdtemp(prefix="ppoz-host-cache-", dir=_shm())
+    cache_root = str(Path(shm) / "actor-host-cache")
     moved = True
 
     def fetched(ann: weights.Announcement) -> float:
@@ -214,16 +215,16 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m ppoz.bench.weights_hosts", description=__doc__)
     sub = parser.add_subparsers(dest="part", required=True)
     s = sub.add_parser("serve")
-    for name in ("folder", "address", "chunk_mb", "out", "versions"):
+    for name in ("folder", "address", "chunk_mb", "out", "versions", "shm"):
         s.add_argument(name)
     f = sub.add_parser("fetch")
-    for name in ("address", "announcement", "threads", "repeats"):
+    for name in ("address", "announcement", "threads", "repeats", "shm"):
         f.add_argument(name)
     args = parser.parse_args(argv)
     if args.part == "serve":
-        serve(args.folder, args.address, int(args.chunk_mb), args.out, int(args.versions))
+        serve(args.folder, args.address, int(args.chunk_mb), args.out, int(args.versions), args.shm)
     else:
-        fetch(args.address, args.announcement, int(args.threads), int(args.repeats))
+        fetch(args.address, args.announcement, int(args.threads), int(args.repeats), args.shm)
 
 
 if __name__ == "__main__":

@@ -191,3 +191,89 @@ def test_files_prepared_on_a_tmpfs_are_written_into_and_cut_to_size(redis_client
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)
+
+
+KILLED_ACTOR = """
+import os, sys
+from common import weights
+from common.redis_server import connect
+from common.snapshot_stores import HostCache
+client = connect(sys.argv[1])
+weights.fetch(client, sys.argv[2], weights.latest(client, sys.argv[2]), cache=HostCache(sys.argv[3]))
+os._exit(0)  # as a killed actor: no close
+"""
+
+
+def test_the_host_copy_goes_with_the_last_actor_and_what_a_killed_one_left_goes_with_the_next(
+    redis_url, redis_client, key_prefix, tmp_path
+) -> None:
+    """The copies are memory: they must not outlive the actors that use them."""
+    weights.store_snapshot(redis_client, key_prefix, 1, mixed_state(), "full", "run-a", chunk_bytes=CHUNK)
+    ann = weights.latest(redis_client, key_prefix)
+    root = tmp_path / "cache"
+
+    def copies() -> list[str]:
+        return sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) if root.exists() else []
+
+    first, second = HostCache(root), HostCache(root)
+    weights.fetch(redis_client, key_prefix, ann, cache=first)
+    weights.fetch(redis_client, key_prefix, ann, cache=second)
+    first.close()
+    assert copies() == ["run-a-v1"], "removed while another actor still uses it"
+    second.close()
+    assert not root.exists(), "the last actor left its copy in memory"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    killed = subprocess.run([sys.executable, "-c", KILLED_ACTOR, redis_url, key_prefix, str(root)], env=env, capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr[-2000:]
+    assert copies() == ["run-a-v1"]
+    third = HostCache(root)
+    weights.fetch(redis_client, key_prefix, ann, cache=third)
+    assert third.fills == 1, "the next actor found the killed one's copy instead of starting afresh"
+    third.close()
+    assert not root.exists()
+
+
+def test_a_host_cache_in_a_folder_others_may_write_is_not_used(redis_client, key_prefix, tmp_path, caplog) -> None:
+    """/dev/shm is everyone's: a cache folder another user could write into (or own) would let them swap the
+    weights. It is refused by name and the actor reads the snapshot for itself."""
+    state = mixed_state()
+    ann = weights.store_snapshot(redis_client, key_prefix, 1, state, "full", "run-a", chunk_bytes=CHUNK)
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    shared.chmod(0o777)
+    cache = HostCache(shared / key_prefix)
+    assert_equal_states(weights.fetch(redis_client, key_prefix, ann, cache=cache), state)
+    assert cache.fills == 0 and "is not a folder of this user's own" in caplog.text
+    assert not list((shared / key_prefix).glob("run-a-*"))
+
+
+def test_a_server_that_does_not_answer_now_is_tried_again_later(tiny_models, redis_client, key_prefix, tmp_path) -> None:
+    """A snapshot that could not be read now is not refused as a damaged one would be: the next poll tries it again."""
+    import zmq
+
+    from common.snapshot_serve import ServedSnapshots, SnapshotServer
+
+    folder = tiny_models["llama"]
+    model, tokenizer = load_policy(ModelSpec(model=folder, device="cpu", lora_rank=0))
+    policy = LLMPolicy(model, tokenizer, SamplingConfig())
+    learner = DirectorySnapshots(tmp_path / "learner")
+    new = full_weights(folder, 3)
+    weights.store_snapshot(redis_client, key_prefix, 1, new, "full", "run-a", store=learner)
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    follower = WeightFollower(redis_client, key_prefix, poll_s=0.0)
+    follower.store = ServedSnapshots(silent.getsockopt_string(zmq.LAST_ENDPOINT), timeout_s=0.3)
+    try:
+        assert not catch_up(policy, follower, wait=True)
+        assert follower.refused is None and policy.policy_version == 0
+    finally:
+        silent.close()
+    server = SnapshotServer(learner, "tcp://127.0.0.1:*")
+    try:
+        follower.store = ServedSnapshots(server.endpoint)
+        assert catch_up(policy, follower, wait=True) and policy.policy_version == 1
+        assert all(torch.equal(t, new[name]) for name, t in model.state_dict().items())
+    finally:
+        server.close()
+        follower.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import time
@@ -249,5 +248,5 @@ def test_a_sharded_publication_that_loses_redis_half_way_is_done_again_by_every_
     latest = weights.latest(redis_client, key_prefix)
     for version in (1, 2):
         manifest = redis_client.get(f"{key_prefix}:weights:{latest.run}:v{version}")
-        ann = weights.Announcement(version, hashlib.sha256(manifest).hexdigest(), latest.size, latest.kind, latest.run)
+        ann = weights.Announcement(version, weights.checksum(manifest), latest.size, latest.kind, latest.run)
         assert weights.fetch(redis_client, key_prefix, ann).keys() == weights.fetch(redis_client, key_prefix, latest).keys()
