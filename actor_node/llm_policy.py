@@ -121,8 +121,8 @@ class LLMPolicy:
 
     def _swap_staged(self, state: dict[str, torch.Tensor], staged: dict[str, torch.Tensor]) -> None:
         """Put the staged tensors in place of the serving ones; the old ones become the next staging copy. On a GPU
-        the staged bytes are copied instead (device memory: a copy takes less than a decode step), so a captured
-        decode step keeps reading the addresses it was captured with."""
+        the staged bytes are copied instead (device to device), so a captured decode step keeps reading the
+        addresses it was captured with."""
         live = self.model.state_dict(keep_vars=True)
         unexpected = [name for name in state if name not in live]
         if unexpected:

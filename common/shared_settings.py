@@ -146,8 +146,9 @@ class StoreSettings:
     consumer_group: str = option("learners", "consumer group on the stream: the broker creates it, the learners read through it")
     weights_dir: str = option(
         "",
-        "a directory the learner and every actor mount (NFS, a parallel file system) for the weight snapshots' chunks; empty:"
-        " the chunks are Redis keys, which needs about (weights_kept + 1) x the snapshot's size of Redis memory (docs/farm.md)",
+        "a directory for the weight snapshots' chunks: on one host a tmpfs (/dev/shm/...: shared memory, the fastest), across"
+        " hosts one every process mounts (NFS, a parallel file system); empty: the chunks are Redis keys, which needs about"
+        " (weights_kept + 1) x the snapshot's size of Redis memory (docs/farm.md)",
         path=local_path,
     )
     weights_kept: int = option(3, "weight snapshots kept, newest first: an actor still reading one a newer replaced can finish")
