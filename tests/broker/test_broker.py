@@ -406,7 +406,9 @@ def test_requests_of_a_dead_or_hung_actor_go_to_another(start_broker, start_acto
         c = make_client(broker.frontend, deadline=35.0, attempt_timeout=35.0)
         threads.append(threading.Thread(target=lambda c=c, t=task: results.__setitem__(t, c.step(t, obs(0)))))
         threads[-1].start()
-    wait_for(lambda: silent.jobs == 3, what="the silent actor to take all three jobs")
+    # three client threads connect and the broker hands the silent actor each step: well under a second alone; 30 s
+    # (the default 10 s timed out once in a full suite on the 2-core VM)
+    wait_for(lambda: silent.jobs == 3, timeout=30, what="the silent actor to take all three jobs")
     if not hang:
         silent.kill()  # dies holding three requests
     start_actor(broker.backend, name="healthy")
