@@ -85,7 +85,8 @@ class SnapshotServer:
                 log.warning("snapshot request failed: %s", e)
                 reply = [p.encode(p.error_body(None, None, p.E_INTERNAL, f"{type(e).__name__}: {e}"))]
             try:
-                self.sock.send_multipart([frames[0], b"", *reply], copy=False)
+                # a ROUTER drops what it cannot queue (the peer's REPLIES_QUEUED are full): never a wait
+                self.sock.send_multipart([frames[0], b"", *reply], flags=zmq.NOBLOCK, copy=False)
             except zmq.ZMQError as e:  # the peer went away
                 log.debug("snapshot reply not sent: %s", e)
         self.sock.close(linger=0)
@@ -130,11 +131,15 @@ class ServedSnapshots:
         sock = self.context.socket(zmq.DEALER)  # a socket per request: requests come from the fetch's threads at once
         try:
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))  # no connection to queue on: the same deadline
             if self.curve is not None:
                 self.curve.apply(sock)
             sock.connect(self.endpoint)
             request = {**p.header(op, f"{version}:{index}"), "run": run, "version": version, "index": index}
-            sock.send_multipart([b"", p.encode(request)])
+            try:
+                sock.send_multipart([b"", p.encode(request)])
+            except zmq.Again:
+                raise WeightsUnavailable(f"the snapshot server at {self.endpoint} took no request in {self.timeout_s:.0f} s") from None
             if not sock.poll(int(self.timeout_s * 1000)):
                 raise WeightsUnavailable(f"the snapshot server at {self.endpoint} did not answer in {self.timeout_s:.0f} s")
             frames = sock.recv_multipart(copy=False)

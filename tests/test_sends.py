@@ -36,6 +36,7 @@ LISTED = {
     ("common/sd_notify.py", "self.send"): "Notifier.send: a datagram to systemd on a non-blocking UNIX socket, not ZeroMQ",
     ("broker/outbox.py", "self.committer.send"): "a Redis command on the broker's Redis connection (socket timeout), not ZeroMQ",
     ("ppoz/bench/broker.py", "self.send"): "the bench client's own method, which sends with send_frames",
+    ("ppoz/bench/weights_hosts.py", "conn.send"): "a plain TCP socket (the bridge's own rate, measured beside ZeroMQ), not ZeroMQ",
 }
 
 
