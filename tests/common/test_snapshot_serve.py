@@ -110,3 +110,46 @@ def test_a_server_that_does_not_answer_is_a_deadline() -> None:
         assert time.monotonic() - started < 30
     finally:
         silent.close()
+
+
+def test_an_actor_named_a_weights_source_follows_the_learner_through_its_host_cache(
+    tiny_models, redis_client, key_prefix, tmp_path, served
+) -> None:
+    """WeightFollower(source=...) as `ppoz actor --weights-source` makes it: the announcement from Redis, the
+    chunks from the learner's server, one copy on the host."""
+    from actor_node.llm_policy import LLMPolicy, SamplingConfig
+    from actor_node.weight_follower import WeightFollower
+    from actor_node.worker import catch_up
+    from common.policy_model import ModelSpec, load_policy, policy_state_dict
+
+    store, server = served
+    learner, _ = load_policy(ModelSpec(model=tiny_models["qwen2"], device="cpu", lora_rank=0))
+    with torch.no_grad():
+        for param in learner.parameters():
+            param.add_(1.0)
+    weights.store_snapshot(redis_client, key_prefix, 2, policy_state_dict(learner), "full", "run-a", store=store)
+    model, tokenizer = load_policy(ModelSpec(model=tiny_models["qwen2"], device="cpu", lora_rank=0))
+    policy = LLMPolicy(model, tokenizer, SamplingConfig())
+    follower = WeightFollower(redis_client, key_prefix, poll_s=0.0, source=server.endpoint, cache_dir=str(tmp_path / "host"))
+    try:
+        assert catch_up(policy, follower, wait=True) and policy.policy_version == 2
+        assert all(torch.equal(t, learner.state_dict()[name]) for name, t in model.state_dict().items())
+        assert follower.cache is not None and follower.cache.fills == 1
+    finally:
+        follower.close()
+    assert not (tmp_path / "host").exists(), "the host copy outlived its only actor"
+
+
+def test_the_host_cache_is_where_snapshots_come_over_a_network(tmp_path) -> None:
+    from actor_node.weight_follower import host_cache_dir
+    from common.shared_settings import StoreSettings
+
+    redis_only = StoreSettings(redis_url="redis://x", key_prefix="farm")
+    shm = StoreSettings(redis_url="redis://x", key_prefix="farm", weights_dir="/dev/shm/ppoz-weights")
+    nfs = StoreSettings(redis_url="redis://x", key_prefix="farm", weights_dir=str(tmp_path / "mnt"))
+    auto = host_cache_dir("auto", redis_only)
+    assert auto.endswith("/farm") and "weights" in auto
+    assert host_cache_dir("auto", shm) == ""  # a tmpfs directory is the host's copy already
+    assert host_cache_dir("auto", nfs) == auto  # a shared file system: one read per host, not per actor
+    assert host_cache_dir("auto", shm, source="tcp://learner:5558") == auto
+    assert host_cache_dir("off", redis_only) == "" and host_cache_dir("/srv/cache", redis_only) == "/srv/cache"
