@@ -129,6 +129,9 @@ class LLMPolicy:
             raise ValueError(f"weight snapshot has keys this model lacks, e.g. {unexpected[:3]}")
         # fetched apart: a tensor under a second name of one the model ties (weights.fetch fills one tensor once)
         others = {name: tensor for name, tensor in state.items() if staged.get(name) is not tensor}
+        names: dict[int, list[str]] = {}  # every name of a staged tensor (tied weights: several)
+        for name, tensor in staged.items():
+            names.setdefault(id(tensor), []).append(name)
         with torch.no_grad():
             for name, tensor in state.items():
                 target = live[name]
@@ -139,7 +142,7 @@ class LLMPolicy:
                     continue
                 old = target.data
                 target.data = tensor
-                for other in [n for n, t in staged.items() if t is tensor]:
+                for other in names[id(tensor)]:
                     staged[other] = old
             if others:
                 self.model.load_state_dict(others, strict=False)

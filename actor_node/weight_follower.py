@@ -15,7 +15,7 @@ from common.security import ClientKeys
 from common.shared_settings import StoreSettings
 from common.snapshot_serve import ServedSnapshots
 from common.snapshot_stores import HostCache, default_host_cache, on_tmpfs
-from common.weights import TOPIC, Announcement, SnapshotStore, WeightsError, latest, parse_announcement, snapshot_store
+from common.weights import TOPIC, Announcement, SnapshotSource, WeightsError, latest, parse_announcement, snapshot_store
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class WeightFollower:
         self.client = client
         self.prefix = prefix
         # where the snapshots' chunks are read: the learner's snapshot server, or the farm's store
-        self.store: SnapshotStore = ServedSnapshots(source, curve=curve) if source else snapshot_store(client, prefix, weights_dir)
+        self.store: SnapshotSource = ServedSnapshots(source, curve=curve) if source else snapshot_store(client, prefix, weights_dir)
         self.cache = HostCache(cache_dir) if cache_dir else None  # this host's copy, shared by its actors
         self.poll_s = poll_s
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-fetch-bg")

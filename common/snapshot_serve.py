@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import zmq
 
 from common import protocol as p
 from common.security import ClientKeys, apply_server
-from common.snapshot_stores import Buffer, BytesChunk, ChunkReader, SnapshotStore, WeightsError, WeightsUnavailable, check_run
+from common.snapshot_stores import Buffer, BytesChunk, ChunkReader, SnapshotSource, WeightsError, WeightsUnavailable, check_run
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class SnapshotServer:
     """Serves a store's snapshots to actors on other hosts (see the module's docstring)."""
 
     def __init__(
-        self, store: SnapshotStore, endpoint: str, context: zmq.Context | None = None, curve_secret: str = "", allowed: str = ""
+        self, store: SnapshotSource, endpoint: str, context: zmq.Context | None = None, curve_secret: str = "", allowed: str = ""
     ) -> None:
         self.store = store
         self.sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
@@ -118,7 +117,7 @@ class SnapshotServer:
 
 
 class ServedSnapshots:
-    """A learner's `SnapshotServer` as a store to read from (writing is the learner's)."""
+    """A learner's `SnapshotServer` as a source to read snapshots from (a `SnapshotSource`)."""
 
     def __init__(
         self, endpoint: str, context: zmq.Context | None = None, curve: ClientKeys | None = None, timeout_s: float = 120.0
@@ -161,21 +160,3 @@ class ServedSnapshots:
     def open_chunk(self, run: str, version: int, index: int) -> ChunkReader | None:
         frame = self._ask(OP_CHUNK, run, version, index)
         return None if frame is None else BytesChunk(frame.buffer)
-
-    def _read_only(self, *_: Any) -> None:
-        raise WeightsError(f"snapshots served by {self.endpoint} are read-only")
-
-    def begin(self, run: str, version: int) -> None:
-        self._read_only()
-
-    def put_chunk(self, run: str, version: int, index: int, parts: Sequence[Buffer]) -> None:
-        self._read_only()
-
-    def finish(self, run: str, version: int, manifest: bytes) -> None:
-        self._read_only()
-
-    def remove(self, run: str, version: int, chunks: int) -> None:
-        self._read_only()
-
-    def abort(self, run: str, version: int, chunks: int) -> None:
-        self._read_only()

@@ -63,7 +63,15 @@ class ChunkReader(Protocol):
     def close(self) -> None: ...
 
 
-class SnapshotStore(Protocol):
+class SnapshotSource(Protocol):
+    """What a snapshot is read from: a store, or a learner's snapshot server (common/snapshot_serve.py)."""
+
+    def manifest(self, run: str, version: int) -> bytes | None: ...
+
+    def open_chunk(self, run: str, version: int, index: int) -> ChunkReader | None: ...
+
+
+class SnapshotStore(SnapshotSource, Protocol):
     """Where a snapshot's manifest and chunks are kept (Redis keys or a directory)."""
 
     def begin(self, run: str, version: int) -> None: ...
@@ -73,10 +81,6 @@ class SnapshotStore(Protocol):
 
     def finish(self, run: str, version: int, manifest: bytes) -> None:
         """Store the manifest: after this the whole snapshot can be read."""
-
-    def manifest(self, run: str, version: int) -> bytes | None: ...
-
-    def open_chunk(self, run: str, version: int, index: int) -> ChunkReader | None: ...
 
     def remove(self, run: str, version: int, chunks: int) -> None: ...
 
@@ -394,7 +398,8 @@ class HostCache:
         try:
             self._lock(fd, fcntl.LOCK_EX, self.LOCK)
             if self.local.manifest(run, version) != manifest:  # not filled by the actor that held the lock before
-                for old in self.local.versions()[: max(0, len(self.local.versions()) - self.keep + 1)]:
+                kept = self.local.versions()
+                for old in kept[: max(0, len(kept) - self.keep + 1)]:
                     self.local.retire(old)  # room first; a reader that has its chunks open reads on, or is refused by its checksum
                 room = os.statvfs(self.local.root)
                 free = room.f_bavail * room.f_frsize

@@ -61,6 +61,7 @@ from common.snapshot_stores import (
     DirectorySnapshots,
     HostCache,
     RedisSnapshots,
+    SnapshotSource,
     SnapshotStore,
     WeightsError,
     WeightsUnavailable,
@@ -73,6 +74,7 @@ __all__ = [
     "DirectorySnapshots",
     "HostCache",
     "RedisSnapshots",
+    "SnapshotSource",
     "SnapshotStore",
     "WeightsError",
     "WeightsUnavailable",
@@ -280,7 +282,7 @@ def parse_announcement(frames: list[bytes]) -> Announcement:
         raise WeightsError(f"malformed weights announcement: {e}") from e
 
 
-def read_manifest(store: SnapshotStore, ann: Announcement) -> tuple[bytes, dict[str, Any]]:
+def read_manifest(store: SnapshotSource, ann: Announcement) -> tuple[bytes, dict[str, Any]]:
     """The announced snapshot's manifest, its bytes and its contents, checked against the announcement."""
     data = store.manifest(ann.run, ann.version)
     if data is None:
@@ -389,7 +391,7 @@ def _copy_stream(device: torch.device) -> Any:
     return _COPY_STREAMS[device]
 
 
-def _place(store: SnapshotStore, ann: Announcement, index: int, entry: dict[str, Any], placements: list[_Placement]) -> None:
+def _place(store: SnapshotSource, ann: Announcement, index: int, entry: dict[str, Any], placements: list[_Placement]) -> None:
     """Read chunk `index` straight into its tensors' rows, checking its checksum over the bytes as placed (so
     what a concurrent writer did to the stored copy after the check cannot reach the tensors unseen)."""
     chunk = store.open_chunk(ann.run, ann.version, index)
@@ -407,7 +409,7 @@ def _place(store: SnapshotStore, ann: Announcement, index: int, entry: dict[str,
 
 
 def _copy_chunks(
-    source: SnapshotStore, local: SnapshotStore, ann: Announcement, manifest: dict[str, Any], plan: list[list[_Placement]], threads: int
+    source: SnapshotSource, local: SnapshotStore, ann: Announcement, manifest: dict[str, Any], plan: list[list[_Placement]], threads: int
 ) -> None:
     """Every chunk from the farm's store into this host's copy and into the tensors, each checked before it is
     written anywhere (the bytes received are this process's own: nothing changes them after the check)."""
@@ -450,7 +452,7 @@ def fetch(
     client: redis.Redis | None,
     prefix: str,
     ann: Announcement,
-    store: SnapshotStore | None = None,
+    store: SnapshotSource | None = None,
     threads: int = FETCH_THREADS,
     into: Mapping[str, torch.Tensor] | None = None,
     cache: HostCache | None = None,
