@@ -123,6 +123,12 @@ while not Path(barrier).exists():
 cache = HostCache(cache_dir)
 ann = weights.latest(client, prefix)
 state = weights.fetch(client, prefix, ann, Slow(client, prefix), threads=2, cache=cache)
+# stay until both have fetched: an actor that is gone leaves the cache to be wiped by the next one in, and on a busy
+# machine the other may start its fetch only after this one has finished
+Path(barrier + ".done." + str(__import__("os").getpid())).touch()
+end = time.monotonic() + 120
+while len(list(Path(barrier).parent.glob(Path(barrier).name + ".done.*"))) < 2 and time.monotonic() < end:
+    time.sleep(0.01)
 print(json.dumps({"fills": cache.fills, "reads": len(reads), "sums": {k: float(v.double().sum()) for k, v in state.items()}}))
 """
 
@@ -138,7 +144,7 @@ def test_two_actors_on_one_host_fetch_a_version_once(redis_url, redis_client, ke
     args = [sys.executable, "-c", ACTOR, redis_url, key_prefix, "cache", str(barrier)]
     actors = [subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     deadline = time.monotonic() + 120
-    while len(list(tmp_path.glob("go.*"))) < 2:  # both started: they ask at the same moment
+    while len(list(tmp_path.glob("go.[0-9]*"))) < 2:  # both started: they ask at the same moment
         assert time.monotonic() < deadline and all(a.poll() is None for a in actors), [a.communicate() for a in actors]
         time.sleep(0.02)
     barrier.touch()

@@ -196,7 +196,7 @@ def republish(redis_client, key_prefix, manifest: dict) -> weights.Announcement:
     return weights.Announcement(2, xxhash.xxh3_128_hexdigest(data), sum(c["size"] for c in manifest["chunks"]), "full", "run-a")
 
 
-@pytest.mark.parametrize("fault", ["overlapping", "missing_rows", "malformed_piece", "unknown_dtype"])
+@pytest.mark.parametrize("fault", ["overlapping", "missing_rows", "malformed_piece", "unknown_dtype", "absurd_shape"])
 def test_a_manifest_with_its_own_checksum_is_still_checked_piece_by_piece(redis_client, key_prefix, fault):
     """A manifest whose checksum matches (a buggy or hostile writer) must not leave rows of torch.empty garbage."""
     ann = weights.store_snapshot(redis_client, key_prefix, 2, mixed_state(), "full", "run-a", chunk_bytes=CHUNK)
@@ -215,6 +215,9 @@ def test_a_manifest_with_its_own_checksum_is_still_checked_piece_by_piece(redis_
     elif fault == "malformed_piece":
         piece[2] = "zero"
         expected = "malformed pieces"
+    elif fault == "absurd_shape":  # 4e18 bytes: refused by name, not an attempt to allocate them
+        manifest["tensors"][0][2] = [10**12, 10**6]
+        expected = "cannot build"
     else:
         manifest["tensors"][0][1] = "complex128"
         expected = "cannot build"
