@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from actor_node.kv_slots import SlotCache
-from common import scoring
-from common.kv_cache import cache_kwargs
+from models import scoring
+from models.kv_cache import cache_kwargs
 
 log = logging.getLogger(__name__)
 

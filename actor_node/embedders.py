@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from common import scoring
+from models import scoring
 
 log = logging.getLogger(__name__)
 

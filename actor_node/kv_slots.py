@@ -18,7 +18,7 @@ this one. The cost of slots is memory reserved per row up to `capacity`, whether
 a response uses it or not.
 
 This class is a transformers `Cache` so that a decoder's attention layers call its
-`update` as they call any cache's; the engine (actor_node/generation.py) says before
+`update` as they call any cache's; the engine (actor_node/generation_engine.py) says before
 each forward which slots run and where each token goes (`plan`), and passes its own
 4D attention mask, so transformers builds none from the cache.
 """

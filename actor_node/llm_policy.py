@@ -1,4 +1,4 @@
-"""The LLM policy an actor serves: tokenize, score (common.scoring), sample, swap weights.
+"""The LLM policy an actor serves: tokenize, score (models.scoring), sample, swap weights.
 
 `choose_batch` takes the jobs of one broker message batch and answers each with
 (action, logprob, probs) or an error. It runs in the actor's compute thread,
@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from actor_node.generation import GenerationEngine
+from actor_node.generation_engine import GenerationEngine
 from actor_node.policies import Choice
 from actor_node.prefix_cache import PrefixCache
-from common import scoring
 from common.config import option
-from common.policy_model import load_policy_state_dict
 from common.shared_settings import PolicyStamp
+from models import scoring
+from models.policy_model import load_policy_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class LLMPolicy:
         return f"{self.scored} scored in {self.forwards} forwards; prefix cache {self.cache.stats()}{generated}"
 
     def generation_engine(self) -> GenerationEngine:
-        """The batch of running responses (actor_node/generation.py), sharing this policy's model and weights."""
+        """The batch of running responses (actor_node/generation_engine.py), sharing this policy's model and weights."""
         if self.engine is None:
             self.engine = GenerationEngine(
                 self.model,

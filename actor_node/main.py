@@ -35,7 +35,7 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
     policy: Policy
     if cfg.policy.model:
         from actor_node.llm_policy import LLMPolicy, SamplingConfig  # torch: only for a model
-        from common.policy_model import ModelSpec, load_policy
+        from models.policy_model import ModelSpec, load_policy
 
         model, tokenizer = load_policy(ModelSpec.of(cfg.policy, cfg.device))
         sampling = SamplingConfig(

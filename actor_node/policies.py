@@ -22,7 +22,7 @@ from common.shared_settings import PolicyStamp
 if TYPE_CHECKING:  # no torch at import: the uniform actor starts without it
     import torch
 
-    from actor_node.generation import GenerationEngine
+    from actor_node.generation_engine import GenerationEngine
 
 
 @dataclass

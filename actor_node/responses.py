@@ -1,7 +1,7 @@
 """What one generate request is while the engine runs it, and what it becomes: its sampling settings, its row
 (prompt, state, tokens so far and their versions), the finished response, and the prompt's rendering.
 
-The engine (actor_node/generation.py) holds the rows; the actor loop (actor_node/worker.py) and the broker link
+The engine (actor_node/generation_engine.py) holds the rows; the actor loop (actor_node/worker.py) and the broker link
 (actor_node/link.py) read the finished responses.
 """
 

@@ -17,7 +17,7 @@ from common import weights
 from common.errors import BadInput
 
 if TYPE_CHECKING:
-    from actor_node.generation import GenerationEngine
+    from actor_node.generation_engine import GenerationEngine
     from actor_node.rag import Retriever
     from actor_node.responses import Generated
 

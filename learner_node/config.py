@@ -192,7 +192,7 @@ class LearnerConfig(UpdateConfig):
 
     def resolved_policy_lr(self) -> float:
         """`policy_lr`, or the model's default when it is 0."""
-        from common.tiny_models import default_policy_lr
+        from models.tiny_models import default_policy_lr
 
         return self.policy_lr or default_policy_lr(self.policy.model, self.policy.lora_rank)
 

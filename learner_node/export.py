@@ -7,7 +7,7 @@ torch.distributed.checkpoint folder of every trained tensor and the optimizers, 
 `state.json` records the learner's whole config, and with it the `[policy]` the weights belong to: the base model,
 the adapter's rank and alpha, the modules trained in full.
 
-`export_checkpoint` rebuilds that policy as the learner and the actor build it (common.policy_model.load_policy:
+`export_checkpoint` rebuilds that policy as the learner and the actor build it (models.policy_model.load_policy:
 the base, then the same peft LoRA model), puts the checkpoint's weights in, merges the adapter into the base with
 peft's `merge_and_unload` (the modules trained in full replace the base's), and writes the plain model with
 `save_pretrained` (config, safetensors, generation config) beside the base's tokenizer. So the folder needs
@@ -197,7 +197,7 @@ def _base_dtype(base: str) -> str:
 
 def _merged_model(source: Source, dtype: str, progress: Callable[[str], None]) -> tuple[Any, Any, str]:
     """(the plain causal LM with the checkpoint's weights, merged; the base's tokenizer; the dtype's name)."""
-    from common.policy_model import ModelSpec, load_policy
+    from models.policy_model import ModelSpec, load_policy
 
     policy = source.policy
     dtype_name = _base_dtype(policy.model) if dtype == "auto" else dtype
@@ -242,7 +242,7 @@ def _trained_in_full(source: Source) -> tuple[str, ...]:
     """The modules the adapter trained in full (peft's modules_to_save): as recorded, or for `auto` as peft wrote
     them down in the checkpoint's adapter/ (a base that moved to a copy without the tiny model's build record still
     fits), else as the learner resolved them, by the base model."""
-    from common.tiny_models import default_lora_trainable
+    from models.tiny_models import default_lora_trainable
 
     policy = source.policy
     if policy.lora_trainable != [AUTO]:
@@ -279,7 +279,7 @@ def _load_weights(model: Any, source: Source) -> None:
         return
     from safetensors.torch import load_file
 
-    from common.policy_model import load_policy_state_dict
+    from models.policy_model import load_policy_state_dict
 
     path = source.checkpoint / "policy.safetensors"
     state = load_file(str(path))

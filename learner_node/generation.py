@@ -10,7 +10,7 @@ Three parts, top to bottom:
   make one forward, up to a token budget. `check_layout` proves at start-up that
   this gives the model's own log-probabilities, or falls back to one right-padded
   sequence per row. The LM head runs only at the positions
-  that predict response tokens, in float32 (common.scoring.head_logits), in chunks
+  that predict response tokens, in float32 (models.scoring.head_logits), in chunks
   recomputed in the backward pass so a 150k vocabulary never holds every
   position's logits at once.
 - `build_generation_batch`: the same bootstrap and drop rules as the candidate
@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from common import scoring
 from common.learner_figures import GENERATION
 from common.segments import Segment, Transition
 from common.shared_settings import PolicyStamp
@@ -44,6 +43,7 @@ from learner_node.config import GenerationConfig, UpdateConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import EpisodeReturns, Tally
 from learner_node.update import Forward, LossSettings, Targets, ppo_update
+from models import scoring
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def packed_hidden(
 
 def check_layout(model: Any, budget: int = 4096) -> str:
     """The first layout of LAYOUTS whose log-probabilities are the model's own, checked at start-up as the
-    candidate path checks its scoring path (common/scoring.py, `select_path`): on probe prompts and responses
+    candidate path checks its scoring path (models/scoring.py, `select_path`): on probe prompts and responses
     of different lengths in one forward, one of them longer than the model's sliding window if it has one,
     against `model(input_ids).logits` of each sequence alone, in float32 (16-bit weights upcast for the check),
     to within scoring.FLOAT32_TOLERANCE. A model whose attention ignores the position ids' packing (or a

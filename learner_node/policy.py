@@ -1,7 +1,7 @@
 """The learner's models: the policy (same scoring as the actor, with gradients), the reference, the critic.
 
 - Policy: the base LM with its LoRA adapter; candidate log-probabilities from
-  `common.scoring` (packed layout), normalised and softmaxed exactly as the actor does.
+  `models.scoring` (packed layout), normalised and softmaxed exactly as the actor does.
 - Reference: the same base with the adapter disabled (no copy); with
   `lora_rank 0` (all weights trained) a frozen copy of the starting weights.
 - Critic (TWOSOME's design): an MLP value head on the frozen base's final hidden
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common import scoring
+from models import scoring
 
 
 class ValueHead(nn.Module):
@@ -62,7 +62,7 @@ class LearnerPolicy:
         self.has_adapter = hasattr(model, "peft_config")
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:
-            from common.policy_model import enable_gradient_checkpointing
+            from models.policy_model import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(model)
         # without an adapter, the reference: `frozen` (a sharded learner loads it already sharded), else a copy

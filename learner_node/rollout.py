@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from common.learner_figures import CANDIDATES
-from common.scoring import ScoringError
 from common.segments import Segment, Transition
 from common.shared_settings import PolicyStamp
 from learner_node import core_algos
 from learner_node.config import UpdateConfig
 from learner_node.update import Forward, LossSettings, Targets, ppo_update
+from models.scoring import ScoringError
 
 if TYPE_CHECKING:
     from learner_node.policy import LearnerPolicy

@@ -1,6 +1,6 @@
 """Loading a policy straight into FSDP2 shards: no rank ever holds the whole model.
 
-`common.policy_model.load_policy` reads every weight on every rank and `sharding.shard` then keeps each rank's
+`models.policy_model.load_policy` reads every weight on every rank and `sharding.shard` then keeps each rank's
 1/N: a rank's memory held the whole model first (in float32 on a CPU), and its allocator kept most of it after
 (docs/benchmarks.md, "The sharded learner"). Here, as FSDP2's own recipe does
 (https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html, "meta-device initialization"):
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from common.policy_model import ModelSpec, with_adapter
 from learner_node import sharding
+from models.policy_model import ModelSpec, with_adapter
 
 ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 

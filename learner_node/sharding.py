@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from common import scoring
+from models import scoring
 
 T = TypeVar("T")
 _ROOTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the decoders `shard` made FSDP roots (see `Lockstep.of`)
@@ -77,9 +77,9 @@ def shard(model: nn.Module, mixed_precision: bool, mesh: Any = None) -> nn.Modul
     """Apply FSDP2 to a policy (a peft LoRA model or a plain causal LM) or to its frozen reference copy, in place,
     on every rank of the default process group (or `mesh`); returns `model`.
 
-    Units: each transformer block, then the decoder (`common.scoring.model_parts`) as the root. The root is the
+    Units: each transformer block, then the decoder (`models.scoring.model_parts`) as the root. The root is the
     decoder and not the causal LM because the learner never calls the causal LM's forward: it calls the decoder,
-    then the LM head on the positions it scores (common/scoring.py, learner_node/generation.py). FSDP2 gathers a
+    then the LM head on the positions it scores (models/scoring.py, learner_node/generation.py). FSDP2 gathers a
     unit's parameters in that unit's forward hooks, so a unit at the causal LM would leave the embedding and the
     head sharded while they are used. The decoder's own parameters (embeddings, final norm) and everything
     outside it (the LM head, peft's wrappers) stay whole on every rank (`ignored_params`), and their gradients
@@ -216,7 +216,7 @@ def full_state_chunks(model: nn.Module, names: Mapping[str, str] | None = None) 
 
 def policy_names(model: nn.Module) -> dict[str, str]:
     """The state-dict keys of what the policy publishes, each to its published name: with an adapter, the keys
-    peft's `get_peft_model_state_dict` keeps and its names for them (`common.policy_model.policy_state_dict`);
+    peft's `get_peft_model_state_dict` keeps and its names for them (`models.policy_model.policy_state_dict`);
     without one, every key under its own name. Found by identity on one state dict of the (sharded) model, so no
     tensor is gathered or copied."""
     state = model.state_dict()

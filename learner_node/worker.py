@@ -37,9 +37,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from common import scoring, weights
+from common import weights
 from common.learner_figures import CANDIDATES, COUNTER_PREFIX, update_figure, write_latest
-from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict, policy_state_items
 from common.protocol import DEFAULT_MAX_ABS_REWARD
 from common.sd_notify import Notifier
 from common.security import AllowList, apply_server
@@ -55,6 +54,8 @@ from learner_node.optim import adam
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import EpisodeReturns, Rollout, build_rollout, candidate_update
 from learner_node.update import NonFiniteUpdate, TrainableSnapshot
+from models import scoring
+from models.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict, policy_state_items
 
 log = logging.getLogger(__name__)
 

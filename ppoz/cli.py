@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
             "phase and how long each fault took to heal (docs/farm.md, docs/benchmarks.md). Needs root.",
         ),
     ):
-        benches.add_parser(name, help=help_text, description=description, module=f"ppoz.bench.{name}")
+        benches.add_parser(name, help=help_text, description=description, module=f"tools.bench.{name}")
 
     p = sub.add_parser(
         "status", help="show a running broker's sessions, actors and counters", description="Ask a running broker for its figures."
@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_status)
 
-    from reliability import fuzz, soak
+    from tools.reliability import fuzz, soak
 
     p = sub.add_parser(
         "fuzz",
@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_arguments(p)
     p.set_defaults(func=soak.main)
 
-    from common.tiny_models import ARCHITECTURES, TOKENIZERS
+    from models.tiny_models import ARCHITECTURES, TOKENIZERS
 
     p = sub.add_parser(
         "tiny-model",
@@ -389,7 +389,7 @@ def _on_stop(stop: Callable[[], None]) -> None:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from common.tiny_models import build_tiny_model
+    from models.tiny_models import build_tiny_model
 
     if args.hidden < 8 or args.hidden % 4 or args.layers < 1:
         print(f"ppoz tiny-model: --hidden must be a multiple of 4 from 8 (got {args.hidden}), --layers at least 1", file=sys.stderr)

@@ -100,12 +100,12 @@ def main(args: argparse.Namespace) -> int:
     from common.learner_figures import read_latest
     from common.redis_server import EmbeddedRedis, connect
     from common.shared_settings import PolicySpec, StoreSettings
-    from common.tiny_models import build_tiny_model
     from envs.base import random_returns
     from envs.kea_sim import KeaSim, demo_app
     from envs.runner import Runner
     from learner_node.config import LearnerConfig
     from learner_node.worker import Learner
+    from models.tiny_models import build_tiny_model
     from ppoz.curve import write_learning_curve
 
     for noisy in ("broker", "actor_node", "learner_node", "common", "envs"):

@@ -2,7 +2,7 @@
 
 The task: "what is two plus three" -> "five", for every pair of numbers from zero to four (25 sums),
 said in words. The policy is a tiny Llama-style model built locally with a word-level tokenizer of
-the number words (common/tiny_models.py `numbers`), so its first word is a number word and the
+the number words (models/tiny_models.py `numbers`), so its first word is a number word and the
 reward is verifiable: 1 when the response's first word is the sum, else 0 (chance: 1 in 17 tokens).
 All its weights train (`lora_rank = 0`): on this task a rank-4 adapter learned slower (validation
 0.24 against 0.40 after 90 s on the CPU VM, and it collapsed onto one answer first). A model given
@@ -69,7 +69,7 @@ def stack_config(out: Path, lora_rank: int = 0, device: str = "auto", max_stream
 
 def settings(args: argparse.Namespace, out: Path, model: str) -> tuple[str, Any]:
     """The stack's TOML and the run's TrainConfig for these demo flags."""
-    from train.config import TrainConfig
+    from dataset_driver.config import TrainConfig
 
     cfg = TrainConfig(
         data=str(out / "sums.jsonl"),
@@ -92,7 +92,7 @@ def settings(args: argparse.Namespace, out: Path, model: str) -> tuple[str, Any]
 
 
 def main(args: argparse.Namespace) -> int:
-    from common.tiny_models import build_tiny_model
+    from models.tiny_models import build_tiny_model
     from ppoz.train import advantage_settings, finish, on_this_machine, stop_on_signals
 
     out = Path(args.out)

@@ -3,7 +3,7 @@
 Without `--broker` it starts a stack here as `ppoz up` does (embedded Redis, broker, actors, learner;
 `[up]` says how many, the config file's tables configure them, `--model` sets `[policy] model` for
 actors and learner) and drives it; with `--broker` it drives an existing farm's broker (the learner's
-figures come from `--redis-url`, the farm's Redis, if given). The drivers, rewards and validation: train/run.py.
+figures come from `--redis-url`, the farm's Redis, if given). The drivers, rewards and validation: dataset_driver/run.py.
 
 Before anything starts, the datasets are read and each record checked against the broker's limits, and the
 reward function is loaded: a bad record or a wrong `--reward-fn` is named at once, not after the stack started.
@@ -29,14 +29,14 @@ from common.options import ADVANTAGE_ESTIMATORS
 
 if TYPE_CHECKING:
     from common.shared_settings import StoreSettings
+    from dataset_driver.run import Prepared
     from rewards.group import GroupAdvantage
-    from train.run import Prepared
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from train.config import TrainConfig
+    from dataset_driver.config import TrainConfig
 
     parser.add_argument(
         "--config", metavar="FILE", type=local_path, help="TOML config file: [train], and the stack's tables; flags override it"
@@ -73,11 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from broker.config import BrokerConfig
     from common.shared_settings import StoreSettings
+    from dataset_driver.config import TrainConfig
+    from dataset_driver.data import DatasetError
+    from dataset_driver.driver import ValidationError
+    from dataset_driver.run import prepare, run_training
     from ppoz.supervisor import StackBusy
-    from train.config import TrainConfig
-    from train.data import DatasetError
-    from train.driver import ValidationError
-    from train.run import prepare, run_training
 
     cfg = load(TrainConfig, args.config, args)
     if not cfg.data:
@@ -145,7 +145,7 @@ def finish(cfg: Any, summary: dict[str, Any], as_json: bool, learner_started_her
     a run that trained nothing must not look like one that did. A run stopped by a signal is not finished:
     it says where it stopped, and only an unrewarded run among those exits non-zero. output_dir/summary.json is
     written here, once, with everything the printed summary holds."""
-    from train.run import dumps, write_summary
+    from dataset_driver.run import dumps, write_summary
 
     summary["curve"] = str(_curve(cfg, summary))
     line = f"ppoz train: {summary['samples']} responses, reward curve in {summary['curve']}"
@@ -208,10 +208,10 @@ def on_this_machine(
     prepared: Prepared | None = None,
     interrupt: threading.Event | None = None,
 ) -> dict[str, Any]:
+    from dataset_driver.resume import SampleMarks
+    from dataset_driver.run import run_training
     from learner_node.config import LearnerConfig
     from ppoz.up import UpConfig, started_stack
-    from train.resume import SampleMarks
-    from train.run import run_training
 
     up = load(UpConfig, args.config)
     out = Path(cfg.output_dir)
@@ -296,7 +296,7 @@ def _marks(store: StoreSettings) -> Any:
     if not store.redis_url:
         return None
     from common.redis_server import connect
-    from train.resume import SampleMarks
+    from dataset_driver.resume import SampleMarks
 
     return SampleMarks(connect(store.redis_url), store.key_prefix)
 

@@ -10,7 +10,7 @@ Liu et al. (2025), "Understanding R1-Zero-Like Training" (Dr. GRPO), drop the di
 since dividing by a group's std weighs prompts that are almost always (or never) solved the most.
 RLOO (Ahmadian et al. 2024) measures each response against the mean of the others: A_i = n / (n - 1) (r_i - mean(r)).
 
-The driver computes these, holding the whole group (train/driver.py): a group's responses may reach the
+The driver computes these, holding the whole group (dataset_driver/driver.py): a group's responses may reach the
 learner in different updates, so only the driver can. The learner trains on them as they are, with no
 critic (learner_node/generation.py, [generation] advantage = "grpo" or "rloo"); the rest of the update's
 math is learner_node/core_algos.py.

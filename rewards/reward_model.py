@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from common.scoring import longest_token_chars
+from models.scoring import longest_token_chars
 from rewards.functions import RewardError
 
 log = logging.getLogger(__name__)

@@ -216,8 +216,8 @@ def model_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 @pytest.fixture(scope="session")
 def tiny_model(model_cache: Path) -> Callable[..., str]:
     """The folder of a tiny causal LM, loaded with `from_pretrained` as a real one is:
-    `tiny_model("gpt2", tokenizer="words", max_positions=128)` (common.tiny_models.build_tiny_model's arguments)."""
-    from common.tiny_models import build_tiny_model
+    `tiny_model("gpt2", tokenizer="words", max_positions=128)` (models.tiny_models.build_tiny_model's arguments)."""
+    from models.tiny_models import build_tiny_model
 
     def get(arch: str = "llama", tokenizer: str = "byte", **overrides: Any) -> str:
         return cached_build(model_cache, build_tiny_model, f"{arch}-{tokenizer}", arch=arch, tokenizer=tokenizer, **overrides)
@@ -228,7 +228,7 @@ def tiny_model(model_cache: Path) -> Callable[..., str]:
 @pytest.fixture(scope="session")
 def tiny_reward_model(model_cache: Path) -> Callable[..., str]:
     """The folder of a tiny reward model (one-label sequence classifier): `tiny_reward_model("llama")`, default DeBERTa-v2."""
-    from common.tiny_models import build_tiny_reward_model
+    from models.tiny_models import build_tiny_reward_model
 
     def get(arch: str = "deberta-v2") -> str:
         return cached_build(model_cache, build_tiny_reward_model, f"reward-{arch}", arch=arch)
@@ -239,6 +239,6 @@ def tiny_reward_model(model_cache: Path) -> Callable[..., str]:
 @pytest.fixture(scope="session")
 def tiny_models(tiny_model: Callable[..., str]) -> dict[str, str]:
     """Tiny Llama-, Qwen2- and GPT-2-style models with the byte tokenizer."""
-    from common.tiny_models import ARCHITECTURES
+    from models.tiny_models import ARCHITECTURES
 
     return {arch: tiny_model(arch) for arch in ARCHITECTURES}

@@ -84,7 +84,7 @@ OBS = {
 
 
 def own_logits_scores(model: Any, item: Any) -> Any:
-    """The yardstick for scoring, written here and sharing nothing with common.scoring: for each
+    """The yardstick for scoring, written here and sharing nothing with models.scoring: for each
     candidate of a tokenized observation, one forward of the model over context + candidate and the
     sum of log-softmax(model(input_ids).logits) at the candidate's tokens."""
     import torch

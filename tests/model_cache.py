@@ -1,4 +1,4 @@
-"""The tests' tiny models, each built once and kept on disk by its spec (common/tiny_models.py builds them).
+"""The tests' tiny models, each built once and kept on disk by its spec (models/tiny_models.py builds them).
 
 Every test that needs a tiny model asks the session fixtures `tiny_model` and `tiny_reward_model`
 (tests/conftest.py), which come here. A model lives in a folder named by a hash of its spec, of the
@@ -21,9 +21,9 @@ from typing import Any
 
 import transformers
 
-import common.tiny_models
+import models.tiny_models
 
-_BUILDER_SOURCE = Path(common.tiny_models.__file__).read_bytes()
+_BUILDER_SOURCE = Path(models.tiny_models.__file__).read_bytes()
 # How long a worker waits for another one's build of the same model: a tiny model and its tokenizer take 5-20 s alone
 # on the 2-core VM; x30. (The wait had no deadline but pytest's 300 s per test.)
 BUILD_WAIT_S = 600.0

@@ -69,7 +69,7 @@ def test_a_benchmark_gets_its_own_options_when_it_is_chosen():
     from ppoz.cli import build_parser
 
     args = build_parser().parse_args(["bench", "scoring", "--repeats", "2"])
-    assert args.repeats == 2 and args.func.__module__ == "ppoz.bench.scoring"
+    assert args.repeats == 2 and args.func.__module__ == "tools.bench.scoring"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "broker", "--lora-rank", "2"])  # another benchmark's option
 

@@ -23,7 +23,7 @@ CONFIG_MODULES = (  # each registers the tables of its component
     "gateway.config",
     "learner_node.config",
     "rewards.config",
-    "train.config",
+    "dataset_driver.config",
     "ppoz.up",
 )
 # A judge model's family and the provider that serves it (a judge with its own judge_base_url is not checked).

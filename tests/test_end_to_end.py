@@ -19,12 +19,12 @@ from actor_node.config import ActorConfig
 from actor_node.main import run_actor
 from common.redis_server import connect
 from common.shared_settings import PolicySpec, StoreSettings
-from common.tiny_models import LORA_TRAINABLE
 from envs.base import random_returns
 from envs.kea_sim import KeaSim, SimConfig
 from envs.runner import Runner
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
+from models.tiny_models import LORA_TRAINABLE
 from tests.helpers import REDIS_S, actors_ready, wait_for
 
 APP = SimConfig(screens=5, links_per_screen=2, external_links=1, horizon=6, history_limit=1, event_hashes=False)

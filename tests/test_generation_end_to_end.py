@@ -20,10 +20,10 @@ import time
 import pytest
 
 from client import Client
-from ppoz.bench.stability import WINDOW, figures, prompt_and_reward, stack_config
 from tests.helpers import wait_for
 from tests.processes import Up, free_port, ppoz, status
 from tests.test_up import last_update
+from tools.bench.stability import WINDOW, figures, prompt_and_reward, stack_config
 
 BUDGET = 6000  # responses: at the default learning rate the reward passes 0.9 after 3,000 to 4,000 of them
 CLIENTS = 8

@@ -21,12 +21,12 @@ from actor_node.rag import Retriever
 from actor_node.retrieval import CONTEXT_HEADER
 from actor_node.worker import serve
 from broker.store import SessionStore
-from common.policy_model import ModelSpec, load_policy
 from common.segments import RedisKeys, Segment
 from common.shared_settings import RetrievalConfig
 from learner_node.config import UpdateConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import build_rollout, candidate_update
+from models.policy_model import ModelSpec, load_policy
 from tests.helpers import actors_ready, wait_for
 
 GUIDE = """# Checkout screen

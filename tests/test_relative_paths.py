@@ -66,8 +66,8 @@ def _stop(proc: subprocess.Popen[str], log: Path) -> None:
 
 
 def test_config_paths_are_made_absolute_against_the_working_directory(elsewhere: Path) -> None:
+    from dataset_driver.config import TrainConfig
     from learner_node.config import LearnerConfig
-    from train.config import TrainConfig
 
     (elsewhere / "tiny").mkdir()
     (elsewhere / "conf").mkdir()

@@ -35,8 +35,8 @@ LISTED = {
     " a timed-out attempt closes the socket (linger 0), which drops the cancelled send (tests/client/test_refused_send.py)",
     ("common/sd_notify.py", "self.send"): "Notifier.send: a datagram to systemd on a non-blocking UNIX socket, not ZeroMQ",
     ("broker/outbox.py", "self.committer.send"): "a Redis command on the broker's Redis connection (socket timeout), not ZeroMQ",
-    ("ppoz/bench/broker.py", "self.send"): "the bench client's own method, which sends with send_frames",
-    ("ppoz/bench/weights_hosts.py", "conn.send"): "a plain TCP socket (the bridge's own rate, measured beside ZeroMQ), not ZeroMQ",
+    ("tools/bench/broker.py", "self.send"): "the bench client's own method, which sends with send_frames",
+    ("tools/bench/weights_hosts.py", "conn.send"): "a plain TCP socket (the bridge's own rate, measured beside ZeroMQ), not ZeroMQ",
 }
 
 

@@ -13,8 +13,8 @@ from actor_node.config import ActorConfig
 from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from actor_node.main import run_actor
 from common import weights
-from common.policy_model import ModelSpec, load_policy, policy_state_dict
 from common.shared_settings import PolicySpec, StoreSettings
+from models.policy_model import ModelSpec, load_policy, policy_state_dict
 from tests.helpers import OBS, TORCH_START_S, actors_ready, wait_for
 
 

@@ -17,9 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from actor_node import sampling
 from actor_node.decode_step import INPUTS, row_bucket, width_bucket
-from actor_node.generation import GenerationEngine
-from common import scoring
-from common.policy_model import ModelSpec, load_policy
+from actor_node.generation_engine import GenerationEngine
+from models import scoring
+from models.policy_model import ModelSpec, load_policy
 from tests.actor_node.test_engine_against_generate import byte_prompt, job
 
 

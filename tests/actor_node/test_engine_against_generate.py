@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from actor_node.generation import GenerationEngine
-from common.policy_model import ModelSpec, load_policy
+from actor_node.generation_engine import GenerationEngine
+from models.policy_model import ModelSpec, load_policy
 from tests.actor_node.test_generation import with_nonzero_adapter
 
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from actor_node.generation import GenerationEngine
+from actor_node.generation_engine import GenerationEngine
 from actor_node.responses import DeadlineExceeded, GenerationError, SamplingParams
-from common.policy_model import ModelSpec, load_policy
+from models.policy_model import ModelSpec, load_policy
 
 
 def own_logprobs(model: Any, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:

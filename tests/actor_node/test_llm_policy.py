@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from actor_node.llm_policy import Choice, LLMPolicy, SamplingConfig
-from common import scoring
-from common.policy_model import ModelSpec, load_policy, policy_state_dict
+from models import scoring
+from models.policy_model import ModelSpec, load_policy, policy_state_dict
 from tests.helpers import own_logits_scores
 
 OBS = {

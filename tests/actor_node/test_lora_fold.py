@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from actor_node.generation import GenerationEngine
-from common.policy_model import ModelSpec, load_policy
+from actor_node.generation_engine import GenerationEngine
+from models.policy_model import ModelSpec, load_policy
 from tests.actor_node.test_engine_against_generate import byte_prompt, drive, job
 
 

@@ -18,7 +18,7 @@ import torch
 
 from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from common import weights
-from common.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict
+from models.policy_model import ModelSpec, load_policy, load_policy_state_dict, policy_state_dict
 from tests.actor_node.test_actor import new_snapshot, start_llm_actor  # noqa: F401 - a fixture
 from tests.actor_node.test_engine_against_generate import byte_prompt, job
 from tests.broker.test_broker import segments

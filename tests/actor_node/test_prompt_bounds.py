@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from actor_node.generation import GenerationEngine
+from actor_node.generation_engine import GenerationEngine
 from actor_node.responses import GenerationError, prompt_chars
-from common.policy_model import ModelSpec, load_policy
-from common.scoring import longest_token_chars
+from models.policy_model import ModelSpec, load_policy
+from models.scoring import longest_token_chars
 from tests.actor_node.test_engine_against_generate import job
 
 

@@ -389,7 +389,7 @@ def test_policy_embedder_keeps_the_tail_of_long_texts(policy_parts):
 def test_policy_embedder_switches_the_lora_adapter_off(policy_parts):
     from peft import LoraConfig, get_peft_model
 
-    from common.policy_model import peft_warnings_silenced
+    from models.policy_model import peft_warnings_silenced
 
     model, tok = policy_parts()
     base = PolicyEmbedder(model, tok, batch=2)(TEXTS)
@@ -424,7 +424,7 @@ def test_policy_embedder_feeds_retrieval(policy_parts, corpus_dir):
 def test_encoder_embedder(tmp_path):
     from transformers import BertConfig, BertModel
 
-    from common.tiny_models import build_byte_tokenizer
+    from models.tiny_models import build_byte_tokenizer
 
     torch.manual_seed(0)
     BertModel(

@@ -20,7 +20,7 @@ from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from actor_node.weight_follower import WeightFollower
 from actor_node.worker import catch_up
 from common import weights
-from common.policy_model import ModelSpec, load_policy, policy_state_items
+from models.policy_model import ModelSpec, load_policy, policy_state_items
 from tests.actor_node.test_engine_against_generate import byte_prompt, job
 
 

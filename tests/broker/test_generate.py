@@ -11,7 +11,7 @@ import torch
 from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from client import BadRequest, RequestTimeout, TooLarge
 from common import protocol as p
-from common.policy_model import ModelSpec, load_policy
+from models.policy_model import ModelSpec, load_policy
 from tests.broker.test_broker import segments
 from tests.helpers import actors_ready, wait_for
 

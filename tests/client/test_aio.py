@@ -231,7 +231,7 @@ def test_bad_timeouts_are_refused(deadline, attempt_timeout):
 
 def test_generate_and_wait_turn(start_broker, start_actor, zmq_context, tiny_models, redis_client, key_prefix):
     from actor_node.llm_policy import LLMPolicy, SamplingConfig
-    from common.policy_model import ModelSpec, load_policy
+    from models.policy_model import ModelSpec, load_policy
 
     model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
     broker = start_broker(segment_len=1)

@@ -127,7 +127,7 @@ def test_a_url_without_a_scheme_is_refused():
 
 def test_generate_writes_a_response_and_takes_its_reward(start_broker, start_actor, ppo_client, tiny_models, redis_client, key_prefix):
     from actor_node.llm_policy import LLMPolicy, SamplingConfig
-    from common.policy_model import ModelSpec, load_policy
+    from models.policy_model import ModelSpec, load_policy
     from tests.helpers import wait_for
 
     model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError, load
-from common.policy_model import ModelSpec, load_policy
 from common.shared_settings import PolicySpec, StoreSettings
-from common.tiny_models import LORA_TRAINABLE, MARKER
 from learner_node.config import LearnerConfig
+from models.policy_model import ModelSpec, load_policy
+from models.tiny_models import LORA_TRAINABLE, MARKER
 from tests.processes import ppoz
 
 

@@ -120,7 +120,7 @@ def test_an_actor_named_a_weights_source_follows_the_learner_through_its_host_ca
     from actor_node.llm_policy import LLMPolicy, SamplingConfig
     from actor_node.weight_follower import WeightFollower
     from actor_node.worker import catch_up
-    from common.policy_model import ModelSpec, load_policy, policy_state_dict
+    from models.policy_model import ModelSpec, load_policy, policy_state_dict
 
     store, server = served
     learner, _ = load_policy(ModelSpec(model=tiny_models["qwen2"], device="cpu", lora_rank=0))

@@ -18,9 +18,9 @@ from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from actor_node.weight_follower import WeightFollower
 from actor_node.worker import catch_up
 from common import weights
-from common.policy_model import ModelSpec, load_policy
 from common.segments import RedisKeys
 from common.snapshot_stores import DirectorySnapshots, HostCache, on_tmpfs
+from models.policy_model import ModelSpec, load_policy
 from tests.common.test_weights import CHUNK, assert_equal_states, chunk_of, mixed_state
 
 REPO = Path(__file__).resolve().parents[2]

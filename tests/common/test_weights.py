@@ -164,7 +164,7 @@ def test_a_full_snapshot_over_512_mb_is_published_fetched_and_applied(redis_clie
     from actor_node.llm_policy import LLMPolicy, SamplingConfig
     from actor_node.weight_follower import WeightFollower
     from actor_node.worker import catch_up
-    from common.policy_model import policy_state_dict
+    from models.policy_model import policy_state_dict
 
     config = LlamaConfig(
         vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16

@@ -267,7 +267,7 @@ def test_ppoz_gateway_command_serves_and_stops_on_sigterm(start_broker, start_ac
 
 def test_generate_over_http(start_broker, start_actor, make_client, start_gateway, tiny_models):
     from actor_node.llm_policy import LLMPolicy, SamplingConfig
-    from common.policy_model import ModelSpec, load_policy
+    from models.policy_model import ModelSpec, load_policy
 
     model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=0))
     broker = start_broker(max_new_tokens=32)

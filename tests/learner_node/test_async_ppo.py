@@ -20,13 +20,13 @@ from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from broker.sessions import SegmentClose, Session
 from broker.store import Batch, SessionStore
 from common import segments as seg
-from common.policy_model import ModelSpec, load_policy
 from common.segments import RedisKeys, Transition
 from common.shared_settings import PolicySpec, StoreSettings
 from learner_node.config import LearnerConfig, UpdateConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import build_rollout, candidate_update
 from learner_node.worker import Learner, backlog_limit
+from models.policy_model import ModelSpec, load_policy
 from tests.learner_node.helpers import on_policy_segments
 
 PROMPTS = [

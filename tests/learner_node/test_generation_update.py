@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from actor_node.generation import GenerationEngine
-from common.policy_model import ModelSpec, load_policy
+from actor_node.generation_engine import GenerationEngine
 from common.segments import Segment, Transition
 from common.shared_settings import PolicySpec, PolicyStamp
 from learner_node.generation import build_generation_batch, fill_rows, pack, response_logprobs, split_by_mode
+from models.policy_model import ModelSpec, load_policy
 from tests.learner_node.test_async_ppo import learner_on, write_to_stream
 
 
@@ -315,8 +315,8 @@ def test_stale_responses_are_trained_with_ratio_one_against_the_learners_weights
 def test_gradient_checkpointing_recomputes_the_layers_and_changes_nothing_else(tiny_models) -> None:
     """GPT-2 has dropout in its config: the learner's function stays the eval-mode one, and each decoder layer
     runs again in the backward pass."""
-    from common import scoring
     from learner_node.policy import LearnerPolicy
+    from models import scoring
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (12, 7)]
@@ -461,10 +461,10 @@ def test_the_reference_and_the_critic_share_one_adapter_off_forward(tiny_models,
     positions: one forward of the adapter-off decoder gives both (it gave them in two), and GRPO keeps none."""
     from peft.tuners.lora import LoraLayer
 
-    from common import scoring
     from learner_node.config import GenerationConfig
     from learner_node.generation import Chain, GenerationBatch, GenerationUpdate, response_hidden
     from learner_node.policy import LearnerPolicy
+    from models import scoring
 
     torch.manual_seed(0)
     model, tokenizer = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4))

@@ -12,9 +12,9 @@ from actor_node.config import ActorConfig
 from actor_node.main import run_actor
 from common.redis_server import connect
 from common.shared_settings import PolicySpec, StoreSettings
-from common.tiny_models import LORA_TRAINABLE
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
+from models.tiny_models import LORA_TRAINABLE
 from tests.helpers import REDIS_S, actors_ready, wait_for
 from tests.learner_node.helpers import BANDIT
 

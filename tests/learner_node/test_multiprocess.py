@@ -13,13 +13,13 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from common.policy_model import policy_state_dict
 from common.processes import exit_now
 from common.redis_server import connect
 from common.shared_settings import PolicySpec, StoreSettings
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
+from models.policy_model import policy_state_dict
 from tests.helpers import REDIS_S
 from tests.learner_node.test_resume import write_segments
 from tests.processes import free_port

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.policy_model import ModelSpec, load_policy
 from learner_node.generation import response_logprobs
 from learner_node.optim import RESIDUAL, MasterWeightAdam, adam
 from learner_node.sharding import TrainState, load_sharded, save_sharded
+from models.policy_model import ModelSpec, load_policy
 
 LR = 1e-6  # a full fine-tune's learning rate: below bfloat16's resolution for every weight of magnitude 2^-10 or more
 
@@ -150,7 +150,7 @@ def test_a_parameter_without_a_gradient_is_left_alone_and_trains_once_it_has_one
 
 def test_a_trained_16_bit_head_is_never_served_from_a_stale_float32_copy() -> None:
     # torch's fused Adam writes a weight without bumping its version counter: a kept copy would be the old head
-    from common.scoring import head_logits
+    from models.scoring import head_logits
 
     head = torch.nn.Linear(8, 16, bias=False).to(torch.bfloat16)
     opt = adam([head.weight], 1e-2)

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from common.policy_model import ModelSpec, load_policy
 from learner_node import sharded_load
 from learner_node.generation import response_logprobs
 from learner_node.sharding import full_state_chunks, shard
+from models.policy_model import ModelSpec, load_policy
 from tests.learner_node.test_sharding import run_ranks
 
 KINDS = {  # (tiny model, LoRA rank, modules trained in full, dtype, mixed precision)

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.policy_model import ModelSpec, load_policy, policy_state_dict
 from common.segments import Segment, Transition
 from learner_node.config import GenerationConfig, UpdateConfig
 from learner_node.generation import build_generation_batch, generation_update, pack, response_logprobs
@@ -42,6 +41,7 @@ from learner_node.sharding import (
     transformer_blocks,
 )
 from learner_node.update import TrainableSnapshot
+from models.policy_model import ModelSpec, load_policy, policy_state_dict
 from tests.processes import free_port
 
 WORLD = 2
@@ -235,7 +235,7 @@ def test_the_ranks_micro_batches_differ_so_the_padding_passes_are_needed() -> No
 @pytest.mark.slow  # the 2-rank job, once per kind for all of these
 def test_full_state_chunks_on_two_ranks_are_the_one_process_state_dict(two_ranks: dict[str, Any]) -> None:
     """Gathered one tensor at a time from the shards: exactly the unsharded model's state dict, and exactly what
-    the policy publishes today (common.policy_model.policy_state_dict: peft's adapter names with LoRA)."""
+    the policy publishes today (models.policy_model.policy_state_dict: peft's adapter names with LoRA)."""
     lp, _, _ = learner(two_ranks["model"], two_ranks["kind"], sharded=False)
     own = lp.model.state_dict()
     assert list(two_ranks["everything"]) == list(own)

@@ -268,9 +268,9 @@ def test_a_dropped_turns_prompt_that_cannot_be_scored_does_not_bootstrap_the_tur
 
 def test_values_refuses_an_unscorable_observation_before_any_forward(tiny_model) -> None:
     """LearnerPolicy.values (the critic other callers use) raises ScoringError naming the limit, not IndexError."""
-    from common.policy_model import ModelSpec, load_policy
     from common.shared_settings import PolicySpec
     from learner_node.policy import LearnerPolicy
+    from models.policy_model import ModelSpec, load_policy
 
     model, tokenizer = load_policy(ModelSpec.of(PolicySpec(model=tiny_model("gpt2", max_positions=LIMIT), lora_rank=4), "cpu"))
     lp = LearnerPolicy(model, tokenizer, "token", 1.0, (16,))

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.policy_model import ModelSpec, load_policy
 from learner_node.config import UpdateConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import build_rollout, candidate_update
+from models.policy_model import ModelSpec, load_policy
 from tests.learner_node.helpers import BANDIT, on_policy_segments
 from tests.processes import free_port
 

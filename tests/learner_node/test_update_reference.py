@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-from common.policy_model import ModelSpec, load_policy
 from learner_node.config import GenerationConfig, UpdateConfig
 from learner_node.generation import Chain, GenerationBatch, GenerationUpdate, generation_update
 from learner_node.policy import LearnerPolicy
+from models.policy_model import ModelSpec, load_policy
 
 TOL = 1e-5  # float32 weights after one step, learner vs reference
 POLICY_LR = 0.5

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from common import weights
-from common.policy_model import policy_state_dict
 from common.shared_settings import PolicySpec, StoreSettings
 from common.snapshot_serve import ServedSnapshots
 from learner_node.config import LearnerConfig
+from models.policy_model import policy_state_dict
 from tests.learner_node.test_pending import make_learner
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ppoz.bench.stability import WINDOW, figures, leg_order
 from tests.helpers import wait_for
 from tests.processes import ppoz, start_ppoz
+from tools.bench.stability import WINDOW, figures, leg_order
 
 
 def rewards_of(windows: list[float]) -> list[float]:

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from ppoz.bench.train import LegRun, add_arguments, first_time_at, last_json, leg_order, ratio, summarise, tree_rss_kb
-from ppoz.bench.train_tasks import TASKS, repeat_score, say, train_repeat_rows, val_repeat_rows
-from ppoz.bench.trl_env import pins
 from tests.helpers import wait_for
+from tools.bench.train import LegRun, add_arguments, first_time_at, last_json, leg_order, ratio, summarise, tree_rss_kb
+from tools.bench.train_tasks import TASKS, repeat_score, say, train_repeat_rows, val_repeat_rows
+from tools.bench.trl_env import pins
 
 
 def run(samples: int, seconds: float, val_after: float | None = 0.5, first: float | None = None, cpu: float = 20.0) -> LegRun:
@@ -118,7 +118,7 @@ def test_options_and_defaults():
 
 def test_a_trl_python_without_trl_is_refused_by_name(capsys) -> None:
     """--trl-python is used as it is: one that cannot import trl stops the bench before any leg runs."""
-    from ppoz.bench.train import main
+    from tools.bench.train import main
 
     args = argparse.Namespace(
         tasks="demo", legs="ppoz,trl", repeats=1, seconds=0.0, trl_threads=0, val_every_s=15.0, trl_python=sys.executable, device="cpu"
@@ -132,7 +132,7 @@ def test_a_trl_python_without_trl_is_refused_by_name(capsys) -> None:
 @pytest.mark.timeout(900)
 def test_the_ppoz_leg_trains_the_long_task_and_validates_while_it_trains(tmp_path) -> None:
     # 25 s of budget and 10-20 s of start and stop alone; 840 s is x20 of it
-    command = [sys.executable, "-m", "ppoz.bench.train_leg", "--task", "long", "--seconds", "25", "--val-every-s", "5", "--out", "run"]
+    command = [sys.executable, "-m", "tools.bench.train_leg", "--task", "long", "--seconds", "25", "--val-every-s", "5", "--out", "run"]
     command += ["--max-stream-backlog", "64"]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -149,7 +149,7 @@ def test_the_ppoz_leg_trains_the_long_task_and_validates_while_it_trains(tmp_pat
 def test_the_decode_profile_runs_the_engine_and_generate_on_a_task(tmp_path) -> None:
     """The diagnostic behind docs/benchmarks.md's GPU profile: both engines' passes are timed (40 steps, so
     that the second pass runs its profiled steps 20 to 30)."""
-    command = [sys.executable, "-m", "ppoz.bench.decode_profile", "--tasks", "long", "--new-tokens", "40", "--device", "cpu"]
+    command = [sys.executable, "-m", "tools.bench.decode_profile", "--tasks", "long", "--new-tokens", "40", "--device", "cpu"]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     timed = [line for line in done.stdout.splitlines() if line.startswith("long, ")]

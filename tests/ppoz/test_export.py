@@ -32,12 +32,12 @@ import torch
 from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from actor_node.responses import Generated
 from actor_node.weight_follower import WeightFollower
-from common.policy_model import ModelSpec, load_policy
 from common.redis_server import connect
 from common.shared_settings import PolicySpec, StoreSettings
 from learner_node import checkpoint
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
+from models.policy_model import ModelSpec, load_policy
 from ppoz.cli import main as ppoz_main
 from tests.helpers import REDIS_S
 from tests.learner_node.test_resume import write_segments
@@ -45,7 +45,7 @@ from tests.processes import PPOZ
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ["actor_node", "bindings", "broker", "client", "common", "conformance", "envs", "gateway"]
-PACKAGES += ["learner_node", "ppoz", "reliability", "rewards", "tests", "train"]
+PACKAGES += ["dataset_driver", "learner_node", "models", "ppoz", "rewards", "tests", "tools"]
 # prompts of 1 to 75 tokens (the byte tokenizer: the start token, then a token a character)
 PROMPTS = ["", "Pick", "Pick the best colour.", "Which action should I choose next? I shall choose No. 1: TouchEvent(Cart)"]
 NEW_TOKENS = 12
@@ -112,7 +112,7 @@ def untied_qwen2(folder: Path) -> str:
     """A tiny Qwen2 whose head is its own (as Qwen2.5-7B and larger), not the embedding table."""
     from transformers import AutoModelForCausalLM
 
-    from common.tiny_models import build_byte_tokenizer, tiny_config
+    from models.tiny_models import build_byte_tokenizer, tiny_config
 
     config = tiny_config("qwen2")
     config.tie_word_embeddings = False

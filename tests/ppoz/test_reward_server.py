@@ -9,11 +9,11 @@ import threading
 
 import pytest
 
-from ppoz.bench.judge_stand_in import chat_server
 from rewards.reward_model import RewardModel, RewardModelConfig
 from rewards.service import RemoteJudge, RemoteRewardModel, RewardServiceClient, RewardServiceError
 from tests.helpers import PROCESS_STOP_S, TORCH_START_S, wait_for
 from tests.processes import PPOZ, Up, alive, free_port
+from tools.bench.judge_stand_in import chat_server
 
 
 def answers(endpoint: str) -> bool:

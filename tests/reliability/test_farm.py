@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from reliability.farm import RECOVERIES, Network, Phase, Report, format_report, learner_updates, namespaces_unavailable
 from tests.processes import ppoz
+from tools.reliability.farm import RECOVERIES, Network, Phase, Report, format_report, learner_updates, namespaces_unavailable
 
 WHY_NOT = namespaces_unavailable()
 

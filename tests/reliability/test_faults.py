@@ -1,6 +1,6 @@
 """Faults with real processes: actors SIGKILLed or frozen, the broker, Redis and the learner SIGKILLed and restarted.
 
-Each scenario ends with the ledger (reliability/ledger.py): every feedback the
+Each scenario ends with the ledger (tools/reliability/ledger.py): every feedback the
 clients were told was recorded is stored, and every stored transition was
 trained or dropped by a counted rule. The learner is the real one.
 """
@@ -21,10 +21,10 @@ import pytest
 from client import Client
 from common.redis_server import EmbeddedRedis, connect
 from learner_node import checkpoint
-from reliability.ledger import Ledger, settle_ledger
 from tests.helpers import OBS, TORCH_START_S, wait_for
 from tests.processes import PPOZ, BrokerProcess
 from tests.reliability.conftest import SETTLE_STALL_S, RunningLearner
+from tools.reliability.ledger import Ledger, settle_ledger
 
 # These scenarios wait on progress (the ledger moving, SETTLE_STALL_S without it is a failure), not on a
 # total time; the suite-wide 300 s per test would cut a slow but moving run short on a loaded machine.

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from reliability import fuzz, fuzz_cases
-from reliability.ledger import settle_ledger
 from tests.gateway.test_gateway import start_gateway  # noqa: F401 - a fixture
 from tests.helpers import wait_for
 from tests.processes import PPOZ, free_port
 from tests.reliability.conftest import SETTLE_STALL_S
+from tools.reliability import fuzz, fuzz_cases
+from tools.reliability.ledger import settle_ledger
 
 
 @pytest.fixture

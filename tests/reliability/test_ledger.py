@@ -6,8 +6,8 @@ import threading
 import time
 
 from common.learner_figures import COUNTER_PREFIX, latest_key, write_latest
-from reliability.ledger import read_ledger, settle_ledger
 from tests.learner_node.test_resume import write_segments
+from tools.reliability.ledger import read_ledger, settle_ledger
 
 
 def report(redis_client, key_prefix: str, stored: int, trained: int, stale: int = 0, truncated: int = 0, nonfinite: int = 0) -> None:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from reliability.soak import Report, Window, format_report, percentile, summarise
 from tests.processes import ppoz
+from tools.reliability.soak import Report, Window, format_report, percentile, summarise
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ppoz.bench.weights_hosts import run_hosts
-from reliability.farm import namespaces_unavailable
+from tools.bench.weights_hosts import run_hosts
+from tools.reliability.farm import namespaces_unavailable
 
 WHY_NOT = namespaces_unavailable()
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from ppoz.bench.judge_stand_in import chat_server
 from rewards.composite import CompositeReward, Item, RunningMoments, prompt_text
 from rewards.functions import default_compute_score, math_score
 from rewards.judge import Judge, JudgeConfig
 from rewards.reward_model import RewardModel, RewardModelConfig
+from tools.bench.judge_stand_in import chat_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -201,13 +201,13 @@ def test_a_reward_function_that_hangs_or_exits_costs_its_response_alone(caplog) 
 
 
 def test_a_hung_reward_function_neither_holds_up_the_drivers_scorer_nor_keeps_the_process_from_exiting() -> None:
-    """Through train/driver.py's BatchingScorer, in a process of its own: the futures are answered, and the process
+    """Through dataset_driver/driver.py's BatchingScorer, in a process of its own: the futures are answered, and the process
     exits at once although the function still hangs (before, the scorer's pool thread was joined at exit: forever)."""
     script = textwrap.dedent(
         """
         import threading
         from rewards.composite import CompositeReward, Item
-        from train.driver import BatchingScorer
+        from dataset_driver.driver import BatchingScorer
 
         def forever_or_exit(data_source, solution_str, ground_truth, extra_info=None):
             if solution_str == "hang":
@@ -239,7 +239,7 @@ class ExitingRewardModel:
 
 
 def test_the_drivers_scorer_answers_every_response_even_when_scoring_raises_systemexit() -> None:
-    from train.driver import BatchingScorer
+    from dataset_driver.driver import BatchingScorer
 
     scorer = BatchingScorer(CompositeReward({"rm_score": 1.0}, reward_model=ExitingRewardModel()), max_batch=2)
     futures = [scorer.submit(Item("p", str(n))) for n in range(3)]

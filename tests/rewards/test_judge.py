@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from ppoz.bench.judge_stand_in import chat_server
 from rewards.functions import RewardError
 from rewards.judge import Judge, JudgeConfig, api_key, parse_score
+from tools.bench.judge_stand_in import chat_server
 
 
 def grader(body: dict[str, Any], n: int) -> str:

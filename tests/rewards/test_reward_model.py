@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from common.tiny_models import TOKENIZER_BUILDERS, WORDS
+from models.tiny_models import TOKENIZER_BUILDERS, WORDS
 from rewards.functions import RewardError
 from rewards.reward_model import RewardModel, RewardModelConfig
 
@@ -86,7 +86,7 @@ def test_bad_settings_are_named(reward_model_dir, tmp_path) -> None:
 # --- issue 30: a text too long to matter is cut before it is tokenized, to what truncation keeps ----------------------
 @pytest.fixture(scope="module")
 def reward_model_with(tiny_reward_model, tmp_path_factory) -> Callable[..., str]:
-    """A tiny reward model with one of the tiny tokenizers (common.tiny_models): `reward_model_with("bpe")`."""
+    """A tiny reward model with one of the tiny tokenizers (models.tiny_models): `reward_model_with("bpe")`."""
     built: dict[tuple[str, str], str] = {}
 
     def get(tokenizer: str, arch: str = "deberta-v2") -> str:

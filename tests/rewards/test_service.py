@@ -19,7 +19,6 @@ import zmq
 from transformers import AutoTokenizer
 
 from common import protocol
-from ppoz.bench.judge_stand_in import chat_server
 from rewards.composite import CompositeReward, Item
 from rewards.config import RewardServiceConfig
 from rewards.judge import Judge, JudgeConfig, Verdict
@@ -30,6 +29,7 @@ from tests.processes import free_port
 from tests.rewards.test_composite import poisoned
 from tests.rewards.test_judge import grader
 from tests.rewards.test_reward_model import PAIRS
+from tools.bench.judge_stand_in import chat_server
 
 # A request to a reward service thread of this process: the tiny reward model scores a few pairs in 50-200 ms alone,
 # the judge stand-in answers at once unless a test gives it a latency; x100 and more.
@@ -300,7 +300,7 @@ def test_the_service_config_is_checked_at_start() -> None:
 
 
 def test_the_drivers_reward_bounds_are_checked_at_start() -> None:
-    from train.config import TrainConfig
+    from dataset_driver.config import TrainConfig
 
     settings = TrainConfig(data="x.jsonl")
     assert (settings.max_abs_reward, settings.reward_fn_timeout_s) == (1e6, 30.0)

@@ -9,12 +9,12 @@ import time
 import msgpack
 import pytest
 
-from ppoz.bench.judge_stand_in import chat_server
 from rewards.judge import Judge, JudgeConfig
 from rewards.reward_model import RewardModel, RewardModelConfig
 from tests.helpers import wait_for
 from tests.rewards.test_reward_model import PAIRS
 from tests.rewards.test_service import ask, dealer, serving
+from tools.bench.judge_stand_in import chat_server
 
 
 @pytest.fixture

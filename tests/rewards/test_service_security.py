@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from common.security import ALLOW_ANY, generate_keypair, is_local_endpoint
-from ppoz.bench.judge_stand_in import chat_server
+from dataset_driver.config import TrainConfig
+from dataset_driver.run import _service_sources
 from rewards.config import RewardServiceConfig
 from rewards.service import RewardServiceClient, RewardServiceError
 from tests.processes import PPOZ
 from tests.rewards.test_service import local_judge, serving
-from train.config import TrainConfig
-from train.run import _service_sources
+from tools.bench.judge_stand_in import chat_server
 
 
 @pytest.mark.parametrize(
