@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import check, local_path, nested, option, section
+from common.config import check, curve_broker_key, curve_key_pair, curve_public_key, nested, option, section
 from common.security import check_client_settings
 from common.shared_settings import PolicySpec, RetrievalConfig, StoreSettings
 
@@ -65,22 +65,9 @@ class ActorConfig:
     heartbeat_ms: int = option(1000, "heartbeat interval towards the broker")
     heartbeat_liveness: int = option(3, "the broker is taken as gone after this many silent intervals; the actor reconnects")
     seed: int = option(0, "random seed for sampling")
-    curve_secret_key: str = option(
-        "",
-        "CURVE: this actor's key pair file (NAME.key_secret from `ppoz keygen`); its NAME.key goes "
-        "in the broker's and learner's curve_allowed_actors",
-        path=local_path,
-    )
-    curve_broker_key: str = option(
-        "",
-        "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)",
-        path=local_path,
-    )
-    curve_learner_key: str = option(
-        "",
-        "CURVE: the learner's public key file (NAME.key); set, the weight announcements (`weights`) are received encrypted",
-        path=local_path,
-    )
+    curve_secret_key: str = curve_key_pair("this actor's", "; its NAME.key goes in the broker's and learner's curve_allowed_actors")
+    curve_broker_key: str = curve_broker_key()
+    curve_learner_key: str = curve_public_key("the learner's", "the weight announcements (`weights`) are received encrypted")
 
     def __post_init__(self) -> None:
         check("://" in self.broker, f"`broker` must be a ZeroMQ endpoint such as tcp://127.0.0.1:5556, got {self.broker!r}")

@@ -81,7 +81,7 @@ class AttentionMasks:
         impl = getattr(config, "_attn_implementation", "eager")
         if impl not in ("sdpa", "eager"):  # flash and flex kernels take no 4D mask: they would attend across rows' padding
             raise ValueError(f"generate needs attn_implementation sdpa or eager, this model runs {impl}")
-        self.use_bool, self.dtype = scoring._mask_value(model)
+        self.use_bool, self.dtype = scoring.mask_format(model)
         window = getattr(config, "sliding_window", None)
         layer_types = getattr(config, "layer_types", None)
         if layer_types:
@@ -107,7 +107,7 @@ class AttentionMasks:
         def one(window: int | None) -> torch.Tensor:
             allowed = causal if window is None else causal & (keys > q - window)
             allowed = (allowed & real3) | placeholder
-            return scoring._attention_mask(allowed[:, None], self.use_bool, self.dtype)
+            return scoring.as_attention_mask(allowed[:, None], self.use_bool, self.dtype)
 
         if self.windows is None:
             return one(self.window)

@@ -34,6 +34,9 @@ computed by the old weights, is computed again from its context (the prompt and 
 response so far) by a prefill under the new ones, and the row decodes on. So each
 token is sampled from exactly one version's distribution given everything before
 it, and each response records its tokens' versions (`Generated.token_versions`).
+
+Its parts elsewhere: whether a request's prompt fits a row (actor_node/prompt_fit.py), the inputs of one prefill
+forward (actor_node/prefill_batch.py), and what a sampled token does to its row (actor_node/next_tokens.py).
 """
 
 from __future__ import annotations
@@ -45,16 +48,16 @@ from typing import Any
 
 import torch
 
-from actor_node import lora_merge, sampling
+from actor_node import lora_merge
 from actor_node.decode_step import INPUTS, AttentionMasks, DecodeStep, run_decoder
 from actor_node.kv_slots import SlotCache
 from actor_node.lora_merge import FoldedLoRA
+from actor_node.next_tokens import sample_next, sampling_settings, take_token
+from actor_node.prefill_batch import PrefillBatch
 from actor_node.prefix_cache import PrefixCache
+from actor_node.prompt_fit import PromptFit
 from actor_node.responses import (
     DECODE,
-    FINISH_EOS,
-    FINISH_LENGTH,
-    FINISH_STOP,
     PREFILL,
     WAITING,
     DeadlineExceeded,
@@ -63,9 +66,6 @@ from actor_node.responses import (
     Row,
     SamplingParams,
     end_tokens,
-    prompt_chars,
-    prompt_texts,
-    render_prompt,
 )
 from models import scoring
 
@@ -96,14 +96,8 @@ class GenerationEngine:
         self.prefill_tokens = prefill_tokens
         self.decoder, self.head, self.post = scoring.model_parts(model)
         self.device = next(model.parameters()).device
-        limit = scoring.position_limit(model)
-        self.capacity = min(max_positions, limit) if limit is not None else max_positions
-        self.capacity_names_model = limit is not None and limit <= max_positions
-        # No token covers more characters than the tokenizer's longest token: a prompt of more characters than
-        # capacity x that has more tokens than the capacity, known without tokenizing it (a 999,000-character prompt
-        # took 23.9 s to tokenize, every other row waiting, only to be refused).
-        self.longest_token = scoring.longest_token_chars(tokenizer)
-        self.max_prompt_chars = self.capacity * self.longest_token if self.longest_token else None
+        self.fit = PromptFit.of(model, tokenizer, max_positions)  # what a request's prompt must fit (actor_node/prompt_fit.py)
+        self.capacity = self.fit.capacity
         self.end_ids = end_tokens(model, tokenizer)
         self.cache = PrefixCache(prefix_cache_mb)
         self.kv = SlotCache(max_rows, self.capacity, self.device)
@@ -213,20 +207,7 @@ class GenerationEngine:
             raise GenerationError(self.unservable)
         obs = job["obs"]
         params = SamplingParams.of(obs["sampling"])
-        # The length with white space first: it bounds the count without it, which costs a copy of the prompt.
-        bound = self.max_prompt_chars
-        if bound is not None and sum(map(len, prompt_texts(obs))) > bound and (chars := prompt_chars(obs)) > bound:
-            raise GenerationError(
-                f"the prompt's {chars} characters (white space not counted) cannot fit in {self.capacity} positions: no"
-                f" token of this model's tokenizer covers more than {self.longest_token} characters (refused before tokenizing)"
-            )
-        prompt_ids = render_prompt(self.tokenizer, obs)
-        if len(prompt_ids) + params.max_new_tokens > self.capacity:
-            limit = "the model's limit" if self.capacity_names_model else "the actor's limit (max_generate_positions)"
-            raise GenerationError(
-                f"the prompt's {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} = "
-                f"{len(prompt_ids) + params.max_new_tokens} positions, over {limit} of {self.capacity}"
-            )
+        prompt_ids = self.fit.prompt_ids(self.tokenizer, obs, params.max_new_tokens)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.seeds))
         # the actor loop stamps when the job arrived (`deadline_at`); without it, from now
         deadline = job.get("deadline_at") or now + max(1, int(job.get("deadline_ms", 60_000))) / 1000
@@ -279,7 +260,7 @@ class GenerationEngine:
         fresh = [r for r in self.rows if r.state == DECODE and not r.response_ids]
         if fresh:  # the first token of every row whose prompt's KV is complete
             logits = torch.stack([r.first_logits for r in fresh])  # type: ignore[misc]
-            self._sample(fresh, logits, self._settings(fresh), [r.params.filters for r in fresh], answered, finished)
+            self._sample(fresh, logits, sampling_settings(fresh), [r.params.filters for r in fresh], answered, finished)
         decoding = [r for r in self.rows if r.state == DECODE and r not in finished]
         if decoding:
             self._decode(decoding, answered, finished)
@@ -296,28 +277,11 @@ class GenerationEngine:
         queue = sorted((r for r in self.rows if r.state == PREFILL), key=lambda r: r.arrival)
         if not queue:
             return
-        chosen: list[tuple[Row, int]] = []
-        width_q = 0
         contexts = {row: row.context for row in queue}
-        for row in queue:  # the oldest always goes; others while the padded batch stays within the budget
-            take = min(len(contexts[row]) - row.filled, self.prefill_tokens)
-            if chosen and (len(chosen) + 1) * max(width_q, take) > self.prefill_tokens:
-                continue  # a shorter prompt further back may still fit
-            chosen.append((row, take))
-            width_q = max(width_q, take)
-        rows = [r for r, _ in chosen]
-        steps = torch.arange(width_q)
-        starts = torch.tensor([r.filled for r in rows])
-        lengths = torch.tensor([take for _, take in chosen])
-        real = steps[None, :] < lengths[:, None]
-        positions = starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)
-        ids = torch.zeros(len(rows), width_q, dtype=torch.long)
-        for b, (row, take) in enumerate(chosen):
-            ids[b, :take] = torch.tensor(contexts[row][row.filled : row.filled + take])
-        width = int((starts + lengths).max())
-        hidden = self._forward([r.slot for r in rows], ids, positions, real, width)
-        self.prefilled_tokens += int(lengths.sum())
-        for b, (row, take) in enumerate(chosen):
+        batch = PrefillBatch.plan(queue, contexts, self.prefill_tokens)
+        hidden = self._forward([r.slot for r, _ in batch.chosen], batch.ids, batch.positions, batch.real, batch.width)
+        self.prefilled_tokens += batch.tokens
+        for b, (row, take) in enumerate(batch.chosen):
             row.filled += take
             if row.filled == len(contexts[row]):
                 row.state = DECODE
@@ -331,21 +295,13 @@ class GenerationEngine:
             if row.state == WAITING and row.leader is not None and row.leader.state == DECODE:
                 self._copy_prompt(row.leader, row)
 
-    @staticmethod
-    def _settings(rows: list[Row]) -> torch.Tensor:
-        """[4, len(rows)] float64 on the host: each row's temperature, top_p, top_k and the uniform number of its
-        next token (INPUTS' last four)."""
-        uniforms = sampling.row_uniforms(torch.tensor([r.seed for r in rows]), torch.tensor([len(r.response_ids) for r in rows]))
-        params = torch.tensor([[r.params.temperature, r.params.top_p, r.params.top_k] for r in rows], dtype=torch.float64)
-        return torch.cat([params.T, uniforms[None]])
-
     def _decode(self, decoding: list[Row], answered: list[Answer], finished: set[Row]) -> None:
         """Feed every decoding row its last token (the others, and the bucket's padding, ride as placeholders),
         then sample each one's next token: one copy of the inputs to the device, one of the results back."""
         inputs = torch.zeros(len(self.rows), len(INPUTS), dtype=torch.float64)  # row i is slot i (rows[i] owns it)
         slots = [r.slot for r in decoding]
         inputs[slots, :3] = torch.tensor([[r.response_ids[-1], r.filled, 1.0] for r in decoding], dtype=torch.float64)
-        inputs[slots, 3:7] = self._settings(decoding).T
+        inputs[slots, 3:7] = sampling_settings(decoding).T
         inputs[: len(slots), 7] = torch.tensor(slots, dtype=torch.float64)
         width = max(r.filled for r in decoding) + 1
         assert self.decode_step is not None  # rows exist only where the masks do (_row)
@@ -375,11 +331,7 @@ class GenerationEngine:
     ) -> None:
         """The next token of each of these rows, sampled at once from their `logits` and `settings` ([4, rows]:
         temperature, top_p, top_k, uniform); finished rows answered and marked."""
-        temperature, top_p, top_k, uniforms = settings
-        tokens, logprobs, failed = sampling.sample(logits.float(), temperature, top_p, top_k.long(), uniforms, any_filtered=any(filters))
-        # one device-to-host copy for all three (float64 holds every token id and float32 log-prob exactly)
-        host = torch.stack([tokens.double(), logprobs.double(), failed.double()]).cpu()
-        for row, token_, logprob, bad in zip(rows, *host.tolist()):
+        for row, (token_, logprob, bad) in zip(rows, sample_next(logits, settings, filters)):
             token = int(token_)
             if bad:  # named by all its settings: the temperature alone blamed it when a top_p was what the client had set
                 named = f"temperature {row.params.temperature:g}, top_p {row.params.top_p:g}, top_k {row.params.top_k}"
@@ -387,48 +339,11 @@ class GenerationEngine:
                 finished.add(row)
                 self.kv.clear(row.slot)  # its KV may hold NaN: the next row in this slot reads past its own length
                 continue
-            done = self._take(row, token, logprob)
+            self.tokens_out += 1
+            done = take_token(row, token, logprob, self.version, self.end_ids, self.tokenizer)
             if done is not None:
                 answered.append((row.job, done))
                 finished.add(row)
-
-    def _take(self, row: Row, token: int, logprob: float) -> Generated | None:
-        """Append the row's next token; the finished response if this token ends it."""
-        row.response_ids.append(token)
-        row.logprobs.append(logprob)
-        row.token_versions.append(self.version)
-        self.tokens_out += 1
-        if token in self.end_ids:
-            return self._finish(row, FINISH_EOS)
-        if row.params.stop and self._stop_in_tail(row):
-            text = self._text(row)
-            found = [at for stop in row.params.stop if (at := text.find(stop)) >= 0]
-            if found:
-                return self._finish(row, FINISH_STOP, text[: min(found)])
-        if len(row.response_ids) >= row.params.max_new_tokens:
-            return self._finish(row, FINISH_LENGTH)
-        return None
-
-    def _stop_in_tail(self, row: Row) -> bool:
-        """Whether a stop string may have just appeared, read from the newest tokens only: decoding the whole
-        response at every token would cost O(n^2) over a long response. A hit is confirmed on the whole text."""
-        tail = self.tokenizer.decode(row.response_ids[-row.params.stop_window :], skip_special_tokens=True)
-        return any(stop in tail for stop in row.params.stop)
-
-    def _text(self, row: Row) -> str:
-        return self.tokenizer.decode(row.response_ids, skip_special_tokens=True)
-
-    def _finish(self, row: Row, reason: str, text: str | None = None) -> Generated:
-        return Generated(
-            text=self._text(row) if text is None else text,
-            prompt_ids=row.prompt_ids,
-            response_ids=row.response_ids,
-            logprobs=row.logprobs,
-            finish_reason=reason,
-            temperature=row.params.temperature,
-            top_p=row.params.top_p,
-            token_versions=row.token_versions,
-        )
 
     # --- leaving ---------------------------------------------------------------------------
     def _remove(self, gone: set[Row]) -> None:

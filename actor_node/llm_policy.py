@@ -18,7 +18,6 @@ import torch
 from actor_node.generation_engine import GenerationEngine
 from actor_node.policies import Choice
 from actor_node.prefix_cache import PrefixCache
-from common.config import option
 from common.shared_settings import PolicyStamp
 from models import scoring
 from models.policy_model import load_policy_state_dict
@@ -28,19 +27,21 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-    """How the actor turns candidate scores into a choice, and how much it scores at once."""
+    """How the actor turns candidate scores into a choice, and how much it scores at once: the settings of the
+    same names in [policy] and [actor] (common/shared_settings.py, actor_node/config.py say what each means), as
+    actor_node/main.py passes them; the defaults are theirs, for a policy built without a config (tests)."""
 
-    normalisation: str = option("token", "token, word or sum: how a candidate's summed log-probability is normalised")
-    temperature: float = option(1.0, "softmax temperature over the normalised scores")
-    greedy: bool = option(False, "evaluation mode: argmax instead of sampling")
-    max_batch_tokens: int = option(32768, "most tokens (context + candidates) in one forward")
-    seed: int = option(0, "seed of the sampling generator")
-    max_generate_rows: int = option(16, "most responses generated at once (the decode batch)")
-    max_generate_positions: int = option(4096, "KV positions reserved per generated row (prompt + response)")
-    prefill_tokens: int = option(2048, "most prompt tokens (padded) computed per generation step")
-    fold_lora: bool = option(True, "fold the LoRA adapter into the base weights while responses are generated")
-    capture_decode: bool = option(True, "on a GPU, replay each decode step as a CUDA graph captured per bucket")
-    stage_weights: bool = option(True, "fetch a full snapshot into a second copy of the weights, swapped in between two steps")
+    normalisation: str = "token"
+    temperature: float = 1.0
+    greedy: bool = False
+    max_batch_tokens: int = 32768
+    seed: int = 0
+    max_generate_rows: int = 16
+    max_generate_positions: int = 4096
+    prefill_tokens: int = 2048
+    fold_lora: bool = True
+    capture_decode: bool = True
+    stage_weights: bool = True
 
 
 class LLMPolicy:

@@ -4,15 +4,15 @@ Each op has one short handler, found in `client_handlers`. A handler checks the
 request (common/protocol.py), changes the state, stages its Redis writes and
 its reply; replies that acknowledge state leave only after Redis applied the
 writes (broker/outbox.py). Step requests go to the step queue
-(broker/scheduling.py), which the actor side dispatches.
+(broker/scheduling.py), which the actor side dispatches. Whether a client may
+step now, and the asks held until it may, are broker/backpressure.py; the
+figures a status reply gives, broker/status_report.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -20,18 +20,18 @@ from typing import Any
 import redis
 
 from broker.actors import Job
-from broker.metrics import latency_summary
+from broker.backpressure import ASK_RECHECK_S, Backpressure
 from broker.sessions import REASON_DETACH, REASON_EXPIRED, Session, attach_key, now_ms, rid_key
-from broker.state import BrokerState
+from broker.status_report import StatusReport
 from common import protocol as p
 from common.zmqio import split_envelope
 
 log = logging.getLogger(__name__)
 
-ASK_RECHECK_S = 0.01  # while asks are held: how often the stream's length is re-read from Redis
+__all__ = ["ASK_RECHECK_S", "ClientOps"]  # broker/server.py takes ASK_RECHECK_S from here
 
 
-class ClientOps(BrokerState):
+class ClientOps(Backpressure, StatusReport):
     """The client operations, one handler per op."""
 
     @functools.cached_property
@@ -183,46 +183,6 @@ class ClientOps(BrokerState):
             return
         self._answer_ask(envelope, rid, session.task_id, reason)
 
-    def _answer_ask(self, envelope: tuple[bytes, ...], rid: Any, task_id: str, reason: str) -> None:
-        """`ok`, or `wait` for `reason`: retry_after_ms 1 for a held ask let go over the backlog (ask again at once: a long
-        poll), the configured retry_after_ms for any other reason."""
-        body = p.header(p.OP_ASK, rid)
-        body.update(task_id=task_id, status="ok")
-        if reason:
-            retry = 1 if reason == "stream_backlog" and self.cfg.ask_hold_ms else self.cfg.retry_after_ms
-            body.update(status="wait", retry_after_ms=retry, reason=reason)
-            self.metrics["broker/ask_wait"] += 1
-        self.reply(envelope, body)
-
-    def release_asks(self, closing: bool = False) -> None:
-        """Answer the held asks: all `ok` once the stream backlog is under its limit (re-read every ASK_RECHECK_S
-        while any is held, so clients resume within moments of the learner's read instead of a retry_after_ms
-        sleep); `wait` to those held ask_hold_ms, with retry_after_ms 1 (ask again at once: a long poll), or with
-        the usual retry_after_ms once another reason holds (draining, no actor, ...) or the broker is closing."""
-        if not self.held_asks:
-            return
-        if not closing and self.now - self._stream_read_at >= ASK_RECHECK_S:
-            self._refresh_stream_state()
-        reason = "draining" if closing else "storage" if not self.storage_ok else self._backpressure(None)
-        while self.held_asks:
-            task_id, (envelope, rid, until) = next(iter(self.held_asks.items()))
-            if reason == "stream_backlog" and until > self.now:
-                return  # the oldest is not due yet, nor is any younger one
-            del self.held_asks[task_id]
-            self._answer_ask(envelope, rid, task_id, reason)
-
-    def _backpressure(self, client: bytes | None) -> str:
-        """Why a client may not step now ("" if it may); `client` None: why nobody may (the queue full in all)."""
-        if self.draining:
-            return "draining"
-        if not self.registry.actors:
-            return "no_actor"
-        if (len(self.queue) >= self.cfg.max_queue) if client is None else not self.queue.admits(client, self.cfg.max_queue):
-            return "queue_full"
-        if self.backlog_limit and self.stream_length > self.backlog_limit:
-            return "stream_backlog"
-        return ""
-
     def on_step(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
         """step / rag_step / generate: queue the request for an actor; the reply comes with the result."""
         self._require_storage()  # before any session lookup: while Redis is down, sessions are not in memory
@@ -329,36 +289,6 @@ class ClientOps(BrokerState):
         body = p.header(p.OP_PING, rid)
         body.update(status="ok", time_ms=now_ms())
         self.reply(envelope, body)
-
-    def status_line(self) -> str:
-        """The key figures in one line (systemd's STATUS=)."""
-        return (
-            f"{len(self.sessions)} sessions, {len(self.registry.actors)} actors, {len(self.jobs)} steps in flight, "
-            f"{len(self.queue)} queued, {self.metrics['broker/steps']} steps, stream backlog {self.stream_length}"
-            + ("" if self.storage_ok else ", REDIS DOWN")
-        )
-
-    def status(self, window_s: float = 60.0) -> dict[str, Any]:
-        """The `status` reply's figures (docs/protocol.md, section 3, lists each)."""
-        return {
-            "added_latency": latency_summary(self.outbox.added_latency, window_s),
-            "uptime_s": round(time.monotonic() - self.started, 3),
-            "sessions": len(self.sessions),
-            "pending_steps": sum(s.pending is not None for s in self.sessions.values()),
-            "queued_jobs": len(self.queue),
-            "jobs": len(self.jobs),
-            "stream_length": self.stream_length,
-            "stream_backlog_limit": self.backlog_limit,
-            "storage_ok": self.storage_ok,
-            "actors": [
-                {"name": a.name, "credits": a.credits, "inflight": len(a.inflight), "policy_version": a.policy_version, "served": a.served}
-                for a in self.registry.actors.values()
-            ],
-            "counters": dict(self.metrics),
-            "steps_per_s": round(self.step_rate.rate(), 3),
-            "learner": self._learner(),
-            "limits": dataclasses.asdict(self.limits),
-        }
 
     def expire_sessions(self) -> None:
         """Flush sessions that went silent (an emulator killed without detach) as truncated segments."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from common.config import check, local_path, local_path_or_any, nested, option, section
+from common.config import check, curve_allowed_keys, curve_key_pair, nested, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, Limits, is_reward_bound
 from common.security import check_server_settings
 from common.shared_settings import RetrievalConfig, StoreSettings
@@ -63,21 +63,9 @@ class BrokerConfig:
     max_prompt_chars: int = option(1_000_000, "most characters in prompt + question")
     rag_max_context_chars: int = option(64_000, "rag_step: most characters of retrieved context an actor may append to a prompt")
     retrieval: RetrievalConfig = nested(RetrievalConfig, "rag_")  # [retrieval]: the history the broker keeps is the one the actor expects
-    curve_secret_key: str = option(
-        "",
-        "CURVE: the broker's key pair file (NAME.key_secret from `ppoz keygen`); empty: no encryption (docs/security.md)",
-        path=local_path,
-    )
-    curve_allowed_clients: str = option(
-        "",
-        "CURVE: directory of the public key files (NAME.key) of the clients allowed on `frontend`, or '*' for any key",
-        path=local_path_or_any,
-    )
-    curve_allowed_actors: str = option(
-        "",
-        "CURVE: directory of the public key files (NAME.key) of the actors allowed on `backend`, or '*' for any key",
-        path=local_path_or_any,
-    )
+    curve_secret_key: str = curve_key_pair("the broker's", "; empty: no encryption (docs/security.md)")
+    curve_allowed_clients: str = curve_allowed_keys("clients allowed on `frontend`")
+    curve_allowed_actors: str = curve_allowed_keys("actors allowed on `backend`")
 
     def __post_init__(self) -> None:
         check(self.segment_len > 0, f"`segment_len` must be positive, got {self.segment_len}")

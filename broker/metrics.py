@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from common import protocol as p
+from common.learner_figures import Latest
 from common.stats import LatencyWindow
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,8 @@ def prometheus_text(status: dict[str, Any]) -> str:
     )
     learner = status.get("learner") or {}
     if learner:
-        metric("learner_policy_version", "gauge", "newest policy version the learner published", [({}, learner.get("version", 0))])
-        metric("learner_updates_total", "counter", "PPO updates done", [({}, learner.get("updates", 0))])
+        metric("learner_policy_version", "gauge", "newest policy version the learner published", [({}, learner.get(Latest.VERSION, 0))])
+        metric("learner_updates_total", "counter", "PPO updates done", [({}, learner.get(Latest.UPDATES, 0))])
         metric(
             "learner_metric",
             "gauge",

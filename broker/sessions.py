@@ -30,7 +30,8 @@ from collections import OrderedDict
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
-from common.segments import Transition
+from common.protocol import OP_GENERATE
+from common.segments import GeneratedResponse, GenerateObservation, Transition
 
 REASON_DONE = "done"
 REASON_LENGTH = "length"
@@ -64,28 +65,41 @@ class PendingStep:
     reply: bytes  # the encoded reply body, resent verbatim to a retry
     context_chars: int = 0  # rag_step: characters of retrieved context at the end of obs["prompt"] (the scored prompt)
     policy: dict[str, Any] | None = None  # the actor's PolicyStamp: what the choice was scored with
-    generation: dict[str, Any] | None = None  # generate: the response's tokens and log-probabilities (Transition.generation)
+    # generate: the response's tokens and log-probabilities, the map of GeneratedResponse's fields as
+    # broker/actor_ops.py checked it (so, too, obs: GenerateObservation's); `transition` makes them records
+    generation: dict[str, Any] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "rid": self.rid,
-            "mode": self.mode,
-            "obs": self.obs,
-            "action": self.action,
-            "logprob": self.logprob,
-            "probs": self.probs,
-            "policy_version": self.policy_version,
-            "step_ms": self.step_ms,
-            "reply": self.reply,
-            "context_chars": self.context_chars,
-            "policy": self.policy,
-            "generation": self.generation,
-        }
+        return dict(self.__dict__)  # every field, in order, shared not copied (msgpack only reads them)
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> PendingStep:
         fields = cls.__dataclass_fields__
         return cls(**{k: d[k] for k in fields if k in d or fields[k].default is MISSING})  # older records lack newer fields
+
+    def transition(self, reward: float, done: bool, truncated: bool, sample: str | None) -> Transition:
+        """This step with its feedback's reward, as the learner reads it."""
+        obs: dict[str, Any] | GenerateObservation = self.obs
+        generation = None
+        if self.mode == OP_GENERATE:  # the maps broker/actor_ops.py built and checked: taken as they are
+            obs = GenerateObservation(self.obs["prompt_ids"], self.obs["sampling"])
+            generation = GeneratedResponse(**self.generation) if self.generation is not None else None
+        return Transition(
+            obs=obs,
+            action=self.action,
+            logprob=self.logprob,
+            probs=self.probs,
+            policy_version=self.policy_version,
+            mode=self.mode,
+            reward=reward,
+            done=done,
+            truncated=truncated,
+            step_ms=self.step_ms,
+            feedback_ms=now_ms(),
+            policy=self.policy,
+            generation=generation,
+            sample=sample,
+        )
 
     def history_entry(self, reward: float, prompt_chars: int) -> dict[str, Any]:
         """What a later rag_step of the task may retrieve about this step: its prompt's end, the action, the reward."""
@@ -203,23 +217,7 @@ class Session:
         segments this closes."""
         if self.pending is None:
             raise LookupError("no pending step")
-        step = self.pending
-        transition = Transition(
-            obs=step.obs,
-            action=step.action,
-            logprob=step.logprob,
-            probs=step.probs,
-            policy_version=step.policy_version,
-            mode=step.mode,
-            reward=reward,
-            done=done,
-            truncated=truncated,
-            step_ms=step.step_ms,
-            feedback_ms=now_ms(),
-            policy=step.policy,
-            generation=step.generation,
-            sample=sample,
-        )
+        transition = self.pending.transition(reward, done, truncated, sample)
         self.pending = None
         self.open_len += 1
         closes: list[SegmentClose] = []

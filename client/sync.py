@@ -2,7 +2,7 @@
 
 The retry rule (docs/protocol.md, section 5; written once in client/retry.py):
 a request keeps its rid across attempts. If no reply arrives within
-`attempt_timeout`, the socket is replaced (so a dead connection's queue is
+`attempt_timeout`, the socket is replaced (common/reconnecting.py: a dead connection's queue is
 dropped) and the same request is sent again; on `overloaded`, `timeout` or
 `internal` the client waits (`retry_after_ms` when given) and sends it again;
 the broker answers a repeated rid with the first reply and applies it once.
@@ -16,6 +16,7 @@ own Client, or use client.aio.AsyncClient, which has many in flight on one socke
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -25,6 +26,7 @@ import zmq
 from client.errors import PPOZError, RequestTimeout
 from client.retry import RETRIED_CODES, RetryRule, answers, check_timeouts, feedback_fields, generate_fields
 from common import protocol as p
+from common.reconnecting import ReconnectingDealer
 from common.security import KeySource, client_keys
 
 
@@ -51,30 +53,23 @@ class Client:
         self.attempt_timeout = attempt_timeout
         self.curve = client_keys(curve_secret_key, curve_server_key)  # loaded once, set on every new socket
         self.ctx = context or zmq.Context.instance()
-        self.sock: zmq.Socket | None = None
-        self.attempts = 0  # sends, retries included (for tests and diagnostics)
+        self.link = ReconnectingDealer(endpoint, self.ctx, self.curve)  # the socket, replaced after a silent attempt
         # Held for one attempt (send and wait), not across a retry's sleep, so other
         # threads' requests go between the attempts of a retried one.
         self._lock = threading.Lock()
 
-    def _socket(self) -> zmq.Socket:
-        if self.sock is None:
-            self.sock = self.ctx.socket(zmq.DEALER)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            if self.curve is not None:
-                self.curve.apply(self.sock)
-            self.sock.connect(self.endpoint)
-        return self.sock
+    @property
+    def attempts(self) -> int:
+        """Sends, retries included (for tests and diagnostics)."""
+        return self.link.sends
 
-    def _reset(self) -> None:
-        if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
+    def _socket(self) -> zmq.Socket:
+        return self.link.socket()
 
     def close(self) -> None:
         """Close the socket (after a request another thread has in progress). A later request opens a new one."""
         with self._lock:
-            self._reset()
+            self.link.reset()
 
     def __enter__(self) -> Client:
         return self
@@ -89,16 +84,16 @@ class Client:
         attempts, retry waits, and the time spent waiting for other threads' requests.
         """
         rule = RetryRule(op, rid, fields, self.deadline if deadline is None else deadline, self.attempt_timeout)
+        # One request at a time is in flight on the socket (an attempt that got no reply replaces it), so a reply
+        # with `rid: nil` can only be this request's: the broker could not read it.
+        answered = functools.partial(answers, rid=rule.rid, alone=True)
         while True:
             # Wait for other threads' attempts on the socket, but never past this request's deadline.
             if not self._lock.acquire(timeout=max(rule.remaining(), 0.0)):
                 raise rule.expired()
             try:
                 end = time.monotonic() + rule.next_attempt()  # the send and the wait for the reply share the attempt's time
-                sock = self._socket()
-                reply = self._await(sock, rule.rid, end) if self._send(sock, rule.data, end) else None
-                if reply is None:
-                    self._reset()  # a lost connection: start over on a fresh socket
+                reply = self.link.attempt(rule.data, end, answered)  # None: a lost connection, on a fresh socket next
             finally:
                 self._lock.release()
             if reply is None:
@@ -107,36 +102,6 @@ class Client:
             if wait is None:
                 return reply
             time.sleep(wait)
-
-    def _send(self, sock: zmq.Socket, data: bytes, end: float) -> bool:
-        """Send by `end` (time.monotonic()); False if the socket would not take it (no connection to queue on).
-
-        A broker that refused our handshake (a CURVE key it does not allow) leaves the
-        DEALER with no pipe, and a blocking send would then wait for ever.
-        """
-        sock.setsockopt(zmq.SNDTIMEO, max(int((end - time.monotonic()) * 1000), 1))
-        try:
-            sock.send_multipart([b"", data])
-        except zmq.Again:
-            return False
-        self.attempts += 1
-        return True
-
-    def _await(self, sock: zmq.Socket, rid: Any, end: float) -> dict[str, Any] | None:
-        while (left := end - time.monotonic()) > 0:
-            if not sock.poll(int(left * 1000) + 1):
-                return None
-            frames = sock.recv_multipart()
-            try:
-                reply = p.decode(frames[-1])
-            except p.ProtocolError:
-                continue
-            # One request at a time is in flight on this socket (an attempt that got no reply replaces
-            # the socket), so a reply with `rid: nil` can only be this request's: the broker could not read it.
-            if answers(reply, rid, alone=True):
-                return reply
-            # a reply to an earlier attempt that we already gave up on
-        return None
 
     # --- the operations --------------------------------------------------------------------
     def attach(self, task_id: str | None = None) -> str:

@@ -58,6 +58,27 @@ def option(default: Any, help: str, **metadata: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
+def curve_key_pair(owner: str, note: str) -> Any:
+    """The option naming a process's own CURVE key pair file (NAME.key_secret from `ppoz keygen`), `owner` saying
+    whose ("the broker's") and `note` what the help adds: where its public half goes, or what empty means."""
+    return option("", f"CURVE: {owner} key pair file (NAME.key_secret from `ppoz keygen`){note}", path=local_path)
+
+
+def curve_public_key(owner: str, effect: str) -> Any:
+    """The option naming the public key file (NAME.key) of the server a process connects to; set, the link is encrypted."""
+    return option("", f"CURVE: {owner} public key file (NAME.key); set, {effect}", path=local_path)
+
+
+def curve_broker_key() -> Any:
+    """The broker's public key file, as every process that connects to the broker names it (an actor, the gateway)."""
+    return curve_public_key("the broker's", "the connection to the broker is encrypted (docs/security.md)")
+
+
+def curve_allowed_keys(peers: str) -> Any:
+    """The option naming a server's directory of the public key files of the peers it lets in (or '*': any key)."""
+    return option("", f"CURVE: directory of the public key files (NAME.key) of the {peers}, or '*' for any key", path=local_path_or_any)
+
+
 def nested(cls: type, flag_prefix: str = "") -> Any:
     """A field holding a shared section (`cls`, registered with `section`): read from its own TOML table,
     flags named `--{flag_prefix}{field}`. Keys `{flag_prefix}{field}` in the embedding table are reported as moved."""

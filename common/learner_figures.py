@@ -1,30 +1,135 @@
-"""The learner's latest figures in Redis: one hash the learner overwrites after each update.
+"""The learner's figures: their names, declared once here, and the one Redis hash the learner overwrites after
+each update.
 
-Written by the learner (losses, version, and its cumulative, checkpointed
-counters under `counters/...`); read by the broker's status and Prometheus
-endpoint, the demo's progress line and the reliability ledger. The key and
-its encoding live here only (the key's name: common/segments.py), and so do
-the prefixes an update's figures carry by the kind of policy it trained.
+Written by the learner (an update's figures, its version, and its cumulative, checkpointed counters under
+`counters/...`); read by the broker's status and Prometheus endpoint, `ppoz status`, `ppoz train`'s progress
+line, the demo's and the reliability ledger; the learner's TensorBoard log has the same names. The key and its
+encoding live here only (the key's name: common/segments.py), and so does every figure's name:
+
+- `Latest`: the learner's own (`updates`, `version`, ...), named as they are;
+- `Chart`: an update's figures about its data (returns, lag, what was dropped), `charts/<name>`;
+- `UpdateFigure`: an update's figures of one kind of policy (losses, KL, clip fractions), `<prefix>/<name>`
+  with the prefix of the kind it trained (`UPDATE_PREFIXES`);
+- `LearnerCounter`: the cumulative counters, `counters/<name>` (and `counters/mismatched_<reason>`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from enum import StrEnum
 
 import redis
 
 from common.segments import RedisKeys
 
+CHARTS = "charts"
 COUNTER_PREFIX = "counters/"
 # An update's figures are named `<prefix>/<figure>` by the kind of transition it trained (learner_node/update.py's
-# PolicyBatch.prefix): candidate choices, and generated responses (token-level PPO). Candidates first: the order
-# in which `update_figure` looks.
+# PolicyBatch.prefix): candidate choices, and generated responses (token-level PPO).
 UPDATE_PREFIXES = {"candidates": "losses", "generation": "generation"}
 CANDIDATES, GENERATION = UPDATE_PREFIXES["candidates"], UPDATE_PREFIXES["generation"]
+
+
+class Latest(StrEnum):
+    """The learner's own figures, written with every update's: named as they are."""
+
+    UPDATES = "updates"
+    VERSION = "version"
+    TRANSITIONS = "transitions"  # trained by the last update
+    TIME = "time"  # of the last write, seconds since the epoch
+
+
+class Chart(StrEnum):
+    """An update's figures about the data it trained on, named `charts/<name>` (`key`)."""
+
+    EPISODIC_RETURN = "episodic_return"
+    EPISODES = "episodes"
+    POLICY_LAG = "policy_lag"
+    SPS = "SPS"
+    POLICY_VERSION = "policy_version"
+    DROPPED_STALE = "dropped_stale"
+    DROPPED_TRUNCATED = "dropped_truncated"
+    DROPPED_UNSCORABLE_NEXT_OBS = "dropped_unscorable_next_obs"
+    DROPPED_MISMATCHED = "dropped_mismatched"
+    DROPPED_NONFINITE = "dropped_nonfinite"  # a discarded update's: its transitions
+    DISCARDED_UPDATES = "discarded_updates"
+
+    @property
+    def key(self) -> str:
+        return f"{CHARTS}/{self.value}"
+
+
+class UpdateFigure(StrEnum):
+    """An update's figures of one kind of policy (learner_node/update.py; the batch's own: rollout.py, generation.py),
+    named `<prefix>/<name>` (`of`) with the kind's prefix (`UPDATE_PREFIXES`)."""
+
+    POLICY_LOSS = "policy_loss"
+    VALUE_LOSS = "value_loss"
+    ENTROPY = "entropy"
+    APPROX_KL = "approx_kl"
+    KL_REF = "kl_ref"
+    CLIPFRAC = "clipfrac"
+    DUAL_CLIPFRAC = "dual_clipfrac"
+    BEHAVIOUR_WEIGHT = "behaviour_weight"
+    BEHAVIOUR_WEIGHT_CAPPED = "behaviour_weight_capped"
+    EXPLAINED_VARIANCE = "explained_variance"
+    FIRST_MINIBATCH_RATIO_DEV = "first_minibatch_ratio_dev"
+    OPTIMIZER_STEPS = "optimizer_steps"
+    EARLY_STOP = "early_stop"
+    KL_COEF = "kl_coef"
+    KL_BEHAVIOUR = "kl_behaviour"  # candidates
+    ON_POLICY_LOGPROB_DEV = "on_policy_logprob_dev"
+    RESPONSE_LENGTH = "response_length"  # generation
+    GROUP_RELATIVE = "group_relative"  # generation: 1 with grpo or rloo advantages, 0 with gae
+
+    def of(self, prefix: str) -> str:
+        return f"{prefix}/{self.value}"
+
+
+class LearnerCounter(StrEnum):
+    """The learner's cumulative counters, checkpointed with it, named `counters/<name>` (`key`)."""
+
+    TRANSITIONS_STORED = "transitions_stored"
+    TRANSITIONS_TRAINED = "transitions_trained"
+    SEGMENTS_TRAINED = "segments_trained"
+    DROPPED_STALE = "dropped_stale"
+    DROPPED_TRUNCATED = "dropped_truncated"
+    DROPPED_UNSCORABLE_NEXT_OBS = "dropped_unscorable_next_obs"  # of dropped_truncated
+    DROPPED_MISMATCHED = "dropped_mismatched"  # and by the field that disagreed: `mismatched_counter`
+    DROPPED_NONFINITE = "dropped_nonfinite"
+    DISCARDED_UPDATES = "discarded_updates"
+    MALFORMED_SEGMENTS = "malformed_segments"
+    DUPLICATE_SEGMENTS = "duplicate_segments"
+    VANISHED_SEGMENTS = "vanished_segments"
+
+    @property
+    def key(self) -> str:
+        return counter_key(self.value)
+
+
+MISMATCHED_PREFIX = "mismatched_"
+
+
+def mismatched_counter(reason: str) -> str:
+    """The counter of transitions dropped because their stamp's `reason` disagreed (run, temperature, ...)."""
+    return f"{MISMATCHED_PREFIX}{reason}"
+
+
 # What `ppoz status` shows of the last update, as the learner names them (a figure an update did not have is left out:
 # GRPO has no value_loss).
-LAST_UPDATE_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "kl_ref", "clipfrac")
+LAST_UPDATE_FIGURES = (
+    UpdateFigure.POLICY_LOSS,
+    UpdateFigure.VALUE_LOSS,
+    UpdateFigure.ENTROPY,
+    UpdateFigure.APPROX_KL,
+    UpdateFigure.KL_REF,
+    UpdateFigure.CLIPFRAC,
+)
+
+
+def counter_key(name: str) -> str:
+    return f"{COUNTER_PREFIX}{name}"
 
 
 def latest_key(key_prefix: str) -> str:
@@ -64,22 +169,12 @@ def counters(figures: Mapping[str, float]) -> dict[str, int]:
     return {k.removeprefix(COUNTER_PREFIX): int(v) for k, v in figures.items() if k.startswith(COUNTER_PREFIX)}
 
 
-def update_figure(figures: Mapping[str, float], name: str) -> float:
-    """An update's figure `name` (policy_loss, ...): the candidate update's if it has one, else the generation
-    update's; NaN if neither."""
-    for prefix in UPDATE_PREFIXES.values():
-        value = figures.get(f"{prefix}/{name}")
-        if value is not None:
-            return value
-    return math.nan
-
-
 def last_update(figures: Mapping[str, float]) -> dict[str, dict[str, float]]:
     """The last update's LAST_UPDATE_FIGURES by kind of policy ("candidates", "generation"), each kind the
     figures hold; a figure that is not there (or not a number) is left out."""
     out: dict[str, dict[str, float]] = {}
     for kind, prefix in UPDATE_PREFIXES.items():
-        found = {name: figures[f"{prefix}/{name}"] for name in LAST_UPDATE_FIGURES if f"{prefix}/{name}" in figures}
+        found = {str(name): figures[name.of(prefix)] for name in LAST_UPDATE_FIGURES if name.of(prefix) in figures}
         found = {name: value for name, value in found.items() if not math.isnan(value)}
         if found:
             out[kind] = found

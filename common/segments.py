@@ -46,6 +46,8 @@ from typing import Any
 import msgpack
 import redis
 
+from common.protocol import OP_GENERATE
+
 # --- the stream entry's fields, in the order the broker writes them ---------------------------
 F_SEG_ID = "seg_id"  # "<task_id>:<epoch>:<seq>", unique across a task id's sessions
 F_TASK_ID = "task_id"
@@ -187,42 +189,153 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False)
 
 
+def _checked(
+    d: dict[str, Any], where: str, name: str, kind: type | tuple[type, ...], what: str, items: type | tuple[type, ...] = ()
+) -> Any:
+    """`d[name]` if it is a `kind` (a list: of `items` only; never a bool for a number); else ValueError naming `where.name`."""
+    value = d.get(name)
+    number = kind is int or (isinstance(kind, tuple) and int in kind)
+    if not isinstance(value, kind) or (number and isinstance(value, bool)):
+        raise ValueError(f"transition field `{where}.{name}` must be {what}, got {type(value).__name__}")
+    if items and not all(isinstance(x, items) and not isinstance(x, bool) for x in d[name]):
+        raise ValueError(f"transition field `{where}.{name}` must be {what}, one holds something else")
+    return value
+
+
+@dataclass
+class GenerateObservation:
+    """A generate turn's observation, as the broker stores it: the prompt as the actor tokenized it, and the
+    request's `sampling` map as common/protocol.py checked it (kept for the record: the learner reads the
+    sampling settings from `GeneratedResponse`)."""
+
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"prompt_ids": self.prompt_ids, "sampling": self.sampling}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> GenerateObservation:
+        """Raises ValueError naming the field that is missing or of the wrong type."""
+        if not isinstance(d, dict):
+            raise ValueError(f"transition field `obs` of a generate turn must be a map, got {type(d).__name__}")
+        return cls(
+            prompt_ids=_checked(d, "obs", "prompt_ids", list, "an array of token ids", int),
+            sampling=_checked(d, "obs", "sampling", dict, "a map (the request's sampling settings)"),
+        )
+
+
+@dataclass
+class GeneratedResponse:
+    """A generate turn's response, as the actor wrote it and the broker checked it (broker/actor_ops.py)."""
+
+    response_ids: list[int]
+    logprobs: list[float]  # per token, of the distribution sampled from (temperature and top-p applied)
+    finish_reason: str  # eos, stop or length
+    temperature: float  # the sample's own; 0: greedy (nothing to train on)
+    top_p: float | None = None  # None: a record written without it
+    token_versions: list[int] | None = None  # the policy version of each token (new weights may come mid-response); None: not recorded
+
+    OPTIONAL = ("top_p", "token_versions")  # left off the wire when None, as a record written without them had them
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = dict(self.__dict__)
+        for name in self.OPTIONAL:
+            if wire[name] is None:
+                del wire[name]
+        return wire
+
+    @classmethod
+    def from_wire(cls, d: Any) -> GeneratedResponse:
+        """Raises ValueError naming the field that is missing or of the wrong type. The values are kept as they
+        came (an int temperature stays an int), so that encoding the record again gives the same bytes."""
+        if not isinstance(d, dict):
+            raise ValueError(f"transition field `generation` must be a map or nil, got {type(d).__name__}")
+        number = (int, float)
+        return cls(
+            response_ids=_checked(d, "generation", "response_ids", list, "an array of token ids", int),
+            logprobs=_checked(d, "generation", "logprobs", list, "an array of numbers", number),
+            finish_reason=_checked(d, "generation", "finish_reason", str, "a str"),
+            temperature=_checked(d, "generation", "temperature", number, "a number"),
+            top_p=_checked(d, "generation", "top_p", number, "a number") if d.get("top_p") is not None else None,
+            token_versions=(
+                _checked(d, "generation", "token_versions", list, "an array of ints", int) if d.get("token_versions") is not None else None
+            ),
+        )
+
+
 @dataclass
 class Transition:
-    """One step and its reward, as the broker stores it (an element of an open segment, then of a stream entry)."""
+    """One step and its reward, as the broker stores it (an element of an open segment, then of a stream entry).
 
-    obs: dict[str, Any]  # the observation scored: prompt, question, action (the candidate strings)
+    Its kind is `mode`: a choice among candidates ("step", "rag_step"), whose `obs` is the client's observation
+    map {prompt, question, action} as the policy scores it and whose `generation` is None; or a generated
+    response ("generate"), whose `obs` is a `GenerateObservation` and `generation` a `GeneratedResponse`
+    (action 0, probs [], logprob the response's sum). On the wire both are maps (`to_wire`, `from_wire`)."""
+
+    obs: dict[str, Any] | GenerateObservation  # the observation scored
     action: int  # index of the chosen candidate
     logprob: float  # behaviour log-probability of `action`
     probs: list[float]  # behaviour probabilities of every candidate
     policy_version: int  # the weights that chose it
-    mode: str  # "step" or "rag_step"
+    mode: str  # "step", "rag_step" or "generate"
     reward: float
     done: bool
     truncated: bool
     step_ms: int = 0  # when the step was answered
     feedback_ms: int = 0  # when its reward came
-    policy: dict[str, Any] | None = None  # what it was scored with (common.shared_settings.PolicyStamp); None: not stamped
-    # mode "generate": obs is {prompt_ids, sampling}, action 0, probs [], logprob the response's sum, and this holds
-    # {response_ids, logprobs (per token, of the distribution sampled from), finish_reason, temperature, top_p}
-    generation: dict[str, Any] | None = None
+    # What it was scored with: common.shared_settings.PolicyStamp's wire map, as the broker checked it; None: not
+    # stamped. Kept as the map: the learner drops a transition whose stamp it cannot read, and counts it (`stamp`).
+    policy: dict[str, Any] | None = None
+    generation: GeneratedResponse | None = None
     sample: str | None = None  # the feedback's `sample`: the client's id for this sample (P:samples, P:learner:samples)
+
+    @property
+    def candidate_obs(self) -> dict[str, Any]:
+        """A step's or rag_step's observation (TypeError for a generate turn's)."""
+        if isinstance(self.obs, GenerateObservation):
+            raise TypeError(f"a {self.mode} transition has no candidate observation")
+        return self.obs
+
+    @property
+    def generate_obs(self) -> GenerateObservation:
+        """A generate turn's observation (TypeError for a step's)."""
+        if not isinstance(self.obs, GenerateObservation):
+            raise TypeError(f"a {self.mode} transition has no generate observation")
+        return self.obs
+
+    @property
+    def response(self) -> GeneratedResponse:
+        """A generate turn's response (TypeError for a transition without one)."""
+        if self.generation is None:
+            raise TypeError(f"this {self.mode} transition has no generated response")
+        return self.generation
 
     def to_wire(self) -> dict[str, Any]:
         # Its fields as they are, shared not copied: msgpack only reads them. (dataclasses.asdict
         # deep-copies the observation on every feedback: 20% of the broker's CPU per pair.)
         wire = dict(self.__dict__)
+        if isinstance(self.obs, GenerateObservation):
+            wire["obs"] = self.obs.to_wire()
+        if self.generation is not None:
+            wire["generation"] = self.generation.to_wire()
         if wire["sample"] is None:  # only a feedback that named its sample carries the field
             del wire["sample"]
         return wire
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Transition:
+        """Raises ValueError naming a field that is missing, or (the observation and response) of the wrong type."""
         known = {f.name: f for f in fields(cls)}
         missing = [name for name, f in known.items() if name not in d and f.default is MISSING]
         if missing:
             raise ValueError(f"transition lacks {', '.join(missing)}")
-        return cls(**{k: v for k, v in d.items() if k in known})
+        given = {k: v for k, v in d.items() if k in known}
+        if given["mode"] == OP_GENERATE:
+            given["obs"] = GenerateObservation.from_wire(given["obs"])
+        if given.get("generation") is not None:
+            given["generation"] = GeneratedResponse.from_wire(given["generation"])
+        return cls(**given)
 
 
 @dataclass

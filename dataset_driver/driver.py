@@ -4,7 +4,7 @@
 the next position of the order of work (dataset_driver/data.py `PromptOrder`), asks for a response with
 `generate`, has it scored, and sends the reward with `feedback(done=True)`: one turn is one
 episode. Rewards are computed here, in the driver, never in the learner: the workers hand their
-responses to one scorer thread that scores them in batches (a reward model batches, a judge runs
+responses to one scorer (dataset_driver/scorer.py) that scores them in batches (a reward model batches, a judge runs
 its requests concurrently), so a slow judge holds back the drivers that wait for it and, through
 the broker's back-pressure (`wait_turn`), nothing else.
 
@@ -14,8 +14,8 @@ broker's rule for a pending step at detach), counts it in `unrewarded`, and atta
 
 Each feedback names its sample (`<run>:<position>`, dataset_driver/resume.py), which the broker stores once, with
 the transition; a resumed run is given the positions stored before and skips them, so no sample is trained
-twice and none is lost (docs/train.md, "Resume"). `DriverProgress` keeps the positions done; `resume_from`,
-the first position not yet done, is where a resumed run starts looking.
+twice and none is lost (docs/train.md, "Resume"). `DriverProgress` (dataset_driver/progress.py) keeps the positions
+done; `resume_from`, the first position not yet done, is where a resumed run starts looking.
 
 On `stop` the workers take no new position, and a turn not yet fed back is abandoned (its task detached, its
 step dropped): it is not stored, so a resumed run plays it again.
@@ -24,13 +24,11 @@ step dropped): it is not stored, so a resumed run plays it again.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from client import BadRequest, Client, Overloaded, PPOZError, RequestTimeout, TooLarge, UnknownTask
@@ -38,9 +36,26 @@ from client.retry import generate_fields
 from common import protocol as p
 from common.daemon_pool import DaemonPool
 from dataset_driver.data import PromptOrder, PromptRecord
+from dataset_driver.group_advantage import GroupAdvantage
+from dataset_driver.progress import DriverProgress
 from dataset_driver.resume import Samples
+from dataset_driver.scorer import BATCHES_IN_FLIGHT, BatchingScorer
 from rewards.composite import CompositeReward, Item, Scored, prompt_text
-from rewards.group import GroupAdvantage
+
+# The drivers' whole interface, the scorer and the progress they take included (dataset_driver/run.py, the benches).
+__all__ = [
+    "BATCHES_IN_FLIGHT",
+    "BatchingScorer",
+    "DriverProgress",
+    "RECORD_ERRORS",
+    "Sampling",
+    "ValidationError",
+    "drive",
+    "generate",
+    "item_for",
+    "request_problem",
+    "validate",
+]
 
 log = logging.getLogger(__name__)
 
@@ -96,166 +111,6 @@ def generate(client: Client, task: str, record: PromptRecord, sampling: Sampling
 
 def item_for(record: PromptRecord, response: str) -> Item:
     return Item(prompt_text(record.prompt), response, record.ground_truth, record.data_source, record.extra_info, record.where)
-
-
-BATCHES_IN_FLIGHT = 4  # batches a scorer has at the reward sources at once (see BatchingScorer)
-
-
-class BatchingScorer:
-    """Scores responses in batches of up to `max_batch`, gathered for at most `wait_s`, with up to
-    `batches_in_flight` batches being scored at once.
-
-    Why more than one batch: a batch is answered when its slowest response is scored, and a judge
-    answers in seconds; with one batch at a time, the responses that arrive meanwhile wait for the
-    whole batch before theirs starts, and a judge allowed 32 requests at once ran at half of that
-    (docs/benchmarks.md, `ppoz bench drivers`). The judge's own `judge_concurrency` still bounds its
-    requests; the reward function, the reward model and the running normalisation take one batch
-    at a time (CompositeReward's lock), so a user's function need not be thread-safe. While every
-    slot is busy the responses queue up, and the next batch takes as many as `max_batch` allows."""
-
-    def __init__(
-        self, reward: CompositeReward, max_batch: int = 16, wait_s: float = 0.02, batches_in_flight: int = BATCHES_IN_FLIGHT
-    ) -> None:
-        if max_batch < 1 or batches_in_flight < 1:
-            raise ValueError(f"max_batch and batches_in_flight must be at least 1, got {max_batch} and {batches_in_flight}")
-        self.reward = reward
-        self.max_batch = max_batch
-        self.wait_s = wait_s
-        self._queue: queue.Queue[tuple[Item, Future[Scored]] | None] = queue.Queue()
-        self._slots = threading.BoundedSemaphore(batches_in_flight)
-        self._pool = ThreadPoolExecutor(max_workers=batches_in_flight, thread_name_prefix="reward-batch")
-        self._thread = threading.Thread(target=self._run, name="reward-scorer", daemon=True)
-        self._thread.start()
-
-    def submit(self, item: Item) -> Future[Scored]:
-        future: Future[Scored] = Future()
-        self._queue.put((item, future))
-        return future
-
-    def close(self) -> None:
-        """Score what was submitted, then stop."""
-        self._queue.put(None)
-        self._thread.join(60)
-
-    def abandon(self) -> None:
-        """Stop now (the run was interrupted): what is queued is not scored, its futures cancelled; a batch being
-        scored ends within moments (the reward function's call is abandoned, CompositeReward.stop)."""
-        self.reward.stop()
-        while True:
-            try:
-                pending = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if pending is not None:
-                pending[1].cancel()
-        self._queue.put(None)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _run(self) -> None:
-        stopping = False
-        while not stopping:
-            self._slots.acquire()  # a free slot first: meanwhile the responses queue up into the next batch
-            first = self._queue.get()
-            if first is None:
-                self._slots.release()
-                break
-            batch = [first]
-            until = time.monotonic() + self.wait_s
-            while len(batch) < self.max_batch:
-                try:
-                    more = self._queue.get(timeout=max(0.0, until - time.monotonic()))
-                except queue.Empty:
-                    break
-                if more is None:
-                    stopping = True
-                    break
-                batch.append(more)
-            try:
-                self._pool.submit(self._score, batch)
-            except RuntimeError:  # abandoned meanwhile: the pool takes no more work
-                for _, future in batch:
-                    future.cancel()
-                self._slots.release()
-                break
-        self._pool.shutdown(wait=True)
-
-    def _score(self, batch: list[tuple[Item, Future[Scored]]]) -> None:
-        try:
-            try:
-                scored = self.reward.score([item for item, _ in batch])
-            except BaseException as e:  # noqa: BLE001 - out of memory, even SystemExit: these responses get no reward, and each is answered
-                log.exception("scoring %d responses failed", len(batch))
-                scored = [Scored(None, {}, error=f"scoring failed: {type(e).__name__}: {e}") for _ in batch]
-            for (_, future), result in zip(batch, scored):
-                future.set_result(result)
-        finally:
-            self._slots.release()
-
-
-@dataclass
-class DriverProgress:
-    """Positions done (rewarded, or left without a reward), and the figures of the responses."""
-
-    start: int = 0
-    done: set[int] = field(default_factory=set)
-    skipped: int = 0  # positions an earlier run stored: not played again
-    rewarded: int = 0
-    unrewarded: int = 0
-    reward_sum: float = 0.0
-    response_tokens: int = 0
-    errors: list[str] = field(default_factory=list)  # the first few reasons a response went unrewarded
-    stopped_workers: list[str] = field(default_factory=list)  # workers that met an error they cannot go on from, and why
-    groups: int = 0  # GRPO: groups settled
-    uniform_groups: int = 0  # GRPO: groups whose rewarded responses all scored the same (advantages all 0: nothing to learn)
-    lone: int = 0  # GRPO: rewarded responses not trained on, the only rewarded one of their group
-    recent_uniform: list[bool] = field(default_factory=list)  # GRPO: whether each of the last groups scored alike
-    recent: list[float] = field(default_factory=list)  # the last rewards, for a moving mean
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @property
-    def resume_from(self) -> int:
-        """The first position not yet done."""
-        position = self.start
-        while position in self.done:
-            position += 1
-        return position
-
-    def skip(self, position: int) -> None:
-        """A position an earlier run stored: done, and not counted among this run's responses."""
-        with self.lock:
-            self.done.add(position)
-            self.skipped += 1
-
-    def record(self, position: int, scored: Scored | None, tokens: int) -> None:
-        with self.lock:
-            self.done.add(position)
-            self.response_tokens += tokens
-            if scored is None or scored.reward is None:
-                self.unrewarded += 1
-                if scored is not None and len(self.errors) < 10:
-                    self.errors.append(scored.error)
-                return
-            self.rewarded += 1
-            self.reward_sum += scored.reward
-            self.recent.append(scored.reward)
-            del self.recent[:-200]
-
-    def count_group(self, rewards: Sequence[float]) -> None:
-        """A GRPO group settled, with the rewards of its rewarded responses."""
-        with self.lock:
-            self.groups += 1
-            if len(rewards) == 1:
-                self.lone += 1
-            elif len(rewards) >= 2:
-                uniform = max(rewards) == min(rewards)
-                self.uniform_groups += uniform
-                self.recent_uniform.append(uniform)
-                del self.recent_uniform[:-100]
-
-    def recent_mean(self, n: int = 100) -> float | None:
-        """The mean of the last `n` rewards; None before the first."""
-        recent = self.recent[-n:]
-        return sum(recent) / len(recent) if recent else None
 
 
 def drive(

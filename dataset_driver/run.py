@@ -26,29 +26,29 @@ from pathlib import Path
 from typing import Any
 
 from common.config import local_path
-from common.learner_figures import GENERATION
+from common.learner_figures import GENERATION, Latest, UpdateFigure
 from common.protocol import Limits
 from dataset_driver.config import TrainConfig
 from dataset_driver.data import PromptOrder, PromptRecord, load_dataset
 from dataset_driver.driver import BatchingScorer, DriverProgress, Sampling, drive, request_problem, validate
+from dataset_driver.group_advantage import GroupAdvantage
 from dataset_driver.resume import SampleMarks, load_samples, new_run_id
 from rewards.composite import CompositeReward
 from rewards.functions import RewardFn, load_reward_fn
-from rewards.group import GroupAdvantage
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0  # after `stop`, how long turns in flight may take to be fed back before the run stops without them
 STOP_POLL_S = 0.2  # how often the run looks at `stop` while the drivers work
 
-# The learner's figures a progress line shows, by the name it gives them (learner_node/generation.py).
+# The learner's figures a progress line shows, by the name it gives them (common/learner_figures.py).
 LEARNER_FIGURES = {
-    "kl": f"{GENERATION}/kl_ref",
-    "policy_loss": f"{GENERATION}/policy_loss",
-    "value_loss": f"{GENERATION}/value_loss",
-    "clip_fraction": f"{GENERATION}/clipfrac",
-    "response_length": f"{GENERATION}/response_length",
-    "version": "version",
+    "kl": UpdateFigure.KL_REF.of(GENERATION),
+    "policy_loss": UpdateFigure.POLICY_LOSS.of(GENERATION),
+    "value_loss": UpdateFigure.VALUE_LOSS.of(GENERATION),
+    "clip_fraction": UpdateFigure.CLIPFRAC.of(GENERATION),
+    "response_length": UpdateFigure.RESPONSE_LENGTH.of(GENERATION),
+    "version": Latest.VERSION.value,
 }
 
 
@@ -284,7 +284,7 @@ def run_training(
     warned: list[bool] = []  # the learner's advantage against the drivers', said once
 
     def check_learner(figures: dict[str, float]) -> None:
-        learner_grpo = figures.get(f"{GENERATION}/group_relative")
+        learner_grpo = figures.get(UpdateFigure.GROUP_RELATIVE.of(GENERATION))
         if learner_grpo is not None and bool(learner_grpo) != (grouping is not None) and not warned:
             warned.append(True)
             mode = "grpo or rloo" if learner_grpo else "gae"

@@ -6,7 +6,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
-from common.config import check, local_path, option, section
+from common.config import check, curve_broker_key, curve_key_pair, local_path, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, is_reward_bound
 from common.security import LOOPBACK_NAMES, check_client_settings, read_secret
 
@@ -33,16 +33,8 @@ class GatewayConfig:
         "POST /feedback: the largest |reward| forwarded; a larger or non-finite one gets 400 here (the broker's own"
         " [broker] max_abs_reward still holds: set both, or the key once at the top of a shared file)",
     )
-    curve_secret_key: str = option(
-        "",
-        "CURVE: the gateway's key pair file (NAME.key_secret from `ppoz keygen`); its NAME.key goes in the broker's curve_allowed_clients",
-        path=local_path,
-    )
-    curve_server_key: str = option(
-        "",
-        "CURVE: the broker's public key file (NAME.key); set, the connection to the broker is encrypted (docs/security.md)",
-        path=local_path,
-    )
+    curve_secret_key: str = curve_key_pair("the gateway's", "; its NAME.key goes in the broker's curve_allowed_clients")
+    curve_server_key: str = curve_broker_key()
     allowed_hosts: list = option(
         list(LOOPBACK_NAMES),
         "names a request's Host header may give (with any port), so a web page cannot reach the gateway by a name of"

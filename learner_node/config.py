@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import check, local_path, local_path_or_any, nested, option, section
+from common.config import check, curve_allowed_keys, curve_key_pair, local_path, nested, option, section
 from common.options import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OBJECTIVES
 from common.security import check_server_settings, is_local_endpoint
 from common.shared_settings import PolicySpec, StoreSettings
+
+# The policy losses a config may name: learner_node/core_algos.py's POLICY_LOSSES (tests/learner_node/test_loss_settings.py
+# checks they agree; here without importing torch).
+POLICY_LOSSES = ("clipped", "dual-clip")
+
+
+def check_policy_loss(name: str, option_name: str) -> None:
+    check(name in POLICY_LOSSES, f"`{option_name}` must be one of {', '.join(POLICY_LOSSES)}, got {name!r}")
 
 
 @dataclass(kw_only=True)
@@ -20,6 +28,9 @@ class UpdateConfig:
     micro_batch: int = option(4, "transitions per forward/backward (gradient accumulation up to policy_minibatch)")
     value_minibatch: int = option(32, "transitions per critic optimizer step")
     clip_coef: float = option(0.2, "PPO ratio clipping")
+    policy_loss: str = option(
+        "clipped", "candidate choices' policy loss: clipped (PPO's surrogate) or dual-clip (without a bound here: the same)"
+    )
     objective: str = option(
         "decoupled",
         "decoupled: clip against the learner's weights at the update's start, weight stale samples by "
@@ -37,6 +48,7 @@ class UpdateConfig:
 
     def __post_init__(self) -> None:
         check(self.objective in OBJECTIVES, f"`objective` must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        check_policy_loss(self.policy_loss, "policy_loss")
         check(self.behaviour_weight_cap >= 1, f"`behaviour_weight_cap` must be at least 1, got {self.behaviour_weight_cap}")
         for name in ("update_epochs", "value_epochs", "policy_minibatch", "micro_batch", "value_minibatch"):
             check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
@@ -71,6 +83,7 @@ class GenerationConfig:
     clip_low: float = option(0.2, "the ratio may fall to 1 - clip_low")
     clip_high: float = option(0.2, "the ratio may rise to 1 + clip_high (above clip_low: DAPO's clip-higher)")
     clip_ratio_c: float = option(3.0, "dual clip: a token with a negative advantage loses at most clip_ratio_c * |A|")
+    policy_loss: str = option("dual-clip", "generated responses' policy loss: dual-clip (bounded by clip_ratio_c) or clipped")
     loss_aggregation: str = option("token-mean", "token-mean, seq-mean-token-sum or seq-mean-token-mean")
     value_clip: float = option(0.5, "value clipping around the old token values (0: off)")
     value_huber_delta: float = option(0.0, "Huber value loss with this delta (0: squared error)")
@@ -104,6 +117,7 @@ class GenerationConfig:
         check(0 < self.clip_low < 1, f"`clip_low` must be in (0, 1), got {self.clip_low}")
         check(self.clip_high > 0, f"`clip_high` must be positive, got {self.clip_high}")
         check(self.clip_ratio_c > 1, f"`clip_ratio_c` must be above 1, got {self.clip_ratio_c}")
+        check_policy_loss(self.policy_loss, "policy_loss")
         for name in ("kl_coef", "value_clip", "value_huber_delta", "ent_coef"):
             check(getattr(self, name) >= 0, f"`{name}` must be 0 or more, got {getattr(self, name)}")
         check(self.micro_batch_tokens >= 16, f"`micro_batch_tokens` must be at least 16, got {self.micro_batch_tokens}")
@@ -175,17 +189,8 @@ class LearnerConfig(UpdateConfig):
         "endpoint the learner binds to serve its weight snapshots' chunks to actors on other hosts (the actors' "
         "weights_source), e.g. tcp://*:5558; each host fetches a version once (empty: off)",
     )
-    curve_secret_key: str = option(
-        "",
-        "CURVE: the learner's key pair file (NAME.key_secret from `ppoz keygen`) for the weight PUB; "
-        "empty: no encryption (docs/security.md)",
-        path=local_path,
-    )
-    curve_allowed_actors: str = option(
-        "",
-        "CURVE: directory of the public key files (NAME.key) of the actors allowed to subscribe, or '*' for any key",
-        path=local_path_or_any,
-    )
+    curve_secret_key: str = curve_key_pair("the learner's", " for the weight PUB; empty: no encryption (docs/security.md)")
+    curve_allowed_actors: str = curve_allowed_keys("actors allowed to subscribe")
     tensorboard_dir: str = option("runs/learner/tb", "TensorBoard log directory (empty: off)", path=local_path)
     max_updates: int = option(0, "stop after this many updates (0: run until stopped)")
     read_block_ms: int = option(1000, "longest a read of the stream blocks")

@@ -7,18 +7,21 @@ candidates is a sample of one token (T = 1): its log-probability is the chosen c
 functions give exactly the per-sample PPO of CleanRL.
 
 Registries (names validated against common/options.py, importable without torch):
+- ADVANTAGE_ESTIMATORS: every advantage estimator a config can name (gae, grpo, rloo).
 - KL_ESTIMATORS: per-token estimates of KL(pi || pi_ref) from the sampled token (k1, k2, k3).
 - LOSS_AGGREGATIONS: a [B, T] loss to a scalar (token-mean, seq-mean-token-sum, seq-mean-token-mean).
 - POLICY_LOSSES: the per-token surrogate (clipped; dual-clip), before the decoupled behaviour weight.
-Advantages: `gae` over a sequence here; the group-relative estimators (GRPO, RLOO) need a prompt's whole group,
-which only the driver holds, so they are in rewards/group.py and reach the learner as each response's reward.
+Advantages: the learner runs `gae` over a sequence of steps with its critic. The group-relative estimators
+(GROUP_ESTIMATORS: grpo, rloo) need a prompt's whole group, which only the driver holds: the drivers apply them
+(dataset_driver/group_advantage.py) and each response's advantage reaches the learner as its reward.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -81,6 +84,41 @@ def reverse_linear_scan(x: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
         a[:-shift] = a[:-shift] * a[shift:]  # past the end it is never read again: t + shift >= T from here on
         shift *= 2
     return y
+
+
+def grpo(rewards: Sequence[float], scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
+    """Group-relative advantages of G responses to one prompt, from their rewards r_1..r_G (Shao et al. 2024,
+    "DeepSeekMath", section 4.1.2, outcome supervision):
+
+        A_i = (r_i - mean(r)) / (std(r) + eps)        every token of response i gets A_i
+
+    with std the sample standard deviation (n - 1), as verl's `compute_grpo_outcome_advantage` takes it. With
+    `scale_by_std` off only centred, A_i = r_i - mean(r) (Liu et al. 2025, "Understanding R1-Zero-Like Training",
+    Dr. GRPO): dividing by a group's std weighs prompts that are almost always (or never) solved the most."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    centred = [r - mean for r in rewards]
+    if not scale_by_std:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / (n - 1))
+    return [c / (std + eps) for c in centred]
+
+
+def rloo(rewards: Sequence[float], scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"): each response against
+    the mean of the others, A_i = r_i - (sum_j r_j - r_i) / (n - 1) = n / (n - 1) * (r_i - mean(r)); as verl's
+    compute_rloo_outcome_advantage. An unbiased baseline: r_i is not in its own. No scaling (`scale_by_std` and
+    `eps` are taken, as by every group estimator, and not used)."""
+    n = len(rewards)
+    total = sum(rewards)
+    return [r - (total - r) / (n - 1) for r in rewards]
+
+
+# Every advantage estimator a config names ([generation] advantage). gae: (rewards, values, dones, next_value,
+# gamma, lam) tensors of a sequence of steps, with the learner's critic. The group estimators: (the rewards of
+# one prompt's responses, scale_by_std, eps) floats, one advantage per response, in order.
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {"gae": gae, "grpo": grpo, "rloo": rloo}
+GROUP_ESTIMATORS = ("grpo", "rloo")  # over a prompt's group of responses: applied by the drivers, which hold the group
 
 
 # --- masks and aggregations ----------------------------------------------------------------------

@@ -133,7 +133,7 @@ def build_rollout(
     # One critic call for every observation and bootstrap observation of the batch.
     wanted: list[dict[str, Any]] = []
     for seg in segments:
-        wanted += [t.obs for t in seg.transitions]
+        wanted += [t.candidate_obs for t in seg.transitions]
         if seg.next_obs is not None and not seg.done:
             wanted.append(seg.next_obs)
     values = value_of(wanted) if wanted else []
@@ -165,7 +165,7 @@ def build_rollout(
         advantages, returns = core_algos.gae(rewards, b_values, dones, next_value, gamma, lam)
         for t, adv, ret, v in zip(transitions, advantages.tolist(), returns.tolist(), seg_values):
             lag = current_version - t.policy_version
-            reason = "version_ahead" if lag < 0 else _disagreement(t, expected)
+            reason = "version_ahead" if lag < 0 else policy_disagreement(t, expected)
             if reason is not None:
                 out.dropped_mismatched += 1
                 out.mismatched[reason] += 1
@@ -173,7 +173,7 @@ def build_rollout(
             if lag > max_policy_lag:
                 out.dropped_stale += 1
                 continue
-            out.obs.append(t.obs)
+            out.obs.append(t.candidate_obs)
             out.actions.append(t.action)
             out.logprobs.append(float(t.logprob))
             out.probs.append([float(p) for p in t.probs])
@@ -194,15 +194,17 @@ def _scored(values: Sequence[float | None], seg: Segment) -> list[float]:
     return [float(v) for v in values if v is not None]
 
 
-def _disagreement(t: Transition, expected: PolicyStamp | None) -> str | None:
-    """Why the learner must not train on `t` (a field of its stamp that differs), or None."""
+def policy_disagreement(t: Transition, expected: PolicyStamp | None, compared: tuple[str, ...] = PolicyStamp.COMPARED) -> str | None:
+    """Why the learner must not train on `t`: the first of the `compared` fields where its policy stamp differs
+    from the learner's own (`expected`), or "stamp" for a stamp it cannot read; None if they agree, or if either
+    is missing (an unstamped transition is taken as it is)."""
     if expected is None or t.policy is None:
         return None
     try:
         stamp = PolicyStamp.from_wire(t.policy)
     except ValueError:
         return "stamp"
-    return stamp.disagreement(expected, t.policy_version)
+    return stamp.disagreement(expected, t.policy_version, compared)
 
 
 class CandidateBatch:

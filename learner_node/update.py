@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from common.learner_figures import UpdateFigure
 from learner_node import core_algos
 from learner_node.config import GenerationConfig, UpdateConfig
 from learner_node.sharding import Lockstep
@@ -138,7 +139,7 @@ class Forward:
 class PolicyBatch(Protocol):
     """How one kind of policy builds its batch and scores it; `ppo_update` does the rest."""
 
-    prefix: str  # of its metrics' keys: "losses" (candidates), "generation"
+    prefix: str  # of its metrics' keys: "losses" (candidates), "generation" (common/learner_figures.UPDATE_PREFIXES)
 
     def __len__(self) -> int: ...
 
@@ -158,18 +159,19 @@ class PolicyBatch(Protocol):
 
 
 # The figures each loop sums over micro-batches and ranks (the keys its step returns).
-CRITIC_FIGURES = ("value_loss",)
+CRITIC_FIGURES = (UpdateFigure.VALUE_LOSS,)
 POLICY_FIGURES = (
-    "policy_loss",
-    "entropy",
-    "kl_ref",
-    "approx_kl",
-    "clipfrac",
-    "dual_clipfrac",
-    "behaviour_weight",
-    "behaviour_weight_capped",
+    UpdateFigure.POLICY_LOSS,
+    UpdateFigure.ENTROPY,
+    UpdateFigure.KL_REF,
+    UpdateFigure.APPROX_KL,
+    UpdateFigure.CLIPFRAC,
+    UpdateFigure.DUAL_CLIPFRAC,
+    UpdateFigure.BEHAVIOUR_WEIGHT,
+    UpdateFigure.BEHAVIOUR_WEIGHT_CAPPED,
 )
-LOSS_FIGURES = frozenset({"value_loss", "policy_loss", "entropy", "kl_ref"})  # the figures that enter a loss: checked finite
+# the figures that enter a loss: checked finite
+LOSS_FIGURES = frozenset({UpdateFigure.VALUE_LOSS, UpdateFigure.POLICY_LOSS, UpdateFigure.ENTROPY, UpdateFigure.KL_REF})
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ class LossSettings:
     """The update's settings, one set for both kinds of policy; `candidates` and `generation` map each config to it."""
 
     clip: core_algos.ClipRange
-    policy_loss: str
+    policy_loss: str  # a name of core_algos.POLICY_LOSSES, as the config chose it
     aggregation: str
     ent_coef: float
     kl_coef: float  # of the KL to the reference in the loss (0: none, or it is in the reward)
@@ -191,10 +193,11 @@ class LossSettings:
 
     @classmethod
     def candidates(cls, cfg: UpdateConfig, kl_coef: float | None = None) -> LossSettings:
-        """A choice among candidates: CleanRL's symmetric clip, the exact KL over the candidates in the loss."""
+        """A choice among candidates: CleanRL's symmetric clip (no dual-clip bound), the exact KL over the candidates
+        in the loss; the policy loss `cfg.policy_loss` (clipped by default)."""
         return cls(
             clip=core_algos.ClipRange(cfg.clip_coef, cfg.clip_coef),
-            policy_loss="clipped",
+            policy_loss=cfg.policy_loss,
             aggregation="token-mean",  # one token per sample: the mean over samples
             ent_coef=cfg.ent_coef,
             kl_coef=cfg.kl_coef if kl_coef is None else kl_coef,
@@ -205,10 +208,11 @@ class LossSettings:
 
     @classmethod
     def generation(cls, cfg: UpdateConfig, gen: GenerationConfig) -> LossSettings:
-        """A generated response: clip-higher and dual-clip, the KL in the loss only when it is not in the reward."""
+        """A generated response: clip-higher and the dual-clip bound, the KL in the loss only when it is not in the
+        reward; the policy loss `gen.policy_loss` (dual-clip by default)."""
         return cls(
             clip=core_algos.ClipRange(gen.clip_low, gen.clip_high, gen.clip_ratio_c),
-            policy_loss="dual-clip",
+            policy_loss=gen.policy_loss,
             aggregation=gen.loss_aggregation,
             ent_coef=gen.ent_coef,
             kl_coef=0.0 if gen.kl_in_reward else gen.kl_coef,
@@ -249,7 +253,7 @@ def ppo_update(
 
     if t.returns is not None:  # --- the critic, on cached features ---
         returns, old_values = t.returns, t.old_values if t.old_values is not None else t.returns
-        metrics["explained_variance"] = core_algos.explained_variance(old_values[t.mask.bool()], returns[t.mask.bool()])
+        metrics[UpdateFigure.EXPLAINED_VARIANCE] = core_algos.explained_variance(old_values[t.mask.bool()], returns[t.mask.bool()])
 
         def critic_step(ids: list[int], minibatch: list[int], weight: float = 1.0) -> dict[str, float]:
             loss = core_algos.value_loss(
@@ -263,7 +267,7 @@ def ppo_update(
             )
             share = core_algos.aggregation_share(t.mask, ids, minibatch, settings.aggregation)
             (cfg.vf_coef * loss * share * _world()[1] * weight).backward()
-            return {"value_loss": float(loss.detach()) * share}
+            return {UpdateFigure.VALUE_LOSS: float(loss.detach()) * share}
 
         figures, _, _ = minibatch_epochs(
             n, cfg.value_epochs, cfg.value_minibatch, rng, _whole, critic_step, CRITIC_FIGURES, value_params, value_opt, cfg.max_grad_norm
@@ -301,14 +305,14 @@ def ppo_update(
             first_ratio_dev.append(float(((terms.ratio.detach() - 1).abs() * mask).max()))
         tokens = core_algos.aggregation_share(t.mask, ids, minibatch, "token-mean")  # token means weigh by tokens
         return {
-            "policy_loss": float(terms.loss.detach()) * share,
-            "entropy": float(entropy.detach()) * share,
-            "kl_ref": float(kl_ref.detach()) * share,
-            "approx_kl": float(terms.approx_kl) * tokens,
-            "clipfrac": float(terms.clipfrac) * tokens,
-            "dual_clipfrac": float(terms.dual_clipfrac) * tokens,
-            "behaviour_weight": float(terms.is_weight) * tokens,
-            "behaviour_weight_capped": float(terms.is_capped) * tokens,
+            UpdateFigure.POLICY_LOSS: float(terms.loss.detach()) * share,
+            UpdateFigure.ENTROPY: float(entropy.detach()) * share,
+            UpdateFigure.KL_REF: float(kl_ref.detach()) * share,
+            UpdateFigure.APPROX_KL: float(terms.approx_kl) * tokens,
+            UpdateFigure.CLIPFRAC: float(terms.clipfrac) * tokens,
+            UpdateFigure.DUAL_CLIPFRAC: float(terms.dual_clipfrac) * tokens,
+            UpdateFigure.BEHAVIOUR_WEIGHT: float(terms.is_weight) * tokens,
+            UpdateFigure.BEHAVIOUR_WEIGHT_CAPPED: float(terms.is_capped) * tokens,
         }
 
     figures, steps, stopped = minibatch_epochs(
@@ -325,10 +329,10 @@ def ppo_update(
         cfg.target_kl or None,
     )
     metrics.update(figures)
-    metrics["first_minibatch_ratio_dev"] = first_ratio_dev[0] if first_ratio_dev else math.nan
-    metrics["optimizer_steps"] = float(steps)
-    metrics["early_stop"] = float(stopped)
-    metrics["kl_coef"] = settings.kl_coef
+    metrics[UpdateFigure.FIRST_MINIBATCH_RATIO_DEV] = first_ratio_dev[0] if first_ratio_dev else math.nan
+    metrics[UpdateFigure.OPTIMIZER_STEPS] = float(steps)
+    metrics[UpdateFigure.EARLY_STOP] = float(stopped)
+    metrics[UpdateFigure.KL_COEF] = settings.kl_coef
     return _prefixed(batch.prefix, metrics)
 
 
@@ -388,7 +392,7 @@ def minibatch_epochs(
                 raise NonFiniteUpdate(f"a parameter became non-finite at optimizer step {steps} (gradient norm {float(grad_norm):g})")
             for key, value in figures.items():
                 totals[key] += value
-            if target_kl and figures.get("approx_kl", 0.0) > target_kl:
+            if target_kl and figures.get(UpdateFigure.APPROX_KL, 0.0) > target_kl:
                 return {k: v / steps for k, v in totals.items()}, steps, True
     return {k: v / max(steps, 1) for k, v in totals.items()}, steps, False
 
@@ -399,6 +403,7 @@ def _whole(ids: list[int]) -> list[list[int]]:
 
 
 def _prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
+    """The figures under their published names (common/learner_figures.py), plain strings."""
     return {f"{prefix}/{key}": value for key, value in metrics.items()}
 
 

@@ -200,26 +200,16 @@ def tiny_config(
 
     intermediate = intermediate or 4 * hidden
     common: dict[str, Any] = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if arch == "llama":
-        return LlamaConfig(
+    if arch in ("llama", "qwen2"):  # the same layout; Qwen2 ties its head to the embeddings
+        config_class = LlamaConfig if arch == "llama" else Qwen2Config
+        return config_class(
             hidden_size=hidden,
             intermediate_size=intermediate,
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=False,
-            **common,
-        )
-    if arch == "qwen2":
-        return Qwen2Config(
-            hidden_size=hidden,
-            intermediate_size=intermediate,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=True,
+            tie_word_embeddings=arch == "qwen2",
             **common,
         )
     if arch == "gpt2":

@@ -74,116 +74,116 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser(
+    _process_command(
+        sub,
         "broker",
+        BrokerConfig,
+        cmd_broker,
         help="run the broker: client sessions, routing to actors, segments to Redis",
         description="Run the broker. Clients connect to --frontend, actors to --backend.",
     )
-    _config_option(p)
-    add_flags(p, BrokerConfig)
-    p.set_defaults(func=cmd_broker)
 
-    p = sub.add_parser(
+    _process_command(
+        sub,
         "actor",
+        ActorConfig,
+        cmd_actor,
         help="run an actor: score candidate actions and answer the broker",
         description="Run an actor process that connects to the broker's back end.",
     )
-    _config_option(p)
-    add_flags(p, ActorConfig)
-    p.set_defaults(func=cmd_actor)
 
     from learner_node.config import LearnerConfig
 
-    p = sub.add_parser(
+    _process_command(
+        sub,
         "learner",
+        LearnerConfig,
+        cmd_learner,
         help="run the PPO learner on the Redis segment stream",
         description="Train the policy with PPO on the segments the broker writes to Redis; publish each new version.",
     )
-    _config_option(p)
-    add_flags(p, LearnerConfig)
-    p.set_defaults(func=cmd_learner)
 
     from gateway.config import GatewayConfig
 
-    p = sub.add_parser(
+    _process_command(
+        sub,
         "gateway",
+        GatewayConfig,
+        cmd_gateway,
         help="serve the PPOAPI HTTP API and forward it to the broker (unmodified Kea builds)",
         description="Serve PPOAPI's HTTP API (POST /attach, /ask, /step, /rag_step, /feedback, /detach) and "
         "forward each request to the broker over the PPOZ protocol, so an unmodified Kea build works "
         "by pointing its base URL here. See docs/client.md.",
     )
-    _config_option(p)
-    add_flags(p, GatewayConfig)
-    p.set_defaults(func=cmd_gateway)
 
     from ppoz import demo
 
-    p = sub.add_parser(
+    _module_command(
+        sub,
         "demo",
+        demo,
         help="watch an LLM policy learn on this machine (no GPU needed)",
         description="Run broker, actor, learner and simulated clients on a tiny local model and watch it learn.",
     )
-    demo.add_arguments(p)
-    p.set_defaults(func=demo.main)
 
     from ppoz import up
     from ppoz.up import UpConfig
 
-    p = sub.add_parser(
+    _process_command(
+        sub,
         "up",
+        UpConfig,
+        up.main,
         help="start and supervise a whole stack on this machine",
         description="Start and supervise Redis (embedded unless a URL is given), the broker, N actors, the learner "
         "and optionally environment clients, each as its own process with its log lines prefixed by "
         "its name. The config file's [broker], [actor] and [learner] tables configure the components; "
         "[up] says what runs here. Ctrl-C or SIGTERM stops everything. See docs/farm.md.",
     )
-    _config_option(p)
-    add_flags(p, UpConfig)
-    p.set_defaults(func=up.main)
 
     from ppoz import train as train_command
 
-    p = sub.add_parser(
+    _module_command(
+        sub,
         "train",
+        train_command,
         help="PPO on a prompt dataset with a reward function, reward model or LLM judge (docs/train.md)",
         description="Generation-mode PPO on a dataset of prompts: starts a stack here (as `ppoz up`) or, with "
         "--broker, drives a farm; validates before and after, shows progress, writes the run's figures "
         "under [train] output_dir. See docs/train.md.",
     )
-    train_command.add_arguments(p)
-    p.set_defaults(func=train_command.main)
 
     from ppoz import reward_server
 
-    p = sub.add_parser(
+    _module_command(
+        sub,
         "reward-server",
+        reward_server,
         help="serve a reward model and/or LLM judge to every driver of a farm (docs/train.md)",
         description="Load the [reward_service] table's reward model and/or judge once and serve rm_score and judge "
         "requests over ZeroMQ to every `ppoz train` driver whose [train] reward_service points here. See docs/train.md.",
     )
-    reward_server.add_arguments(p)
-    p.set_defaults(func=reward_server.main)
 
     from ppoz import export
 
-    p = sub.add_parser(
+    _module_command(
+        sub,
         "export",
+        export,
         help="a checkpoint as a Hugging Face model folder (adapter merged) that from_pretrained and serving engines load",
         description="Write a learner checkpoint (LoRA adapter, all weights or sharded; or the newest in a folder of them) "
         "as a model folder: config, merged safetensors weights, tokenizer, generation config. See docs/train.md.",
     )
-    export.add_arguments(p)
-    p.set_defaults(func=export.main)
 
     from ppoz import play
 
-    p = sub.add_parser(
+    _module_command(
+        sub,
         "play",
+        play,
         help="run environment clients (Kea-like simulator, gymnasium games) against a broker",
         description="Play N environment clients in parallel against a broker and report episodes, returns and steps per second.",
     )
-    play.add_arguments(p)
-    p.set_defaults(func=play.main)
 
     p = sub.add_parser(
         "bench",
@@ -191,110 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmarks; each prints a table, or one JSON object with --json.",
     )
     benches = p.add_subparsers(dest="bench", required=True, metavar="NAME", parser_class=_BenchParser)
-    for name, help_text, description in (
-        (
-            "broker",
-            "step+feedback pairs/s and latency through the broker",
-            "Step+feedback pairs per second through a real broker with Redis durability on, and client-seen latency at a fixed rate.",
-        ),
-        (
-            "scoring",
-            "candidate scoring: padded sequences vs prompt KV per action vs packed",
-            "Score Kea-shaped observations three ways on one model, side by side (docs/benchmarks.md).",
-        ),
-        (
-            "learner",
-            "peak memory and speed of a PPO step: packed vs one sequence per candidate",
-            "Peak memory and transitions/s of one PPO policy step, packed layout against one sequence per candidate.",
-        ),
-        (
-            "rag",
-            "what rag_step's retrieval adds to a step, side by side with the plain step",
-            "Time step, retrieval and rag_step on simulated Kea tasks with a corpus (docs/benchmarks.md).",
-        ),
-        (
-            "generate",
-            "PPOZ's generation engine against model.generate one at a time, as a static batch, and generate_batch",
-            "The same requests through transformers (model.generate one at a time and as a static batch, generate_batch) "
-            "and PPOZ (its engine, and a real broker and actor), legs alternating, medians of --repeats runs: tokens/s, "
-            "p50/p99 latency, fraction of the matmul peak, equal greedy outputs (docs/benchmarks.md).",
-        ),
-        (
-            "activations",
-            "what one learner forward keeps for its backward: plain, bf16 autocast, gradient checkpointing, both",
-            "A Qwen2 of a real model's width in bf16 with a float32 LoRA adapter of rank 8: the bytes autograd saves for the "
-            "backward of one sequence, counted through saved-tensor hooks, four ways (docs/benchmarks.md).",
-        ),
-        (
-            "midflight",
-            "new weights while responses run: drain the batch, resubmit the unfinished rows, or continue (the actor's way)",
-            "The actor's engine generates a queue of responses while a new LoRA adapter arrives every --every decode steps, "
-            "taken three ways, legs alternating, medians of --repeats runs: drain the batch first, resubmit the unfinished "
-            "rows, or continue with their KV recomputed; wall time, useful tokens/s, decode steps (docs/benchmarks.md).",
-        ),
-        (
-            "learning",
-            "PPO under policy lag: sync, dropping stale samples, and the decoupled objective, side by side",
-            "Train a contextual bandit with the actor's and learner's own code three ways under the same budget and "
-            "seeds: no lag, lag with stale samples dropped, lag with the decoupled objective (docs/benchmarks.md).",
-        ),
-        (
-            "stability",
-            "generation PPO through the real stack at several policy learning rates: does it learn, and stay learned",
-            "Run the say-the-word task (a tiny random model, rank-4 LoRA) through `ppoz up` with client threads for a long run at "
-            "each learning rate in --lr, legs alternating, --repeats runs each: when the reward first reaches 0.9, its peak, the "
-            "last quarter's mean and worst window, and the largest fall from a peak (docs/benchmarks.md).",
-        ),
-        (
-            "update",
-            "the generation learner's update throughput: packed rows vs right-padded rows, equal losses",
-            "Response tokens per second through one generation PPO update (forward, backward, optimizer steps) on long-tailed "
-            "response lengths, the learner's packed layout against one right-padded sequence per row, alternating, with the "
-            "losses and weights of both compared (docs/benchmarks.md).",
-        ),
-        (
-            "drivers",
-            "the dataset drivers' responses rewarded per second with an LLM judge stand-in, by judge_concurrency",
-            "Responses rewarded per second and the wait from response to reward for ppoz train's drivers, with a rule reward and "
-            "with an LLM judge (a local chat-completions stand-in with a set latency) at several judge_concurrency settings, "
-            "end to end against a real stack and through the scoring path alone (docs/benchmarks.md).",
-        ),
-        (
-            "train",
-            "the arithmetic demo's GRPO training: PPOZ against trl's GRPOTrainer on the same work and wall-clock budget",
-            "Train the arithmetic demo's work (the tiny numbers model, the 25 sums, the first_word reward, GRPO groups of 4) "
-            "for the same wall-clock budget two ways, legs alternating, medians of --repeats runs: `ppoz demo --task "
-            "arithmetic --advantage grpo`, and trl's GRPOTrainer in a virtual environment of its own that the bench creates "
-            "on first use (trl is no dependency of PPOZ): responses/s, validation after, the first time at 0.7, CPU cores "
-            "used and peak memory.",
-        ),
-        (
-            "weights",
-            "publishing a full snapshot of a GB or more, learner to applied actor, in Redis and a directory, against memcpy",
-            "Publish a random model's full snapshot (1.50 GB by default) in chunks, fetch it with every checksum checked and apply "
-            "it to an actor's model, through Redis and through the shared-directory store, against a plain memory copy of the "
-            "same tensors; legs alternating, medians of --repeats runs: GB/s and the publisher's peak memory (docs/benchmarks.md).",
-        ),
-        (
-            "gpu",
-            "every GPU figure in one command: GAE, one update's time and peak memory at a 1.5B shape, scoring, generate, weights",
-            "On a GPU, within --budget-s (8 minutes by default), at users' shapes: GAE on 131,072 tokens, one generation update "
-            "with the learner's defaults at Qwen2.5-1.5B's shape (time, peak memory), the actor's decode step at 64 rows against "
-            "its kernels' own GPU time, ppoz bench scoring, generate (against "
-            "one request at a time and the static batch at 64 rows) and weights, and bench train's long task against trl with "
-            "--trl-python; one JSON object with --json. With --device cpu the same code at tiny sizes (CI runs it).",
-        ),
-        (
-            "farm",
-            "the stack on six hosts (network namespaces, as root): links cut, Redis killed; throughput per host, recovery times",
-            "Redis and the broker, two actors, a learner of two ranks on two hosts (torchrun --nnodes 2) and the clients, each "
-            "in a Linux network namespace joined by a bridge. While the clients play, an actor host's link is cut for 30 s, "
-            "the second learner host's link during an update, and Redis is killed and restarted; then the ledger must "
-            "balance, both actors serve the newest version and no request failed. Prints steps served per host in each "
-            "phase and how long each fault took to heal (docs/farm.md, docs/benchmarks.md). Needs root.",
-        ),
-    ):
-        benches.add_parser(name, help=help_text, description=description, module=f"tools.bench.{name}")
+    from tools.bench import BENCHES
+
+    for bench in BENCHES:
+        benches.add_parser(bench.name, help=bench.help, description=bench.description, module=bench.module)
 
     p = sub.add_parser(
         "status", help="show a running broker's sessions, actors and counters", description="Ask a running broker for its figures."
@@ -320,26 +220,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tools.reliability import fuzz, soak
 
-    p = sub.add_parser(
+    _module_command(
+        sub,
         "fuzz",
+        fuzz,
         help="send adversarial messages to a running broker (and gateway) and check every answer",
         description="Fuzz a running broker's front end (and a gateway): random bytes, truncated msgpack, wrong "
         "types, huge strings and arrays, deep nesting, invalid UTF-8, floods; every well-framed "
         "request must get an error reply, memory must stay bounded, a well-behaved client "
         "alongside must see no error (docs/reliability.md).",
     )
-    fuzz.add_arguments(p)
-    p.set_defaults(func=fuzz.main)
 
-    p = sub.add_parser(
+    _module_command(
+        sub,
         "soak",
+        soak,
         help="many simulated emulators against a full stack of processes, for minutes",
         description="Start Redis, a broker, an LLM actor and the learner as processes, drive N emulators for "
         "a while, and report errors, step latency and memory per window and the ledger "
         "(docs/reliability.md).",
     )
-    soak.add_arguments(p)
-    p.set_defaults(func=soak.main)
 
     from models.tiny_models import ARCHITECTURES, TOKENIZERS
 
@@ -371,6 +271,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_keygen)
     return parser
+
+
+def _process_command(sub: Any, name: str, config_class: type, func: Callable[[argparse.Namespace], int], **texts: str) -> None:
+    """A process's subcommand: `--config FILE` and one flag per field of its config (`texts`: help, description)."""
+    p = sub.add_parser(name, **texts)
+    _config_option(p)
+    add_flags(p, config_class)
+    p.set_defaults(func=func)
+
+
+def _module_command(sub: Any, name: str, module: Any, **texts: str) -> None:
+    """A subcommand whose module holds its options (`add_arguments(parser)`) and its run (`main(args)`)."""
+    p = sub.add_parser(name, **texts)
+    module.add_arguments(p)
+    p.set_defaults(func=module.main)
 
 
 def _config_option(p: argparse.ArgumentParser) -> None:

@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import socket
 import threading
 from pathlib import Path
 from typing import Any
+
+from ppoz.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +43,11 @@ def sums() -> list[dict[str, Any]]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def stack_config(out: Path, lora_rank: int = 0, device: str = "auto", max_stream_backlog: int = -1, policy_lr: float = 0.0) -> str:
     """The stack's settings: small rollouts and a one-transition segment per response (each turn ends its episode).
     `max_stream_backlog` -1 is the learner's own limit (four rollouts at its max_policy_lag of 8); `policy_lr` 0 is
     the model's default (docs/design.md)."""
-    front, back, weights = _free_port(), _free_port(), _free_port()
+    front, back, weights = free_port(), free_port(), free_port()
     on = f"device = {json.dumps(device)}\n"
     return (
         f"[policy]\nlora_rank = {lora_rank}\n"

@@ -2,7 +2,7 @@
 stream's backlog, the learner's policy version and its last update's figures, its counters, the broker's own.
 
 It imports neither torch nor the learner: the learner's figures come from the broker's status, which reads
-them from Redis (common/learner_figures.py, which also knows what they are called by kind of policy).
+them from Redis (common/learner_figures.py, which names them all, by kind of policy too).
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def print_table(broker: str, status: dict[str, Any]) -> None:
+    from common.learner_figures import Latest
+
     learner = status.get("learner") or {}
-    newest = int(learner.get("version", 0)) if learner else None
+    newest = int(learner.get(Latest.VERSION, 0)) if learner else None
     print(f"broker {broker}  up {status['uptime_s']:.0f} s" + ("" if status.get("storage_ok", True) else "  REDIS DOWN"))
     print(
         f"  sessions {status['sessions']}  pending steps {status['pending_steps']}  queued {status['queued_jobs']}"
@@ -54,7 +56,7 @@ def print_table(broker: str, status: dict[str, Any]) -> None:
         lag = f"  lag {newest - a['policy_version']}" if newest is not None else ""
         print(f"    {a['name']:<24} load {a['inflight']}/{a['credits']}  policy v{a['policy_version']}{lag}  served {a['served']}")
     if learner:
-        print(f"  learner: policy v{newest} after {int(learner.get('updates', 0))} updates; last update: {last_update(learner)}")
+        print(f"  learner: policy v{newest} after {int(learner.get(Latest.UPDATES, 0))} updates; last update: {last_update(learner)}")
         print_counters(learner)
     else:
         print("  learner: no update yet")
@@ -86,17 +88,19 @@ def last_update(learner: dict[str, float]) -> str:
 
 def print_counters(learner: dict[str, float]) -> None:
     from common import learner_figures
+    from common.learner_figures import LearnerCounter as C
 
     counters = learner_figures.counters(learner)
     if not counters:
         return
-    why = ", ".join(f"{k.removeprefix('mismatched_')} {v}" for k, v in sorted(counters.items()) if k.startswith("mismatched_") and v)
+    prefix = learner_figures.MISMATCHED_PREFIX
+    why = ", ".join(f"{k.removeprefix(prefix)} {v}" for k, v in sorted(counters.items()) if k.startswith(prefix) and v)
     print(
-        f"  transitions: stored {counters.get('transitions_stored', 0)}, trained {counters.get('transitions_trained', 0)}, "
-        f"dropped stale {counters.get('dropped_stale', 0)}, truncated {counters.get('dropped_truncated', 0)}"
-        + (f" (next_obs unscorable: {counters['dropped_unscorable_next_obs']})" if counters.get("dropped_unscorable_next_obs") else "")
-        + f", mismatched {counters.get('dropped_mismatched', 0)}"
+        f"  transitions: stored {counters.get(C.TRANSITIONS_STORED, 0)}, trained {counters.get(C.TRANSITIONS_TRAINED, 0)}, "
+        f"dropped stale {counters.get(C.DROPPED_STALE, 0)}, truncated {counters.get(C.DROPPED_TRUNCATED, 0)}"
+        + (f" (next_obs unscorable: {counters[C.DROPPED_UNSCORABLE_NEXT_OBS]})" if counters.get(C.DROPPED_UNSCORABLE_NEXT_OBS) else "")
+        + f", mismatched {counters.get(C.DROPPED_MISMATCHED, 0)}"
         + (f" ({why})" if why else "")
-        + f", non-finite {counters.get('dropped_nonfinite', 0)}"
-        + (f" (updates discarded: {counters['discarded_updates']})" if counters.get("discarded_updates") else "")
+        + f", non-finite {counters.get(C.DROPPED_NONFINITE, 0)}"
+        + (f" (updates discarded: {counters[C.DISCARDED_UPDATES]})" if counters.get(C.DISCARDED_UPDATES) else "")
     )

@@ -29,8 +29,8 @@ from common.options import ADVANTAGE_ESTIMATORS
 
 if TYPE_CHECKING:
     from common.shared_settings import StoreSettings
+    from dataset_driver.group_advantage import GroupAdvantage
     from dataset_driver.run import Prepared
-    from rewards.group import GroupAdvantage
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,8 @@ def advantage_settings(config_file: str | None, advantage: str | None) -> tuple[
     """From the [generation] table (and --advantage over it): the drivers' grouping (None: they send rewards,
     for GAE) and the `ppoz learner` flags that carry --advantage to a learner started here. The learner's
     settings are validated now, before anything starts."""
+    from dataset_driver.group_advantage import GroupAdvantage
     from learner_node.config import GenerationConfig
-    from rewards.group import GroupAdvantage
 
     table = read_toml(config_file).get("generation", {}) if config_file else {}
     given: dict[str, Any] = {}

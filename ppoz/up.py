@@ -93,6 +93,12 @@ class UpConfig:
             check(self.env in names, f"env={self.env!r}: not an environment; known: {', '.join(names)}")
 
 
+def ppoz_command(*args: str, log_level: str | None = "info", python: Sequence[str] = (sys.executable,)) -> list[str]:
+    """`ppoz ARGS` as a child process runs it: this Python (or `python`, a launcher such as torchrun) on ppoz.cli,
+    at `log_level` (None: no --log-level flag, the command's default)."""
+    return [*python, "-m", "ppoz.cli", *(["--log-level", log_level] if log_level else []), *args]
+
+
 def connect_address(bind: str) -> str:
     """The address a local peer connects to for a bind address (`tcp://*:5555` -> `tcp://127.0.0.1:5555`)."""
     for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
@@ -227,7 +233,7 @@ def _started(
     actor_broker = connect_address(broker.backend) if broker is not None else actor.broker if actor is not None else ""
     actor_weights = connect_address(learner.weights_bind) if learner else actor.weights if actor is not None else ""
     client_broker = connect_address(broker.frontend) if broker is not None else up.env_broker
-    common = [sys.executable, "-m", "ppoz.cli", "--log-level", log_level]
+    common = ppoz_command(log_level=log_level)
     torch_env = thread_env(up.cpu_threads, up.actors + int(up.learner) + int(bool(rewards and rewards.reward_model)))
     config = ["--config", config_file] if config_file else []
     store_args = store_flags(store)

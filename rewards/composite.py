@@ -239,7 +239,7 @@ class CompositeReward:
         # weighted_sum/out_of_range, judge_score/no_verdict, ...): the driver's summary reads it.
         self.unrewarded: Counter[str] = Counter()
         self._counted = threading.Lock()
-        # Batches may be scored from several threads at once (dataset_driver/driver.py BatchingScorer) so that a judge's
+        # Batches may be scored from several threads at once (dataset_driver/scorer.py BatchingScorer) so that a judge's
         # requests overlap; the reward function (a user's, maybe not thread-safe), the reward model and the
         # running moments take one batch at a time.
         self._serial = threading.Lock()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.config import check, local_path, local_path_or_any, local_path_or_id, option, section
+from common.config import check, curve_key_pair, local_path_or_any, local_path_or_id, option, section
 from common.protocol import DEFAULT_MAX_ABS_REWARD, is_reward_bound
 from common.security import check_server_settings, is_local_endpoint
 
@@ -95,12 +95,7 @@ class RewardServiceConfig(RewardSources):
     )
     retry_after_ms: int = option(500, "the `retry_after_ms` sent with `overloaded`")
     drain_timeout_s: float = option(30.0, "on SIGTERM, how long requests in progress may take to finish before the service exits anyway")
-    curve_secret_key: str = option(
-        "",
-        "CURVE: the service's key pair file (NAME.key_secret from `ppoz keygen`); required to bind an address other"
-        " machines can reach (docs/security.md)",
-        path=local_path,
-    )
+    curve_secret_key: str = curve_key_pair("the service's", "; required to bind an address other machines can reach (docs/security.md)")
     curve_allowed_clients: str = option(
         "",
         'CURVE: a directory of the drivers\' NAME.key files allowed to connect, or "*" for any key (encryption only)',

@@ -1,25 +1,20 @@
 """What the process-level tests share: the `ppoz` command as users run it, ports for the processes a
 test starts, systemd's readiness protocol, and a supervised `ppoz up`.
 
-Ports. Binding port 0, closing the socket and handing the number to another process is a race: the
-kernel gives out the same ephemeral ports to every bind(0) and outgoing connection (ZeroMQ's own
-`tcp://127.0.0.1:*` binds in the test process among them), so a port can be taken before the process
-binds it, and more so with two pytest-xdist workers at work. `free_port` hands out ports from below
-the ephemeral range instead, which the kernel never hands out by itself: a block of its own for each
-worker, each port once per run, checked free by binding it first. A process that can choose its own
-port (a broker thread on `tcp://127.0.0.1:*`, a learner's `--weights-bind tcp://127.0.0.1:0`) needs
-none: the tests let it bind port 0 and read the port back.
+Ports. `free_port` is the product's (ppoz/ports.py: ports from below the ephemeral range, which the
+kernel never hands out by itself, each once per run, checked free by binding it first), with a block
+of its own for each pytest-xdist worker. A process that can choose its own port (a broker thread on
+`tcp://127.0.0.1:*`, a learner's `--weights-bind tcp://127.0.0.1:0`) needs none: the tests let it
+bind port 0 and read the port back.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,10 +23,12 @@ from typing import Any
 import pytest
 
 from client import Client, PPOZError
+from ppoz import ports
+from ppoz.ports import free_port  # noqa: F401 - the tests import it from here
+from ppoz.up import ppoz_command
 from tests.helpers import PROCESS_STOP_S
 
-PPOZ = [sys.executable, "-m", "ppoz.cli"]
-LOWEST_PORT = 10_000  # below it: the well-known and registered services a machine may run
+PPOZ = ppoz_command(log_level=None)  # the command line the product starts its own processes with
 
 
 def ppoz(*args: str, timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -49,47 +46,14 @@ def start_ppoz(*args: str, log: Path, env: dict[str, str] | None = None, **kwarg
     return subprocess.Popen([*PPOZ, *args], stderr=out, text=True, env={**os.environ, **(env or {})}, **kwargs)
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default; BSD and macOS start at 49152
-
-
-def _port_block() -> range:
-    """This pytest-xdist worker's ports (the whole span for a run without workers)."""
+def _use_worker_share() -> None:
+    """This pytest-xdist worker's block of ports (the whole span for a run without workers)."""
     workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    size = (_ephemeral_low() - LOWEST_PORT) // workers
-    return range(LOWEST_PORT + worker * size, LOWEST_PORT + (worker + 1) * size)
+    ports.use_share(worker, workers)
 
 
-_block = _port_block()
-_next_port = itertools.cycle(_block)
-_port_lock = threading.Lock()
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A loopback TCP port for a process a test starts: free now, and handed to no other test of this run."""
-    if len(_block) < 100:  # an ephemeral range that starts too low to leave room below it
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
-    with _port_lock:
-        for _ in range(len(_block)):
-            port = next(_next_port)
-            if _bindable(port):
-                return port
-    raise RuntimeError(f"no free port in {_block.start}-{_block.stop - 1}")
+_use_worker_share()
 
 
 class NotifySocket:

@@ -85,7 +85,7 @@ def test_a_bfloat16_adapter_folds_and_keeps_its_effect_as_the_unfolded_model_doe
     """Folded in bf16, W + sBA is rounded to 8 bits: the adapter's effect on the log-probabilities (against the
     float32 model's) is off by as much as the unfolded bf16 model's, no more; the base comes back bit for bit."""
     from actor_node.lora_merge import FoldedLoRA, applies
-    from learner_node.generation import response_logprobs
+    from learner_node.packed_forward import response_logprobs
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (20, 9, 33, 14)]

@@ -123,7 +123,7 @@ def test_an_actor_applies_a_snapshot_mid_response_and_the_transition_records_eac
         assert not asked.is_alive(), "the response never came"
         client.feedback(task, reward=1.0, done=True)
         (seg,) = wait_for(lambda t=task: [s for s in segments(redis_client, key_prefix) if s.task_id == t], what="the segment")
-        versions = seg.transitions[0].generation["token_versions"]
+        versions = seg.transitions[0].generation.token_versions
         assert len(versions) == replies[-1]["n_tokens"] and versions == sorted(versions)
         assert seg.transitions[0].policy_version == replies[-1]["policy_version"] == versions[0]
         if versions[0] < version <= versions[-1]:

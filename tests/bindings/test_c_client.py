@@ -309,9 +309,9 @@ def test_generate_against_the_live_stack(c_build, live_stack, redis_client, key_
     assert [s.reason for s in mine] == ["done"], mine
     (transition,) = mine[0].transitions
     assert transition.mode == "generate" and transition.reward == 1.0, transition
-    assert len(transition.generation["response_ids"]) == n_tokens and transition.generation["finish_reason"] == reason
+    assert len(transition.generation.response_ids) == n_tokens and transition.generation.finish_reason == reason
     assert transition.logprob == logprob  # printed with 17 significant digits: the same double
-    assert transition.obs["sampling"]["seed"] == 7 and transition.obs["sampling"]["top_p"] == 0.9, transition.obs
+    assert transition.obs.sampling["seed"] == 7 and transition.obs.sampling["top_p"] == 0.9, transition.obs
 
 
 @pytest.mark.slow

@@ -147,8 +147,8 @@ def test_generate_against_the_live_stack(node: str, live_stack: LiveStack, redis
     assert [s.reason for s in mine] == ["done"], mine
     (transition,) = mine[0].transitions
     assert transition.mode == "generate" and transition.reward == 1.0, transition
-    assert len(transition.generation["response_ids"]) == reply["n_tokens"], transition.generation
-    assert transition.generation["finish_reason"] == reply["finish_reason"] and transition.logprob == reply["logprob"]
+    assert len(transition.generation.response_ids) == reply["n_tokens"], transition.generation
+    assert transition.generation.finish_reason == reply["finish_reason"] and transition.logprob == reply["logprob"]
     # the sampling settings the broker recorded: the client's top_p and seed, its default temperature (1)
-    assert transition.obs["sampling"]["temperature"] == 1.0 and transition.obs["sampling"]["top_p"] == 0.9, transition.obs
-    assert transition.obs["sampling"]["seed"] == 7, transition.obs
+    assert transition.obs.sampling["temperature"] == 1.0 and transition.obs.sampling["top_p"] == 0.9, transition.obs
+    assert transition.obs.sampling["seed"] == 7, transition.obs

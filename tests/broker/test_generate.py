@@ -50,17 +50,17 @@ def test_generate_then_feedback_stores_a_transition_with_the_tokens_and_their_lo
     assert seg.reason == "length" and seg.next_obs["prompt_ids"] == tokenizer("turn 2: and again")["input_ids"]
     for turn, (t, reply) in enumerate(zip(seg.transitions, replies)):
         assert t.mode == p.OP_GENERATE and t.reward == float(turn) and t.action == 0 and t.probs == []
-        assert t.obs["prompt_ids"] == tokenizer(f"turn {turn}: tell me")["input_ids"]
-        assert t.obs["sampling"]["temperature"] == 0.8 and t.obs["sampling"]["seed"] == turn
+        assert t.obs.prompt_ids == tokenizer(f"turn {turn}: tell me")["input_ids"]
+        assert t.obs.sampling["temperature"] == 0.8 and t.obs.sampling["seed"] == turn
         gen = t.generation
-        assert gen["finish_reason"] == "length" and len(gen["response_ids"]) == 5 and gen["temperature"] == 0.8
-        assert gen["token_versions"] == [0] * 5  # every token by version 0
-        assert t.logprob == pytest.approx(reply["logprob"]) == pytest.approx(sum(gen["logprobs"]))
+        assert gen.finish_reason == "length" and len(gen.response_ids) == 5 and gen.temperature == 0.8
+        assert gen.token_versions == [0] * 5  # every token by version 0
+        assert t.logprob == pytest.approx(reply["logprob"]) == pytest.approx(sum(gen.logprobs))
         with torch.inference_mode():  # the logged log-probabilities are the model's own, at T = 0.8
-            logits = model(input_ids=torch.tensor([t.obs["prompt_ids"] + gen["response_ids"]])).logits[0].float() / 0.8
-        n = len(t.obs["prompt_ids"])
-        own = torch.log_softmax(logits, -1)[n - 1 : n - 1 + 5].gather(-1, torch.tensor(gen["response_ids"])[:, None])[:, 0]
-        assert float((own - torch.tensor(gen["logprobs"])).abs().max()) < 1e-4
+            logits = model(input_ids=torch.tensor([t.obs.prompt_ids + gen.response_ids])).logits[0].float() / 0.8
+        n = len(t.obs.prompt_ids)
+        own = torch.log_softmax(logits, -1)[n - 1 : n - 1 + 5].gather(-1, torch.tensor(gen.response_ids)[:, None])[:, 0]
+        assert float((own - torch.tensor(gen.logprobs)).abs().max()) < 1e-4
         assert t.policy is not None and t.policy["path"] == p.OP_GENERATE and t.policy["temperature"] == 0.8
     # A retried generate (same rid) after its feedback gets the first reply and generates nothing new.
     again = client.generate(task, "turn 3", max_new_tokens=2, rid="gen-rid-1")

@@ -116,3 +116,82 @@ def test_acknowledging_entries_counts_each_of_their_samples_once_however_often_i
     assert acknowledge(redis_client, keys, "learners", entries) == 0
     assert redis_client.hgetall(keys.samples_trained) == {b"r:0": b"1", b"r:1": b"1", b"r:2": b"1"}
     assert redis_client.xlen(keys.stream) == 0 and redis_client.xpending(keys.stream, "learners")["pending"] == 0
+
+
+def generate_wire(**generation: object) -> dict:
+    """A generate turn's transition as the broker writes it: the maps broker/actor_ops.py builds, in their order."""
+    sampling = {"max_new_tokens": 4, "temperature": 0.8, "top_p": 0.9, "top_k": 0, "stop": [], "seed": None}
+    response = {"response_ids": [7, 8], "logprobs": [-0.5, -1.25], "finish_reason": "length", "temperature": 0.8, "top_p": 0.9}
+    response.update(token_versions=[3, 3], **generation)
+    return {
+        "obs": {"prompt_ids": [1, 2, 3], "sampling": sampling},
+        "action": 0,
+        "logprob": -1.75,
+        "probs": [],
+        "policy_version": 3,
+        "mode": "generate",
+        "reward": 1.0,
+        "done": True,
+        "truncated": False,
+        "step_ms": 1,
+        "feedback_ms": 2,
+        "policy": None,
+        "generation": response,
+    }
+
+
+def test_a_generate_turn_reads_back_as_records_and_encodes_to_the_same_bytes():
+    from common.segments import GeneratedResponse, GenerateObservation, pack
+
+    wire = generate_wire()
+    t = Transition.from_wire(wire)
+    assert t.obs == GenerateObservation([1, 2, 3], wire["obs"]["sampling"]) and t.generate_obs is t.obs
+    assert t.generation == t.response == GeneratedResponse([7, 8], [-0.5, -1.25], "length", 0.8, 0.9, [3, 3])
+    assert pack(t.to_wire()) == pack(wire)
+    older = generate_wire()  # a record written without top_p and token_versions: none added
+    del older["generation"]["top_p"], older["generation"]["token_versions"]
+    assert (t := Transition.from_wire(older)).generation is not None and t.generation.top_p is None
+    assert pack(t.to_wire()) == pack(older)
+    with pytest.raises(TypeError):
+        _ = t.candidate_obs
+    with pytest.raises(TypeError):
+        _ = transition(1.0).generate_obs
+    with pytest.raises(TypeError):
+        _ = transition(1.0).response
+
+
+def test_the_broker_stores_a_generate_turn_as_the_maps_its_actor_side_checked():
+    """broker/actor_ops.py keeps a generate result's observation and response as maps in the pending step (and in
+    Redis); the transition its feedback makes holds them as records, and encodes to the bytes those maps give."""
+    from broker.sessions import PendingStep
+    from common.segments import pack
+
+    wire = generate_wire()
+    session = Session("t", segment_len=4)
+    step = PendingStep("r", "generate", wire["obs"], 0, -1.75, [], 3, 1, b"reply", 0, None, wire["generation"])
+    session.record_step(step)
+    t, _ = session.record_feedback(1.0, True, False, None)
+    assert pack(t.to_wire()) == pack(dict(wire, feedback_ms=t.feedback_ms))
+    assert PendingStep.from_wire(step.to_wire()) == step
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "named"),
+    [
+        ("generation", {"logprobs": "-0.5"}, "generation.logprobs"),
+        ("generation", {"response_ids": [7, True]}, "generation.response_ids"),
+        ("generation", {"temperature": None}, "generation.temperature"),
+        ("generation", {"token_versions": 3}, "generation.token_versions"),
+        ("obs", {"prompt_ids": "1 2 3"}, "obs.prompt_ids"),
+        ("obs", {"sampling": None}, "obs.sampling"),
+    ],
+)
+def test_a_generate_turn_with_a_field_of_the_wrong_type_is_refused_by_name(where, value, named):
+    wire = generate_wire()
+    wire[where].update(value)
+    with pytest.raises(ValueError, match=f"`{named}`"):
+        Transition.from_wire(wire)
+    entry = {name.encode(): b"0" for name in ENTRY_FIELDS}
+    entry.update({b"seg_id": b"t:0", b"task_id": b"t", b"reason": b"done", b"next_obs": encode(None), b"transitions": encode([wire])})
+    with pytest.raises(ValueError, match=f"not a segment entry.*`{named}`"):
+        Segment.from_entry(entry)

@@ -107,12 +107,12 @@ def test_a_run_resumes_where_it_stopped_and_validation_is_not_trained(stack, red
 
 def test_grpo_sends_each_groups_advantages_and_skips_groups_that_cannot_be_compared(stack, redis_client, key_prefix) -> None:
     """rollout_n responses to one prompt are a group: each is sent with (r - mean) / (std + eps) over its group's
-    rewards (rewards/group.py). A group whose responses all scored alike is sent with advantages 0; one with a
+    rewards (dataset_driver/group_advantage.py). A group whose responses all scored alike is sent with advantages 0; one with a
     single rewarded response is not trained on at all."""
     import collections
     import threading
 
-    from rewards.group import GroupAdvantage
+    from dataset_driver.group_advantage import GroupAdvantage
 
     calls: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
@@ -149,7 +149,7 @@ def test_grpo_sends_each_groups_advantages_and_skips_groups_that_cannot_be_compa
 
     by_prompt: dict[tuple[int, ...], list[float]] = collections.defaultdict(list)
     for t in wait_for(stored_turns, timeout=30, what="3 groups of 3 turns in the stream"):  # acknowledged already: ms; x1000
-        by_prompt[tuple(t.obs["prompt_ids"])].append(t.reward)
+        by_prompt[tuple(t.obs.prompt_ids)].append(t.reward)
     assert len(by_prompt) == 3 and all(len(v) == 3 for v in by_prompt.values())
     # rewards 1, 2, 3: mean 2, sample std 1, advantages -1, 0, 1 (over 1 + eps); the group that scored alike: 0s
     got = sorted(sorted(v) for v in by_prompt.values())
@@ -163,7 +163,7 @@ def test_a_groups_requests_travel_together_and_the_actor_computes_their_prompt_o
     reach the actor together, which prefills the shared prompt once and copies it to the other rows. Sent one
     after another, each would arrive after the one before had finished, and nothing would be shared."""
     from actor_node.llm_policy import LLMPolicy, SamplingConfig
-    from rewards.group import GroupAdvantage
+    from dataset_driver.group_advantage import GroupAdvantage
     from tests.helpers import actors_ready
 
     model, tokenizer = words_llm
@@ -201,7 +201,7 @@ def test_groups_of_several_workers_with_short_and_long_prompts_each_meet_in_the_
     import threading
 
     from actor_node.llm_policy import LLMPolicy, SamplingConfig
-    from rewards.group import GroupAdvantage
+    from dataset_driver.group_advantage import GroupAdvantage
     from tests.helpers import actors_ready
 
     model, tokenizer = words_llm
@@ -276,7 +276,7 @@ def test_groups_of_several_workers_with_short_and_long_prompts_each_meet_in_the_
         return turns if len(turns) >= total else None
 
     stored = wait_for(stored_turns, timeout=30, what=f"the {total} turns in the stream")  # acknowledged already: ms; x1000
-    assert collections.Counter(tuple(t.obs["prompt_ids"]) for t in stored) == {prompt: rollout_n for prompt in prompts}
+    assert collections.Counter(tuple(t.obs.prompt_ids) for t in stored) == {prompt: rollout_n for prompt in prompts}
 
 
 def test_the_scorer_overlaps_batches_at_a_slow_judge_but_runs_the_reward_function_one_batch_at_a_time() -> None:

@@ -58,10 +58,8 @@ def test_ppoz_train_on_responses_of_up_to_64_tokens_applies_every_update_and_lea
     data = ["--data", str(tmp_path / "count.jsonl"), "--val", str(tmp_path / "count.jsonl")]
     reward = ["--reward-fn", f"{tmp_path / 'reward.py'}:compute_score"]
     # the whole stack's start, 1,600 responses of up to 64 tokens, validations and the stop: 76 s alone; x11
-    run = ppoz(
-        "train", "--config", str(config), "--model", model, *data, *reward, "--epochs", "0", "--max-samples", "1600", "--json",
-        timeout=840, cwd=tmp_path,
-    )  # fmt: skip
+    limits = ["--epochs", "0", "--max-samples", "1600", "--json"]
+    run = ppoz("train", "--config", str(config), "--model", model, *data, *reward, *limits, timeout=840, cwd=tmp_path)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-4000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])

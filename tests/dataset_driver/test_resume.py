@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from tests.broker.test_broker import segments
+from tests.dataset_driver.test_driver import records
+from tests.dataset_driver.test_run import write_dataset
 from tests.helpers import wait_for
 from tests.processes import free_port, ppoz, start_ppoz
-from tests.train.test_driver import records
-from tests.train.test_run import write_dataset
 
 # Enough that five killed runs and the stopped one cannot finish the epoch: with 200 (400 samples) the killed runs
 # had done 330 once the drivers stopped waiting on the learner (held asks), and the stopped run finished before its signal.
@@ -153,9 +153,9 @@ def test_a_resumed_driver_skips_what_was_stored_and_completes_a_cut_group(stack,
     from client import Client
     from dataset_driver.data import PromptOrder
     from dataset_driver.driver import BatchingScorer, Sampling, drive
+    from dataset_driver.group_advantage import GroupAdvantage
     from dataset_driver.resume import SampleMarks, load_samples
     from rewards.composite import CompositeReward
-    from rewards.group import GroupAdvantage
 
     run = "0123456789ab"
     marks = SampleMarks(redis_client, key_prefix)

@@ -10,7 +10,7 @@ import pytest
 
 from dataset_driver.config import TrainConfig
 from dataset_driver.run import build_reward, run_training
-from tests.train.test_driver import COLOURS
+from tests.dataset_driver.test_driver import COLOURS
 from tools.bench.judge_stand_in import chat_server
 
 
@@ -26,7 +26,7 @@ def first_word(data_source, solution_str, ground_truth, extra_info=None):
 def small_run(tmp_path, records: int, **settings) -> TrainConfig:
     """A short run on `records` colour prompts (train.jsonl), 2 workers, 2-token responses, the first-word reward."""
     write_dataset(tmp_path / "train.jsonl", records)
-    defaults = dict(workers=2, max_new_tokens=2, reward_fn="tests.train.test_run:first_word", report_every_s=0.5)
+    defaults = dict(workers=2, max_new_tokens=2, reward_fn="tests.dataset_driver.test_run:first_word", report_every_s=0.5)
     return TrainConfig(data=str(tmp_path / "train.jsonl"), output_dir=str(tmp_path / "out"), **{**defaults, **settings})
 
 
@@ -83,8 +83,8 @@ def test_the_reward_sources_come_from_train_settings(tiny_reward_model) -> None:
 
 
 def test_grpo_runs_whole_groups_and_says_when_the_learner_disagrees(stack, tmp_path, caplog) -> None:
+    from dataset_driver.group_advantage import GroupAdvantage
     from ppoz.train import advantage_settings
-    from rewards.group import GroupAdvantage
 
     cfg = small_run(tmp_path, 4, rollout_n=3, max_samples=12)
     lines: list[str] = []

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from tests.dataset_driver.test_driver import COLOURS
+from tests.dataset_driver.test_run import write_dataset
 from tests.helpers import wait_for
 from tests.processes import free_port, ppoz, start_ppoz
-from tests.train.test_driver import COLOURS
-from tests.train.test_run import write_dataset
 
 
 @pytest.mark.slow
@@ -131,7 +131,7 @@ def test_a_run_whose_learner_never_updated_says_so_and_fails(tmp_path, tiny_mode
         f'[up]\nactors = 1\n[train]\nworkers = 2\nmax_new_tokens = 2\nreport_every_s = 1\noutput_dir = "{tmp_path / "out"}"\n'
     )
     model_and_config = ["--config", str(config), "--model", model]
-    data, reward = ["--data", str(tmp_path / "train.jsonl")], ["--reward-fn", "tests.train.test_run:first_word"]
+    data, reward = ["--data", str(tmp_path / "train.jsonl")], ["--reward-fn", "tests.dataset_driver.test_run:first_word"]
     run_for = ["--epochs", "0", "--max-samples", "8"]
     # the whole stack's start, 8 samples, the stop: 6 s on the 2-core VM beside other work; x50
     run = ppoz("train", *model_and_config, *data, *reward, *run_for, "--json", timeout=300, cwd=tmp_path)

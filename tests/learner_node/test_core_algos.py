@@ -19,6 +19,8 @@ def candidate_loss(new, old, adv, behaviour_logp=None, is_cap=math.inf):
 def test_every_registry_holds_exactly_the_names_configs_accept():
     assert tuple(core_algos.KL_ESTIMATORS) == options.KL_ESTIMATORS
     assert tuple(core_algos.LOSS_AGGREGATIONS) == options.LOSS_AGGREGATIONS
+    assert tuple(core_algos.ADVANTAGE_ESTIMATORS) == options.ADVANTAGE_ESTIMATORS
+    assert set(core_algos.GROUP_ESTIMATORS) < set(core_algos.ADVANTAGE_ESTIMATORS)
     with pytest.raises(ValueError, match="unknown policy loss 'gspo'"):
         core_algos.policy_loss(
             torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), core_algos.ClipRange(0.2, 0.2), kind="gspo"

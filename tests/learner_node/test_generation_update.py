@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from actor_node.generation_engine import GenerationEngine
-from common.segments import Segment, Transition
+from common.segments import GeneratedResponse, GenerateObservation, Segment, Transition
 from common.shared_settings import PolicySpec, PolicyStamp
-from learner_node.generation import build_generation_batch, fill_rows, pack, response_logprobs, split_by_mode
+from learner_node.generation import build_generation_batch, split_by_mode
+from learner_node.packed_forward import fill_rows, pack, response_logprobs
 from models.policy_model import ModelSpec, load_policy
 from tests.learner_node.test_async_ppo import learner_on, write_to_stream
 
@@ -78,7 +79,7 @@ def test_a_sliding_window_model_is_scored_past_its_window_in_packed_rows(tmp_pat
     Responses past a 16-token window, one of them starting mid-row after another sequence, equal the model's
     own logits; the window matters on these sequences (full attention gives other numbers), and the
     start-up check keeps the packed layout."""
-    from learner_node.generation import check_layout
+    from learner_node.packed_forward import check_layout
 
     model = sliding_window_model(kind, tmp_path / kind)
     g = torch.Generator().manual_seed(0)
@@ -99,7 +100,7 @@ def test_the_start_up_check_refuses_a_packed_mask_that_ignores_the_window(tmp_pa
     """What the learner did before: a dense block-causal 4D mask built by hand from the packing, each sequence
     seeing all of itself. On a sliding-window model the check's probe (a sequence past the window, starting
     mid-row) catches it and the learner trains padded rows, whose numbers are the model's."""
-    from learner_node.generation import check_layout
+    from learner_node.packed_forward import check_layout
 
     model = sliding_window_model("mistral", tmp_path / "mistral")
 
@@ -125,7 +126,7 @@ def test_a_model_that_ignores_packed_position_ids_is_trained_padded(tiny_models)
     """The start-up check refuses a layout that does not give the model's own numbers: a decoder that drops the
     position ids (as a model with its own position handling might) sees the packed sequences as one; the check
     falls back to one sequence per row, whose numbers are the model's."""
-    from learner_node.generation import check_layout
+    from learner_node.packed_forward import check_layout
 
     model, _ = load_policy(ModelSpec(model=tiny_models["llama"], device="cpu", lora_rank=4))
     assert check_layout(model) == "packed"
@@ -143,7 +144,7 @@ def gen_transition(prompt: list[int], response: list[int], reward: float = 1.0, 
     settings = dict(done=True, truncated=False, temperature=1.0, policy=None)
     settings.update(kw)
     return Transition(
-        obs={"prompt_ids": prompt, "sampling": {"max_new_tokens": 8}},
+        obs=GenerateObservation(prompt, {"max_new_tokens": 8}),
         action=0,
         logprob=-1.0,
         probs=[],
@@ -153,13 +154,7 @@ def gen_transition(prompt: list[int], response: list[int], reward: float = 1.0, 
         done=settings["done"],
         truncated=settings["truncated"],
         policy=settings["policy"],
-        generation={
-            "response_ids": response,
-            "logprobs": [-0.5] * len(response),
-            "finish_reason": "length",
-            "temperature": settings["temperature"],
-            "top_p": 1.0,
-        },
+        generation=GeneratedResponse(response, [-0.5] * len(response), "length", settings["temperature"], top_p=1.0),
     )
 
 
@@ -268,7 +263,7 @@ def engine_transitions(model_dir: str, n: int, version: int = 0, max_new_tokens:
         g = answers[i]
         t = gen_transition(g.prompt_ids, g.response_ids, reward=float(len(g.text) % 2), version=version, temperature=g.temperature)
         assert t.generation is not None
-        t.generation["logprobs"] = g.logprobs
+        t.generation.logprobs = g.logprobs
         out.append(t)
     return out
 
@@ -368,7 +363,7 @@ def test_grpo_trains_each_response_on_its_reported_advantage_with_no_critic(
     critic_before = [p.detach().clone() for p in learner.lp.token_value_head.parameters()]
     metrics = learner.step()
     assert metrics is not None and learner.counters["transitions_trained"] == n
-    lengths = [len(t.generation["response_ids"]) for t in transitions]  # type: ignore[index]
+    lengths = [len(t.generation.response_ids) for t in transitions]  # type: ignore[union-attr]
     expected = -sum(a * n_tokens for a, n_tokens in zip(advantages, lengths)) / sum(lengths)
     assert metrics["generation/optimizer_steps"] == 1 and metrics["generation/first_minibatch_ratio_dev"] < 1e-4
     assert metrics["generation/policy_loss"] == pytest.approx(expected, abs=1e-4)
@@ -408,7 +403,7 @@ def test_responses_of_different_lengths_train_and_micro_batches_add_up_to_the_mi
         response = torch.randint(3, 250, (r_len,), generator=g).tolist()
         t = gen_transition(prompt, response, reward=(1.0, -0.5, 0.25, 0.0)[i % 4], version=0)
         assert t.generation is not None
-        t.generation["logprobs"] = own_logprobs(reference, prompt, response, 1.0).tolist()  # on-policy
+        t.generation.logprobs = own_logprobs(reference, prompt, response, 1.0).tolist()  # on-policy
         transitions.append(t)
     n = len(transitions)
     after = {}
@@ -462,7 +457,8 @@ def test_the_reference_and_the_critic_share_one_adapter_off_forward(tiny_models,
     from peft.tuners.lora import LoraLayer
 
     from learner_node.config import GenerationConfig
-    from learner_node.generation import Chain, GenerationBatch, GenerationUpdate, response_hidden
+    from learner_node.generation import Chain, GenerationBatch, GenerationUpdate
+    from learner_node.packed_forward import response_hidden
     from learner_node.policy import LearnerPolicy
     from models import scoring
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner_node.generation import response_logprobs
 from learner_node.optim import RESIDUAL, MasterWeightAdam, adam
+from learner_node.packed_forward import response_logprobs
 from learner_node.sharding import TrainState, load_sharded, save_sharded
 from models.policy_model import ModelSpec, load_policy
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from learner_node import sharded_load
-from learner_node.generation import response_logprobs
+from learner_node.packed_forward import response_logprobs
 from learner_node.sharding import full_state_chunks, shard
 from models.policy_model import ModelSpec, load_policy
 from tests.learner_node.test_sharding import run_ranks

@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.segments import Segment, Transition
+from common.segments import GeneratedResponse, GenerateObservation, Segment, Transition
 from learner_node.config import GenerationConfig, UpdateConfig
-from learner_node.generation import build_generation_batch, generation_update, pack, response_logprobs
+from learner_node.generation import build_generation_batch, generation_update
 from learner_node.optim import adam
+from learner_node.packed_forward import pack, response_logprobs
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import build_rollout, candidate_update
 from learner_node.sharding import (
@@ -62,7 +63,7 @@ def transition(prompt: list[int], response: list[int], reward: float, done: bool
     """A generated response as the broker stores it; behaviour log-probabilities that are not the model's, so the
     ratios, clipping and behaviour weights all take part."""
     return Transition(
-        obs={"prompt_ids": prompt, "sampling": {"max_new_tokens": 16}},
+        obs=GenerateObservation(prompt, {"max_new_tokens": 16}),
         action=0,
         logprob=-1.0,
         probs=[],
@@ -71,13 +72,13 @@ def transition(prompt: list[int], response: list[int], reward: float, done: bool
         reward=reward,
         done=done,
         truncated=False,
-        generation={
-            "response_ids": response,
-            "logprobs": [-5.3 - 0.1 * (k % 5) for k in range(len(response))],  # about a random tiny model's (-log 259)
-            "finish_reason": "length",
-            "temperature": 1.0 if len(response) % 2 else 0.8,
-            "top_p": 1.0,
-        },
+        generation=GeneratedResponse(
+            response,
+            [-5.3 - 0.1 * (k % 5) for k in range(len(response))],  # about a random tiny model's (-log 259)
+            "length",
+            1.0 if len(response) % 2 else 0.8,
+            top_p=1.0,
+        ),
     )
 
 
@@ -119,7 +120,7 @@ def candidate_rollout() -> Any:
 
 
 def learner(model_dir: str, kind: str, sharded: bool) -> tuple[LearnerPolicy, torch.optim.Optimizer, torch.optim.Optimizer]:
-    """The policy, its critic and their optimizers as the learner builds them (learner_node/worker.py), sharded
+    """The policy, its critic and their optimizers as the learner builds them (learner_node/loading.py, trainer.py), sharded
     before the optimizers are made: they must hold the sharded parameters."""
     arch, rank, trainable = KINDS[kind]
     torch.manual_seed(0)

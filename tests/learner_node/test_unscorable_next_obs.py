@@ -24,12 +24,13 @@ import torch
 
 from broker.sessions import SegmentClose, Session
 from broker.store import Batch, SessionStore
-from common import learner_figures, scoring
+from common import learner_figures
 from common.segments import RedisKeys, Segment, Transition, pack
-from learner_node import worker as worker_module
+from learner_node import trainer as trainer_module
 from learner_node.generation import build_generation_batch
 from learner_node.rollout import Rollout, build_rollout
 from learner_node.worker import Learner
+from models import scoring
 from tests.learner_node.test_async_ppo import learner_on
 from tests.learner_node.test_generation_update import gen_transition
 
@@ -74,13 +75,13 @@ def without_bos(model_dir: str, to: Path) -> str:
 
 
 class Spy:
-    """What the learner's critic was asked and answered (`_values`), and the rollouts it built."""
+    """What the learner's critic was asked and answered (its trainer's `values`), and the rollouts it built."""
 
     def __init__(self, learner: Learner, monkeypatch: pytest.MonkeyPatch) -> None:
         self.asked: list[tuple[list[dict[str, Any]], list[float | None]]] = []
         self.rollouts: list[Rollout] = []
         self.longest = 0  # the most positions any forward of the model's decoder saw
-        values, build = learner._values, worker_module.build_rollout
+        values, build = learner.trainer.values, trainer_module.build_rollout
 
         def spied_values(observations: list[dict[str, Any]]) -> list[float | None]:
             got = values(observations)
@@ -97,8 +98,8 @@ class Spy:
             seen = int(pos.max()) + 1 if pos is not None else ids.shape[1] if ids is not None else 0
             self.longest = max(self.longest, seen)
 
-        monkeypatch.setattr(learner, "_values", spied_values)
-        monkeypatch.setattr(worker_module, "build_rollout", spied_build)
+        monkeypatch.setattr(learner.trainer, "values", spied_values)
+        monkeypatch.setattr(trainer_module, "build_rollout", spied_build)
         self.hook = scoring.model_parts(learner.lp.model)[0].register_forward_pre_hook(positions, with_kwargs=True)
 
     def value(self, obs: dict[str, Any]) -> float | None:
@@ -160,7 +161,7 @@ def test_a_next_obs_that_tokenizes_to_nothing_ends_its_segment_as_truncated(
     learner = learner_on(model, "float32", redis_url, redis_client, key_prefix, tmp_path, 5)
     spy = Spy(learner, monkeypatch)
     try:
-        with caplog.at_level(logging.WARNING, logger=worker_module.__name__):
+        with caplog.at_level(logging.WARNING, logger=trainer_module.__name__):
             check_batch(learner, spy, learner.step(), ids, FINE_NEXT)
             assert spy.value(empty) is None
             # white space alone is no better (the context's trailing white space goes to the candidates); the warning

@@ -291,7 +291,7 @@ def test_gradients_flow_through_the_packed_path(tiny_models):
 
 
 def test_a_16_bit_heads_float32_copy_is_made_once_per_version_of_its_weight_and_refreshed_in_place() -> None:
-    from models.scoring import _float32_weight, head_logits
+    from models.scoring.lm_head import _float32_weight, head_logits
 
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 40, bias=False).to(torch.bfloat16).requires_grad_(False)

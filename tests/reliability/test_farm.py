@@ -7,7 +7,9 @@ import json
 import pytest
 
 from tests.processes import ppoz
-from tools.reliability.farm import RECOVERIES, Network, Phase, Report, format_report, learner_updates, namespaces_unavailable
+from tools.reliability.farm_network import Network, namespaces_unavailable
+from tools.reliability.farm_processes import learner_updates
+from tools.reliability.farm_report import RECOVERIES, Phase, Report, format_report
 
 WHY_NOT = namespaces_unavailable()
 

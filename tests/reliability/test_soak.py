@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.processes import ppoz
-from tools.reliability.soak import Report, Window, format_report, percentile, summarise
+from tools.reliability.soak import ProcessLogs, Report, Window, format_report, percentile, summarise
 
 
 @pytest.mark.slow
@@ -88,3 +88,12 @@ def test_memory_growth_and_latency_drift_leave_out_the_first_window():
 def test_percentile():
     assert percentile([], 0.5) != percentile([], 0.5)  # nan
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile(list(range(100)), 0.99) == 99
+
+
+def test_the_stacks_output_goes_to_a_log_file_per_process_named_as_the_report_names_it(tmp_path):
+    with ProcessLogs(tmp_path) as logs:  # the supervisor's lines: the component's name, right-aligned, then " | "
+        print(f"{'actor-0':>8} | loaded the model", file=logs, flush=True)
+        print(f"{'learner':>8} | update 1 | loss 0.5", file=logs, flush=True)
+    assert (tmp_path / "actor.log").read_text() == "loaded the model\n"
+    assert (tmp_path / "learner.log").read_text() == "update 1 | loss 0.5\n"
+    assert (tmp_path / "broker.log").read_text() == ""  # a quiet process's file is there too

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tools.bench.weights_hosts import run_hosts
-from tools.reliability.farm import namespaces_unavailable
+from tools.reliability.farm_network import namespaces_unavailable
 
 WHY_NOT = namespaces_unavailable()
 

@@ -201,13 +201,13 @@ def test_a_reward_function_that_hangs_or_exits_costs_its_response_alone(caplog) 
 
 
 def test_a_hung_reward_function_neither_holds_up_the_drivers_scorer_nor_keeps_the_process_from_exiting() -> None:
-    """Through dataset_driver/driver.py's BatchingScorer, in a process of its own: the futures are answered, and the process
+    """Through dataset_driver/scorer.py's BatchingScorer, in a process of its own: the futures are answered, and the process
     exits at once although the function still hangs (before, the scorer's pool thread was joined at exit: forever)."""
     script = textwrap.dedent(
         """
         import threading
         from rewards.composite import CompositeReward, Item
-        from dataset_driver.driver import BatchingScorer
+        from dataset_driver.scorer import BatchingScorer
 
         def forever_or_exit(data_source, solution_str, ground_truth, extra_info=None):
             if solution_str == "hang":
@@ -239,7 +239,7 @@ class ExitingRewardModel:
 
 
 def test_the_drivers_scorer_answers_every_response_even_when_scoring_raises_systemexit() -> None:
-    from dataset_driver.driver import BatchingScorer
+    from dataset_driver.scorer import BatchingScorer
 
     scorer = BatchingScorer(CompositeReward({"rm_score": 1.0}, reward_model=ExitingRewardModel()), max_batch=2)
     futures = [scorer.submit(Item("p", str(n))) for n in range(3)]

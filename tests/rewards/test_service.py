@@ -370,7 +370,7 @@ def test_the_clients_hold_a_reply_to_the_bound_whatever_the_service_sends() -> N
 
 def test_a_service_nobody_runs_is_reported_within_seconds_with_its_address_and_each_try_logged(caplog) -> None:
     """At start a driver asks the service what it hosts: before, that waited 3 silent minutes (60 s x 3 attempts)."""
-    caplog.set_level("WARNING", logger="rewards.service")
+    caplog.set_level("WARNING", logger="rewards.service.client")
     endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     client = RewardServiceClient(endpoint)  # the drivers' defaults: 60 s and 2 retries for a scoring request
     started = time.monotonic()

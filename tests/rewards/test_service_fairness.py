@@ -23,7 +23,7 @@ def rm_dir(tiny_reward_model) -> str:
 
 
 def test_fair_shares_give_each_request_its_turn_in_a_batch() -> None:
-    from rewards.service import Job, Scoring, fair_shares
+    from rewards.service.scheduler import Job, Scoring, fair_shares
 
     def scoring(rows: int, done: int = 0) -> Scoring:
         return Scoring(Job("rm_score", "r", [("p", "r")] * rows, []), done=done)

@@ -288,9 +288,9 @@ def driver_load(frontend: str, records: list[PromptRecord], args: argparse.Names
 @contextlib.contextmanager
 def stack(model_dir: str, workers: int, tmp: Path) -> Iterator[str]:
     """Embedded Redis, the broker and one actor serving `model_dir`, as `ppoz up` starts them; the client endpoint."""
-    from client import Client
-    from ppoz.up import UpConfig, started_stack
-    from tools.reliability.soak import free_port
+    from ppoz.ports import free_port
+    from ppoz.up import UpConfig
+    from tools.harness import wait_for_actor, watched_stack
 
     config = tmp / "stack.toml"
     config.write_text(
@@ -303,15 +303,9 @@ def stack(model_dir: str, workers: int, tmp: Path) -> Iterator[str]:
     # rule reward's ceiling fell from 85-103 to 5-29 responses/s. `ppoz train` on 2 cores runs the actor
     # and the learner, one thread each.
     up = UpConfig(learner=False, actors=1, cpu_threads=1, on_failure="stop", stop_timeout_s=30.0, ready_timeout_s=120.0)
-    with started_stack(up, str(config), "warning", model=model_dir) as running:
-        watcher = threading.Thread(target=running.supervisor.watch, name="stack-watch", daemon=True)
-        watcher.start()
-        with Client(running.client_broker, deadline=5.0, attempt_timeout=5.0) as probe:
-            end = time.monotonic() + 180.0
-            while not probe.status()["actors"]:
-                if running.supervisor.failed or time.monotonic() > end:
-                    raise BenchError(f"the actor did not register within 180 s (failed: {running.supervisor.failed})")
-                time.sleep(0.2)
+    with watched_stack(up, str(config), "warning", model=model_dir) as running:
+        if not wait_for_actor(running, 180.0, period=0.2):
+            raise BenchError(f"the actor did not register within 180 s (failed: {running.supervisor.failed})")
         yield running.client_broker
         if running.supervisor.failed:
             raise BenchError(f"the stack's {running.supervisor.failed} died during the benchmark")

@@ -24,12 +24,12 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from typing import Any
 
 import torch
 
+from ppoz.up import ppoz_command
 from tools.bench import load_at_start, status_kb
 
 GAE_TOKENS = 131_072
@@ -258,7 +258,7 @@ def decode_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
 def bench_part(name: str, device: torch.device, extra: list[str], limit_s: float) -> dict[str, Any]:
     """`ppoz bench NAME --json` in a process of its own: its JSON object, or the error that stopped it."""
     device_args = [] if name == "weights" else ["--device", device.type]
-    argv = [sys.executable, "-m", "ppoz.cli", "bench", name, "--json", *device_args, *extra]
+    argv = ppoz_command("bench", name, "--json", *device_args, *extra, log_level=None)
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s)  # the part's own limit, within the budget
     except subprocess.TimeoutExpired:

@@ -66,9 +66,9 @@ def _rss_mb() -> float:
 def generation_step(model: Any, method: str, vocab: int, micro_tokens: int) -> int:
     """One token-level policy step on GEN_RESPONSES responses: the PPO surrogate at ratio 1 on every response token,
     backward per forward (gradient accumulation), one optimizer step by the caller. Returns the tokens pushed
-    through the model (padding included). `packed`: learner_node.generation's path, rows of at most
+    through the model (padding included). `packed`: learner_node.packed_forward's path, rows of at most
     `micro_tokens` real tokens; `padded`: the whole batch right-padded to its longest sequence, one forward."""
-    from learner_node.generation import head_logprobs, response_logprobs
+    from learner_node.packed_forward import head_logprobs, response_logprobs
     from models import scoring
 
     gen = torch.Generator().manual_seed(0)
@@ -77,7 +77,7 @@ def generation_step(model: Any, method: str, vocab: int, micro_tokens: int) -> i
     responses = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
     total = sum(len(r) for r in responses)
     if method == "packed":
-        from learner_node.generation import pack
+        from learner_node.packed_forward import pack
 
         pushed = 0
         for row in pack([len(p) + len(r) for p, r in zip(prompts, responses)], micro_tokens):

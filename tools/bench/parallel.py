@@ -67,7 +67,7 @@ def _held_mb(modules: list[Any], optimizers: list[torch.optim.Optimizer]) -> flo
 
 def _batch(responses: int, longest: int) -> Any:
     """`responses` generated responses of 8 to `longest` tokens after prompts of 8 to 64, one segment each."""
-    from common.segments import Segment, Transition
+    from common.segments import GeneratedResponse, GenerateObservation, Segment, Transition
     from learner_node.generation import build_generation_batch
 
     g = torch.Generator().manual_seed(0)
@@ -76,7 +76,7 @@ def _batch(responses: int, longest: int) -> Any:
         prompt = torch.randint(3, 250, (8 + (i * 7) % 57,), generator=g).tolist()
         response = torch.randint(3, 250, (8 + (i * 13) % (longest - 7),), generator=g).tolist()
         t = Transition(
-            obs={"prompt_ids": prompt, "sampling": {"max_new_tokens": longest}},
+            obs=GenerateObservation(prompt, {"max_new_tokens": longest}),
             action=0,
             logprob=-1.0,
             probs=[],
@@ -85,7 +85,7 @@ def _batch(responses: int, longest: int) -> Any:
             reward=float(i % 3) - 1.0,
             done=True,
             truncated=False,
-            generation={"response_ids": response, "logprobs": [-5.5] * len(response), "finish_reason": "stop", "temperature": 1.0},
+            generation=GeneratedResponse(response, [-5.5] * len(response), "stop", 1.0),
         )
         segments.append(Segment(f"s{i}", f"t{i}", 0, "done", True, False, None, [t]))
     return build_generation_batch(segments, current_version=0, max_policy_lag=4)

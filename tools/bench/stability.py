@@ -136,8 +136,9 @@ def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict
     (`started_stack`), its components' output in the run's up.log."""
     from client import Client
     from common.config import load
-    from ppoz.up import UpConfig, started_stack
-    from tools.reliability.soak import free_port
+    from ppoz.ports import free_port
+    from ppoz.up import UpConfig
+    from tools.harness import watched_stack
 
     front, back, weights = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
     config = workdir / "stack.toml"
@@ -172,9 +173,8 @@ def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict
         return learner
 
     failed = ""
-    with log_path.open("w") as log, started_stack(load(UpConfig, str(config)), str(config), "info", output=log) as stack:
+    with log_path.open("w") as log, watched_stack(load(UpConfig, str(config)), str(config), "info", output=log) as stack:
         supervisor = stack.supervisor
-        threading.Thread(target=supervisor.watch, name="stack-watch", daemon=True).start()
         while not ((s := _status(front)) and s["actors"]):
             if supervisor.failed or time.monotonic() > end:
                 raise SystemExit(f"ppoz bench stability: the stack did not start; see {log_path}")

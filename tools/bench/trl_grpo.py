@@ -1,6 +1,6 @@
 """The trl leg of `ppoz bench train`: trl's GRPOTrainer on one of tools/bench/train_tasks.py's tasks, for a budget.
 
-Run by the Python of the bench's trl environment (tools/bench/train.py `ensure_trl`), which sees this
+Run by the Python of the bench's trl environment (tools/bench/trl_env.py `ensure_trl`), which sees this
 environment's packages through a `.pth` file: it imports trl, and of PPOZ only what needs no more than the
 PPOZ environment's packages (the task: its prompts, its model's builder, its reward). Its last line on
 stdout is one JSON object: samples, response_tokens, seconds, val_before, val_after, validations, cpu_s, ...

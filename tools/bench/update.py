@@ -67,7 +67,8 @@ def response_lengths(n: int, low: int, high: int, median_frac: float = 0.2, seed
 
 def make_batch(args: argparse.Namespace, model: Any) -> Any:
     """On-policy responses: behaviour log-probs are the model's own, rewards alternate, one chain per response."""
-    from learner_node.generation import Chain, GenerationBatch, response_logprobs
+    from learner_node.generation import Chain, GenerationBatch
+    from learner_node.packed_forward import response_logprobs
 
     gen = torch.Generator().manual_seed(1)
     lengths = response_lengths(args.responses, args.min_len, args.max_len, args.median)

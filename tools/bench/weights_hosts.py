@@ -1,6 +1,6 @@
 """`ppoz bench weights`' leg across hosts: a full snapshot from a learner's host to an actor's, over a bridge.
 
-Two network namespaces (tools/reliability/farm.py's `Network`) joined by a bridge, as the farm's hosts are:
+Two network namespaces (tools/reliability/farm_network.py's `Network`) joined by a bridge, as the farm's hosts are:
 
     learner   publishes --repeats + 1 versions into a directory store on its /dev/shm and serves
               them (common/snapshot_serve.py's SnapshotServer), beside a plain TCP sender
@@ -34,7 +34,7 @@ BLOCK = 64 << 20
 
 def run_hosts(folder: str, chunk_mb: int, threads: int, repeats: int, deadline_s: float = 600.0) -> dict[str, Any]:
     """The leg, from the root namespace: {"skipped": why} where namespaces cannot be made."""
-    from tools.reliability.farm import Network, namespaces_unavailable
+    from tools.reliability.farm_network import Network, namespaces_unavailable
 
     why = namespaces_unavailable()
     if why is not None:

@@ -1,1 +1,3 @@
-"""Reliability tools: the fuzzer for the broker front end and the HTTP gateway (`python -m tools.reliability.fuzz`)."""
+"""Reliability tools: the ledger every fault test ends with, `ppoz fuzz` (the broker front end's and the HTTP
+gateway's fuzzer), `ppoz soak` (many emulators against a whole stack for minutes) and `ppoz bench farm` (the
+stack on six network namespaces, links cut and Redis killed)."""

@@ -4,7 +4,8 @@
 
 starts an embedded redis-server (append-only), `ppoz broker`, one `ppoz actor`
 serving a tiny LLM built locally, and `ppoz learner` training it, each its own
-process, then drives `--clients` emulators from one asyncio loop, one DEALER
+process, as `ppoz up` starts them (ppoz/up.py `started_stack`, watched by its
+supervisor: a process that dies stops the run), then drives `--clients` emulators from one asyncio loop, one DEALER
 socket each, as Kea does: attach, then episodes of ask -> step -> feedback,
 detach at the end. Every `--window-s` seconds it records, for that window: steps
 answered, errors, step latency percentiles (what a client waited for its
@@ -28,34 +29,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import logging
-import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import zmq.asyncio
 
 from client import AsyncClient
-from common.config import local_path
+from common.config import load, local_path
 from common.learner_figures import read_latest
-from common.redis_server import EmbeddedRedis, connect
+from common.redis_server import connect
+from ppoz.ports import free_port
+from ppoz.up import Stack, UpConfig
+from tools.harness import wait_for_actor, watched_stack
 from tools.reliability.fuzz import rss_kb
 from tools.reliability.ledger import settle_ledger
 from tools.reliability.output import print_report, run_as_script
 
 log = logging.getLogger(__name__)
 
-PPOZ = [sys.executable, "-m", "ppoz.cli", "--log-level", "warning"]
 KEY_PREFIX = "soak"
 LEARNER_WARMUP_UPDATES = 3  # the learner's memory settles after these (see the module's docstring)
 SCREENS = [
@@ -207,125 +206,82 @@ def format_report(report: Report) -> str:
 
 
 # --- the stack -----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+PROCESS_NAMES = {"actor-0": "actor", "redis-server": "redis"}  # the stack's component names -> the report's
+REPORT_ORDER = ("broker", "actor", "learner", "redis")  # the order of the processes in a window's line
 
 
-class Stack:
-    """Redis, broker, actor and learner as separate processes, logs in `workdir`."""
+def stack_config(model: str, workdir: Path) -> str:
+    """The soak's stack for `ppoz up`'s `started_stack`: Redis append-only, one actor serving the tiny model, the
+    learner training all its weights on the CPU; a failed process stops the run rather than being restarted."""
+    front, back, weights = free_port(), free_port(), free_port()
+    return (
+        f'[store]\nkey_prefix = "{KEY_PREFIX}"\n'
+        f'[policy]\nmodel = "{model}"\nlora_rank = 0\nnormalisation = "token"\n'
+        f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nmax_stream_backlog = 64\n'
+        '[actor]\ndevice = "cpu"\ncredits = 128\nmax_batch = 64\n'
+        f'[learner]\ndevice = "cpu"\nweights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 256\nrollout_timeout_s = 5\n'
+        f'policy_minibatch = 64\nmicro_batch = 64\nupdate_epochs = 1\ncheckpoint_dir = "{workdir / "ckpt"}"\nkeep_checkpoints = 2\n'
+        'tensorboard_dir = ""\n'
+        # One compute thread each: the actor and the learner share this machine's cores with the broker, Redis and
+        # the clients, and torch's default (a thread per core in each) oversubscribes them.
+        '[up]\nactors = 1\ncpu_threads = 1\non_failure = "stop"\nmax_restarts = 0\nstop_timeout_s = 60\n'
+    )
 
-    def __init__(self, workdir: Path, seed: int) -> None:
+
+class ProcessLogs(io.TextIOBase):
+    """The stack's output, each line prefixed with its component's name (ppoz/supervisor.py), as one log file per
+    process in `workdir`, named as the report names the process (broker.log, actor.log, learner.log)."""
+
+    def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.seed = seed
-        self.redis: EmbeddedRedis | None = None
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.frontend = ""
-        self.redis_url = ""
+        # Each process's file from the start, as a process's own output file is: a quiet one's is there, empty.
+        self.files: dict[str, IO[str]] = {name: (workdir / f"{name}.log").open("w") for name in ("broker", "actor", "learner")}
+        self.partial = ""
 
-    def start(self) -> None:
-        from models.tiny_models import build_tiny_model
+    def write(self, text: str) -> int:
+        if self.closed:  # a reader thread's last lines, after the stack stopped and the files closed
+            return len(text)
+        self.partial += text
+        while "\n" in self.partial:
+            line, self.partial = self.partial.split("\n", 1)
+            name, _, said = line.partition(" | ")
+            name = PROCESS_NAMES.get(name.strip(), name.strip())
+            if name not in self.files:
+                self.files[name] = (self.workdir / f"{name}.log").open("w")
+            self.files[name].write(said + "\n")
+        return len(text)
 
-        model = str(build_tiny_model(self.workdir / "model", arch="llama", seed=self.seed))
-        # Short path for the unix socket (at most 107 bytes).
-        self.redis = EmbeddedRedis(appendonly=True, data_dir=tempfile.mkdtemp(prefix="ppoz-soak-")).start()
-        front, back, weights = free_port(), free_port(), free_port()
-        self.frontend = f"tcp://127.0.0.1:{front}"
-        self.redis_url = url = self.redis.url
-        common = ["--redis-url", url, "--key-prefix", KEY_PREFIX]
-        self._spawn(
-            "broker", ["broker", "--frontend", self.frontend, "--backend", f"tcp://127.0.0.1:{back}", *common, "--max-stream-backlog", "64"]
-        )
-        self._spawn(
-            "actor",
-            [
-                "actor",
-                "--broker",
-                f"tcp://127.0.0.1:{back}",
-                "--model",
-                model,
-                "--device",
-                "cpu",
-                "--lora-rank",
-                "0",
-                "--weights",
-                f"tcp://127.0.0.1:{weights}",
-                "--credits",
-                "128",
-                "--max-batch",
-                "64",
-                *common,
-            ],
-        )
-        self._spawn(
-            "learner",
-            [
-                "learner",
-                "--model",
-                model,
-                "--device",
-                "cpu",
-                "--lora-rank",
-                "0",
-                "--normalisation",
-                "token",
-                "--weights-bind",
-                f"tcp://127.0.0.1:{weights}",
-                "--rollout-batch",
-                "256",
-                "--rollout-timeout-s",
-                "5",
-                "--policy-minibatch",
-                "64",
-                "--micro-batch",
-                "64",
-                "--update-epochs",
-                "1",
-                "--checkpoint-dir",
-                str(self.workdir / "ckpt"),
-                "--keep-checkpoints",
-                "2",
-                "--tensorboard-dir",
-                "",
-                *common,
-            ],
-        )
+    def flush(self) -> None:
+        for file in self.files.values():
+            file.flush()
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        log_file = (self.workdir / f"{name}.log").open("w")
-        # One compute thread each: the actor and the learner share this machine's cores with the broker,
-        # Redis and the clients, and torch's default (a thread per core in each) oversubscribes them.
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self.procs[name] = subprocess.Popen(PPOZ + args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()  # flushes the files first
+        for file in self.files.values():
+            file.close()
 
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                tail = (self.workdir / f"{name}.log").read_text()[-2000:]
-                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
 
-    def rss_mb(self) -> dict[str, float]:
-        pids = {name: proc.pid for name, proc in self.procs.items()}
-        if self.redis is not None and self.redis.process is not None:
-            pids["redis"] = self.redis.process.pid
-        return {name: round((rss_kb(pid) or 0) / 1024, 1) for name, pid in pids.items()}
+def check_alive(stack: Stack) -> None:
+    """RuntimeError naming the process that exited, with its last lines; the one whose death stopped the others
+    first (the stack's supervisor stops them all on a death: [up] on_failure = "stop")."""
+    supervisor = stack.supervisor
+    exited = [c for c in supervisor.components if c.process is not None and c.process.poll() is not None]
+    exited.sort(key=lambda c: c.name != supervisor.failed)
+    if exited:
+        c, tail = exited[0], "\n".join(exited[0].last_lines)
+        raise RuntimeError(f"{PROCESS_NAMES.get(c.name, c.name)} exited with code {c.process.returncode if c.process else None}:\n{tail}")
 
-    def stop(self) -> None:
-        for name in ("actor", "learner", "broker"):  # the order of `ppoz up`: users of Redis before it
-            proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        if self.redis is not None:
-            data_dir = self.redis.dir
-            self.redis.stop()
-            if data_dir is not None:
-                shutil.rmtree(data_dir, ignore_errors=True)
+
+def rss_mb(stack: Stack) -> dict[str, float]:
+    """The resident memory of each process of the stack, Redis included, by the report's names."""
+    supervisor = stack.supervisor
+    pids = {c.name: c.pid for c in supervisor.components if c.pid is not None}
+    pids.update((child.name, child.pid) for child in supervisor.adopted)
+    named = {PROCESS_NAMES.get(name, name): pid for name, pid in pids.items()}
+    ordered = sorted(named, key=lambda name: REPORT_ORDER.index(name) if name in REPORT_ORDER else len(REPORT_ORDER))
+    return {name: round((rss_kb(named[name]) or 0) / 1024, 1) for name in ordered}
 
 
 # --- the clients ---------------------------------------------------------------------------------
@@ -421,65 +377,64 @@ class Clients:
 
 # --- the run -------------------------------------------------------------------------------------
 def run(clients: int, seconds: float, window_s: float, seed: int, workdir: Path, settle_s: float, limits: dict[str, float]) -> Report:
-    stack = Stack(workdir, seed)
+    from models.tiny_models import build_tiny_model
+
     report = Report(clients, seconds, limits=limits)
+    model = str(build_tiny_model(workdir / "model", arch="llama", seed=seed))
+    config = workdir / "stack.toml"
+    config.write_text(stack_config(model, workdir))
+    # Short path for the unix socket (at most 107 bytes). Each soak starts from the tiny model itself, not from a
+    # checkpoint an earlier run left in a kept folder (--no-resume).
+    up = replace(load(UpConfig, str(config)), redis_data_dir=tempfile.mkdtemp(prefix="ppoz-soak-"))
     try:
-        stack.start()
-        _wait_for_actor(stack)
-        driver = Clients(stack.frontend, clients, seed)
-        counted = {"steps": 0, "errors": 0, "waits": 0}
-        figures_client = connect(stack.redis_url)
-
-        def on_window(end_s: float) -> None:
-            stack.check_alive()
-            recent = [ms for t, ms in driver.latencies[counted["steps"] :]]
-            report.windows.append(
-                Window(
-                    end_s,
-                    len(recent),
-                    driver.error_count - counted["errors"],
-                    driver.ask_waits - counted["waits"],
-                    round(percentile(recent, 0.5), 1),
-                    round(percentile(recent, 0.95), 1),
-                    round(percentile(recent, 0.99), 1),
-                    stack.rss_mb(),
-                    int(read_latest(figures_client, KEY_PREFIX).get("version", 0)),
-                )
-            )
-            counted.update(steps=len(driver.latencies), errors=driver.error_count, waits=driver.ask_waits)
-            log.info("window ending %.0f s: %d steps, p99 %.1f ms", end_s, len(recent), report.windows[-1].p99_ms)
-
-        try:
-            asyncio.run(driver.run(seconds, on_window, window_s))
-        finally:
-            figures_client.close()
-        report.steps, report.acknowledged = len(driver.latencies), driver.acknowledged
-        report.errors, report.error_count = driver.errors, driver.error_count
-        summarise(report, driver.latencies)
-        client = connect(stack.redis_url)
-        try:
-            ledger = settle_ledger(client, KEY_PREFIX, driver.acknowledged, settle_s, stack.check_alive)
-        finally:
-            client.close()
-        report.ledger, report.ledger_balanced = str(ledger), ledger.balanced
+        with ProcessLogs(workdir) as logs, watched_stack(up, str(config), "warning", learner_flags=["--no-resume"], output=logs) as stack:
+            _play(stack, clients, seconds, window_s, seed, settle_s, report)
     finally:
-        stack.stop()
+        shutil.rmtree(up.redis_data_dir, ignore_errors=True)
     return report
 
 
-def _wait_for_actor(stack: Stack, timeout: float = 300.0) -> None:
-    from client import Client
+def _play(stack: Stack, clients: int, seconds: float, window_s: float, seed: int, settle_s: float, report: Report) -> None:
+    """The clients against the running stack, a window at a time; then the ledger."""
+    if not wait_for_actor(stack, 300.0):
+        check_alive(stack)
+        raise RuntimeError("no actor joined the broker within 300 s")
+    driver = Clients(stack.client_broker, clients, seed)
+    counted = {"steps": 0, "errors": 0, "waits": 0}
+    figures_client = connect(stack.store.redis_url)
 
-    client = Client(stack.frontend, deadline=10.0)
+    def on_window(end_s: float) -> None:
+        check_alive(stack)
+        recent = [ms for t, ms in driver.latencies[counted["steps"] :]]
+        report.windows.append(
+            Window(
+                end_s,
+                len(recent),
+                driver.error_count - counted["errors"],
+                driver.ask_waits - counted["waits"],
+                round(percentile(recent, 0.5), 1),
+                round(percentile(recent, 0.95), 1),
+                round(percentile(recent, 0.99), 1),
+                rss_mb(stack),
+                int(read_latest(figures_client, KEY_PREFIX).get("version", 0)),
+            )
+        )
+        counted.update(steps=len(driver.latencies), errors=driver.error_count, waits=driver.ask_waits)
+        log.info("window ending %.0f s: %d steps, p99 %.1f ms", end_s, len(recent), report.windows[-1].p99_ms)
+
     try:
-        end = time.monotonic() + timeout
-        while not client.status()["actors"]:
-            stack.check_alive()
-            if time.monotonic() > end:
-                raise RuntimeError(f"no actor joined the broker within {timeout:.0f} s")
-            time.sleep(0.5)
+        asyncio.run(driver.run(seconds, on_window, window_s))
+    finally:
+        figures_client.close()
+    report.steps, report.acknowledged = len(driver.latencies), driver.acknowledged
+    report.errors, report.error_count = driver.errors, driver.error_count
+    summarise(report, driver.latencies)
+    client = connect(stack.store.redis_url)
+    try:
+        ledger = settle_ledger(client, KEY_PREFIX, driver.acknowledged, settle_s, lambda: check_alive(stack))
     finally:
         client.close()
+    report.ledger, report.ledger_balanced = str(ledger), ledger.balanced
 
 
 def main(args: argparse.Namespace) -> int:

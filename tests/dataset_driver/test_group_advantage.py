@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from rewards.group import GroupAdvantage
+from dataset_driver.group_advantage import GroupAdvantage
 
 
 def test_advantages_are_centred_and_scaled_by_the_groups_sample_std() -> None:

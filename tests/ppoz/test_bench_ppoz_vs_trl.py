@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tests.helpers import wait_for
-from tools.bench.train import LegRun, add_arguments, first_time_at, last_json, leg_order, ratio, summarise, tree_rss_kb
+from tools.bench.ppoz_vs_trl import LegRun, add_arguments, first_time_at, last_json, leg_order, ratio, summarise, tree_rss_kb
 from tools.bench.train_tasks import TASKS, repeat_score, say, train_repeat_rows, val_repeat_rows
 from tools.bench.trl_env import pins
 
@@ -118,7 +118,7 @@ def test_options_and_defaults():
 
 def test_a_trl_python_without_trl_is_refused_by_name(capsys) -> None:
     """--trl-python is used as it is: one that cannot import trl stops the bench before any leg runs."""
-    from tools.bench.train import main
+    from tools.bench.ppoz_vs_trl import main
 
     args = argparse.Namespace(
         tasks="demo", legs="ppoz,trl", repeats=1, seconds=0.0, trl_threads=0, val_every_s=15.0, trl_python=sys.executable, device="cpu"

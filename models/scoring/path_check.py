@@ -1,0 +1,154 @@
+"""Choosing a scoring path: each path checked against the model's own `model(input_ids).logits` (`select_path`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from common.options import SCORING_PATHS as PATHS
+from models.scoring.observation import ScoringError, Tokenized, position_limit
+from models.scoring.paths import SCORERS
+
+log = logging.getLogger(__name__)
+
+
+def reference_scores(model: Any, item: Tokenized) -> tuple[torch.Tensor, float]:
+    """Each candidate's summed log-probability from the model's own forward: `model(input_ids).logits`
+    over context + candidate, log-softmax in float32; and the largest |logit| seen (the scale of 16-bit
+    rounding). Shares nothing with the paths of paths.py (no decoder split, no LM head of ours, no logit
+    post-processing of ours), so it is the yardstick they are held to."""
+    device = next(model.parameters()).device
+    c = len(item.context)
+    sums = []
+    largest = 0.0
+    for action in item.actions:
+        ids = torch.tensor([list(item.context) + list(action)], device=device)
+        keep = len(action) + 1  # the positions from the context's last token on
+        try:
+            logits = model(input_ids=ids, logits_to_keep=keep).logits[0, :-1]
+        except TypeError:  # a model whose forward takes no logits_to_keep
+            logits = model(input_ids=ids).logits[0, c - 1 : -1]
+        largest = max(largest, float(logits.float().abs().max()))
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        sums.append(logp.gather(-1, torch.tensor(action, device=device).unsqueeze(-1)).sum())
+    return torch.stack(sums), largest
+
+
+def sliding_window(config: Any) -> int | None:
+    """The attention window of a model that attends to only the last W positions in some layers, else None."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None
+
+
+def probe_items(model: Any) -> list[Tokenized]:
+    """Random observations for the path check: multi-token candidates, two items of different
+    context lengths in one batch, and a context past the model's sliding window if it has one."""
+    config = model.config
+    vocab = model.get_output_embeddings().weight.shape[0]
+    limit = position_limit(model) or 4096
+    window = sliding_window(config)
+    long_context = 9 if window is None else min(window + 8, limit - 8)
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(3, vocab, (n,), generator=gen).tolist())
+
+    return [
+        Tokenized(tokens(long_context), (tokens(1), tokens(4), tokens(2)), (1, 1, 1)),
+        Tokenized(tokens(5), (tokens(3),), (1,)),
+    ]
+
+
+@contextlib.contextmanager
+def _float32(model: Any) -> Iterator[None]:
+    """The model's 16-bit parameters in float32 for the duration (exact both ways: every bfloat16
+    and float16 value is a float32 value), other parameters (a float32 adapter) untouched."""
+    changed = [(p, p.dtype) for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
+    for p, _ in changed:
+        p.data = p.data.float()
+    try:
+        yield
+    finally:
+        for p, dtype in changed:
+            p.data = p.data.to(dtype)
+
+
+# The path check's bars. In float32 every path must equal the reference to float32 rounding. In the
+# model's own 16-bit dtype, paths and reference round differently (different kernels and shapes, and
+# the reference rounds its logits to 16 bits where the paths keep float32). Rounding a logit moves it
+# by at most half a unit in its last place, eps/2 relative (eps = 2^-7 in bfloat16), and a token's
+# log-softmax by at most eps x the largest |logit| (its own logit and the log-sum-exp each eps/2 x it):
+# the bar is that bound per token. On a bfloat16 model with logits up to 60, paths and reference
+# differ by 0.1 against a bar of 1.9; a path that breaks in 16 bits gives non-finite numbers or nats.
+FLOAT32_TOLERANCE = 1e-3
+NATIVE_ULPS = 1
+
+
+def _checked_diff(model: Any, path: str, items: Sequence[Tokenized], reference: Sequence[torch.Tensor]) -> float:
+    """The largest difference between a path's scores and the reference; inf if it fails or gives non-finite numbers."""
+    try:
+        got = SCORERS[path](model, items)
+    except Exception as e:  # a model that rejects the inputs of this path
+        log.info("scoring path %s unavailable on this model: %s", path, e)
+        return math.inf
+    if not all(bool(torch.isfinite(g).all()) for g in got):
+        return math.inf
+    return max(float((g.float() - r).abs().max()) for g, r in zip(got, reference))
+
+
+def select_path(model: Any, requested: str = "auto") -> str:
+    """The fastest path that gives the model's own numbers; logs the choice and the measured differences.
+
+    Each path is checked against `reference_scores` on `probe_items`: in float32 (the model's
+    16-bit weights upcast for the check, exact) to within FLOAT32_TOLERANCE, which catches a
+    wrong mask, a missed sliding window or logit post-processing; then in the model's own dtype
+    to within NATIVE_ULPS units of the dtype's rounding per token, which catches a path that
+    breaks only in 16 bits. A model that cannot take a 4D mask (FlashAttention-2, hybrid linear
+    attention that leaks state between packed candidates) or attends through a sliding window
+    fails the check and falls back to `kv_batch`, then to `per_candidate`. A configured path
+    (not auto) is checked the same way and refused if it fails.
+    """
+    if requested != "auto" and requested not in PATHS:
+        raise ValueError(f"scoring path must be auto or one of {PATHS}, got {requested!r}")
+    probe = probe_items(model)
+    dtype = next(model.parameters()).dtype
+    candidates = PATHS if requested == "auto" else (requested,)
+    # The dtype switch happens outside inference mode (entered first, left last): parameters changed
+    # inside it would become inference tensors, which the learner could no longer train.
+    with _float32(model), torch.inference_mode():
+        measured = [reference_scores(model, item) for item in probe]
+        exact = {path: _checked_diff(model, path, probe, [sums for sums, _ in measured]) for path in candidates}
+    native = exact  # a float32 model was just checked in its own dtype
+    if dtype != torch.float32:
+        with torch.inference_mode():
+            measured = [reference_scores(model, item) for item in probe]
+            native = {path: _checked_diff(model, path, probe, [sums for sums, _ in measured]) for path in candidates}
+    largest_logit = max(largest for _, largest in measured)
+    tokens = max(len(a) for item in probe for a in item.actions)
+    native_bar = max(FLOAT32_TOLERANCE, NATIVE_ULPS * torch.finfo(dtype).eps * max(1.0, largest_logit) * tokens)
+    dtype_name = str(dtype).removeprefix("torch.")
+    for path in candidates:
+        if exact[path] <= FLOAT32_TOLERANCE and native[path] <= native_bar:
+            log.info(
+                "scoring path %s (checked against model(input_ids).logits: max diff %.2e in float32, %.2e in %s, bar %.2e)",
+                *(path, exact[path], native[path], dtype_name, native_bar),
+            )
+            return path
+        if math.isfinite(exact[path]) or math.isfinite(native[path]):
+            log.warning(
+                "scoring path %s differs from model(input_ids).logits on this model (%.2e in float32, %.2e in %s); not used",
+                *(path, exact[path], native[path], dtype_name),
+            )
+    if requested != "auto":
+        raise ScoringError(f"the configured scoring path {requested} does not compute this model's log-probabilities (see the log)")
+    raise ScoringError("no scoring path reproduces this model's log-probabilities (see the log); is it a causal LM?")
