@@ -31,7 +31,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from common.protocol import OP_GENERATE
-from common.segments import GeneratedResponse, GenerateObservation, Transition
+from common.segments import CandidateObservation, GeneratedResponse, GenerateObservation, Observation, Transition
 
 REASON_DONE = "done"
 REASON_LENGTH = "length"
@@ -79,11 +79,14 @@ class PendingStep:
 
     def transition(self, reward: float, done: bool, truncated: bool, sample: str | None) -> Transition:
         """This step with its feedback's reward, as the learner reads it."""
-        obs: dict[str, Any] | GenerateObservation = self.obs
+        # the maps broker/actor_ops.py built and checked (a step's: common/protocol.py's check_obs): taken as they are
+        obs: Observation
         generation = None
-        if self.mode == OP_GENERATE:  # the maps broker/actor_ops.py built and checked: taken as they are
+        if self.mode == OP_GENERATE:
             obs = GenerateObservation(self.obs["prompt_ids"], self.obs["sampling"])
             generation = GeneratedResponse(**self.generation) if self.generation is not None else None
+        else:
+            obs = CandidateObservation(self.obs["prompt"], self.obs.get("question"), self.obs["action"])
         return Transition(
             obs=obs,
             action=self.action,

@@ -26,21 +26,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from client.errors import RequestTimeout
-from client.retry import RetryRule, answers, check_timeouts, feedback_fields, generate_fields
+import client.operations as operations
+from client.retry import RetryRule, answers, generate_fields
 from common import protocol as p
-from common.security import KeySource, client_keys
+from common.reconnecting import open_dealer
+from common.security import KeySource
 
 log = logging.getLogger(__name__)
 
 
-class AsyncClient:
+class AsyncClient(operations.ClientBase):
     """Asyncio PPOZ client with the blocking Client's operations, as coroutines.
 
     `deadline`: default overall time per request (s); `attempt_timeout`: longest
@@ -59,11 +59,7 @@ class AsyncClient:
         curve_secret_key: KeySource | None = None,
         curve_server_key: KeySource | None = None,
     ) -> None:
-        check_timeouts(deadline, attempt_timeout)
-        self.endpoint = endpoint
-        self.deadline = deadline
-        self.attempt_timeout = attempt_timeout
-        self.curve = client_keys(curve_secret_key, curve_server_key)  # loaded once, set on every new socket
+        super().__init__(endpoint, deadline, attempt_timeout, curve_secret_key, curve_server_key)
         if context is None:
             self.ctx: zmq.asyncio.Context = zmq.asyncio.Context.instance()
         elif isinstance(context, zmq.asyncio.Context):
@@ -83,11 +79,7 @@ class AsyncClient:
         if self._closed:
             raise RuntimeError(f"this AsyncClient ({self.endpoint}) is closed")
         if self._sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            if self.curve is not None:
-                self.curve.apply(sock)
-            sock.connect(self.endpoint)
+            sock = open_dealer(self.ctx, self.endpoint, self.curve)
             self._sock = sock
             self._reader = asyncio.get_running_loop().create_task(self._read(sock), name=f"ppoz-reader {self.endpoint}")
         return self._sock
@@ -156,7 +148,7 @@ class AsyncClient:
     # --- requests ----------------------------------------------------------------------------
     async def request(self, op: str, rid: str | None = None, deadline: float | None = None, **fields: Any) -> dict[str, Any]:
         """Send one request and return its reply map; raise the error's exception class (client/errors.py)."""
-        rule = RetryRule(op, rid, fields, self.deadline if deadline is None else deadline, self.attempt_timeout)
+        rule = self.retry_rule(op, rid, fields, deadline)
         self.requests += 1
         while True:
             reply = await self._attempt(rule, rule.next_attempt())
@@ -211,36 +203,36 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # --- the operations (as client.sync.Client's) -------------------------------------------
+    # --- the operations (as client.sync.Client's; what each sends: client/operations.py) -------
+    async def _send(self, call: operations.Call) -> dict[str, Any]:
+        """Make the request `call` describes; as `request`."""
+        return await self.request(call.op, rid=call.rid, deadline=call.deadline, **call.fields)
+
     async def attach(self, task_id: str | None = None) -> str:
         """Create a session (or resume `task_id`); return its task id."""
-        fields: dict[str, Any] = {"task_id": task_id} if task_id else {}
-        return (await self.request(p.OP_ATTACH, **fields))["task_id"]
+        return (await self._send(operations.attach(task_id)))["task_id"]
 
     async def detach(self, task_id: str) -> dict[str, Any]:
         """Close the task's open segment and forget the session."""
-        return await self.request(p.OP_DETACH, task_id=task_id)
+        return await self._send(operations.detach(task_id))
 
     async def ask(self, task_id: str) -> dict[str, Any]:
         """`{"status": "ok"}` or `{"status": "wait", "retry_after_ms": ...}`."""
-        return await self.request(p.OP_ASK, task_id=task_id)
+        return await self._send(operations.ask(task_id))
 
     async def wait_turn(self, task_id: str, deadline: float | None = None) -> None:
         """As Client.wait_turn: ask until `ok`, sleeping the suggested `retry_after_ms`; RequestTimeout past `deadline`."""
-        end = time.monotonic() + (self.deadline if deadline is None else deadline)
-        while (answer := await self.ask(task_id)).get("status") == "wait":
-            pause = answer.get("retry_after_ms", 100) / 1000
-            if time.monotonic() + pause > end:
-                raise RequestTimeout(f"the broker kept saying wait ({answer.get('reason', '')}) past the deadline")
+        end = self.turn_end(deadline)
+        while (pause := operations.turn_pause(await self.ask(task_id), end)) is not None:
             await asyncio.sleep(pause)
 
     async def step(self, task_id: str, obs: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
         """The reply map: action, logprob, probs, policy_version."""
-        return await self.request(p.OP_STEP, rid=rid, task_id=task_id, obs=obs)
+        return await self._send(operations.step(task_id, obs, rid))
 
     async def rag_step(self, task_id: str, obs: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
         """As step, for retrieval-augmented observations."""
-        return await self.request(p.OP_RAG_STEP, rid=rid, task_id=task_id, obs=obs)
+        return await self._send(operations.rag_step(task_id, obs, rid))
 
     async def generate(
         self,
@@ -261,9 +253,9 @@ class AsyncClient:
         n_tokens, finish_reason (eos, stop or length), logprob, policy_version. Its reward goes in with
         `feedback`, as a step's. temperature 0 is greedy decoding. `deadline` (seconds, default the client's)
         bounds the request here and, sent as `deadline_ms`, at the broker (which caps it at its generate_timeout_ms)."""
-        deadline = self.deadline if deadline is None else deadline  # the broker stops at the same time the caller does
+        deadline = self.request_deadline(deadline)  # sent as `deadline_ms`: the broker stops when the caller does
         fields = generate_fields(task_id, prompt, messages, max_new_tokens, temperature, top_p, stop, seed, deadline, top_k)
-        return await self.request(p.OP_GENERATE, rid=rid, deadline=deadline, **fields)
+        return await self._send(operations.Call(p.OP_GENERATE, fields, rid, deadline))
 
     async def feedback(
         self,
@@ -277,16 +269,15 @@ class AsyncClient:
     ) -> dict[str, Any]:
         """The reward of the pending step; `next_obs` (with `truncated`) is the state to bootstrap from. `sample`:
         an id for this sample, which the broker marks stored with the transition and stores once (docs/protocol.md)."""
-        fields = feedback_fields(task_id, reward, done, truncated, next_obs, sample)
-        return await self.request(p.OP_FEEDBACK, rid=rid, **fields)
+        return await self._send(operations.feedback(task_id, reward, done, truncated, rid, next_obs, sample))
 
     async def status(self) -> dict[str, Any]:
         """The broker's figures (sessions, queue, actors, latency, counters)."""
-        return await self.request(p.OP_STATUS)
+        return await self._send(operations.status())
 
     async def ping(self) -> dict[str, Any]:
         """`{"status": "ok", "time_ms": ...}`: the broker is there and answering."""
-        return await self.request(p.OP_PING)
+        return await self._send(operations.ping())
 
 
 __all__ = ["AsyncClient"]

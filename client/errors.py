@@ -70,20 +70,9 @@ class InternalError(PPOZError):
     code = p.E_INTERNAL
 
 
-BY_CODE: dict[str, type[PPOZError]] = {
-    cls.code: cls
-    for cls in (
-        BadRequest,
-        UnknownOp,
-        UnknownTask,
-        FeedbackWithoutStep,
-        TooLarge,
-        UnsupportedVersion,
-        Overloaded,
-        RequestTimeout,
-        InternalError,
-    )
-}
+# Every class above, by its code: the direct subclasses of PPOZError when this module is loaded, one per
+# code (tests/client/test_retry.py holds them to common/protocol.py's ERROR_CODES).
+BY_CODE: dict[str, type[PPOZError]] = {cls.code: cls for cls in PPOZError.__subclasses__()}
 
 
 def from_reply(reply: dict) -> PPOZError:

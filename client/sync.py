@@ -23,14 +23,15 @@ from typing import Any
 
 import zmq
 
-from client.errors import PPOZError, RequestTimeout
-from client.retry import RETRIED_CODES, RetryRule, answers, check_timeouts, feedback_fields, generate_fields
+import client.operations as operations
+from client.errors import PPOZError
+from client.retry import RETRIED_CODES, answers, generate_fields
 from common import protocol as p
 from common.reconnecting import ReconnectingDealer
-from common.security import KeySource, client_keys
+from common.security import KeySource
 
 
-class Client:
+class Client(operations.ClientBase):
     """Blocking PPOZ client. `deadline`: default overall time per request; `attempt_timeout`: per send.
 
     `curve_server_key` (the broker's public key: a NAME.key file or the Z85 key)
@@ -47,11 +48,7 @@ class Client:
         curve_secret_key: KeySource | None = None,
         curve_server_key: KeySource | None = None,
     ) -> None:
-        check_timeouts(deadline, attempt_timeout)
-        self.endpoint = endpoint
-        self.deadline = deadline
-        self.attempt_timeout = attempt_timeout
-        self.curve = client_keys(curve_secret_key, curve_server_key)  # loaded once, set on every new socket
+        super().__init__(endpoint, deadline, attempt_timeout, curve_secret_key, curve_server_key)
         self.ctx = context or zmq.Context.instance()
         self.link = ReconnectingDealer(endpoint, self.ctx, self.curve)  # the socket, replaced after a silent attempt
         # Held for one attempt (send and wait), not across a retry's sleep, so other
@@ -83,7 +80,7 @@ class Client:
         `deadline` (seconds, default the client's) bounds the whole request:
         attempts, retry waits, and the time spent waiting for other threads' requests.
         """
-        rule = RetryRule(op, rid, fields, self.deadline if deadline is None else deadline, self.attempt_timeout)
+        rule = self.retry_rule(op, rid, fields, deadline)
         # One request at a time is in flight on the socket (an attempt that got no reply replaces it), so a reply
         # with `rid: nil` can only be this request's: the broker could not read it.
         answered = functools.partial(answers, rid=rule.rid, alone=True)
@@ -103,37 +100,37 @@ class Client:
                 return reply
             time.sleep(wait)
 
-    # --- the operations --------------------------------------------------------------------
+    # --- the operations (what each sends: client/operations.py) ----------------------------
+    def _send(self, call: operations.Call) -> dict[str, Any]:
+        """Make the request `call` describes; as `request`."""
+        return self.request(call.op, rid=call.rid, deadline=call.deadline, **call.fields)
+
     def attach(self, task_id: str | None = None) -> str:
         """Create a session (or resume `task_id`); return its task id."""
-        fields: dict[str, Any] = {"task_id": task_id} if task_id else {}
-        return self.request(p.OP_ATTACH, **fields)["task_id"]
+        return self._send(operations.attach(task_id))["task_id"]
 
     def detach(self, task_id: str) -> dict[str, Any]:
         """Close the task's open segment and forget the session."""
-        return self.request(p.OP_DETACH, task_id=task_id)
+        return self._send(operations.detach(task_id))
 
     def ask(self, task_id: str) -> dict[str, Any]:
         """`{"status": "ok"}` or `{"status": "wait", "retry_after_ms": ...}`."""
-        return self.request(p.OP_ASK, task_id=task_id)
+        return self._send(operations.ask(task_id))
 
     def wait_turn(self, task_id: str, deadline: float | None = None) -> None:
         """Ask until the broker says `ok` (back-pressure: it says `wait` while the learner is behind), sleeping the
         `retry_after_ms` it suggests; RequestTimeout after `deadline` seconds (default: the client's)."""
-        end = time.monotonic() + (self.deadline if deadline is None else deadline)
-        while (answer := self.ask(task_id)).get("status") == "wait":
-            pause = answer.get("retry_after_ms", 100) / 1000
-            if time.monotonic() + pause > end:
-                raise RequestTimeout(f"the broker kept saying wait ({answer.get('reason', '')}) past the deadline")
+        end = self.turn_end(deadline)
+        while (pause := operations.turn_pause(self.ask(task_id), end)) is not None:
             time.sleep(pause)
 
     def step(self, task_id: str, obs: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
         """The reply map: action, logprob, probs, policy_version."""
-        return self.request(p.OP_STEP, rid=rid, task_id=task_id, obs=obs)
+        return self._send(operations.step(task_id, obs, rid))
 
     def rag_step(self, task_id: str, obs: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
         """As step, for retrieval-augmented observations."""
-        return self.request(p.OP_RAG_STEP, rid=rid, task_id=task_id, obs=obs)
+        return self._send(operations.rag_step(task_id, obs, rid))
 
     def generate(
         self,
@@ -154,9 +151,9 @@ class Client:
         n_tokens, finish_reason (eos, stop or length), logprob, policy_version. Its reward goes in with
         `feedback`, as a step's. temperature 0 is greedy decoding. `deadline` (seconds, default the client's)
         bounds the request here and, sent as `deadline_ms`, at the broker (which caps it at its generate_timeout_ms)."""
-        deadline = self.deadline if deadline is None else deadline  # the broker stops at the same time the caller does
+        deadline = self.request_deadline(deadline)  # sent as `deadline_ms`: the broker stops when the caller does
         fields = generate_fields(task_id, prompt, messages, max_new_tokens, temperature, top_p, stop, seed, deadline, top_k)
-        return self.request(p.OP_GENERATE, rid=rid, deadline=deadline, **fields)
+        return self._send(operations.Call(p.OP_GENERATE, fields, rid, deadline))
 
     def feedback(
         self,
@@ -170,16 +167,15 @@ class Client:
     ) -> dict[str, Any]:
         """The reward of the pending step; `next_obs` (with `truncated`) is the state to bootstrap from. `sample`:
         an id for this sample, which the broker marks stored with the transition and stores once (docs/protocol.md)."""
-        fields = feedback_fields(task_id, reward, done, truncated, next_obs, sample)
-        return self.request(p.OP_FEEDBACK, rid=rid, **fields)
+        return self._send(operations.feedback(task_id, reward, done, truncated, rid, next_obs, sample))
 
     def status(self) -> dict[str, Any]:
         """The broker's figures (sessions, queue, actors, latency, counters)."""
-        return self.request(p.OP_STATUS)
+        return self._send(operations.status())
 
     def ping(self) -> dict[str, Any]:
         """`{"status": "ok", "time_ms": ...}`: the broker is there and answering."""
-        return self.request(p.OP_PING)
+        return self._send(operations.ping())
 
 
 __all__ = ["Client", "PPOZError", "RETRIED_CODES"]

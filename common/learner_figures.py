@@ -61,7 +61,7 @@ class Chart(StrEnum):
 
 
 class UpdateFigure(StrEnum):
-    """An update's figures of one kind of policy (learner_node/update.py; the batch's own: rollout.py, generation.py),
+    """An update's figures of one kind of policy (learner_node/update.py; the batch's own: rollout.py, token_update.py),
     named `<prefix>/<name>` (`of`) with the kind's prefix (`UPDATE_PREFIXES`)."""
 
     POLICY_LOSS = "policy_loss"
@@ -80,7 +80,9 @@ class UpdateFigure(StrEnum):
     KL_COEF = "kl_coef"
     KL_BEHAVIOUR = "kl_behaviour"  # candidates
     ON_POLICY_LOGPROB_DEV = "on_policy_logprob_dev"
-    RESPONSE_LENGTH = "response_length"  # generation
+    RESPONSE_LENGTH = "response_length"  # generation: mean tokens per response
+    REWARD_MEAN = "reward_mean"  # generation
+    TOKENS = "tokens"  # generation: response tokens in the batch
     GROUP_RELATIVE = "group_relative"  # generation: 1 with grpo or rloo advantages, 0 with gae
 
     def of(self, prefix: str) -> str:

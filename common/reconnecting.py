@@ -16,18 +16,35 @@ answered, and when the socket is replaced. What a reply means and when to send a
   given up on), is passed over.
 
 Not thread-safe: a client with several threads holds its own lock around each attempt.
+
+How a client's DEALER is opened (`open_dealer`) is shared with the asyncio client too (client/aio.py), which
+keeps many requests in flight and so has its own attempts.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
 from common import protocol as p
 from common.security import ClientKeys
+
+SocketT = TypeVar("SocketT", bound=zmq.Socket)
+
+
+def open_dealer(context: zmq.Context[SocketT], endpoint: str, curve: ClientKeys | None) -> SocketT:
+    """A client's DEALER to `endpoint`, connected: linger 0 (closing it drops what it had queued), with the CURVE
+    keys `curve` (None: plain) set before it connects. A blocking context gives a blocking socket, an asyncio
+    one an asyncio socket."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(sock)
+    sock.connect(endpoint)
+    return sock
 
 
 class ReconnectingDealer:
@@ -44,11 +61,7 @@ class ReconnectingDealer:
     def socket(self) -> zmq.Socket:
         """The current socket, opened and connected if there is none."""
         if self.sock is None:
-            self.sock = self.ctx.socket(zmq.DEALER)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            if self.curve is not None:
-                self.curve.apply(self.sock)
-            self.sock.connect(self.endpoint)
+            self.sock = open_dealer(self.ctx, self.endpoint, self.curve)
         return self.sock
 
     def reset(self) -> None:

@@ -189,6 +189,15 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False)
 
 
+NEXT_OBS = "next_obs"  # the one observation that is a segment's field, not a transition's (its errors say so)
+
+
+def _field(where: str) -> str:
+    """How an error names the field `where` (a dotted path): "transition field `obs.prompt`", "segment field `next_obs`"."""
+    record = "segment" if where.split(".")[0] == NEXT_OBS else "transition"
+    return f"{record} field `{where}`"
+
+
 def _checked(
     d: dict[str, Any], where: str, name: str, kind: type | tuple[type, ...], what: str, items: type | tuple[type, ...] = ()
 ) -> Any:
@@ -196,10 +205,44 @@ def _checked(
     value = d.get(name)
     number = kind is int or (isinstance(kind, tuple) and int in kind)
     if not isinstance(value, kind) or (number and isinstance(value, bool)):
-        raise ValueError(f"transition field `{where}.{name}` must be {what}, got {type(value).__name__}")
+        raise ValueError(f"{_field(f'{where}.{name}')} must be {what}, got {type(value).__name__}")
     if items and not all(isinstance(x, items) and not isinstance(x, bool) for x in d[name]):
-        raise ValueError(f"transition field `{where}.{name}` must be {what}, one holds something else")
+        raise ValueError(f"{_field(f'{where}.{name}')} must be {what}, one holds something else")
     return value
+
+
+def _a_map(d: Any, where: str, kind: str) -> dict[str, Any]:
+    """`d` if it is a map; else ValueError naming `where`, an observation of `kind`."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{_field(where)} of a {kind} must be a map, got {type(d).__name__}")
+    return d
+
+
+@dataclass
+class CandidateObservation:
+    """A step's or rag_step's observation, as common/protocol.py's `check_obs` returned it and the broker stores
+    it: the text the policy scores (a rag_step's prompt with its retrieved context at the end) and the
+    candidate actions."""
+
+    prompt: str
+    question: str | None  # None: a record written without it (read as "", and left off the wire again)
+    action: list[str]  # the candidates, in order: a transition's `action` indexes them
+
+    def to_wire(self) -> dict[str, Any]:
+        """The map, its keys in `check_obs`'s order."""
+        if self.question is None:
+            return {"prompt": self.prompt, "action": self.action}
+        return {"prompt": self.prompt, "question": self.question, "action": self.action}
+
+    @classmethod
+    def from_wire(cls, d: Any, where: str = "obs") -> CandidateObservation:
+        """Raises ValueError naming the field that is missing or of the wrong type."""
+        d = _a_map(d, where, "step")
+        return cls(
+            prompt=_checked(d, where, "prompt", str, "a str"),
+            question=_checked(d, where, "question", str, "a str") if d.get("question") is not None else None,
+            action=_checked(d, where, "action", list, "an array of str", str),
+        )
 
 
 @dataclass
@@ -215,14 +258,26 @@ class GenerateObservation:
         return {"prompt_ids": self.prompt_ids, "sampling": self.sampling}
 
     @classmethod
-    def from_wire(cls, d: Any) -> GenerateObservation:
+    def from_wire(cls, d: Any, where: str = "obs") -> GenerateObservation:
         """Raises ValueError naming the field that is missing or of the wrong type."""
-        if not isinstance(d, dict):
-            raise ValueError(f"transition field `obs` of a generate turn must be a map, got {type(d).__name__}")
+        d = _a_map(d, where, "generate turn")
         return cls(
-            prompt_ids=_checked(d, "obs", "prompt_ids", list, "an array of token ids", int),
-            sampling=_checked(d, "obs", "sampling", dict, "a map (the request's sampling settings)"),
+            prompt_ids=_checked(d, where, "prompt_ids", list, "an array of token ids", int),
+            sampling=_checked(d, where, "sampling", dict, "a map (the request's sampling settings)"),
         )
+
+
+Observation = CandidateObservation | GenerateObservation
+
+
+def next_observation(d: Any) -> Observation | None:
+    """A segment's `next_obs` off the wire: nil, or the observation of a step ({prompt, question, action}) or of a
+    generate turn ({prompt_ids, sampling}), told apart by `prompt_ids`. Raises ValueError naming a bad field."""
+    if d is None:
+        return None
+    if isinstance(d, dict) and "prompt_ids" in d:
+        return GenerateObservation.from_wire(d, NEXT_OBS)
+    return CandidateObservation.from_wire(d, NEXT_OBS)
 
 
 @dataclass
@@ -268,12 +323,12 @@ class GeneratedResponse:
 class Transition:
     """One step and its reward, as the broker stores it (an element of an open segment, then of a stream entry).
 
-    Its kind is `mode`: a choice among candidates ("step", "rag_step"), whose `obs` is the client's observation
-    map {prompt, question, action} as the policy scores it and whose `generation` is None; or a generated
-    response ("generate"), whose `obs` is a `GenerateObservation` and `generation` a `GeneratedResponse`
-    (action 0, probs [], logprob the response's sum). On the wire both are maps (`to_wire`, `from_wire`)."""
+    Its kind is `mode`: a choice among candidates ("step", "rag_step"), whose `obs` is a `CandidateObservation`
+    (the client's observation as the policy scores it) and whose `generation` is None; or a generated response
+    ("generate"), whose `obs` is a `GenerateObservation` and `generation` a `GeneratedResponse` (action 0,
+    probs [], logprob the response's sum). On the wire both are maps (`to_wire`, `from_wire`)."""
 
-    obs: dict[str, Any] | GenerateObservation  # the observation scored
+    obs: Observation  # the observation scored
     action: int  # index of the chosen candidate
     logprob: float  # behaviour log-probability of `action`
     probs: list[float]  # behaviour probabilities of every candidate
@@ -291,9 +346,9 @@ class Transition:
     sample: str | None = None  # the feedback's `sample`: the client's id for this sample (P:samples, P:learner:samples)
 
     @property
-    def candidate_obs(self) -> dict[str, Any]:
+    def candidate_obs(self) -> CandidateObservation:
         """A step's or rag_step's observation (TypeError for a generate turn's)."""
-        if isinstance(self.obs, GenerateObservation):
+        if not isinstance(self.obs, CandidateObservation):
             raise TypeError(f"a {self.mode} transition has no candidate observation")
         return self.obs
 
@@ -315,8 +370,7 @@ class Transition:
         # Its fields as they are, shared not copied: msgpack only reads them. (dataclasses.asdict
         # deep-copies the observation on every feedback: 20% of the broker's CPU per pair.)
         wire = dict(self.__dict__)
-        if isinstance(self.obs, GenerateObservation):
-            wire["obs"] = self.obs.to_wire()
+        wire["obs"] = self.obs.to_wire()
         if self.generation is not None:
             wire["generation"] = self.generation.to_wire()
         if wire["sample"] is None:  # only a feedback that named its sample carries the field
@@ -333,6 +387,8 @@ class Transition:
         given = {k: v for k, v in d.items() if k in known}
         if given["mode"] == OP_GENERATE:
             given["obs"] = GenerateObservation.from_wire(given["obs"])
+        else:
+            given["obs"] = CandidateObservation.from_wire(given["obs"])
         if given.get("generation") is not None:
             given["generation"] = GeneratedResponse.from_wire(given["generation"])
         return cls(**given)
@@ -348,7 +404,7 @@ class Segment:
     reason: str
     done: bool
     truncated: bool
-    next_obs: dict[str, Any] | None
+    next_obs: Observation | None  # the observation after the last transition: its value bootstraps it; None: none known
     transitions: list[Transition] = field(default_factory=list)
     closed_ms: int = 0
 
@@ -356,16 +412,18 @@ class Segment:
     def from_entry(cls, entry: dict[bytes, bytes]) -> Segment:
         """A stream entry's fields (as redis-py returns them) as a Segment; ValueError if it is not one."""
         try:
-            return cls(
+            segment = cls(
                 seg_id=entry[F_SEG_ID.encode()].decode(),
                 task_id=entry[F_TASK_ID.encode()].decode(),
                 seq=int(entry[F_SEQ.encode()]),
                 reason=entry[F_REASON.encode()].decode(),
                 done=entry[F_DONE.encode()] == b"1",
                 truncated=entry[F_TRUNCATED.encode()] == b"1",
-                next_obs=unpack(entry[F_NEXT_OBS.encode()]),
+                next_obs=None,  # read after the transitions, whose errors say more of what is wrong
                 transitions=[Transition.from_wire(t) for t in unpack(entry[F_TRANSITIONS.encode()])],
                 closed_ms=int(entry[F_CLOSED_MS.encode()]),
             )
+            segment.next_obs = next_observation(unpack(entry[F_NEXT_OBS.encode()]))
+            return segment
         except (KeyError, TypeError, ValueError, UnicodeDecodeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
             raise ValueError(f"not a segment entry: {type(e).__name__}: {e}") from e

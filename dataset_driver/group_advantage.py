@@ -3,7 +3,7 @@
 The estimators are learner_node/core_algos.py's (`grpo`, `rloo`: their formulas and sources are there and in
 docs/design.md). The driver applies them, holding the whole group (dataset_driver/driver.py): a group's responses
 may reach the learner in different updates, so only the driver can. The learner trains on each response's
-advantage as it is, with no critic (learner_node/generation.py, [generation] advantage = "grpo" or "rloo").
+advantage as it is, with no critic (learner_node/token_update.py, [generation] advantage = "grpo" or "rloo").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What one rollout's segments gave an update, as one record for every kind of policy.
 
 A rollout is built into one batch per kind of policy (learner_node/rollout.py's `Rollout` of candidate
-choices, learner_node/generation.py's `GenerationBatch` of generated responses); each says what it took and
+choices, learner_node/token_update.py's `GenerationBatch` of generated responses); each says what it took and
 what it left out (their `Tally`). `Intake.of` reads one, and `+` adds them up, so the learner's figures
 (`charts/...`) and its checkpointed counters are computed once, from the sum, whatever kinds the rollout held.
 """
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from common.learner_figures import Chart, LearnerCounter, mismatched_counter
-from learner_node.generation import GenerationBatch
 from learner_node.rollout import Rollout
+from learner_node.token_update import GenerationBatch
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ tokens, in float32 (models.scoring.head_logits), in chunks recomputed in the
 backward pass so a 150k vocabulary never holds every position's logits at once
 (`head_logprobs`).
 
-The generation update (learner_node/generation.py) scores its batches with these.
+The generation update (learner_node/token_update.py) scores its batches with these.
 The formulas and choices are in docs/design.md, "Generation: token-level PPO".
 """
 

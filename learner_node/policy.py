@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.segments import CandidateObservation
 from models import scoring
 
 
@@ -58,7 +59,7 @@ class LearnerPolicy:
         self.normalisation = normalisation
         self.temperature = temperature
         self.path = path
-        self.generation_layout = generation_layout  # learner_node/generation.py's check_layout picks it
+        self.generation_layout = generation_layout  # learner_node/token_update.py's check_layout picks it
         self.has_adapter = hasattr(model, "peft_config")
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:
@@ -78,13 +79,13 @@ class LearnerPolicy:
         # attention memory quadratic in its length, so none is fed to it (see `tokenize_checked`)
         self.position_limit = scoring.position_limit(model)
         self.value_head = ValueHead(width, value_hidden).to(device)
-        # generate transitions: the value of each response token, from the same frozen features (learner_node/generation.py)
+        # generate transitions: the value of each response token, from the same frozen features (learner_node/token_update.py)
         self.token_value_head = ValueHead(width, token_value_hidden).to(device)
 
-    def tokenize(self, obs: dict[str, Any]) -> scoring.Tokenized:
-        return scoring.tokenize_observation(self.tokenizer, obs["prompt"], obs.get("question", ""), obs["action"])
+    def tokenize(self, obs: CandidateObservation) -> scoring.Tokenized:
+        return scoring.tokenize_observation(self.tokenizer, obs.prompt, obs.question or "", obs.action)
 
-    def tokenize_checked(self, obs: dict[str, Any]) -> scoring.Tokenized:
+    def tokenize_checked(self, obs: CandidateObservation) -> scoring.Tokenized:
         """`tokenize`, raising ScoringError for an observation this model cannot score, before any forward: one
         that tokenizes to nothing (an empty prompt + question and a tokenizer that adds no BOS), or whose context
         and longest candidate run past the model's position limit (the actor's own check, actor_node/llm_policy.py).
@@ -149,7 +150,7 @@ class LearnerPolicy:
         return torch.cat(out)
 
     @torch.no_grad()
-    def values(self, observations: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def values(self, observations: Sequence[CandidateObservation]) -> tuple[torch.Tensor, torch.Tensor]:
         """The critic on observations: (the frozen base's features [N, width], the values [N]); ScoringError,
         before any forward, if one of them cannot be scored (`tokenize_checked`)."""
         return self.values_of([self.tokenize_checked(o) for o in observations])

@@ -28,12 +28,12 @@ import collections
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from common.learner_figures import CANDIDATES
-from common.segments import Segment, Transition
+from common.learner_figures import CANDIDATES, UpdateFigure
+from common.segments import CandidateObservation, Segment, Transition
 from common.shared_settings import PolicyStamp
 from learner_node import core_algos
 from learner_node.config import UpdateConfig
@@ -42,6 +42,9 @@ from models.scoring import ScoringError
 
 if TYPE_CHECKING:
     from learner_node.policy import LearnerPolicy
+
+
+STALE = "stale"  # a transition's reason to be dropped when its behaviour policy is past the lag bound
 
 
 @dataclass
@@ -57,12 +60,21 @@ class Tally:
     mismatched: collections.Counter[str] = field(default_factory=collections.Counter)  # by the field that disagreed
     stored: int = 0  # transitions in the segments taken
 
+    def count_dropped(self, reason: str) -> None:
+        """One transition left out: STALE (older than the lag bound), or by what disagreed (a field of its stamp,
+        a version ahead, ...)."""
+        if reason == STALE:
+            self.dropped_stale += 1
+        else:
+            self.dropped_mismatched += 1
+            self.mismatched[reason] += 1
+
 
 @dataclass
 class Rollout(Tally):
     """Flat per-transition training data (b_ tensors) of candidate choices, and what was left out."""
 
-    obs: list[dict[str, Any]] = field(default_factory=list)
+    obs: list[CandidateObservation] = field(default_factory=list)
     actions: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     probs: list[list[float]] = field(default_factory=list)  # the behaviour policy over every candidate
@@ -112,7 +124,7 @@ class EpisodeReturns:
 
 def build_rollout(
     segments: list[Segment],
-    value_of: Callable[[list[dict[str, Any]]], Sequence[float | None]],
+    value_of: Callable[[list[CandidateObservation]], Sequence[float | None]],
     gamma: float,
     lam: float,
     current_version: int,
@@ -131,11 +143,11 @@ def build_rollout(
     out = Rollout()
     episodes = episodes if episodes is not None else EpisodeReturns()
     # One critic call for every observation and bootstrap observation of the batch.
-    wanted: list[dict[str, Any]] = []
+    wanted: list[CandidateObservation] = []
     for seg in segments:
         wanted += [t.candidate_obs for t in seg.transitions]
         if seg.next_obs is not None and not seg.done:
-            wanted.append(seg.next_obs)
+            wanted.append(candidate_next_obs(seg))
     values = value_of(wanted) if wanted else []
     cursor = 0
     for seg in segments:
@@ -166,12 +178,10 @@ def build_rollout(
         for t, adv, ret, v in zip(transitions, advantages.tolist(), returns.tolist(), seg_values):
             lag = current_version - t.policy_version
             reason = "version_ahead" if lag < 0 else policy_disagreement(t, expected)
+            if reason is None and lag > max_policy_lag:
+                reason = STALE
             if reason is not None:
-                out.dropped_mismatched += 1
-                out.mismatched[reason] += 1
-                continue
-            if lag > max_policy_lag:
-                out.dropped_stale += 1
+                out.count_dropped(reason)
                 continue
             out.obs.append(t.candidate_obs)
             out.actions.append(t.action)
@@ -184,6 +194,14 @@ def build_rollout(
             out.values.append(float(v))
             out.seg_ids.append(seg.seg_id)
     return out
+
+
+def candidate_next_obs(seg: Segment) -> CandidateObservation:
+    """A candidate segment's next observation (TypeError for a generate turn's: learner_node/token_update.py's
+    `split_by_mode` gives a candidate segment none of those)."""
+    if not isinstance(seg.next_obs, CandidateObservation):
+        raise TypeError(f"segment {seg.seg_id} of choices among candidates has no candidate observation after it")
+    return seg.next_obs
 
 
 def _scored(values: Sequence[float | None], seg: Segment) -> list[float]:
@@ -249,11 +267,11 @@ class CandidateBatch:
         kl_behaviour = [
             float(core_algos.kl_behaviour(torch.tensor(mu, device=logp.device), logp)) for mu, logp in zip(r.probs, prox_all, strict=True)
         ]
-        metrics["kl_behaviour"] = sum(kl_behaviour) / len(kl_behaviour) if kl_behaviour else math.nan
+        metrics[UpdateFigure.KL_BEHAVIOUR] = sum(kl_behaviour) / len(kl_behaviour) if kl_behaviour else math.nan
         # Actor and learner must score the same function: on transitions the current weights chose, the learner's
         # log-prob equals the actor's (to float rounding). A gap here is a defect, not staleness.
         on_policy = [i for i, lag in enumerate(r.lags) if lag == 0]
-        metrics["on_policy_logprob_dev"] = float((prox[on_policy] - behaviour[on_policy]).abs().max()) if on_policy else math.nan
+        metrics[UpdateFigure.ON_POLICY_LOGPROB_DEV] = float((prox[on_policy] - behaviour[on_policy]).abs().max()) if on_policy else math.nan
         return Targets(
             mask=mask,
             behaviour_logp=behaviour,

@@ -79,7 +79,7 @@ def shard(model: nn.Module, mixed_precision: bool, mesh: Any = None) -> nn.Modul
 
     Units: each transformer block, then the decoder (`models.scoring.model_parts`) as the root. The root is the
     decoder and not the causal LM because the learner never calls the causal LM's forward: it calls the decoder,
-    then the LM head on the positions it scores (models/scoring.py, learner_node/generation.py). FSDP2 gathers a
+    then the LM head on the positions it scores (models/scoring.py, learner_node/token_update.py). FSDP2 gathers a
     unit's parameters in that unit's forward hooks, so a unit at the causal LM would leave the embedding and the
     head sharded while they are used. The decoder's own parameters (embeddings, final norm) and everything
     outside it (the LM head, peft's wrappers) stay whole on every rank (`ignored_params`), and their gradients

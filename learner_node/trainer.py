@@ -12,20 +12,19 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from common.learner_figures import UpdateFigure
-from common.segments import Segment
+from common.segments import CandidateObservation, Segment
 from common.shared_settings import PolicyStamp
 from learner_node.config import LearnerConfig
 from learner_node.core_algos import AdaptiveKLController
-from learner_node.generation import GenerationBatch, GenerationUpdate, build_generation_batch, split_by_mode
 from learner_node.intake import Intake
 from learner_node.optim import adam
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import CandidateBatch, EpisodeReturns, Rollout, build_rollout
+from learner_node.token_update import GenerationBatch, GenerationUpdate, build_generation_batch, split_by_mode
 from learner_node.update import LossSettings, PolicyBatch, TrainableSnapshot, ppo_update
 from models import scoring
 
@@ -94,7 +93,7 @@ class Trainer:
         return TrainableSnapshot.of(list(self.optimizers.values()))
 
     def build(self, segments: list[Segment], version: int, stamp: PolicyStamp) -> Batches:
-        """The batches of one rollout's segments: GAE, the lag bound and the stamp checks (rollout.py, generation.py)."""
+        """The batches of one rollout's segments: GAE, the lag bound and the stamp checks (rollout.py, token_update.py)."""
         scoring_segments, generate_segments = split_by_mode(segments)
         rollout = build_rollout(
             scoring_segments, self.values, self.cfg.gamma, self.cfg.gae_lambda, version, self.cfg.max_policy_lag, self.episodes, stamp
@@ -140,7 +139,7 @@ class Trainer:
             metrics.update(figures)
         return metrics
 
-    def values(self, observations: list[dict[str, Any]]) -> list[float | None]:
+    def values(self, observations: list[CandidateObservation]) -> list[float | None]:
         """Critic values for GAE, None for an observation the model cannot score (`LearnerPolicy.tokenize_checked`:
         a client's next_obs that tokenizes to nothing or runs past the model's positions), which is never fed to
         it; the features are kept (by observation object) for the update's critic epochs."""

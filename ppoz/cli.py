@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import ConfigError, add_flags, load, local_path
+from ppoz.flags import add_broker_flag, add_json_flag, add_seed_flag
 
 log = logging.getLogger("ppoz")
 
@@ -199,23 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "status", help="show a running broker's sessions, actors and counters", description="Ask a running broker for its figures."
     )
-    p.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's client endpoint (default: tcp://127.0.0.1:5555)")
+    add_broker_flag(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default: 5)")
-    p.add_argument("--json", action="store_true", help="print the raw figures as JSON")
-    p.add_argument(
-        "--curve-server-key",
-        default="",
-        type=local_path,
-        metavar="FILE",
-        help="CURVE: the broker's public key file (NAME.key), for a broker with CURVE on",
+    add_json_flag(p, "print the raw figures as JSON")
+    key_files = (
+        ("--curve-server-key", "CURVE: the broker's public key file (NAME.key), for a broker with CURVE on"),
+        ("--curve-secret-key", "CURVE: this client's key pair file (NAME.key_secret), allowed by the broker"),
     )
-    p.add_argument(
-        "--curve-secret-key",
-        default="",
-        type=local_path,
-        metavar="FILE",
-        help="CURVE: this client's key pair file (NAME.key_secret), allowed by the broker",
-    )
+    for flag, key_help in key_files:
+        p.add_argument(flag, default="", type=local_path, metavar="FILE", help=key_help)
     p.set_defaults(func=cmd_status)
 
     from tools.reliability import fuzz, soak
@@ -255,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="byte", choices=TOKENIZERS, help="tokenizer, trained locally but byte (default: byte)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size (default: 64)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    add_seed_flag(p, "seed of the random weights (default: 0)")
     p.set_defaults(func=cmd_tiny_model)
 
     p = sub.add_parser(

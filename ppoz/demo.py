@@ -24,9 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.config import local_path, local_path_or_id
+from common.config import local_path
+from common.learner_figures import CANDIDATES, UpdateFigure
 from common.options import ADVANTAGE_ESTIMATORS
 from ppoz.export import export_command
+from ppoz.flags import add_device_flag, add_json_flag, add_model_flag, add_seed_flag
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kea: choose among candidate actions exploring an app; arithmetic: write the sum in words, "
         "ppoz train on a generated dataset (default: kea)",
     )
-    parser.add_argument("--json", action="store_true", help="arithmetic: print the summary (val_before, val_after, ...) as JSON, last")
+    add_json_flag(parser, "arithmetic: print the summary (val_before, val_after, ...) as JSON, last")
     parser.add_argument(
         "--advantage",
         default="gae",
@@ -63,16 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--clients", type=int, default=None, help="simulated clients: Kea emulators (default: 4), arithmetic's driver workers (default: 8)"
     )
-    parser.add_argument(
-        "--model",
-        default="",
-        type=local_path_or_id,
-        help="a local model directory or Hugging Face id (default: a tiny model built locally)",
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto), for the actor and the learner")
-    parser.add_argument(
-        "--seed", type=int, default=0, help="kea: the simulated app's layout; arithmetic: prompt order and sampling seeds (default: 0)"
-    )
+    add_model_flag(parser, "a local model directory or Hugging Face id (default: a tiny model built locally)")
+    add_device_flag(parser, "cpu, cuda, cuda:N or auto (default: auto), for the actor and the learner")
+    add_seed_flag(parser, "kea: the simulated app's layout; arithmetic: prompt order and sampling seeds (default: 0)")
     parser.add_argument(
         "--out", default="runs/demo", type=local_path, help="learning curve, checkpoints and TensorBoard logs go here (default: runs/demo)"
     )
@@ -213,8 +208,9 @@ def progress_line(s: dict[str, Any], learner: dict[str, float]) -> str:
     return (
         f"  {s['elapsed_s']:5.0f} s  steps {s['steps']:6d} ({s['steps_per_s']:4.1f}/s)  episodes {s['episodes']:4d}  "
         f"mean return (last {s['recent_episodes']}) {s['recent_mean_return']:5.2f}  policy v{s['policy_version']:<3d}  "
-        f"policy loss {fmt('losses/policy_loss')}  value loss {fmt('losses/value_loss')}  "
-        f"entropy {fmt('losses/entropy')}"
+        f"policy loss {fmt(UpdateFigure.POLICY_LOSS.of(CANDIDATES))}  "
+        f"value loss {fmt(UpdateFigure.VALUE_LOSS.of(CANDIDATES))}  "
+        f"entropy {fmt(UpdateFigure.ENTROPY.of(CANDIDATES))}"
     )
 
 

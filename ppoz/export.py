@@ -16,7 +16,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from common.config import local_path, local_path_or_id
+from common.config import local_path
+from ppoz.flags import add_model_flag
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # learner_node.export.DTYPE_CHOICES, without its torch
 
@@ -31,11 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", required=True, metavar="DIR", type=local_path, help="the model folder to write (must not exist, or be empty)"
     )
-    parser.add_argument(
-        "--model",
-        default="",
-        type=local_path_or_id,
-        help="the base model to merge into, in place of the one the checkpoint records (which moved, or is on another machine)",
+    add_model_flag(
+        parser, "the base model to merge into, in place of the one the checkpoint records (which moved, or is on another machine)"
     )
     parser.add_argument(
         "--dtype", default="auto", choices=DTYPE_CHOICES, help="dtype of the exported weights (default: auto, the base model's)"

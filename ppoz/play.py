@@ -18,6 +18,8 @@ import sys
 import threading
 from typing import Any
 
+from ppoz.flags import add_broker_flag, add_json_flag, add_seed_flag
+
 log = logging.getLogger(__name__)
 
 
@@ -30,11 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="an environment option, e.g. horizon=16 or is_slippery=true; repeatable",
     )
-    parser.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's client endpoint (default: tcp://127.0.0.1:5555)")
+    add_broker_flag(parser)
     parser.add_argument("--clients", type=int, default=4, help="clients played in parallel (default: 4)")
     parser.add_argument("--seconds", type=float, default=0.0, help="stop after this long (default: 0, until Ctrl-C or SIGTERM)")
     parser.add_argument("--episodes", type=int, default=0, help="episodes per client, then stop (default: 0, no limit)")
-    parser.add_argument("--seed", type=int, default=0, help="the simulator's app layout and the episodes' seeds (default: 0)")
+    add_seed_flag(parser, "the simulator's app layout and the episodes' seeds (default: 0)")
     parser.add_argument("--deadline", type=float, default=60.0, help="seconds one request may take, retries included (default: 60)")
     parser.add_argument("--report-every", type=float, default=5.0, help="seconds between progress lines (default: 5)")
     parser.add_argument(
@@ -44,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="first play N episodes locally with the uniformly random policy and report their mean return",
     )
-    parser.add_argument("--json", action="store_true", help="print the final report as one JSON object")
+    add_json_flag(parser, "print the final report as one JSON object")
 
 
 def parse_options(items: list[str]) -> dict[str, Any]:

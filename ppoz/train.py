@@ -24,8 +24,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config import add_flags, load, local_path, local_path_or_id, read_toml
+from common.config import add_flags, load, local_path, read_toml
+from common.learner_figures import Latest
 from common.options import ADVANTAGE_ESTIMATORS
+from ppoz.flags import add_json_flag, add_model_flag
 
 if TYPE_CHECKING:
     from common.shared_settings import StoreSettings
@@ -41,19 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", metavar="FILE", type=local_path, help="TOML config file: [train], and the stack's tables; flags override it"
     )
-    parser.add_argument(
-        "--model",
-        default="",
-        type=local_path_or_id,
-        help="the policy model directory or Hugging Face id (sets [policy] model for the actors and the learner)",
-    )
+    add_model_flag(parser, "the policy model directory or Hugging Face id (sets [policy] model for the actors and the learner)")
     parser.add_argument("--broker", default="", help="drive this farm's broker (its client endpoint) instead of starting a stack here")
     # With --broker, the farm's [store] (the file's, these flags over it): its Redis holds the learner's figures
     # and the marks of the samples the farm stored, which a resumed run skips.
     parser.add_argument(
         "--key-prefix", default=argparse.SUPPRESS, help="with --broker: the farm's Redis key prefix (default: [store] key_prefix, ppoz)"
     )
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object, last")
+    add_json_flag(parser, "print the summary as one JSON object, last")
     parser.add_argument(
         "--redis-url",
         default=argparse.SUPPRESS,
@@ -176,7 +173,7 @@ def finish(cfg: Any, summary: dict[str, Any], as_json: bool, learner_started_her
         learner_started_here
         and not summary.get("stopped")
         and summary["samples"] > 0
-        and (summary.get("learner") or {}).get("version", 0) < 1
+        and (summary.get("learner") or {}).get(Latest.VERSION, 0) < 1
     )
     if untrained and not unrewarded:
         why = (

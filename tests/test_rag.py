@@ -21,7 +21,7 @@ from actor_node.rag import Retriever
 from actor_node.retrieval import CONTEXT_HEADER
 from actor_node.worker import serve
 from broker.store import SessionStore
-from common.segments import RedisKeys, Segment
+from common.segments import CandidateObservation, RedisKeys, Segment
 from common.shared_settings import RetrievalConfig
 from learner_node.config import UpdateConfig
 from learner_node.policy import LearnerPolicy
@@ -127,14 +127,14 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
         for i, t in enumerate(by_task[task]):
             raw = obs(marker, i)
             assert t.mode == "rag_step"
-            assert t.obs["prompt"].startswith(raw["prompt"]) and t.obs["action"] == raw["action"]
-            assert other not in t.obs["prompt"], f"{other}'s history reached {marker}'s prompt"
-            block = t.obs["prompt"][len(raw["prompt"]) :]
+            assert t.obs.prompt.startswith(raw["prompt"]) and t.obs.action == raw["action"]
+            assert other not in t.obs.prompt, f"{other}'s history reached {marker}'s prompt"
+            block = t.obs.prompt[len(raw["prompt"]) :]
             assert CONTEXT_HEADER in block  # the corpus alone always has something to offer
             assert len(tokenizer.encode(block, add_special_tokens=False)) <= budget
     # Corpus chunks reach the prompt (which ones rank first is tested with a meaningful embedder in test_retrieval.py;
     # this model's weights are random).
-    assert any("[doc " in t.obs["prompt"] for t in by_task[task_a]) and any("[doc " in t.obs["prompt"] for t in by_task[task_b])
+    assert any("[doc " in t.obs.prompt for t in by_task[task_a]) and any("[doc " in t.obs.prompt for t in by_task[task_b])
 
     # The learner recomputes what the actor sampled from: ratio 1 on the first minibatch.
     torch.manual_seed(0)
@@ -142,7 +142,8 @@ def test_rag_step_history_stays_in_its_task_the_budget_holds_and_the_learner_see
     lp = LearnerPolicy(model, tok, "token", 1.0, [32, 16])
     # Had the broker recorded the client's plain observation, the learner would score another function.
     with torch.no_grad():
-        plain = [lp.logp_all([lp.tokenize(obs("ALPHA", i))])[0][t.action].item() for i, t in enumerate(by_task[task_a])]
+        items = [lp.tokenize(CandidateObservation.from_wire(obs("ALPHA", i))) for i in range(len(by_task[task_a]))]
+        plain = [lp.logp_all([item])[0][t.action].item() for item, t in zip(items, by_task[task_a])]
     assert max(abs(a - t.logprob) for a, t in zip(plain, by_task[task_a])) > 1e-3
 
     def value_of(observations):

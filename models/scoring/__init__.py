@@ -68,7 +68,7 @@ __all__ = [
     "LogitTransform",
     "ScoringError",
     "Tokenized",
-    "_float32",  # learner_node/generation.py checks its layouts with the model in float32, as select_path does
+    "_float32",  # learner_node/token_update.py checks its layouts with the model in float32, as select_path does
     "as_attention_mask",
     "check_length",
     "head_logits",

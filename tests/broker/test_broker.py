@@ -66,10 +66,10 @@ def test_full_life_cycle_writes_segments_with_bootstrap_observations(start_broke
     transitions = [t for s in segs for t in s.transitions]
     assert [t.reward for t in transitions] == pytest.approx([0.1 * n for n in range(7)])
     assert [t.action for t in transitions] == [r["action"] for r in replies]
-    assert [t.obs["prompt"] for t in transitions] == [obs(n)["prompt"] for n in range(7)]
+    assert [t.obs.prompt for t in transitions] == [obs(n)["prompt"] for n in range(7)]
     # A segment closed by length bootstraps from the observation that followed it.
-    assert segs[0].next_obs["prompt"] == obs(3)["prompt"]
-    assert segs[1].next_obs["prompt"] == obs(6)["prompt"]
+    assert segs[0].next_obs.prompt == obs(3)["prompt"]
+    assert segs[1].next_obs.prompt == obs(6)["prompt"]
     assert segs[2].truncated and segs[2].next_obs is None
     assert not redis_client.exists(f"{key_prefix}:task:{task}", f"{key_prefix}:seg:{task}")
 
@@ -136,7 +136,7 @@ def test_step_while_pending_closes_the_segment_and_counts_the_orphan(stack, redi
     client.step(task, obs(1))  # feedback for this one is lost
     client.step(task, obs(2))
     segs = segments(redis_client, key_prefix)
-    assert [(s.reason, len(s.transitions), s.next_obs["prompt"]) for s in segs] == [("orphan_step", 1, obs(1)["prompt"])]
+    assert [(s.reason, len(s.transitions), s.next_obs.prompt) for s in segs] == [("orphan_step", 1, obs(1)["prompt"])]
     assert client.status()["counters"]["broker/orphan_steps"] == 1
     client.feedback(task, 0.2)
     assert msgpack.unpackb(redis_client.lindex(f"{key_prefix}:seg:{task}", 0))["obs"]["prompt"] == obs(2)["prompt"]
@@ -431,7 +431,7 @@ def test_silent_sessions_expire_into_truncated_segments(start_broker, start_acto
     client.step(task, obs(1))  # the emulator dies here, without detach
     # the 0.5 s TTL, then the broker's next session scan (once a second): 0.5-1.5 s alone. It was 10 s (x7): 20 s
     segs = wait_for(lambda: segments(redis_client, key_prefix), timeout=20, what="the expired session's segment")
-    assert [(s.reason, s.truncated, len(s.transitions), s.next_obs["prompt"]) for s in segs] == [("expired", True, 1, obs(1)["prompt"])]
+    assert [(s.reason, s.truncated, len(s.transitions), s.next_obs.prompt) for s in segs] == [("expired", True, 1, obs(1)["prompt"])]
     with pytest.raises(UnknownTask):
         client.ask(task)
     assert client.status()["counters"]["sessions/expired"] == 1

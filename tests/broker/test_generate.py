@@ -47,7 +47,7 @@ def test_generate_then_feedback_stores_a_transition_with_the_tokens_and_their_lo
         client.feedback(task, reward=float(turn), done=False)
     client.generate(task, "turn 2: and again", max_new_tokens=3)
     (seg,) = wait_for(lambda: segments(redis_client, key_prefix), what="the segment to close")
-    assert seg.reason == "length" and seg.next_obs["prompt_ids"] == tokenizer("turn 2: and again")["input_ids"]
+    assert seg.reason == "length" and seg.next_obs.prompt_ids == tokenizer("turn 2: and again")["input_ids"]
     for turn, (t, reply) in enumerate(zip(seg.transitions, replies)):
         assert t.mode == p.OP_GENERATE and t.reward == float(turn) and t.action == 0 and t.probs == []
         assert t.obs.prompt_ids == tokenizer(f"turn {turn}: tell me")["input_ids"]

@@ -15,7 +15,7 @@ def test_feedback_turns_the_pending_step_into_a_transition():
     assert session.record_step(step(0)) == ([], False)
     transition, closes = session.record_feedback(0.5, False, False, None)
     assert closes == []
-    assert transition.obs["prompt"] == "screen 0"
+    assert transition.obs.prompt == "screen 0"
     assert (transition.action, transition.logprob, transition.reward, transition.policy_version) == (1, -0.7, 0.5, 3)
     assert session.pending is None and session.open_len == 1
 

@@ -88,7 +88,7 @@ def test_a_real_next_obs_reaches_the_broker_with_truncated(serving, ppo_client, 
     client.step(pick(1))
     assert client.feedback(0.5, False, next_obs=pick(9), truncated=True)["segment_closed"] is True
     [segment] = [Segment.from_entry(f) for _, f in redis_client.xrange(f"{key_prefix}:segments")]
-    assert segment.reason == "truncated" and segment.next_obs["prompt"] == pick(9)["prompt"]
+    assert segment.reason == "truncated" and segment.next_obs.prompt == pick(9)["prompt"]
 
 
 def test_protocol_errors_raise_their_exceptions(serving, ppo_client):

@@ -5,14 +5,14 @@ import pytest
 from broker.sessions import SegmentClose, Session
 from broker.store import Batch, SessionStore
 from common.protocol import encode
-from common.segments import ENTRY_FIELDS, RedisKeys, Segment, Transition, ensure_group
+from common.segments import ENTRY_FIELDS, CandidateObservation, RedisKeys, Segment, Transition, ensure_group
 
 OBS = {"prompt": "Screen: Main", "question": "Next? ", "action": ["a", "b"]}
 
 
 def transition(reward: float, done: bool = False) -> Transition:
     return Transition(
-        obs=OBS,
+        obs=CandidateObservation.from_wire(OBS),
         action=1,
         logprob=-0.69,
         probs=[0.5, 0.5],
@@ -195,3 +195,67 @@ def test_a_generate_turn_with_a_field_of_the_wrong_type_is_refused_by_name(where
     entry.update({b"seg_id": b"t:0", b"task_id": b"t", b"reason": b"done", b"next_obs": encode(None), b"transitions": encode([wire])})
     with pytest.raises(ValueError, match=f"not a segment entry.*`{named}`"):
         Segment.from_entry(entry)
+
+
+def test_a_step_reads_back_as_a_candidate_observation_and_encodes_to_the_same_bytes():
+    from common.segments import pack
+
+    wire = transition(1.0).to_wire()
+    assert wire["obs"] == OBS and list(wire["obs"]) == ["prompt", "question", "action"]  # check_obs's map, in its order
+    t = Transition.from_wire(wire)
+    assert t.obs == t.candidate_obs == CandidateObservation("Screen: Main", "Next? ", ["a", "b"])
+    assert pack(t.to_wire()) == pack(wire)
+    older = dict(wire, obs={"prompt": "Screen: Main", "action": ["a", "b"]})  # a record written without the question
+    assert (t := Transition.from_wire(older)).candidate_obs.question is None
+    assert pack(t.to_wire()) == pack(older)
+
+
+def test_the_broker_stores_a_step_as_the_map_check_obs_returned():
+    from broker.sessions import PendingStep
+    from common.segments import pack
+
+    session = Session("t", segment_len=4)
+    session.record_step(PendingStep("r", "step", dict(OBS), 1, -0.69, [0.5, 0.5], 3, 1, b"reply"))
+    t, _ = session.record_feedback(1.0, True, False, None)
+    assert t.obs == CandidateObservation.from_wire(OBS)
+    assert pack(t.to_wire()) == pack(dict(transition(1.0, done=True).to_wire(), step_ms=1, feedback_ms=t.feedback_ms))
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ({"prompt": None}, "obs.prompt"),
+        ({"question": 7}, "obs.question"),
+        ({"action": "a"}, "obs.action"),
+        ({"action": ["a", 3]}, "obs.action"),
+    ],
+)
+def test_a_step_with_an_observation_field_of_the_wrong_type_is_refused_by_name(value, named):
+    wire = transition(1.0).to_wire()
+    wire["obs"] = dict(OBS, **value)
+    with pytest.raises(ValueError, match=f"transition field `{named}`"):
+        Transition.from_wire(wire)
+    with pytest.raises(ValueError, match="transition field `obs` of a step must be a map"):
+        Transition.from_wire(dict(wire, obs=["Screen: Main"]))
+
+
+@pytest.mark.parametrize(
+    ("next_obs", "named"),
+    [
+        ({"prompt": "p", "question": "", "action": "a"}, "next_obs.action"),
+        ({"prompt_ids": [1, "2"], "sampling": {}}, "next_obs.prompt_ids"),
+        ("a str", "next_obs"),
+    ],
+)
+def test_a_next_observation_of_the_wrong_type_is_refused_by_name(next_obs, named):
+    entry = {name.encode(): b"0" for name in ENTRY_FIELDS}
+    wire = transition(1.0).to_wire()
+    entry.update({b"seg_id": b"t:0", b"task_id": b"t", b"reason": b"length", b"next_obs": encode(next_obs), b"transitions": encode([wire])})
+    with pytest.raises(ValueError, match=f"not a segment entry.*segment field `{named}`"):
+        Segment.from_entry(entry)
+    entry[b"next_obs"] = encode({"prompt_ids": [1, 2], "sampling": {"max_new_tokens": 2}})
+    from common.segments import GenerateObservation
+
+    assert Segment.from_entry(entry).next_obs == GenerateObservation([1, 2], {"max_new_tokens": 2})
+    entry[b"next_obs"] = encode(OBS)
+    assert Segment.from_entry(entry).next_obs == CandidateObservation.from_wire(OBS)

@@ -76,9 +76,9 @@ def test_runner_plays_every_client_to_max_episodes(
         assert (s.reason, s.done, s.truncated, len(s.transitions)) == ("truncated", False, True, horizon)
         steps = s.transitions
         assert [(t.truncated, t.done) for t in steps] == [(False, False)] * (horizon - 1) + [(True, False)]
-        assert "Visited pages: MainActivity\nHistory of actions:\nCurrent page: MainActivity" in steps[0].obs["prompt"]
-        assert all(0 <= t.action < len(t.obs["action"]) for t in steps)
-        next_obs = s.next_obs  # the state the time limit cut off, for the learner to bootstrap from
+        assert "Visited pages: MainActivity\nHistory of actions:\nCurrent page: MainActivity" in steps[0].obs.prompt
+        assert all(0 <= t.action < len(t.obs.action) for t in steps)
+        next_obs = s.next_obs.to_wire()  # the state the time limit cut off, for the learner to bootstrap from
         assert set(next_obs) == {"prompt", "question", "action"}
         assert next_obs["prompt"].count("\n- ") == horizon  # one history line per step taken
 
@@ -87,11 +87,11 @@ def test_runner_plays_every_client_to_max_episodes(
         env = make_env_factory("kea", seed=3, **APP)(0)
         obs = env.reset()
         for t in s.transitions:
-            assert t.obs["prompt"] == obs["prompt"] and t.obs["action"] == obs["action"]
+            assert t.obs.prompt == obs["prompt"] and t.obs.action == obs["action"]
             result = env.step(t.action)
             assert result.reward == t.reward
             obs = result.obs
-        assert obs == s.next_obs
+        assert obs == s.next_obs.to_wire()
 
 
 def test_gym_episodes_end_done(served: tuple[RunningBroker, Client], redis_client: redis_py.Redis, key_prefix: str) -> None:
@@ -111,7 +111,7 @@ def test_gym_episodes_end_done(served: tuple[RunningBroker, Client], redis_clien
             assert last.reward in (0.0, 1.0)
         else:  # 20 steps without either
             assert (s.reason, s.truncated, len(s.transitions), last.truncated) == ("truncated", True, 20, True)
-            assert s.next_obs["action"] == ["move left", "move down", "move right", "move up"]
+            assert s.next_obs.action == ["move left", "move down", "move right", "move up"]
     assert sorted(e.ret for e in runner.stats.episodes) == sorted(sum(t.reward for t in s.transitions) for s in segs)
 
 

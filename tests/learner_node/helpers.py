@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from actor_node.llm_policy import LLMPolicy, SamplingConfig
-from common.segments import Segment, Transition
+from common.segments import CandidateObservation, Segment, Transition
 
 BANDIT = {"prompt": "Pick the best colour.", "question": " Answer: ", "action": ["red", "green", "blue"]}
 
@@ -19,7 +19,7 @@ def on_policy_segments(model, tokenizer, n: int, version: int = 0, seed: int = 0
         choices = actor.choose_batch([{"job": i, "task_id": f"t{i}", "obs": BANDIT} for i in range(n)])
     for i, choice in enumerate(choices):
         t = Transition(
-            obs=BANDIT,
+            obs=CandidateObservation.from_wire(BANDIT),
             action=choice.action,
             logprob=choice.logprob,
             probs=choice.probs,

@@ -20,7 +20,7 @@ from actor_node.llm_policy import LLMPolicy, SamplingConfig
 from broker.sessions import SegmentClose, Session
 from broker.store import Batch, SessionStore
 from common import segments as seg
-from common.segments import RedisKeys, Transition
+from common.segments import CandidateObservation, RedisKeys, Transition
 from common.shared_settings import PolicySpec, StoreSettings
 from learner_node.config import LearnerConfig, UpdateConfig
 from learner_node.policy import LearnerPolicy
@@ -46,7 +46,7 @@ def actor_transitions(model_dir: str, dtype: str, path: str, n: int, version: in
         choices = actor.choose_batch(jobs)
     return [
         Transition(
-            obs=job["obs"],
+            obs=CandidateObservation.from_wire(job["obs"]),
             action=c.action,
             logprob=c.logprob,
             probs=c.probs,

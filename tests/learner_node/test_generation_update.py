@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from actor_node.generation_engine import GenerationEngine
-from common.segments import GeneratedResponse, GenerateObservation, Segment, Transition
+from common.segments import CandidateObservation, GeneratedResponse, GenerateObservation, Segment, Transition
 from common.shared_settings import PolicySpec, PolicyStamp
-from learner_node.generation import build_generation_batch, split_by_mode
 from learner_node.packed_forward import fill_rows, pack, response_logprobs
+from learner_node.token_update import build_generation_batch, split_by_mode
 from models.policy_model import ModelSpec, load_policy
 from tests.learner_node.test_async_ppo import learner_on, write_to_stream
 
@@ -168,7 +168,7 @@ def test_batch_rules_bootstrap_drops_and_chains() -> None:
     other = {**mine, "run": "run-b"}
     segments = [
         segment("done", [gen_transition([1, 2], [3, 4], done=False, policy=mine), gen_transition([5], [6], policy=mine)], done=True),
-        segment("length", [gen_transition([7], [8, 9], done=False)], next_obs={"prompt_ids": [10, 11]}),
+        segment("length", [gen_transition([7], [8, 9], done=False)], next_obs=GenerateObservation([10, 11], {})),
         segment("detached", [gen_transition([12], [13], done=False), gen_transition([14], [15], done=False)], truncated=True),
         segment(
             "drops",
@@ -179,7 +179,7 @@ def test_batch_rules_bootstrap_drops_and_chains() -> None:
                 gen_transition([26], [27], done=False, policy=other),  # another run
                 gen_transition([28], [29], done=False),
             ],
-            next_obs={"prompt_ids": [30]},
+            next_obs=GenerateObservation([30], {}),
         ),
     ]
     batch = build_generation_batch(segments, current_version=5, max_policy_lag=4, expected=stamp)
@@ -205,9 +205,11 @@ def test_batch_rules_bootstrap_drops_and_chains() -> None:
 def test_token_ids_outside_the_vocabulary_are_dropped_not_trained() -> None:
     # An actor serving another model sends ids the learner's embedding table does not have: the update would fail.
     segments = [
-        segment("ok", [gen_transition([1, 2], [3], done=False), gen_transition([4], [99], done=False)], next_obs={"prompt_ids": [5]}),
-        segment("bad-prompt", [gen_transition([70], [3], done=False)], next_obs={"prompt_ids": [7]}),
-        segment("bad-next", [gen_transition([1], [3], done=False)], next_obs={"prompt_ids": [64]}),
+        segment(
+            "ok", [gen_transition([1, 2], [3], done=False), gen_transition([4], [99], done=False)], next_obs=GenerateObservation([5], {})
+        ),
+        segment("bad-prompt", [gen_transition([70], [3], done=False)], next_obs=GenerateObservation([7], {})),
+        segment("bad-next", [gen_transition([1], [3], done=False)], next_obs=GenerateObservation([64], {})),
     ]
     batch = build_generation_batch(segments, current_version=5, max_policy_lag=4, vocab_size=64)
     assert dict(batch.mismatched) == {"token_ids": 2} and batch.dropped_mismatched == 2
@@ -218,7 +220,7 @@ def test_token_ids_outside_the_vocabulary_are_dropped_not_trained() -> None:
 
 
 def test_a_segment_holding_both_kinds_is_split_where_the_kind_changes() -> None:
-    step = Transition({"prompt": "p", "question": "", "action": ["a", "b"]}, 0, -0.7, [0.5, 0.5], 0, "step", 1.0, False, False)
+    step = Transition(CandidateObservation("p", "", ["a", "b"]), 0, -0.7, [0.5, 0.5], 0, "step", 1.0, False, False)
     seg = segment("mixed", [step, step, gen_transition([1], [2], done=False), step], done=True)
     scoring_parts, generate_parts = split_by_mode([seg])
     assert [len(s.transitions) for s in scoring_parts] == [2, 1] and [len(s.transitions) for s in generate_parts] == [1]
@@ -226,7 +228,7 @@ def test_a_segment_holding_both_kinds_is_split_where_the_kind_changes() -> None:
     assert scoring_parts[1].done and scoring_parts[1].seg_id == "mixed/2"
     # Steps closed by length when the task's next request was a generate: its prompt cannot bootstrap a step
     # (the candidate critic would read a `prompt` it does not have); the steps end truncated, the last dropped.
-    steps_then_generate = segment("length", [step, step], next_obs={"prompt_ids": [5, 6], "sampling": {"max_new_tokens": 2}})
+    steps_then_generate = segment("length", [step, step], next_obs=GenerateObservation([5, 6], {"max_new_tokens": 2}))
     (part,), () = split_by_mode([steps_then_generate])
     assert part.truncated and part.next_obs is None and part.reason == "mode_change"
     from learner_node.rollout import build_rollout
@@ -457,9 +459,9 @@ def test_the_reference_and_the_critic_share_one_adapter_off_forward(tiny_models,
     from peft.tuners.lora import LoraLayer
 
     from learner_node.config import GenerationConfig
-    from learner_node.generation import Chain, GenerationBatch, GenerationUpdate
     from learner_node.packed_forward import response_hidden
     from learner_node.policy import LearnerPolicy
+    from learner_node.token_update import Chain, GenerationBatch, GenerationUpdate
     from models import scoring
 
     torch.manual_seed(0)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import collections
 import math
 
-from learner_node.generation import GenerationBatch
 from learner_node.intake import Intake
 from learner_node.rollout import Rollout
+from learner_node.token_update import GenerationBatch
 
 
 def rollout() -> Rollout:

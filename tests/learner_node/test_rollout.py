@@ -2,12 +2,12 @@
 
 import pytest
 
-from common.segments import Segment, Transition
+from common.segments import CandidateObservation, Segment, Transition
 from learner_node.rollout import build_rollout
 
 
 def obs(name):
-    return {"prompt": name, "question": "", "action": ["a", "b"]}
+    return CandidateObservation(name, "", ["a", "b"])
 
 
 def transition(name, reward, done=False, version=5):
@@ -34,7 +34,7 @@ VALUES = {"s0": 0.5, "s1": 0.4, "s2": 0.3, "after": 2.0}
 
 
 def value_of(observations):
-    return [VALUES[o["prompt"]] for o in observations]
+    return [VALUES[o.prompt] for o in observations]
 
 
 def test_done_segment_keeps_its_terminal_transition_and_bootstraps_nothing():

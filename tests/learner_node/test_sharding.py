@@ -3,7 +3,7 @@
 One job on 2 ranks per kind of policy (`KINDS`: a LoRA adapter alone, or with modules trained in full beside
 it, on a Llama whose head is its own; all weights of a Qwen2 whose head is its embedding table) does what the
 learner would: shard,
-gather the weights (`full_state_chunks`), run the real update (learner_node/generation.py's
+gather the weights (`full_state_chunks`), run the real update (learner_node/token_update.py's
 `generation_update`, which is learner_node/update.py's `ppo_update`) on a fixed batch, gather again, write a
 sharded checkpoint, undo the update (`TrainableSnapshot`), then run a candidate update. Each test holds one of
 its results against the same thing done in this process, unsharded. The ranks are forked from this process,
@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.segments import GeneratedResponse, GenerateObservation, Segment, Transition
+from common.segments import CandidateObservation, GeneratedResponse, GenerateObservation, Segment, Transition
 from learner_node.config import GenerationConfig, UpdateConfig
-from learner_node.generation import build_generation_batch, generation_update
 from learner_node.optim import adam
 from learner_node.packed_forward import pack, response_logprobs
 from learner_node.policy import LearnerPolicy
@@ -41,6 +40,7 @@ from learner_node.sharding import (
     shard,
     transformer_blocks,
 )
+from learner_node.token_update import build_generation_batch, generation_update
 from learner_node.update import TrainableSnapshot
 from models.policy_model import ModelSpec, load_policy, policy_state_dict
 from tests.processes import free_port
@@ -96,7 +96,7 @@ def fixed_batch() -> Any:
     ]
     segments = [
         Segment("s0", "t0", 0, "done", True, False, None, turns[0:2]),  # turn 0 goes on in turn 1
-        Segment("s1", "t1", 0, "length", False, False, {"prompt_ids": [5, 6, 7]}, [turns[2]]),
+        Segment("s1", "t1", 0, "length", False, False, GenerateObservation([5, 6, 7], {}), [turns[2]]),
         *[Segment(f"s{i}", f"t{i}", 0, "done", True, False, None, [turns[i]]) for i in range(3, 8)],
     ]
     batch = build_generation_batch(segments, current_version=0, max_policy_lag=4)
@@ -114,7 +114,7 @@ def candidate_rollout() -> Any:
         obs = {"prompt": prompts[i % 3], "question": " Answer: ", "action": actions[i % 3]}
         k = len(obs["action"])
         probs = [1.0 / k] * k
-        t = Transition(obs, i % k, math.log(probs[0]), probs, 0, "step", float(i % 2), True, False)
+        t = Transition(CandidateObservation.from_wire(obs), i % k, math.log(probs[0]), probs, 0, "step", float(i % 2), True, False)
         segments.append(Segment(f"c{i}", f"c{i}", 0, "done", True, False, None, [t]))
     return build_rollout(segments, lambda observations: [0.1] * len(observations), 0.99, 0.95, current_version=0, max_policy_lag=4)
 

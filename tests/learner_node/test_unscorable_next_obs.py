@@ -25,10 +25,10 @@ import torch
 from broker.sessions import SegmentClose, Session
 from broker.store import Batch, SessionStore
 from common import learner_figures
-from common.segments import RedisKeys, Segment, Transition, pack
+from common.segments import CandidateObservation, GenerateObservation, RedisKeys, Segment, Transition, pack
 from learner_node import trainer as trainer_module
-from learner_node.generation import build_generation_batch
 from learner_node.rollout import Rollout, build_rollout
+from learner_node.token_update import build_generation_batch
 from learner_node.worker import Learner
 from models import scoring
 from tests.learner_node.test_async_ppo import learner_on
@@ -46,8 +46,9 @@ HUGE = {"prompt": "word " * 199_800, "question": "", "action": ["red"]}  # 999,0
 
 
 def step(obs: dict[str, Any], reward: float, done: bool = False) -> Transition:
+    scored = CandidateObservation.from_wire(obs)
     return Transition(
-        obs=obs, action=1, logprob=-1.0986, probs=[1 / 3] * 3, policy_version=0, reward=reward, done=done, truncated=False, mode="step"
+        obs=scored, action=1, logprob=-1.0986, probs=[1 / 3] * 3, policy_version=0, reward=reward, done=done, truncated=False, mode="step"
     )
 
 
@@ -78,12 +79,12 @@ class Spy:
     """What the learner's critic was asked and answered (its trainer's `values`), and the rollouts it built."""
 
     def __init__(self, learner: Learner, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.asked: list[tuple[list[dict[str, Any]], list[float | None]]] = []
+        self.asked: list[tuple[list[CandidateObservation], list[float | None]]] = []
         self.rollouts: list[Rollout] = []
         self.longest = 0  # the most positions any forward of the model's decoder saw
         values, build = learner.trainer.values, trainer_module.build_rollout
 
-        def spied_values(observations: list[dict[str, Any]]) -> list[float | None]:
+        def spied_values(observations: list[CandidateObservation]) -> list[float | None]:
             got = values(observations)
             self.asked.append((observations, got))
             return got
@@ -104,7 +105,7 @@ class Spy:
 
     def value(self, obs: dict[str, Any]) -> float | None:
         """The critic's answer for an observation equal to `obs` (the stream decodes new objects)."""
-        answers = {json.dumps(o, sort_keys=True): v for observations, got in self.asked for o, v in zip(observations, got)}
+        answers = {json.dumps(o.to_wire(), sort_keys=True): v for observations, got in self.asked for o, v in zip(observations, got)}
         return answers[json.dumps(obs, sort_keys=True)]
 
 
@@ -206,11 +207,12 @@ def test_the_rollout_bootstraps_an_unscorable_next_obs_from_its_own_last_observa
 
     values = {"s0": 0.5, "s1": 0.4, "after": 2.0}
 
-    def value_of(observations: list[dict[str, Any]]) -> list[float | None]:
-        return [values.get(o["prompt"]) for o in observations]
+    def value_of(observations: list[CandidateObservation]) -> list[float | None]:
+        return [values.get(o.prompt) for o in observations]
 
     def seg(seg_id: str, next_obs: dict[str, Any]) -> Segment:
-        return Segment(seg_id, seg_id, 0, "truncated", False, True, next_obs, [step(obs("s0"), 1.0), step(obs("s1"), 3.0)])
+        following = CandidateObservation.from_wire(next_obs)
+        return Segment(seg_id, seg_id, 0, "truncated", False, True, following, [step(obs("s0"), 1.0), step(obs("s1"), 3.0)])
 
     r = build_rollout([seg("a", obs("unscorable")), seg("b", obs("after"))], value_of, 0.5, 1.0, current_version=0, max_policy_lag=0)
     # a: s0 alone, bootstrapping from V(s1) = 0.4; b: both, bootstrapping from V(after) = 2
@@ -254,7 +256,7 @@ def test_a_dropped_turns_prompt_that_cannot_be_scored_does_not_bootstrap_the_tur
     cases = {"vocabulary": [70], "positions": [4] * 9}
     for why, prompt in cases.items():
         stale = gen_transition(prompt, [5], done=False, version=0)
-        segments = [Segment(why, why, 0, "length", False, False, {"prompt_ids": [6]}, [ok, ok, stale, ok])]
+        segments = [Segment(why, why, 0, "length", False, False, GenerateObservation([6], {}), [ok, ok, stale, ok])]
         batch = build_generation_batch(segments, current_version=5, max_policy_lag=4, vocab_size=64, position_limit=8)
         # the first turn bootstraps from the second's prompt; the second is dropped; the last bootstraps from next_obs
         assert [(c.samples, c.next_prompt) for c in batch.chains] == [([0], [1, 2]), ([1], [6])], why
@@ -262,7 +264,7 @@ def test_a_dropped_turns_prompt_that_cannot_be_scored_does_not_bootstrap_the_tur
         assert (batch.stored, batch.dropped_stale, batch.dropped_truncated, batch.dropped_unscorable_next_obs) == (4, 1, 1, 1), why
         assert why in batch.unscorable_reason
     # a next prompt holding an id outside the vocabulary was already left out; it is counted as unscorable too
-    segments = [Segment("next", "next", 0, "length", False, False, {"prompt_ids": [64]}, [ok])]
+    segments = [Segment("next", "next", 0, "length", False, False, GenerateObservation([64], {}), [ok])]
     batch = build_generation_batch(segments, current_version=5, max_policy_lag=4, vocab_size=64)
     assert len(batch) == 0 and (batch.dropped_truncated, batch.dropped_unscorable_next_obs) == (1, 1)
 
@@ -275,6 +277,6 @@ def test_values_refuses_an_unscorable_observation_before_any_forward(tiny_model)
 
     model, tokenizer = load_policy(ModelSpec.of(PolicySpec(model=tiny_model("gpt2", max_positions=LIMIT), lora_rank=4), "cpu"))
     lp = LearnerPolicy(model, tokenizer, "token", 1.0, (16,))
-    assert lp.values([AT_THE_LIMIT])[1].shape == (1,)
+    assert lp.values([CandidateObservation.from_wire(AT_THE_LIMIT)])[1].shape == (1,)
     with pytest.raises(scoring.ScoringError, match="130 positions, over the model's limit of 128"), torch.no_grad():
-        lp.values([AT_THE_LIMIT, PAST_THE_LIMIT])
+        lp.values([CandidateObservation.from_wire(AT_THE_LIMIT), CandidateObservation.from_wire(PAST_THE_LIMIT)])

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.segments import CandidateObservation
 from learner_node.config import UpdateConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import build_rollout, candidate_update
@@ -33,7 +34,7 @@ def rollout_for(lp: LearnerPolicy, n: int = 16):
 
 def green_prob(lp: LearnerPolicy) -> float:
     with torch.no_grad():
-        return float(lp.logp_all([lp.tokenize(BANDIT)])[0][1].exp())
+        return float(lp.logp_all([lp.tokenize(CandidateObservation.from_wire(BANDIT))])[0][1].exp())
 
 
 def test_ratio_is_one_on_the_first_minibatch_and_the_update_moves_towards_reward(tiny_models):

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from learner_node.config import GenerationConfig, UpdateConfig
-from learner_node.generation import Chain, GenerationBatch, GenerationUpdate, generation_update
 from learner_node.policy import LearnerPolicy
+from learner_node.token_update import Chain, GenerationBatch, GenerationUpdate, generation_update
 from models.policy_model import ModelSpec, load_policy
 
 TOL = 1e-5  # float32 weights after one step, learner vs reference

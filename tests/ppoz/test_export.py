@@ -325,9 +325,9 @@ def _sharded_job(rank: int, world: int, model_dir: str, lora_rank: int, redis_ur
     sharded checkpoint (DCP shards in the staging folder, then checkpoint.save renames it), and the weights it
     publishes (gathered shard by shard) for the actor."""
     from learner_node import sharding
-    from learner_node.generation import generation_update
     from learner_node.optim import adam
     from learner_node.policy import LearnerPolicy
+    from learner_node.token_update import generation_update
     from tests.learner_node.test_sharding import CFG, GEN, LR, fixed_batch
 
     policy = PolicySpec(model=model_dir, lora_rank=lora_rank)

@@ -3,10 +3,14 @@ the benches share."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,31 @@ def load_at_start(bench: str) -> float:
             "load average %.2f on %d cores before the bench: other work is running and will skew the legs", load, cores
         )
     return load
+
+
+def add_model_shape_flags(parser: argparse.ArgumentParser, hidden: int, layers: int, vocab: int, hidden_help: str = "") -> None:
+    """--hidden, --layers and --vocab: the shape of the llama-style model with random weights a bench builds
+    (tools/bench/scoring.py's `build_model`), with their defaults."""
+    parser.add_argument("--hidden", type=int, default=hidden, help=hidden_help or f"model width (default: {hidden})")
+    parser.add_argument("--layers", type=int, default=layers, help=f"decoder layers (default: {layers})")
+    parser.add_argument("--vocab", type=int, default=vocab, help=f"vocabulary size (default: {vocab})")
+
+
+def printed_as_json(args: argparse.Namespace, result: object) -> bool:
+    """With --json, `result` printed as one JSON object, and True: the bench's table is then left out."""
+    if args.json:
+        print(json.dumps(result))
+    return bool(args.json)
+
+
+def measured_legs(case: dict[str, Any], legs: list[str], width: int, error_chars: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The legs of a bench's table that `case` measured, each with its figures; in place of a leg that failed, its
+    line of the table says so, with the first `error_chars` characters of its error (`case["errors"]`)."""
+    for leg in legs:
+        if leg in case:
+            yield leg, case[leg]
+        else:
+            print(f"{leg:<{width}}  failed: {case['errors'].get(leg, '')[:error_chars]}")
 
 
 def status_kb(field: str) -> int:

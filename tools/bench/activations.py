@@ -14,12 +14,14 @@ import argparse
 import json
 from typing import Any
 
+from ppoz.flags import add_json_flag
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="qwen2.5-1.5b", help="a MODEL_SHAPES name of ppoz bench train (default: qwen2.5-1.5b)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2; per-layer figures scale)")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of the one sequence (default: 1024)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser, "print one JSON object")
 
 
 def saved_bytes(model: Any, ids: Any, autocast: bool) -> int:

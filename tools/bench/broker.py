@@ -38,6 +38,7 @@ from typing import Any
 
 from common.stats import percentiles
 from common.zmqio import recv_frames, send_frames
+from ppoz.flags import add_json_flag, add_repeats_flag
 from tools.bench import load_at_start
 from tools.bench.broker_figures import broker_added_latency, commit_costs, cpu_seconds
 
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=500.0, help="pairs/s in the latency phase (default: 500)")
     parser.add_argument("--segment-len", type=int, default=32, help="broker segment length (default: 32)")
     parser.add_argument("--redis-url", default="", help="Redis to use (default: an embedded redis-server)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_flag(parser)
     parser.add_argument(
         "--scenario",
         choices=("throughput", "fairness"),
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flood", type=int, default=3000, help="fairness: steps the flooding client keeps in flight (default: 3000)")
     parser.add_argument("--batch-ms", type=float, default=20.0, help="fairness: the actor's time per batch (default: 20)")
     parser.add_argument("--credits", type=int, default=8, help="fairness: the actor's credits, its largest batch (default: 8)")
-    parser.add_argument("--repeats", type=int, default=3, help="fairness: runs of each queue; figures are medians (default: 3)")
+    add_repeats_flag(parser, "fairness: runs of each queue; figures are medians (default: 3)")
 
 
 def _stop_all(stop: Any, procs: list[Any]) -> None:

@@ -13,12 +13,14 @@ import argparse
 import sys
 import time
 
+from ppoz.flags import add_device_flag
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--tasks", default="long,real-shape", help="ppoz bench train's tasks (default: long,real-shape)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per response (default: 128)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    add_device_flag(parser, "cpu, cuda or auto (default)")
     args = parser.parse_args(argv)
 
     import torch

@@ -50,6 +50,7 @@ from typing import Any
 from common.stats import percentiles
 from dataset_driver.data import PromptOrder, PromptRecord
 from dataset_driver.driver import BATCHES_IN_FLIGHT, BatchingScorer, DriverProgress, Sampling, drive, item_for
+from ppoz.flags import add_json_flag, add_repeats_flag
 from rewards.composite import CompositeReward, Item, Scored
 
 log = logging.getLogger(__name__)
@@ -83,12 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=4.0,
         help="the same for each measurement of the scoring path alone (default: 4)",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="measurements of each setting; the figures are their medians (default: 3)")
+    add_repeats_flag(parser, "measurements of each setting; the figures are their medians (default: 3)")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens per response in the end-to-end measurements (default: 8)")
     parser.add_argument("--scoring-only", action="store_true", help="measure the scoring path alone: no stack, no model")
-    parser.add_argument(
-        "--json", action="store_true", help="print the figures as one JSON object, the last line (the stack's processes may print above it)"
-    )
+    add_json_flag(parser, "print the figures as one JSON object, the last line (the stack's processes may print above it)")
 
 
 class BenchError(RuntimeError):

@@ -34,7 +34,6 @@ compared token by token with one_at_a_time's.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -48,7 +47,8 @@ from typing import Any
 
 import torch
 
-from tools.bench import load_at_start
+from ppoz.flags import add_device_flag, add_json_flag, add_repeats_flag
+from tools.bench import load_at_start, measured_legs, printed_as_json
 from tools.bench.generate_legs import (
     LegRun,
     Request,
@@ -69,7 +69,7 @@ SHAPES = ("llama", "qwen2.5-0.5b", "qwen2.5-1.5b", "tiny-qwen2")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)} (default: all)")
     parser.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated, of {', '.join(LEGS)} (default: all)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of every leg, in alternating order (default: 3)")
+    add_repeats_flag(parser, "runs of every leg, in alternating order (default: 3)")
     parser.add_argument(
         "--clients", type=int, default=16, help="requests of the default and long_tail cases, and the engine's rows (default: 16)"
     )
@@ -87,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--hidden", type=int, default=512, help="model width, --shape llama (default: 512)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers, --shape llama (default: 4)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_device_flag(parser, "cpu, cuda or auto (default)")
+    add_json_flag(parser, "print one JSON object instead of tables")
 
 
 def build_model(path: Path, hidden: int, layers: int) -> str:
@@ -263,8 +263,7 @@ def main(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
     }
-    if args.json:
-        print(json.dumps(result))
+    if printed_as_json(args, result):
         return 0
     s = result["setup"]
     print(
@@ -277,11 +276,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"\n{case}: {c['requests']} requests, {c['rows']} engine rows")
         header = f"{'leg':<16}{'tokens/s':>10}{'(min-max)':>16}{'p50 ms':>9}{'p99 ms':>9}"
         print(f"{header}{'vs 1-by-1':>10}{'vs static':>10}{'peak':>7}{'differ':>7}")
-        for leg in legs:
-            if leg not in c:
-                print(f"{leg:<16}  failed: {c['errors'].get(leg, '')[:100]}")
-                continue
-            v = c[leg]
+        for leg, v in measured_legs(c, legs, width=16, error_chars=100):
             spread = f"({v['tokens_per_s_min']:.0f}-{v['tokens_per_s_max']:.0f})"
             vs1 = f"{v['vs_one_at_a_time']:.2f}x" if "vs_one_at_a_time" in v else "-"
             vs2 = f"{v['vs_static_batch']:.2f}x" if "vs_static_batch" in v else "-"

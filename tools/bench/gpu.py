@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ppoz.flags import add_device_flag, add_json_flag
 from ppoz.up import ppoz_command
 from tools.bench import load_at_start, status_kb
 
@@ -74,15 +75,10 @@ PART_LIMITS_S = {"scoring": 90.0, "generate": 180.0, "weights": 90.0, "update": 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device",
-        default="auto",
-        choices=("auto", "cuda", "cpu"),
-        help="cuda, cpu (tiny sizes, for CI), or auto: cuda where there is one (default)",
-    )
+    add_device_flag(parser, "cuda, cpu (tiny sizes, for CI), or auto: cuda where there is one (default)", choices=("auto", "cuda", "cpu"))
     parser.add_argument("--budget-s", type=float, default=480.0, help="the whole run's wall-clock budget in seconds (default: 480)")
     parser.add_argument("--trl-python", default="", help="a Python that imports trl: runs the train part (ppoz bench train --trl-python)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    add_json_flag(parser, "print one JSON object instead of a summary")
 
 
 def gae_part(device: torch.device) -> dict[str, Any]:
@@ -140,9 +136,9 @@ def update_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
     """One generation update as the learner makes it, on a model of size["shape"]; frees the model after."""
     from common.shared_settings import PolicySpec, StoreSettings
     from learner_node.config import LearnerConfig
-    from learner_node.generation import generation_update
     from learner_node.optim import adam
     from learner_node.policy import LearnerPolicy
+    from learner_node.token_update import generation_update
     from models.policy_model import ModelSpec, load_policy
     from tools.bench.train_tasks import real_shape_model
     from tools.bench.update import make_batch

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from peft import LoraConfig, get_peft_model
 
+from common.learner_figures import GENERATION, UpdateFigure
 from learner_node.config import GenerationConfig, UpdateConfig
-from learner_node.generation import generation_update
 from learner_node.policy import LearnerPolicy
+from learner_node.token_update import generation_update
 from learner_node.update import NonFiniteUpdate, TrainableSnapshot
 from tools.bench.scoring import build_model
 from tools.bench.update import make_batch
@@ -95,7 +96,7 @@ def main() -> int:
     results["clean_update_s"] = round(time.perf_counter() - t0, 3)
     results["clean_update_finite"] = all(bool(torch.isfinite(v).all()) for v in after[0].values())
     results["clean_update_moved"] = not same(before, after)
-    results["policy_loss"] = m["generation/policy_loss"]
+    results["policy_loss"] = m[UpdateFigure.POLICY_LOSS.of(GENERATION)]
     print(opts.dtype, results, flush=True)
     ok = all(results[k] for k in results if k not in ("policy_loss", "clean_update_s"))
     return 0 if ok else 1

@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+from ppoz.flags import add_device_flag, add_json_flag, add_repeats_flag
+from tools.bench import printed_as_json
+
 SHAPES = [(1024, 32), (4096, 32)]
 # The generation case: 16 responses of 64 to 512 tokens after 1k-token prompts, one token-level policy step.
 GEN_RESPONSES = 16
@@ -37,13 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 4; --parallel: 16, 202M parameters)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: 32000)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
+    add_device_flag(parser)
     parser.add_argument("--shapes", default="", help="prompt x candidates list (default: 1024x32,4096x32)")
     parser.add_argument(
         "--gen-micro-tokens", type=int, default=8192, help="generation case: tokens per packed forward (default: 8192, as the learner)"
     )
     parser.add_argument("--no-generation", action="store_true", help="leave out the generation case")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_flag(parser)
     parser.add_argument(
         "--parallel",
         default="",
@@ -54,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--longest", type=int, default=64, help="--parallel: the longest response, tokens (default 64)")
     parser.add_argument("--micro-tokens", type=int, default=512, help="--parallel: tokens per packed forward (default 512)")
     parser.add_argument("--updates", type=int, default=2, help="--parallel: updates per run, the first not timed (default 2)")
-    parser.add_argument("--repeats", type=int, default=3, help="--parallel: runs of each leg, alternating (default 3)")
+    add_repeats_flag(parser, "--parallel: runs of each leg, alternating (default 3)")
     parser.add_argument("--child", nargs=3, metavar=("METHOD", "PROMPT", "N"), help=argparse.SUPPRESS)
 
 
@@ -210,8 +213,7 @@ def main(args: argparse.Namespace) -> int:
         return parallel.main(args)
     args.hidden, args.layers = args.hidden or 256, args.layers or 4
     result = run(args)
-    if args.json:
-        print(json.dumps(result))
+    if printed_as_json(args, result):
         return 0
     print(f"learner bench: one PPO policy step, llama-style {args.hidden}x{args.layers}, LoRA rank 8, {result['model']['device']}")
     for c in result["cases"]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import logging
 import math
 import platform
@@ -37,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ppoz.flags import add_json_flag
+from tools.bench import printed_as_json
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="stop an update's epochs past this approx KL (default: the learner's target_kl; 0: never)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_flag(parser)
 
 
 def observation(rng: random.Random) -> tuple[dict[str, Any], int]:
@@ -91,7 +93,7 @@ def observation(rng: random.Random) -> tuple[dict[str, Any], int]:
 def run(model_dir: str, method: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """One training run; returns the rewards of every step and the transitions used and dropped."""
     from actor_node.llm_policy import LLMPolicy, SamplingConfig
-    from common.segments import Segment, Transition
+    from common.segments import CandidateObservation, Segment, Transition
     from learner_node.config import UpdateConfig
     from learner_node.policy import LearnerPolicy
     from learner_node.rollout import build_rollout, candidate_update
@@ -125,7 +127,7 @@ def run(model_dir: str, method: str, seed: int, args: argparse.Namespace) -> dic
     rewards: list[float] = []
     used = dropped = 0
 
-    def value_of(observations: list[dict[str, Any]]) -> list[float]:
+    def value_of(observations: list[CandidateObservation]) -> list[float]:
         return lp.values(observations)[1].tolist()
 
     while len(rewards) < args.steps:
@@ -141,7 +143,7 @@ def run(model_dir: str, method: str, seed: int, args: argparse.Namespace) -> dic
             reward = float(choice.action == right)
             rewards.append(reward)
             t = Transition(
-                obs=obs,
+                obs=CandidateObservation.from_wire(obs),
                 action=choice.action,
                 logprob=choice.logprob,
                 probs=choice.probs,
@@ -221,8 +223,7 @@ def main(args: argparse.Namespace) -> int:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "seconds": round(time.perf_counter() - started, 1),
     }
-    if args.json:
-        print(json.dumps(result))
+    if printed_as_json(args, result):
         return 0
     print(f"contextual bandit, {args.steps} steps x {args.seeds} seeds, the actor {args.lag} rollouts ahead of the learner")
     print(f"{'method':<12}{'return (last 20%)':>20}{'used':>8}{'dropped':>9}{'updates':>9}")

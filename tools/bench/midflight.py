@@ -20,6 +20,8 @@ import statistics
 import time
 from typing import Any
 
+from ppoz.flags import add_json_flag, add_repeats_flag
+
 LEGS = ("drain", "resubmit", "continue")
 
 
@@ -63,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=64, help="responses in the queue (default: 64)")
     parser.add_argument("--longest", type=int, default=256, help="the longest budget; budgets spread from 16 (default: 256)")
     parser.add_argument("--every", type=int, default=100, help="decode steps between two new adapters (default: 100)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of every leg, alternating (default: 3)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_repeats_flag(parser, "runs of every leg, alternating (default: 3)")
+    add_json_flag(parser, "print one JSON object")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from tools.bench import load_at_start, status_kb
-from tools.reliability.soak import free_port
+from ppoz.ports import free_port
+from tools.bench import load_at_start, printed_as_json, status_kb
 
 
 def _held_mb(modules: list[Any], optimizers: list[torch.optim.Optimizer]) -> float:
@@ -68,7 +68,7 @@ def _held_mb(modules: list[Any], optimizers: list[torch.optim.Optimizer]) -> flo
 def _batch(responses: int, longest: int) -> Any:
     """`responses` generated responses of 8 to `longest` tokens after prompts of 8 to 64, one segment each."""
     from common.segments import GeneratedResponse, GenerateObservation, Segment, Transition
-    from learner_node.generation import build_generation_batch
+    from learner_node.token_update import build_generation_batch
 
     g = torch.Generator().manual_seed(0)
     segments = []
@@ -95,10 +95,10 @@ def _rank(rank: int, world: int, port: int, model_dir: str, parallelism: str, ar
     import torch.distributed as dist
 
     from learner_node.config import GenerationConfig, UpdateConfig
-    from learner_node.generation import generation_update
     from learner_node.optim import adam
     from learner_node.policy import LearnerPolicy
     from learner_node.sharded_load import load_sharded_policy
+    from learner_node.token_update import generation_update
     from models.policy_model import ModelSpec, load_policy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -224,8 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     result = run(args)
-    if args.json:
-        print(json.dumps(result))
+    if printed_as_json(args, result):
         return 0
     model = result["model"]
     print(f"learner bench, 2 ranks ({result['device']}): {model['parameters']} parameters, {model['trained']}; medians of {args.repeats}")

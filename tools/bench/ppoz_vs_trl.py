@@ -60,7 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tools.bench import load_at_start
+from ppoz.flags import add_device_flag, add_json_flag, add_repeats_flag
+from tools.bench import load_at_start, measured_legs
 from tools.bench.trl_env import DEFAULT_TRL_VENV, TRL_VERSION, ensure_trl, probe
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seconds", type=float, default=0.0, help=f"wall-clock budget of every run of a leg (default: the task's: {budgets})"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="runs of every leg, in alternating order (default: 3)")
+    add_repeats_flag(parser, "runs of every leg, in alternating order (default: 3)")
     parser.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated, of {', '.join(LEGS)} (default: all)")
     parser.add_argument(
         "--val-every-s", type=float, default=15.0, help="greedy validation every this many seconds of training (default: 15)"
@@ -95,12 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="a Python that imports trl already, used as it is instead of --trl-venv (a machine without a package index)",
     )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        choices=("auto", "cpu", "cuda"),
-        help="both legs' device: auto (cuda if there is one; default), cpu or cuda; the weights in the dtype PPOZ's policy "
+    add_device_flag(
+        parser,
+        "both legs' device: auto (cuda if there is one; default), cpu or cuda; the weights in the dtype PPOZ's policy "
         "takes there (bfloat16 on cuda, float32 on cpu)",
+        choices=("auto", "cpu", "cuda"),
     )
     parser.add_argument(
         "--trl-threads",
@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the trl leg's torch CPU threads (default: 0, torch's default: every core, what a trl user gets; "
         "the ppoz leg's processes share the cores by OMP_NUM_THREADS, ppoz/up.py)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_flag(parser)
 
 
 # --- running a leg -------------------------------------------------------------------------------
@@ -405,11 +405,7 @@ def print_task(name: str, r: dict[str, Any], legs: list[str]) -> None:
     print(f"\n{name}: {setup['about']}; {setup['seconds']:g} s per run" + (f", validation target {target:g}" if target is not None else ""))
     print(f"{'leg':<6}{'responses/s':>12}{'(min-max)':>16}{'tokens/s':>10}{'val before':>11}{'val after':>10}", end="")
     print(f"{'first at target':>16}{'cores':>7}{'tree MB':>9}")
-    for leg in legs:
-        if leg not in r:
-            print(f"{leg:<6}  failed: {r['errors'].get(leg, '')[:200]}")
-            continue
-        v = r[leg]
+    for leg, v in measured_legs(r, legs, width=6, error_chars=200):
         rate, after, first = v["responses_per_s"], v["val_after"], v["first_at_target_s"]
         before = f"{v['val_before']['median']:.2f}" if v["val_before"] else "-"
         after_text = f"{after['median']:.2f}" if after else "-"

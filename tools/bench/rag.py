@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from common.config import local_path, local_path_or_id
+from common.config import local_path
+from ppoz.flags import add_device_flag, add_json_flag, add_model_flag
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,8 @@ TOPICS = ["login", "checkout", "settings", "search", "profile", "cart", "licence
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default="", type=local_path_or_id, help="model directory (default: the demo's tiny model, built locally)"
-    )
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    add_model_flag(parser, "model directory (default: the demo's tiny model, built locally)")
+    add_device_flag(parser, "torch device (default: cpu)", default="cpu")
     parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank of the served model (0: none; default: 8)")
     parser.add_argument("--corpus", default="", type=local_path, help="folder of .md/.txt files (default: a synthetic corpus)")
     parser.add_argument("--docs", type=int, default=40, help="pages of the synthetic corpus (default: 40)")
@@ -48,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--max-context-tokens", type=int, default=256)
     parser.add_argument("--history-len", type=int, default=8)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_flag(parser)
 
 
 def synthetic_corpus(folder: Path, pages: int, seed: int = 0) -> None:

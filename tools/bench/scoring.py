@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import platform
 import statistics
@@ -32,6 +31,8 @@ from typing import Any
 import torch
 
 from models.kv_cache import cache_kwargs, returned_cache
+from ppoz.flags import add_device_flag, add_json_flag, add_repeats_flag
+from tools.bench import add_model_shape_flags, printed_as_json
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +40,15 @@ SHAPES = [(1024, 3), (1024, 11), (1024, 32), (4096, 3), (4096, 11), (4096, 32)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden", type=int, default=512, help="model width (default 512: about 58M parameters with --layers 8)")
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers (default: 8)")
-    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: 32000)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
+    add_model_shape_flags(
+        parser, hidden=512, layers=8, vocab=32000, hidden_help="model width (default 512: about 58M parameters with --layers 8)"
+    )
+    add_device_flag(parser)
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (median); a method slower than 5 s runs once")
+    add_repeats_flag(parser, "timed runs per method (median); a method slower than 5 s runs once")
     parser.add_argument("--shapes", default="", help="prompt x candidates list, e.g. 1024x32,4096x32 (default: all six Kea shapes)")
     parser.add_argument("--history-steps", type=int, default=16, help="steps of the growing-history case (default: 16)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_flag(parser)
 
 
 def build_model(hidden: int, layers: int, vocab: int, device: torch.device, dtype: torch.dtype) -> Any:
@@ -332,8 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     result = run(args)
-    if args.json:
-        print(json.dumps(result))
+    if printed_as_json(args, result):
         return 0
     m = result["model"]
     print(

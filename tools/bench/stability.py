@@ -24,7 +24,6 @@ cannot tell it from a stable one.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -39,7 +38,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tools.bench import load_at_start
+from common.learner_figures import Chart, Latest
+from ppoz.flags import add_json_flag, add_repeats_flag
+from tools.bench import load_at_start, printed_as_json
 
 COLOURS = ["red", "green", "blue", "yellow", "black", "white"]
 WINDOW = 150  # responses per reward window
@@ -53,10 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated policy learning rates, one leg each; 0: the default by the model (default: 1e-3,5e-4,0)",
     )
     parser.add_argument("--responses", type=int, default=8000, help="rewarded responses per run (default: 8000)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per leg, legs alternating (default: 3)")
+    add_repeats_flag(parser, "runs per leg, legs alternating (default: 3)")
     parser.add_argument("--clients", type=int, default=8, help="client threads (default: 8)")
     parser.add_argument("--run-timeout-s", type=float, default=900, help="give up on a run after this long (default: 900)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser, "print one JSON object")
 
 
 def learning_rates(text: str) -> list[float]:
@@ -168,8 +169,8 @@ def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict
 
     def record(status: dict[str, Any] | None) -> dict[str, Any]:
         learner = ((status or {}).get("learner")) or {}
-        if learner.get("updates") and learner.get("charts/policy_lag") is not None:
-            lags[int(learner["updates"])] = float(learner["charts/policy_lag"])
+        if learner.get(Latest.UPDATES) and learner.get(Chart.POLICY_LAG.key) is not None:
+            lags[int(learner[Latest.UPDATES])] = float(learner[Chart.POLICY_LAG.key])
         return learner
 
     failed = ""
@@ -217,7 +218,7 @@ def run(model: Path, lr: float, args: argparse.Namespace, workdir: Path) -> dict
         "responses": len(rewards),
         "seconds": round(elapsed, 1),
         **figures(rewards[: args.responses]),
-        "updates": learner.get("updates"),
+        "updates": learner.get(Latest.UPDATES),
         "mean_policy_lag": statistics.mean(lags.values()) if lags else None,
         "lag_samples": len(lags),
         "resolved_lr": _resolved_lr(log_path),
@@ -295,8 +296,7 @@ def main(args: argparse.Namespace) -> int:
         "legs": summarise(runs),
         "runs": runs,
     }
-    if args.json:
-        print(json.dumps(out))
+    if printed_as_json(args, out):
         return 0
 
     def fmt(v: Any, spec: str = ".2f") -> str:

@@ -17,6 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ppoz.flags import add_device_flag
 from tools.bench.train_tasks import TASKS
 
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the run's folder (data, stack settings, outputs)")
     parser.add_argument("--val-every-s", type=float, default=15.0, help="greedy validation every this many seconds of training")
     parser.add_argument("--report-every", type=float, default=5.0, help="seconds between progress rows")
-    parser.add_argument("--device", default="auto", help="the actor's and the learner's: cpu, cuda or auto (default: cuda if there is one)")
+    add_device_flag(parser, "the actor's and the learner's: cpu, cuda or auto (default: cuda if there is one)")
     parser.add_argument(
         "--max-stream-backlog",
         type=int,

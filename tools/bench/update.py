@@ -1,6 +1,6 @@
 """`ppoz bench update`: the generation learner's update throughput, packed rows against right-padded rows.
 
-One PPO update is what the learner runs per rollout of generated responses (learner_node/generation.py's
+One PPO update is what the learner runs per rollout of generated responses (learner_node/token_update.py's
 `generation_update`, the one update loop of learner_node/update.py): the proximal and reference log-probs,
 the critic's token values and GAE, the critic's epochs, then the policy's epochs of forward, backward and
 optimizer steps through a LoRA adapter. The figure is response tokens trained per second of that update.
@@ -29,6 +29,10 @@ from typing import Any
 
 import torch
 
+from common.learner_figures import GENERATION, UpdateFigure
+from ppoz.flags import add_device_flag, add_json_flag
+from tools.bench import add_model_shape_flags
+
 LEGS = ("packed", "padded")
 
 
@@ -43,16 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="median response length, as a fraction of the way from --min-len to --max-len (default: 0.2)",
     )
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens (default: 64)")
-    parser.add_argument("--hidden", type=int, default=256, help="model width (default: 256)")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default: 4)")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default: 8192)")
+    add_model_shape_flags(parser, hidden=256, layers=4, vocab=8192)
     parser.add_argument(
         "--micro-tokens", type=int, default=4096, help="tokens per forward, [generation] micro_batch_tokens (default: 4096)"
     )
     parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank of the adapter trained; 0: a full fine-tune (default: 8)")
     parser.add_argument("--runs", type=int, default=3, help="updates per leg, alternating legs (default: 3)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_device_flag(parser)
+    add_json_flag(parser)
 
 
 def response_lengths(n: int, low: int, high: int, median_frac: float = 0.2, seed: int = 0) -> list[int]:
@@ -67,8 +69,8 @@ def response_lengths(n: int, low: int, high: int, median_frac: float = 0.2, seed
 
 def make_batch(args: argparse.Namespace, model: Any) -> Any:
     """On-policy responses: behaviour log-probs are the model's own, rewards alternate, one chain per response."""
-    from learner_node.generation import Chain, GenerationBatch
     from learner_node.packed_forward import response_logprobs
+    from learner_node.token_update import Chain, GenerationBatch
 
     gen = torch.Generator().manual_seed(1)
     lengths = response_lengths(args.responses, args.min_len, args.max_len, args.median)
@@ -91,8 +93,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
 
     from learner_node.config import GenerationConfig, UpdateConfig
-    from learner_node.generation import generation_update
     from learner_node.policy import LearnerPolicy
+    from learner_node.token_update import generation_update
     from models.policy_model import ModelSpec, peft_warnings_silenced
     from tools.bench.scoring import build_model
 
@@ -157,7 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (m_packed, w_packed), (m_padded, w_padded) = results["packed"], results["padded"]
     snapshot = snapshot_cost(optimizers, device, args.runs)
     loss_diff = max(
-        abs(m_packed[f"generation/{k}"] - m_padded[f"generation/{k}"]) for k in ("policy_loss", "value_loss", "kl_ref", "entropy")
+        abs(m_packed[k.of(GENERATION)] - m_padded[k.of(GENERATION)])
+        for k in (UpdateFigure.POLICY_LOSS, UpdateFigure.VALUE_LOSS, UpdateFigure.KL_REF, UpdateFigure.ENTROPY)
     )
     weight_diff = max(float((w_packed[k] - w_padded[k]).abs().max()) for k in w_packed)
     per_leg: dict[str, dict[str, Any]] = {

@@ -32,7 +32,6 @@ threshold fixed, so freed buffers leave the resident set).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -46,7 +45,8 @@ from typing import Any
 
 import torch
 
-from tools.bench import load_at_start, status_kb
+from ppoz.flags import add_json_flag, add_repeats_flag
+from tools.bench import load_at_start, printed_as_json, status_kb
 from tools.bench.weights_hosts import run_hosts
 
 LEGS = ("memcpy", "redis", "directory", "shared", "host", "lora")
@@ -56,7 +56,7 @@ QUIET_STEPS = 8  # decode steps between a swap and the next publication in the p
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="model width (default 1024)")
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (default 24: 374M parameters, 1.50 GB in float32)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each leg, alternating (default 3)")
+    add_repeats_flag(parser, "runs of each leg, alternating (default 3)")
     parser.add_argument("--chunk-mb", type=int, default=64, help="chunk size in MiB (default 64)")
     parser.add_argument("--threads", type=int, default=4, help="chunks an actor fetches and checks at once (default 4)")
     parser.add_argument("--swaps", type=int, default=20, help="snapshots applied while generating, for the pause (default 20; 0: none)")
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure the publisher's peak memory: runs with glibc's mmap threshold fixed, which makes every big "
         "allocation a fresh mmap (page faults: slower legs; compare throughput without it)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_flag(parser)
 
 
 def _reset_peak() -> bool:
@@ -343,8 +343,7 @@ def main(args: argparse.Namespace) -> int:
         # at start only, hence the re-run) keeps every big buffer in an mmap of its own, given back when freed.
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, MMAP_THRESHOLD: str(128 * 1024)})
     result = run(args)
-    if args.json:
-        print(json.dumps(result))
+    if printed_as_json(args, result):
         return 0
     print(f"weights bench: a {result['snapshot_gb']:.2f} GB full snapshot, {result['chunk_mb']} MiB chunks, medians of {result['repeats']}")
     print(f"  {'leg':<10} {'GB/s':>6} {'total s':>8} {'publish s':>10} {'fetch s':>8} {'apply s':>8} {'publisher peak MB':>18}")

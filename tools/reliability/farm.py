@@ -42,11 +42,12 @@ from typing import Any
 from common.config import local_path
 from common.redis_server import connect
 from common.weights import latest
+from ppoz.flags import add_json_flag, add_seed_flag
 from tools.bench import load_at_start
 from tools.reliability.farm_network import NamespacesUnavailable, Network, namespaces_unavailable
 from tools.reliability.farm_processes import KEY_PREFIX, RECOVERY_PERIOD_S, Farm, Sample, Watch, learner_updates
 from tools.reliability.farm_report import Phase, Report, format_report
-from tools.reliability.ledger import settle_ledger
+from tools.reliability.ledger import add_settle_flag, settle_ledger
 from tools.reliability.output import print_report, run_as_script
 from tools.reliability.soak import Clients
 
@@ -62,17 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--phase-s", type=float, default=20.0, help="seconds of undisturbed play before each fault and after the last (default: 20)"
     )
     parser.add_argument("--lora-rank", type=int, default=8, help="the learner's LoRA rank (0: all weights) (default: 8)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_flag(parser)
     parser.add_argument(
         "--deadline-s", type=float, default=1500.0, help="stop a run that takes longer than this, cleaning up (default: 1500)"
     )
-    parser.add_argument(
-        "--settle-s", type=float, default=300.0, help="give up on the ledger once it has not moved for this long (default: 300)"
-    )
+    add_settle_flag(parser, 300.0, until="")
     parser.add_argument(
         "--keep", default="", type=local_path, help="keep the logs and checkpoints in this folder (default: a temporary one, removed)"
     )
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_json_flag(parser, "print the report as one JSON object")
 
 
 # --- the run -------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from client import Client
+from common.learner_figures import Latest
 from common.processes import die_with_parent
 from common.redis_server import connect, find_redis_server
 from ppoz.up import ppoz_command
@@ -195,7 +196,7 @@ class Watch:
         storage_ok = bool(status["storage_ok"])
         # The broker reads the learner's figures from Redis: none while Redis is away, so keep the last one.
         learner = status.get("learner") or {}
-        version = int(learner["version"]) if isinstance(learner.get("version"), (int, float)) else last.version if last else 0
+        version = int(learner[Latest.VERSION]) if isinstance(learner.get(Latest.VERSION), (int, float)) else last.version if last else 0
         sample = Sample(time.monotonic(), present, served, versions, storage_ok, version)
         self.samples.append(sample)
         return sample

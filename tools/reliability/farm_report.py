@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tools.reliability.output import ledger_and_steps_failures
+
 RECOVERIES = ("actor rejoined", "actor serving again", "learner published again", "broker storage back", "clients stepping again")
 
 
@@ -52,10 +54,7 @@ class Report:
         out = [f"the scenario stopped early: {self.stuck}"] if self.stuck else []
         if self.error_count:
             out.append(f"{self.error_count} client requests failed, first: {self.errors[:3]}")
-        if not self.ledger_balanced:
-            out.append(f"ledger not balanced: {self.ledger}")
-        if not self.steps:
-            out.append("no step was answered")
+        out += ledger_and_steps_failures(self.ledger_balanced, self.ledger, self.steps)
         stale = {name: v for name, v in self.actor_versions.items() if v != self.final_version}
         if stale or len(self.actor_versions) < 2:
             out.append(f"actors {self.actor_versions} do not serve the newest version {self.final_version}")

@@ -41,8 +41,9 @@ import zmq
 
 from common import protocol as p
 from common.redis_server import connect
+from ppoz.flags import add_broker_flag, add_json_flag, add_seed_flag
 from tools.reliability.fuzz_cases import FUZZ_TASK, HOST_PLACEHOLDER, OBS, Case, HTTPCase, cases, http_case, request_body
-from tools.reliability.ledger import settle_ledger
+from tools.reliability.ledger import add_settle_flag, settle_ledger
 from tools.reliability.output import print_report, run_as_script
 
 log = logging.getLogger(__name__)
@@ -77,17 +78,14 @@ class Report:
 
     def failures(self) -> list[str]:
         """The invariants that failed, each in a line; empty when the run passed."""
-        out = []
-        if self.unanswered:
-            out.append(f"{self.unanswered} well-framed requests got no reply")
-        if self.unmatched_rids:
-            out.append(f"{self.unmatched_rids} readable rids were never echoed")
-        if self.extra_replies:
-            out.append(f"{self.extra_replies} replies to ill-framed requests")
-        if self.bad_replies:
-            out.append(f"{len(self.bad_replies)} malformed replies, first: {self.bad_replies[0]}")
-        if self.http_failures:
-            out.append(f"{len(self.http_failures)} HTTP requests without a JSON answer, first: {self.http_failures[0]}")
+        counted = (
+            (self.unanswered, "well-framed requests got no reply"),
+            (self.unmatched_rids, "readable rids were never echoed"),
+            (self.extra_replies, "replies to ill-framed requests"),
+        )
+        out = [f"{count} {what}" for count, what in counted if count]
+        listed = ((self.bad_replies, "malformed replies"), (self.http_failures, "HTTP requests without a JSON answer"))
+        out += [f"{len(items)} {what}, first: {items[0]}" for items, what in listed if items]
         if self.client_errors:
             out.append(f"the well-behaved client saw {len(self.client_errors)} errors, first: {self.client_errors[0]}")
         if self.client_steps == 0:
@@ -416,10 +414,10 @@ def format_report(report: Report) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's client endpoint (default: tcp://127.0.0.1:5555)")
+    add_broker_flag(parser)
     parser.add_argument("--gateway", default="", help="the gateway's base URL (http://host:port); empty: no HTTP fuzz")
     parser.add_argument("--messages", type=int, default=100_000, help="adversarial messages to send (default: 100000)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_flag(parser)
     parser.add_argument("--http-share", type=float, default=0.1, help="share of the messages sent over HTTP (default: 0.1)")
     parser.add_argument("--pid", type=int, default=0, help="the broker's process id, to report its resident memory")
     parser.add_argument("--rss-limit-mb", type=int, default=200, help="largest accepted growth of the broker's RSS (default: 200)")
@@ -429,13 +427,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the broker's Redis: after the run, wait for the learner and check the ledger (docs/reliability.md); empty: no ledger",
     )
     parser.add_argument("--key-prefix", default="ppoz", help="the broker's and learner's key prefix (default: ppoz)")
-    parser.add_argument(
-        "--settle-s",
-        type=float,
-        default=300.0,
-        help="give up on the ledger once it has not moved (the learner counting, the stream shrinking) for this long (default: 300)",
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_settle_flag(parser, 300.0)
+    add_json_flag(parser, "print the report as JSON")
 
 
 def main(args: argparse.Namespace) -> int:

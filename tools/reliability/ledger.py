@@ -19,6 +19,7 @@ acknowledged; exactly once means every stored id counted once, and no other
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import redis
 
 from common import learner_figures
+from common.learner_figures import LearnerCounter
 from common.segments import RedisKeys
 
 
@@ -85,6 +87,12 @@ class Ledger:
         )
 
 
+def add_settle_flag(parser: argparse.ArgumentParser, default: float, until: str = " (the learner counting, the stream shrinking)") -> None:
+    """`--settle-s`: how long `settle_ledger` waits for a ledger that has stopped moving (`until`: what moving is)."""
+    settle_help = f"give up on the ledger once it has not moved{until} for this long (default: {default:g})"
+    parser.add_argument("--settle-s", type=float, default=default, help=settle_help)
+
+
 def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_key: str = "segments") -> Ledger:
     """The ledger from Redis: the learner's counters and what is still unread or unacknowledged in the stream."""
     figures = learner_figures.read_latest(client, key_prefix)
@@ -93,16 +101,16 @@ def read_ledger(client: redis.Redis, key_prefix: str, acknowledged: int, stream_
     unread = int(client.xlen(RedisKeys(key_prefix, stream_key).stream))
     return Ledger(
         acknowledged,
-        counters.get("transitions_stored", 0),
-        counters.get("transitions_trained", 0),
-        counters.get("dropped_stale", 0),
-        counters.get("dropped_truncated", 0),
+        counters.get(LearnerCounter.TRANSITIONS_STORED, 0),
+        counters.get(LearnerCounter.TRANSITIONS_TRAINED, 0),
+        counters.get(LearnerCounter.DROPPED_STALE, 0),
+        counters.get(LearnerCounter.DROPPED_TRUNCATED, 0),
         unread,
-        counters.get("dropped_mismatched", 0),
+        counters.get(LearnerCounter.DROPPED_MISMATCHED, 0),
         open_transitions(client, key_prefix),
         bool(figures),
         learner_figures.latest_key(key_prefix),
-        counters.get("dropped_nonfinite", 0),
+        counters.get(LearnerCounter.DROPPED_NONFINITE, 0),
         int(client.get(RedisKeys(key_prefix, stream_key).duplicate_samples) or 0),
     )
 

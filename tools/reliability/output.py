@@ -18,6 +18,15 @@ def print_report(report: Any, as_json: bool, as_text: Callable[[Any], str]) -> i
     return 1 if failures else 0
 
 
+def ledger_and_steps_failures(ledger_balanced: bool, ledger: str, steps: int) -> list[str]:
+    """What a run that served clients fails on whatever else it checks: a ledger that does not balance
+    (tools/reliability/ledger.py), and no step answered at all."""
+    out = [] if ledger_balanced else [f"ledger not balanced: {ledger}"]
+    if not steps:
+        out.append("no step was answered")
+    return out
+
+
 def run_as_script(
     prog: str, doc: str, add_arguments: Callable[[argparse.ArgumentParser], None], main: Callable[[argparse.Namespace], int], level: int
 ) -> None:

@@ -44,14 +44,15 @@ import zmq.asyncio
 
 from client import AsyncClient
 from common.config import load, local_path
-from common.learner_figures import read_latest
+from common.learner_figures import Latest, read_latest
 from common.redis_server import connect
+from ppoz.flags import add_json_flag, add_seed_flag
 from ppoz.ports import free_port
 from ppoz.up import Stack, UpConfig
 from tools.harness import wait_for_actor, watched_stack
 from tools.reliability.fuzz import rss_kb
-from tools.reliability.ledger import settle_ledger
-from tools.reliability.output import print_report, run_as_script
+from tools.reliability.ledger import add_settle_flag, settle_ledger
+from tools.reliability.output import ledger_and_steps_failures, print_report, run_as_script
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=200, help="simulated emulators (default: 200)")
     parser.add_argument("--minutes", type=float, default=10.0, help="how long the clients play (default: 10)")
     parser.add_argument("--window-s", type=float, default=60.0, help="length of one reporting window (default: 60)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_flag(parser)
     parser.add_argument(
         "--rss-growth-mb",
         type=float,
@@ -87,14 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="largest accepted ratio of the second half's step latency (p50, p99) to the first half's (default: 2)",
     )
-    parser.add_argument(
-        "--settle-s",
-        type=float,
-        default=600.0,
-        help="give up on the ledger once it has not moved (the learner counting, the stream shrinking) for this long (default: 600)",
-    )
+    add_settle_flag(parser, 600.0)
     parser.add_argument("--keep", default="", type=local_path, help="keep the logs and checkpoints here (default: a temporary folder)")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_json_flag(parser, "print the report as one JSON object")
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -127,13 +123,8 @@ class Report:
     limits: dict[str, float] = field(default_factory=dict)
 
     def failures(self) -> list[str]:
-        out = []
-        if self.error_count:
-            out.append(f"{self.error_count} client errors, first: {self.errors[:3]}")
-        if not self.ledger_balanced:
-            out.append(f"ledger not balanced: {self.ledger}")
-        if not self.steps:
-            out.append("no step was answered")
+        out = [f"{self.error_count} client errors, first: {self.errors[:3]}"] if self.error_count else []
+        out += ledger_and_steps_failures(self.ledger_balanced, self.ledger, self.steps)
         for name, growth in self.rss_growth_mb.items():
             if growth > self.limits["rss_growth_mb"]:
                 out.append(f"{name} resident memory grew by {growth:.0f} MB (limit {self.limits['rss_growth_mb']:.0f})")
@@ -416,7 +407,7 @@ def _play(stack: Stack, clients: int, seconds: float, window_s: float, seed: int
                 round(percentile(recent, 0.95), 1),
                 round(percentile(recent, 0.99), 1),
                 rss_mb(stack),
-                int(read_latest(figures_client, KEY_PREFIX).get("version", 0)),
+                int(read_latest(figures_client, KEY_PREFIX).get(Latest.VERSION, 0)),
             )
         )
         counted.update(steps=len(driver.latencies), errors=driver.error_count, waits=driver.ask_waits)

@@ -19,18 +19,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from common.learner_figures import GENERATION
-from common.segments import Segment, Transition
+from common.learner_figures import GENERATION, UpdateFigure
+from common.segments import GenerateObservation, Observation, Segment, Transition
 from common.shared_settings import PolicyStamp
 from learner_node import core_algos
 from learner_node.config import GenerationConfig, UpdateConfig
 from learner_node.packed_forward import logprobs_of_hidden, pack, packed_hidden, response_hidden, response_logprobs
 from learner_node.policy import LearnerPolicy
-from learner_node.rollout import EpisodeReturns, Tally, policy_disagreement
+from learner_node.rollout import STALE, EpisodeReturns, Tally, policy_disagreement
 from learner_node.update import Forward, LossSettings, Targets, ppo_update
 from models import scoring
 
@@ -91,7 +90,7 @@ def build_generation_batch(
         transitions = list(seg.transitions)
         next_prompt: list[int] | None = None
         if not seg.done:
-            given = seg.next_obs.get("prompt_ids") if seg.next_obs is not None else None
+            given = seg.next_obs.prompt_ids if isinstance(seg.next_obs, GenerateObservation) else None
             why = _unscorable(given, vocab_size, position_limit) if given else None
             if given and why is None:
                 next_prompt = list(given)
@@ -110,11 +109,7 @@ def build_generation_batch(
             ):
                 reason = "token_ids"
             if reason is not None:
-                if reason == "stale":
-                    out.dropped_stale += 1
-                else:
-                    out.dropped_mismatched += 1
-                    out.mismatched[reason] += 1
+                out.count_dropped(reason)
                 if chain:
                     boot: list[int] = list(t.generate_obs.prompt_ids)
                     why = _unscorable(boot, vocab_size, position_limit)
@@ -161,7 +156,7 @@ def _dropped(t: Transition, current_version: int, max_policy_lag: int, expected:
     if lag < 0:
         return "version_ahead"
     if lag > max_policy_lag:
-        return "stale"
+        return STALE
     if t.generation is None or not t.generation.response_ids:
         return "generation"
     if t.generation.temperature == 0:
@@ -204,9 +199,9 @@ def split_by_mode(segments: list[Segment]) -> tuple[list[Segment], list[Segment]
     return scoring_segments, generate_segments
 
 
-def _is_generate_obs(obs: dict[str, Any] | None) -> bool | None:
-    """Whether an observation is a generate turn's ({prompt_ids, ...}); None for none."""
-    return None if obs is None else "prompt_ids" in obs
+def _is_generate_obs(obs: Observation | None) -> bool | None:
+    """Whether an observation is a generate turn's; None for none."""
+    return None if obs is None else isinstance(obs, GenerateObservation)
 
 
 # --- the update ------------------------------------------------------------------------------
@@ -257,13 +252,13 @@ class GenerationUpdate:
         b_prox, self.ref = self.padded(prox), self.padded(ref)
         behaviour = self.padded([torch.tensor(x) for x in b.behaviour])
         kl = core_algos.kl_estimate(b_prox, self.ref, gen.kl_estimator) * mask
-        metrics["kl_ref"] = float(core_algos.masked_mean(kl, mask)) if n else math.nan
-        metrics["response_length"] = sum(self.sizes) / max(n, 1)
-        metrics["reward_mean"] = sum(b.rewards) / max(n, 1)
-        metrics["tokens"] = float(sum(self.sizes))
-        metrics["group_relative"] = float(gen.advantage != "gae")
+        metrics[UpdateFigure.KL_REF] = float(core_algos.masked_mean(kl, mask)) if n else math.nan
+        metrics[UpdateFigure.RESPONSE_LENGTH] = sum(self.sizes) / max(n, 1)
+        metrics[UpdateFigure.REWARD_MEAN] = sum(b.rewards) / max(n, 1)
+        metrics[UpdateFigure.TOKENS] = float(sum(self.sizes))
+        metrics[UpdateFigure.GROUP_RELATIVE] = float(gen.advantage != "gae")
         on_policy = [i for i, lag in enumerate(b.lags) if lag == 0]
-        metrics["on_policy_logprob_dev"] = float(((b_prox - behaviour).abs() * mask)[on_policy].max()) if on_policy else math.nan
+        metrics[UpdateFigure.ON_POLICY_LOGPROB_DEV] = float(((b_prox - behaviour).abs() * mask)[on_policy].max()) if on_policy else math.nan
         if gen.advantage != "gae":
             # GRPO / RLOO: the driver reported each response's group-relative advantage as its reward
             # (rewards/group.py); every token of the response gets it as it is: no critic, no GAE, no whitening
