@@ -66,7 +66,7 @@ class GenerationConfig:
     advantage: str = option(
         "gae",
         "gae: a token critic and GAE; grpo or rloo: no critic, each response's reward is its group-relative advantage,"
-        " computed by the drivers over the rollout_n responses to one prompt (`ppoz train`; docs/train.md; rewards/group.py)",
+        " computed by the drivers over the rollout_n responses to one prompt (`ppoz train`; docs/train.md)",
     )
     grpo_scale_by_std: bool = option(
         True, "grpo: divide by the group's reward std (verl's norm_adv_by_std_in_grpo; off: Dr. GRPO's centring only)"

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import redis
 
@@ -27,30 +28,20 @@ REDIS_BACKOFF_FIRST_S = 0.1
 REDIS_BACKOFF_CAP_S = 5.0
 
 
+@dataclass
 class RedisWork:
-    def __init__(
-        self,
-        cfg: LearnerConfig,
-        client: redis.Redis,
-        reader: StreamReader,
-        publish: Callable[[], None],
-        notifier: Notifier,
-        stop_event: threading.Event,
-        sharded: bool,
-        is_main: bool,
-    ) -> None:
-        self.cfg = cfg
-        self.redis = client
-        self.reader = reader
-        self.publish = publish
-        self.notifier = notifier
-        self.stop_event = stop_event
-        self.sharded = sharded
-        self.is_main = is_main
-        self.unacked: list[Unacked] = []  # entries the last checkpoint consumed
-        self.unpublished = False  # its version's weights
-        self.unreported: dict[str, float] = {}  # the last update's figures and counters (common/learner_figures.py)
-        self.backlog = 0  # the backlog limit to publish for the broker (0: nothing new)
+    cfg: LearnerConfig
+    client: redis.Redis
+    reader: StreamReader
+    publish: Callable[[], None]
+    notifier: Notifier
+    stop_event: threading.Event
+    sharded: bool
+    is_main: bool
+    unacked: list[Unacked] = field(default_factory=list)  # entries the last checkpoint consumed
+    unpublished: bool = False  # its version's weights
+    unreported: dict[str, float] = field(default_factory=dict)  # the last update's figures and counters (common/learner_figures.py)
+    backlog: int = 0  # the backlog limit to publish for the broker (0: nothing new)
 
     def settle(self) -> None:
         """Finish the last update's Redis work, if not done yet: acknowledge and delete the entries its
@@ -69,10 +60,10 @@ class RedisWork:
             self.publish()
             self.unpublished = False
         if self.unreported:
-            write_latest(self.redis, self.cfg.store.key_prefix, self.unreported)
+            write_latest(self.client, self.cfg.store.key_prefix, self.unreported)
             self.unreported = {}
         if self.backlog:
-            self.redis.set(self.cfg.store.keys.learner_backlog, self.backlog)
+            self.client.set(self.cfg.store.keys.learner_backlog, self.backlog)
             self.backlog = 0
 
     def settle_before_exit(self) -> None:
@@ -105,7 +96,7 @@ class RedisWork:
         while not self.stop_event.wait(delay):
             self.notifier.watchdog()  # waiting for Redis is not hanging
             try:
-                self.redis.ping()
+                self.client.ping()
                 if self.is_main:
                     self.reader.ensure_group()  # a Redis restarted without persistence has lost it
                 break

@@ -212,7 +212,7 @@ class GenerationUpdate:
     The policy is `lp.model` (adapter on), the reference `lp.base()` (adapter off, or the frozen copy). With
     `gen.advantage` gae, `lp.token_value_head` maps the base's hidden state before each response token to that
     token's value; with grpo or rloo each response's reward is its advantage (the driver's group-relative
-    estimate, rewards/group.py) and there is no critic."""
+    estimate, dataset_driver/group_advantage.py) and there is no critic."""
 
     prefix = GENERATION  # its figures' keys: generation/...
 
@@ -261,7 +261,7 @@ class GenerationUpdate:
         metrics[UpdateFigure.ON_POLICY_LOGPROB_DEV] = float(((b_prox - behaviour).abs() * mask)[on_policy].max()) if on_policy else math.nan
         if gen.advantage != "gae":
             # GRPO / RLOO: the driver reported each response's group-relative advantage as its reward
-            # (rewards/group.py); every token of the response gets it as it is: no critic, no GAE, no whitening
+            # (dataset_driver/group_advantage.py); every token of the response gets it as it is: no critic, no GAE, no whitening
             advantages = torch.tensor(b.rewards, device=self.device).unsqueeze(-1) * mask
             return Targets(mask, behaviour, b_prox, advantages)
         values, returns, advantages = self._critic_targets(kl, mask)

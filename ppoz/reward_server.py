@@ -1,5 +1,5 @@
 """`ppoz reward-server`: the `[reward_service]` table's reward model and/or judge, served to every driver
-of a farm (rewards/service.py; docs/train.md, "A shared reward service").
+of a farm (rewards/service/; docs/train.md, "A shared reward service").
 
 It loads the reward model once, binds, logs one readiness line (`reward service ready on ENDPOINT: ...`,
 what `ppoz up` and a log watcher wait for), and serves until SIGTERM or SIGINT: then it stops taking

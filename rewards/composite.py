@@ -2,7 +2,7 @@
 
 Components, each named as in the config table:
     rule_score   the reward function (rewards/functions.py)
-    rm_score     the local reward model (rewards/reward_model.py), or a reward service's (rewards/service.py)
+    rm_score     the local reward model (rewards/reward_model.py), or a reward service's (rewards/service/)
     judge_score  the LLM judge (rewards/judge.py), or a reward service's, in [0, 1]
 
     [train]
@@ -280,7 +280,7 @@ class CompositeReward:
                     for i in todo:
                         errors[i] = self._refuse(items[i], "rm_score", e.reason, str(e))
                 for i, value in zip(todo, values):
-                    if isinstance(value, RewardError):  # a row the reward service refused (rewards/service.py)
+                    if isinstance(value, RewardError):  # a row the reward service refused (rewards/service/)
                         errors[i] = self._refuse(items[i], "rm_score", value.reason, str(value))
                     else:
                         errors[i] = self._bounded(items[i], "rm_score", float(value))

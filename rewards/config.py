@@ -1,7 +1,7 @@
 """The reward model and judge settings, written once for the two places that host them:
 
     [train]           a driver that loads the reward model and asks the judge itself
-    [reward_service]  `ppoz reward-server`, which hosts them for every driver of a farm (rewards/service.py)
+    [reward_service]  `ppoz reward-server`, which hosts them for every driver of a farm (rewards/service/)
 
 Both tables use the same keys (`reward_model`, `judge_model`, ...) with the same meaning, because both
 configs inherit them from `RewardSources`.
