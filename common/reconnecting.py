@@ -49,12 +49,15 @@ def open_dealer(context: zmq.Context[SocketT], endpoint: str, curve: ClientKeys 
 
 class ReconnectingDealer:
     """The socket of a client with one request in flight at a time, to `endpoint`; opened when first needed, with
-    the CURVE keys `curve` (None: plain) set before it connects."""
+    the CURVE keys `curve` (None: plain) set before it connects. `wait_to_send`: a request the socket cannot
+    take at once waits for it until the attempt's end (the broker's client), or fails the attempt at once (the
+    reward service's client, which sends every attempt on a fresh socket and would rather try again)."""
 
-    def __init__(self, endpoint: str, context: zmq.Context, curve: ClientKeys | None) -> None:
+    def __init__(self, endpoint: str, context: zmq.Context, curve: ClientKeys | None, wait_to_send: bool = True) -> None:
         self.endpoint = endpoint
         self.ctx = context
         self.curve = curve
+        self.wait_to_send = wait_to_send
         self.sock: zmq.Socket | None = None
         self.sends = 0  # attempts the socket took, retries included (for tests and diagnostics)
 
@@ -84,7 +87,7 @@ class ReconnectingDealer:
         """Send by `end`; False if the socket would not take it (no connection to queue on, or a full queue)."""
         sock.setsockopt(zmq.SNDTIMEO, max(int((end - time.monotonic()) * 1000), 1))
         try:
-            sock.send_multipart([b"", data])
+            sock.send_multipart([b"", data], flags=0 if self.wait_to_send else zmq.NOBLOCK)
         except zmq.Again:
             return False
         self.sends += 1

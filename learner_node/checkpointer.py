@@ -16,7 +16,7 @@ from learner_node.config import LearnerConfig
 from learner_node.trainer import Trainer
 from models.policy_model import load_policy_state_dict, policy_state_dict
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("learner_node.worker.checkpointer")  # under the worker's logger, as before the split
 
 TOKEN_HEAD = "token."  # the token value head's tensors in a checkpoint's value_head.safetensors
 RECENT_SEGMENTS = 100_000  # segment ids remembered to drop duplicates

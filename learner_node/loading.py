@@ -18,7 +18,7 @@ from learner_node.policy import LearnerPolicy
 from models import scoring
 from models.policy_model import ModelSpec, load_policy
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("learner_node.worker.loading")  # under the worker's logger, as before the split
 
 
 def join_process_group(device: str) -> tuple[str, bool]:

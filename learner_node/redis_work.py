@@ -21,7 +21,7 @@ from common.sd_notify import Notifier
 from learner_node.config import LearnerConfig
 from learner_node.stream_reader import StreamReader, Unacked
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("learner_node.worker.redis_work")  # under the worker's logger, as before the split
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # redis-py's own retries gave up: Redis is down or restarting
 REDIS_BACKOFF_FIRST_S = 0.1

@@ -21,7 +21,7 @@ from common.segments import Segment, acknowledge, ensure_group, entry_samples
 from learner_node.checkpoint import RecentIds
 from learner_node.config import LearnerConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("learner_node.worker.stream_reader")  # under the worker's logger, as before the split
 
 # An entry id with the sample ids of its fields (None: not known, read from the stream when acknowledged: the
 # entries a resumed learner's checkpoint names).

@@ -28,7 +28,7 @@ from learner_node.token_update import GenerationBatch, GenerationUpdate, build_g
 from learner_node.update import LossSettings, PolicyBatch, TrainableSnapshot, ppo_update
 from models import scoring
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("learner_node.worker.trainer")  # under the worker's logger, as before the split
 
 UNSCORABLE_LOG_INTERVAL_S = 60.0  # at most one log line this often about next observations the model cannot score
 

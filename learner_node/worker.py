@@ -107,7 +107,7 @@ class Learner:
         self.publisher = Publisher(cfg, client, self.lp, context or zmq.Context.instance(), self.sharded, self.is_main)
         self.reporter = Reporter(self.notifier, cfg.tensorboard_dir if self.is_main else "")
         # Work an update left undone when Redis went away after its checkpoint: done before the next rollout.
-        self.owed = RedisWork(cfg, client, self.reader, self.publish, self.notifier, self.stop_event, self.sharded, self.is_main)
+        self.owed = RedisWork(cfg, client, self.reader, lambda: self.publish(), self.notifier, self.stop_event, self.sharded, self.is_main)
 
     # --- what the parts hold, by the names the learner's users know ----------------------------
     @property

@@ -63,7 +63,7 @@ class RewardServiceClient:
         self.max_abs_reward = max_abs_reward
         self.curve = curve  # CURVE keys for every socket it opens (common/security.py); None: plain
         self.ctx = context or zmq.Context.instance()
-        self.link = ReconnectingDealer(endpoint, self.ctx, curve)  # the socket, replaced after a silent attempt
+        self.link = ReconnectingDealer(endpoint, self.ctx, curve, wait_to_send=False)  # the socket, replaced after a silent attempt
         self._lock = threading.Lock()
 
     @property
