@@ -8,3 +8,6 @@ OBJECTIVES = ("decoupled", "ppo")
 KL_ESTIMATORS = ("k1", "k2", "k3")  # generation: per-token KL to the reference (learner_node/core_algos.py)
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")  # generation: token values with a critic, or group-relative (core_algos)
+# The policy losses a config may name: learner_node/core_algos.py's POLICY_LOSSES (tests/learner_node/test_loss_settings.py
+# checks they agree).
+POLICY_LOSSES = ("clipped", "dual-clip")

@@ -5,13 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import check, curve_allowed_keys, curve_key_pair, local_path, nested, option, section
-from common.options import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OBJECTIVES
+from common.options import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OBJECTIVES, POLICY_LOSSES
 from common.security import check_server_settings, is_local_endpoint
 from common.shared_settings import PolicySpec, StoreSettings
-
-# The policy losses a config may name: learner_node/core_algos.py's POLICY_LOSSES (tests/learner_node/test_loss_settings.py
-# checks they agree; here without importing torch).
-POLICY_LOSSES = ("clipped", "dual-clip")
 
 
 def check_policy_loss(name: str, option_name: str) -> None:

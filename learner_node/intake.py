@@ -17,6 +17,9 @@ from common.learner_figures import Chart, LearnerCounter, mismatched_counter
 from learner_node.rollout import Rollout
 from learner_node.token_update import GenerationBatch
 
+# The counts a batch's Tally keeps (learner_node/rollout.py) that an Intake carries and adds up, named once.
+TALLIED = ("stored", "dropped_stale", "dropped_truncated", "dropped_unscorable_next_obs", "dropped_mismatched")
+
 
 @dataclass(frozen=True)
 class Intake:
@@ -38,11 +41,7 @@ class Intake:
         """`unscorable_reason`: in place of the batch's own (the candidate critic's, which the learner keeps)."""
         return cls(
             batched=len(batch),
-            stored=batch.stored,
-            dropped_stale=batch.dropped_stale,
-            dropped_truncated=batch.dropped_truncated,
-            dropped_unscorable_next_obs=batch.dropped_unscorable_next_obs,
-            dropped_mismatched=batch.dropped_mismatched,
+            **{name: getattr(batch, name) for name in TALLIED},
             mismatched=dict(batch.mismatched),
             lags=tuple(batch.lags),
             episodic_returns=tuple(batch.episodic_returns),
@@ -56,11 +55,7 @@ class Intake:
         mismatched.update(other.mismatched)
         return Intake(
             batched=self.batched + other.batched,
-            stored=self.stored + other.stored,
-            dropped_stale=self.dropped_stale + other.dropped_stale,
-            dropped_truncated=self.dropped_truncated + other.dropped_truncated,
-            dropped_unscorable_next_obs=self.dropped_unscorable_next_obs + other.dropped_unscorable_next_obs,
-            dropped_mismatched=self.dropped_mismatched + other.dropped_mismatched,
+            **{name: getattr(self, name) + getattr(other, name) for name in TALLIED},
             mismatched=dict(mismatched),
             lags=self.lags + other.lags,
             episodic_returns=self.episodic_returns + other.episodic_returns,
