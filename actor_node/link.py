@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -52,6 +53,7 @@ class BrokerLink:
         liveness: int = 3,
         context: zmq.Context | None = None,
         curve: ClientKeys | None = None,
+        progress: Callable[[], int] | None = None,
     ) -> None:
         if credits <= 0:
             raise ValueError(f"`credits` must be positive, got {credits}")
@@ -61,6 +63,7 @@ class BrokerLink:
         self.heartbeat = heartbeat_ms / 1000
         self.liveness = liveness
         self.policy_version = -1
+        self.progress = progress  # read by the I/O thread: how much the compute thread has done, for each heartbeat
         self.ctx = context or zmq.Context.instance()
         self.curve = curve  # CURVE keys towards the broker (common/security.py), set on every new socket
         self.jobs: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -244,6 +247,8 @@ class BrokerLink:
                 if not self._outbox and now - last_sent >= self.heartbeat:
                     body = p.header(p.OP_HEARTBEAT)
                     body["policy_version"] = self.policy_version
+                    if self.progress is not None:
+                        body["progress"] = self.progress()
                     try:
                         sock.send(p.encode(body), zmq.NOBLOCK)  # a heartbeat the socket refuses is not worth keeping
                     except zmq.Again:

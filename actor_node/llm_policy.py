@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from actor_node.generation_engine import GenerationEngine
 from actor_node.policies import Choice
@@ -72,6 +73,21 @@ class LLMPolicy:
         self.forwards = 0
         self.scored = 0
         self.busy_s = 0.0
+        # Decoder layers run, scoring and generating alike: the progress the link's heartbeats carry, so the broker
+        # tells a busy actor (a 1,024-token prompt and 32 candidates on a slow device) from a hung one. A hook per
+        # layer, not per forward: one forward of a long batch can outlast the broker's patience alone.
+        self.layers_run = 0
+        for layer in scoring.model_parts(model)[0].modules():
+            if isinstance(layer, GradientCheckpointingLayer):
+                layer.register_forward_hook(self._layer_ran)
+
+    def _layer_ran(self, *_: Any) -> None:
+        self.layers_run += 1  # one thread computes; the link's I/O thread only reads it
+
+    @property
+    def progress(self) -> int:
+        """Decoder layers run and decode steps taken (a captured step runs no hook)."""
+        return self.layers_run + (self.engine.steps if self.engine is not None else 0)
 
     # --- weights ------------------------------------------------------------------------
     def staging(self, kind: str) -> dict[str, torch.Tensor] | None:

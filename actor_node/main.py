@@ -80,6 +80,7 @@ def run_actor(cfg: ActorConfig, stop: threading.Event) -> int:
         cfg.heartbeat_ms,
         cfg.heartbeat_liveness,
         curve=client_keys(cfg.curve_secret_key, cfg.curve_broker_key, ("curve_secret_key", "curve_broker_key")),
+        progress=lambda: policy.progress,
     )
     link.policy_version = policy.policy_version
     link.start()

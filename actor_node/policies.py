@@ -40,6 +40,12 @@ class Policy(Protocol):
     policy_version: int
     policy_run: str  # the learner run whose weights it serves ("" before any snapshot)
 
+    @property
+    def progress(self) -> int:
+        """A count that grows while it computes, read by the link's I/O thread for its heartbeats (a busy actor is
+        not hung: broker/actors.py)."""
+        ...
+
     def choose_batch(self, jobs: list[dict[str, Any]]) -> list[Choice | Exception]:
         """One answer per job, in order: a Choice, or the exception that job alone raised."""
         ...
@@ -73,6 +79,7 @@ class UniformPolicy:
 
     def __init__(self, seed: int | None = None) -> None:
         self.rng = random.Random(seed)
+        self.progress = 0  # jobs taken
 
     def choose(self, obs: dict[str, Any]) -> tuple[int, float, list[float]]:
         n = len(obs["action"])
@@ -80,6 +87,7 @@ class UniformPolicy:
 
     def choose_batch(self, jobs: list[dict[str, Any]]) -> list[Choice | Exception]:
         out: list[Choice | Exception] = []
+        self.progress += len(jobs)
         for job in jobs:
             try:
                 out.append(Choice(*self.choose(job["obs"])))

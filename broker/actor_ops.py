@@ -67,10 +67,15 @@ class ActorOps(BrokerState):
             log.warning("bad message from actor %r: %s", identity, e)
 
     def on_actor_heartbeat(self, identity: bytes, msg: dict[str, Any]) -> None:
-        """heartbeat: the actor is alive (on_actor_frames noted it) and says which policy version it serves."""
+        """heartbeat: the actor is alive (on_actor_frames noted it), says which policy version it serves and, with
+        `progress`, a count that grows while it computes (a busy actor is not hung: ActorRegistry.stuck)."""
+        actor = self.registry.actors[identity]
         version = msg.get("policy_version")
         if isinstance(version, int) and not isinstance(version, bool):
-            self.registry.actors[identity].policy_version = version
+            actor.policy_version = version
+        progress = msg.get("progress")
+        if isinstance(progress, int) and not isinstance(progress, bool):
+            actor.progressed(self.now, progress)
 
     def on_actor_results(self, identity: bytes, msg: dict[str, Any]) -> None:
         """result: the outcome of some of the actor's jobs, each handled on its own."""
@@ -111,6 +116,7 @@ class ActorOps(BrokerState):
             self.metrics["jobs/late_results"] += 1
             return
         actor.served += 1
+        actor.progressed(self.now)
         self.jobs.pop(job.job_id, None)
         if self.task_jobs.get(job.task_id) is job:
             del self.task_jobs[job.task_id]
@@ -294,13 +300,12 @@ class ActorOps(BrokerState):
             )
             self.metrics["actors/dead"] += 1
             self._requeue(self.registry.remove(actor.identity))
-        for actor in self.registry.stuck(now, self.cfg.actor_job_timeout_ms / 1000):
-            log.warning(
-                "actor %s held a job over %d ms (a generate job: past its deadline): taken as hung, %d jobs requeued",
-                actor.name,
-                self.cfg.actor_job_timeout_ms,
-                len(actor.inflight),
-            )
+        for actor, job in self.registry.stuck(now, self.cfg.actor_job_timeout_ms / 1000):
+            if job.mode == p.OP_GENERATE:
+                why = f"a generate job {now - job.deadline:.1f} s past its deadline"
+            else:
+                why = f"a {job.mode} job for {now - job.dispatched_at:.1f} s, {now - actor.progress_at:.1f} s of it without progress"
+            log.warning("actor %s held %s: taken as hung, %d jobs requeued", actor.name, why, len(actor.inflight))
             self.metrics["actors/hung"] += 1
             self._send_actor(actor.identity, p.header(p.OP_DISCONNECT))
             self._requeue(self.registry.remove(actor.identity))

@@ -43,6 +43,15 @@ class Actor:
     heartbeat_s: float = 1.0  # the slower of the broker's and the actor's heartbeat intervals
     inflight: dict[int, Job] = field(default_factory=dict)
     served: int = 0
+    progress: int | None = None  # the count its heartbeats carry, which grows while it computes (None: it sends none)
+    progress_at: float = 0.0  # when it last made progress: its count grew, or it answered a job
+
+    def progressed(self, now: float, count: int | None = None) -> None:
+        """It answered a job (`count` None), or a heartbeat said `count`: progress if it differs from the last."""
+        if count is None or count != self.progress:
+            self.progress_at = now
+        if count is not None:
+            self.progress = count
 
     @property
     def free(self) -> int:
@@ -62,7 +71,7 @@ class ActorRegistry:
     def register(self, identity: bytes, name: str, credits: int, policy_version: int, now: float, heartbeat_s: float) -> list[Job]:
         """Add or refresh an actor; jobs it held before announcing itself again are returned for requeueing."""
         orphaned = self.remove(identity)
-        self.actors[identity] = Actor(identity, name, credits, now, now, policy_version, heartbeat_s)
+        self.actors[identity] = Actor(identity, name, credits, now, now, policy_version, heartbeat_s, progress_at=now)
         return orphaned
 
     def remove(self, identity: bytes) -> list[Job]:
@@ -89,13 +98,21 @@ class ActorRegistry:
         """Actors not heard from for `liveness` of their heartbeat intervals: dead."""
         return [a for a in self.actors.values() if now - a.last_heard > liveness * a.heartbeat_s]
 
-    def stuck(self, now: float, job_timeout_s: float) -> list[Actor]:
-        """Actors holding a job past its time: hung. A scoring job has `job_timeout_s` from its dispatch; a
-        generate job runs as long as its deadline allows (the actor answers it `timeout` at its deadline
-        itself), so it is past its time `job_timeout_s` after its deadline."""
+    def stuck(self, now: float, job_timeout_s: float) -> list[tuple[Actor, Job]]:
+        """Actors holding a job past its time, each with the job that is latest: hung. A scoring job's time runs
+        `job_timeout_s` from its dispatch or from the actor's last progress, whichever is later: an actor whose
+        heartbeats say it computes (a long prompt, a model on a slow device) is busy, not hung, however long the
+        job takes, and its job is never handed to a second actor while it progresses. A generate job runs as long
+        as its deadline allows (the actor answers it `timeout` at its deadline itself), so it is past its time
+        `job_timeout_s` after its deadline."""
 
-        def late(job: Job) -> bool:
-            start = job.deadline if job.mode == OP_GENERATE else job.dispatched_at
-            return now - start > job_timeout_s
+        def overdue(actor: Actor, job: Job) -> float:
+            start = job.deadline if job.mode == OP_GENERATE else max(job.dispatched_at, actor.progress_at)
+            return now - start - job_timeout_s
 
-        return [a for a in self.actors.values() if any(late(j) for j in a.inflight.values())]
+        hung = []
+        for actor in self.actors.values():
+            worst = max(actor.inflight.values(), key=lambda j: overdue(actor, j), default=None)
+            if worst is not None and overdue(actor, worst) > 0:
+                hung.append((actor, worst))
+        return hung

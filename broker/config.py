@@ -34,7 +34,11 @@ class BrokerConfig:
     metrics_bind: str = option("", "HOST:PORT for a Prometheus text endpoint (GET /metrics), e.g. 127.0.0.1:9101; empty: off")
     drain_timeout_s: float = option(10.0, "on SIGTERM, how long steps in flight may take to finish before the broker exits anyway")
     heartbeat_liveness: int = option(3, "an actor silent for this many heartbeat intervals is dead; its jobs go to another actor")
-    actor_job_timeout_ms: int = option(20_000, "an actor holding one job longer than this is taken as hung; its jobs go elsewhere")
+    actor_job_timeout_ms: int = option(
+        20_000,
+        "an actor holding a scoring job this long with no progress (its heartbeats' count unchanged, no job answered) "
+        "is taken as hung, or a generate job this long past its deadline; its jobs go elsewhere",
+    )
     storage_timeout_ms: int = option(5000, "a Redis write not answered within this is taken as failed: its requests get `internal`")
     max_queue: int = option(
         10_000,

@@ -39,7 +39,7 @@ COUNTERS: dict[str, str] = {
     "jobs/requeued": "jobs given back to the queue after their actor died, hung or left",
     "jobs/late_results": "results dropped because their job was already answered (timeout, superseded, detached) or unknown",
     "actors/dead": "actors taken as dead (silent for heartbeat_liveness intervals)",
-    "actors/hung": "actors taken as hung (a job held over actor_job_timeout_ms)",
+    "actors/hung": "actors taken as hung (a job held actor_job_timeout_ms without progress, or past its deadline)",
     "dropped/malformed_frames": "client messages not well framed, dropped without a reply",
     "dropped/unroutable_replies": "replies whose client was gone or not reading",
     "dropped/malformed_actor_frames": "actor messages not of two frames",

@@ -172,8 +172,9 @@ class LearnerConfig(UpdateConfig):
     value_hidden: list = option([1024, 512], "hidden layer sizes of the value head MLP")
     gradient_checkpointing: str = option(
         "auto",
-        "generate transitions: recompute each decoder layer's activations in the backward pass of the policy update "
-        "(less memory for long responses, about a third more compute): on, off, or auto (on where the learner runs on a GPU)",
+        "recompute each decoder layer's activations in the backward pass of the policy update, for generated responses "
+        "and choices among candidates alike (less memory for long responses and prompts, about a third more compute): "
+        "on, off, or auto (on where the learner runs on a GPU)",
     )
     # --- checkpoints, publication, logs ---
     checkpoint_dir: str = option("runs/learner/checkpoints", "where checkpoints go", path=local_path)

@@ -24,16 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from models import scoring
 
 log = logging.getLogger(__name__)
-
-HEAD_CHUNK = 1024  # positions whose logits are computed at once
-# Logits of a chunk up to this many values (4 MB in float32) are kept for the backward pass: recomputing them
-# saves no memory worth having and costs the checkpoint's machinery on every small forward.
-KEEP_LOGITS = 1 << 20
 
 
 def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -178,18 +172,10 @@ def _logprob_entropy(
 def head_logprobs(
     head: Any, post: scoring.LogitTransform, hidden: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(logits / T)[target] and the entropy of softmax(logits / T) at each position, in chunks;
-    with gradients on, each chunk's logits are recomputed in the backward pass instead of kept."""
-    logps, ents = [], []
-    for start in range(0, hidden.shape[0], HEAD_CHUNK):
-        args = (hidden[start : start + HEAD_CHUNK], targets[start : start + HEAD_CHUNK], temps[start : start + HEAD_CHUNK])
-        if torch.is_grad_enabled() and hidden.requires_grad and args[0].shape[0] * head.weight.shape[0] > KEEP_LOGITS:
-            lp, ent = checkpoint(_logprob_entropy, head, post, *args, use_reentrant=False)
-        else:
-            lp, ent = _logprob_entropy(head, post, *args)
-        logps.append(lp)
-        ents.append(ent)
-    return torch.cat(logps), torch.cat(ents)
+    """log softmax(logits / T)[target] and the entropy of softmax(logits / T) at each position, in chunks of positions
+    (`scoring.in_chunks`: with gradients on, each chunk's logits are recomputed in the backward pass instead of kept)."""
+    logp, ent = scoring.in_chunks(_logprob_entropy, head, post, hidden, targets, temps)
+    return logp, ent
 
 
 def response_logprobs(

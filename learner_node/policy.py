@@ -118,7 +118,10 @@ class LearnerPolicy:
 
     def logp_all(self, items: Sequence[scoring.Tokenized], model: Any | None = None) -> list[torch.Tensor]:
         """log pi(a | s) over every candidate of every item (gradients flow if enabled)."""
-        sums = scoring.score(model or self.model, items, self.path)
+        model = model or self.model
+        # a forward that recomputes its layers in the backward pass keeps no KV cache between passes (scoring.score)
+        recomputes = self.gradient_checkpointing and model.training and torch.is_grad_enabled()
+        sums = scoring.score(model, items, self.path, cache=not recomputes)
         return [
             scoring.policy_logprobs(scoring.normalise(s.float(), item, self.normalisation), self.temperature)
             for s, item in zip(sums, items)

@@ -254,15 +254,15 @@ class CandidateBatch:
         r = self.rollout
         mask = torch.ones(len(r), 1, device=self.device)
         behaviour = self._column(r.logprobs)
-        # The proximal policy: the learner's weights as the update starts (every rank scores the whole rollout:
-        # each takes a different share of every minibatch).
+        # The proximal policy: the learner's weights as the update starts, and the reference (every rank scores the
+        # whole rollout: each takes a different share of every minibatch). Both a micro-batch at a time, as the
+        # update's own forwards: a rollout's observations in one forward would hold all their activations at once.
         with torch.no_grad():
-            prox_all = [
-                logp
-                for start in range(0, len(r), self.micro_batch)
-                for logp in self.lp.logp_all(self.items[start : start + self.micro_batch])
-            ]
-            self.ref_logp = self.lp.reference_logp_all(self.items)
+            prox_all, self.ref_logp = [], []
+            for start in range(0, len(r), self.micro_batch):
+                chunk = self.items[start : start + self.micro_batch]
+                prox_all += self.lp.logp_all(chunk)
+                self.ref_logp += self.lp.reference_logp_all(chunk)
         prox = torch.stack([logp[a] for logp, a in zip(prox_all, r.actions, strict=True)]).unsqueeze(-1).float()
         kl_behaviour = [
             float(core_algos.kl_behaviour(torch.tensor(mu, device=logp.device), logp)) for mu, logp in zip(r.probs, prox_all, strict=True)
@@ -285,7 +285,8 @@ class CandidateBatch:
         return [ids[start : start + self.micro_batch] for start in range(0, len(ids), self.micro_batch)]
 
     def forward(self, ids: list[int]) -> Forward:
-        logp_all = self.lp.logp_all([self.items[i] for i in ids])
+        with self.lp.checkpointing():  # with gradient checkpointing on, a micro-batch keeps a layer's activations at a time
+            logp_all = self.lp.logp_all([self.items[i] for i in ids])
         return Forward(
             logp=torch.stack([logp[self.actions[i]] for logp, i in zip(logp_all, ids, strict=True)]).unsqueeze(-1).float(),
             entropy=torch.stack([core_algos.entropy(logp) for logp in logp_all]).unsqueeze(-1).float(),

@@ -26,7 +26,15 @@ float32), `paths.py` (the three paths, and from summed log-probabilities to a po
 (`select_path`). Callers import this package, `from models import scoring`: what they use is named here.
 """
 
-from models.scoring.lm_head import LogitTransform, head_logits, model_parts, refresh_float32_head, token_logprobs
+from models.scoring.lm_head import (
+    LogitTransform,
+    head_logits,
+    in_chunks,
+    model_parts,
+    positions_at_once,
+    refresh_float32_head,
+    token_logprobs,
+)
 from models.scoring.observation import (
     BOUNDARY_CHARS,
     ScoringError,
@@ -56,6 +64,7 @@ from models.scoring.paths import (
     score_kv_batch,
     score_packed,
     score_packed_kv,
+    score_packed_one_pass,
     score_per_candidate,
 )
 
@@ -72,12 +81,14 @@ __all__ = [
     "as_attention_mask",
     "check_length",
     "head_logits",
+    "in_chunks",
     "longest_token_chars",
     "mask_format",
     "model_parts",
     "normalise",
     "policy_logprobs",
     "position_limit",
+    "positions_at_once",
     "probe_items",
     "reference_scores",
     "refresh_float32_head",
@@ -85,6 +96,7 @@ __all__ = [
     "score_kv_batch",
     "score_packed",
     "score_packed_kv",
+    "score_packed_one_pass",
     "score_per_candidate",
     "select_path",
     "sliding_window",

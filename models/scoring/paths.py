@@ -46,12 +46,20 @@ def _sum_per_candidate(items: Sequence[Tokenized], logp: torch.Tensor) -> list[t
     """Split a flat vector of token log-probabilities (items, candidates, tokens in order) into per-candidate sums."""
     results, offset = [], 0
     for item in items:
-        sizes = torch.tensor([len(a) for a in item.actions], device=logp.device)
-        total = int(sizes.sum())
-        owner = torch.repeat_interleave(torch.arange(len(sizes), device=logp.device), sizes)
+        sizes = [len(a) for a in item.actions]
+        total = sum(sizes)  # from the host's lists: no read back from the device
+        owner = torch.tensor([j for j, size in enumerate(sizes) for _ in range(size)], device=logp.device)
         results.append(torch.zeros(len(sizes), dtype=logp.dtype, device=logp.device).index_add(0, owner, logp[offset : offset + total]))
         offset += total
     return results
+
+
+def _pad_to_itself(allowed: torch.Tensor, filled: int, past: int) -> None:
+    """A row's padding positions (from `filled` on) attend to themselves only, so their softmax stays finite;
+    `allowed` is the row's [length, past + length] mask."""
+    pad = torch.arange(filled, allowed.shape[0])
+    allowed[filled:, :] = False
+    allowed[pad, past + pad] = True
 
 
 def mask_format(model: Any) -> tuple[bool, torch.dtype]:
@@ -119,22 +127,20 @@ def _packed_single_pass(model: Any, items: Sequence[Tokenized], kv: Any, m: int,
         positions.append(pos)
         layouts.append((len(ctx), spans))
     batch, length = len(rows), max(len(r) for r in rows)
-    input_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
-    position_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
-    allowed = torch.zeros(batch, 1, length, m + length, dtype=torch.bool, device=device)
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    for b, (ids, pos, (n_ctx, spans)) in enumerate(zip(rows, positions, layouts)):
-        input_ids[b, : len(ids)] = torch.tensor(ids, device=device)
-        position_ids[b, : len(pos)] = torch.tensor(pos, device=device)
+    input_ids = torch.tensor([r + [0] * (length - len(r)) for r in rows], dtype=torch.long, device=device)
+    position_ids = torch.tensor([q + [0] * (length - len(q)) for q in positions], dtype=torch.long, device=device)
+    # Built on the host and copied once: a device write per span and padding position would be thousands of tiny
+    # copies for a batch of Kea observations (32 candidates each, rows padded by hundreds of positions).
+    allowed = torch.zeros(batch, 1, length, m + length, dtype=torch.bool)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    for b, (ids, (n_ctx, spans)) in enumerate(zip(rows, layouts)):
         allowed[b, 0, :, :m] = True  # everything sees the cached prefix
         allowed[b, 0, :n_ctx, m : m + n_ctx] = causal[:n_ctx, :n_ctx]
         for start, size in spans:
             allowed[b, 0, start : start + size, m : m + n_ctx] = True
             allowed[b, 0, start : start + size, m + start : m + start + size] = causal[:size, :size]
-        for pad in range(len(ids), length):  # padding rows attend to themselves only, so softmax stays finite
-            allowed[b, 0, pad, :] = False
-            allowed[b, 0, pad, m + pad] = True
-    mask = as_attention_mask(allowed, use_bool, dtype)
+        _pad_to_itself(allowed[b, 0], len(ids), m)
+    mask = as_attention_mask(allowed.to(device), use_bool, dtype)
     cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv]) if kv is not None else None
     out = decoder(
         input_ids=input_ids,
@@ -213,21 +219,16 @@ def _packed_forward(model: Any, items: Sequence[Tokenized], kv: Any, m: int, kee
     hidden = None
     if length:
         past = m + width
-        cand_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
-        cand_pos = torch.zeros(batch, length, dtype=torch.long, device=device)
-        allowed = torch.zeros(batch, 1, length, past + length, dtype=torch.bool, device=device)
-        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-        for b, (ids, pos, spans) in enumerate(zip(rows, positions, layouts)):
-            if ids:
-                cand_ids[b, : len(ids)] = torch.tensor(ids, device=device)
-                cand_pos[b, : len(pos)] = torch.tensor(pos, device=device)
+        cand_ids = torch.tensor([r + [0] * (length - len(r)) for r in rows], dtype=torch.long, device=device)
+        cand_pos = torch.tensor([q + [0] * (length - len(q)) for q in positions], dtype=torch.long, device=device)
+        allowed = torch.zeros(batch, 1, length, past + length, dtype=torch.bool)  # on the host, copied once
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        for b, (ids, spans) in enumerate(zip(rows, layouts)):
             allowed[b, 0, :, : m + n_ctx[b]] = True  # the item's own context, not the padding after it
             for start, size in spans:
                 allowed[b, 0, start : start + size, past + start : past + start + size] = causal[:size, :size]
-            for pad in range(len(ids), length):  # padding attends to itself only, so softmax stays finite
-                allowed[b, 0, pad, :] = False
-                allowed[b, 0, pad, past + pad] = True
-        mask = as_attention_mask(allowed, use_bool, dtype)
+            _pad_to_itself(allowed[b, 0], len(ids), past)
+        mask = as_attention_mask(allowed.to(device), use_bool, dtype)
         hidden = decoder(input_ids=cand_ids, attention_mask=mask, position_ids=cand_pos, **cache_kwargs(decoder, cache)).last_hidden_state
 
     # Gather the hidden state before every scored token and apply the LM head once.
@@ -296,9 +297,19 @@ def score_per_candidate(model: Any, items: Sequence[Tokenized]) -> list[torch.Te
     return results
 
 
+def score_packed_one_pass(model: Any, items: Sequence[Tokenized]) -> list[torch.Tensor]:
+    """As score_packed, each context and its candidates in one row of one pass with no KV cache: what a forward
+    that recomputes its layers in the backward pass (gradient checkpointing) can run, where a cache written in the
+    forward would be written a second time by the recompute. Its attention covers the whole (context + candidates)
+    square, most of it masked away: the price of keeping one layer's activations at a time."""
+    return _packed_single_pass(model, items, None, 0)[0]
+
+
 SCORERS = {"packed": score_packed, "kv_batch": score_kv_batch, "per_candidate": score_per_candidate}
+WITHOUT_CACHE = {"packed": score_packed_one_pass, "kv_batch": score_packed_one_pass, "per_candidate": score_per_candidate}
 
 
-def score(model: Any, items: Sequence[Tokenized], path: str = "packed") -> list[torch.Tensor]:
-    """Summed log-probabilities of every candidate of every item, by the given path."""
-    return SCORERS[path](model, items)
+def score(model: Any, items: Sequence[Tokenized], path: str = "packed", cache: bool = True) -> list[torch.Tensor]:
+    """Summed log-probabilities of every candidate of every item, by the given path; `cache=False`: by a path that
+    keeps no KV cache between passes (`WITHOUT_CACHE`: under gradient checkpointing)."""
+    return (SCORERS if cache else WITHOUT_CACHE)[path](model, items)

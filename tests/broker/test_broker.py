@@ -17,7 +17,9 @@ import msgpack
 import pytest
 import zmq
 
+from actor_node.link import BrokerLink
 from actor_node.policies import UniformPolicy
+from actor_node.worker import serve
 from broker.config import BrokerConfig
 from client import BadRequest, FeedbackWithoutStep, InternalError, RequestTimeout, UnknownTask
 from common import protocol as p
@@ -421,6 +423,56 @@ def test_requests_of_a_dead_or_hung_actor_go_to_another(start_broker, start_acto
     assert client.status()["pending_steps"] == 3
     if hang:
         silent.kill()
+
+
+class SlowPolicy(UniformPolicy):
+    """Computes each batch in small steps for `seconds`, its progress growing at each, as a model on a slow device
+    runs its layers: a stand-in for a Kea observation that takes longer than the broker's job timeout."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(0)
+        self.seconds = seconds
+        self.batches = 0
+
+    def choose_batch(self, jobs):
+        end = time.monotonic() + self.seconds
+        while time.monotonic() < end:
+            time.sleep(0.02)
+            self.progress += 1
+        self.batches += 1
+        return super().choose_batch(jobs)
+
+
+def test_a_busy_actor_that_progresses_keeps_its_job_past_the_timeout_and_answers_it_once(start_broker, make_client, zmq_context):
+    """An actor computing one job for 4x `actor_job_timeout_ms` (its heartbeats' progress growing) is busy, not hung:
+    the job is never given to the idle second actor, nothing is requeued, and the client gets the busy actor's answer."""
+    broker = start_broker(heartbeat_ms=100, heartbeat_liveness=3, actor_job_timeout_ms=300, request_timeout_ms=30_000)
+    client = make_client(broker.frontend, deadline=30.0, attempt_timeout=30.0)
+    policy = SlowPolicy(seconds=1.2)
+    stop = threading.Event()
+    link = BrokerLink(
+        broker.backend, name="busy", credits=1, heartbeat_ms=100, context=zmq_context, progress=lambda: policy.progress
+    ).start()
+    thread = threading.Thread(target=serve, args=(link, policy, stop), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: actors_ready(client, 1), what="the busy actor")
+        task = client.attach()
+        answered: dict[str, dict] = {}
+        stepping = threading.Thread(target=lambda: answered.__setitem__("step", client.step(task, obs(0))))
+        stepping.start()
+        wait_for(lambda: policy.progress > 0, timeout=30, what="the busy actor to start computing")
+        idle = SilentActor(zmq_context, broker.backend, heartbeat=True)  # free credits all along: a requeued job would go here
+        stepping.join(30)  # the 1.2 s job, from an actor thread of this process; x25
+        assert answered["step"]["status"] == "ok"
+        counters = client.status()["counters"]
+        assert counters["actors/hung"] == 0 and counters["jobs/requeued"] == 0
+        assert idle.jobs == 0 and policy.batches == 1
+        idle.kill()
+    finally:
+        stop.set()
+        thread.join(10)
+        link.close()
 
 
 def test_silent_sessions_expire_into_truncated_segments(start_broker, start_actor, make_client, redis_client, key_prefix):
