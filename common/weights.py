@@ -376,6 +376,9 @@ def _fill(chunk: ChunkReader, placements: list[_Placement], digest: Any = None) 
         if digest is not None:
             digest.update(dest)
         if staged is not rows:
+            # this thread's current device set (not restored) first: leaving the stream block restores the thread's
+            # device, which in a new thread is GPU 0, and would open a CUDA context there (another process's GPU)
+            torch.cuda.set_device(rows.device)
             with torch.cuda.stream(_copy_stream(rows.device)):  # not the serving thread's stream: its steps do not wait
                 rows.copy_(staged)
                 torch.cuda.current_stream().synchronize()  # done before the swap reads it

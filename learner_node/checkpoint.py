@@ -155,7 +155,9 @@ def load(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     """(policy tensors, value head, optimizer states, state) of a checkpoint; RNG states are restored. A sharded
     checkpoint's weights are read by `sharding.load_sharded`: here its tensors and optimizer states are empty."""
     path = Path(path)
-    extra = torch.load(path / "optim.pt", weights_only=False)
+    # onto the host: optimizer.load_state_dict moves each state to its parameter's device, whereas a tensor loaded
+    # as saved would first land on the device it was saved from (another process's GPU, or one this host lacks)
+    extra = torch.load(path / "optim.pt", weights_only=False, map_location="cpu")
     torch.set_rng_state(extra["rng"]["torch"])
     random.setstate(extra["rng"]["python"])
     state = read_state(path)

@@ -80,3 +80,17 @@ def _summary(gpus: int, learner_device: str, actors: list[str], learner: bool, a
     shared = len(on_gpus) > len(set(on_gpus))
     note = "; some share a GPU (more processes than GPUs): set [up] actor_devices to choose" if shared else ""
     return f"{gpus} GPU(s): " + ", ".join(parts) + note
+
+
+def pinned(device: str, inherited: str | None) -> tuple[str, dict[str, str]]:
+    """(the device a process is started with, its environment's additions): a process on one GPU sees that GPU
+    alone (CUDA_VISIBLE_DEVICES), as its cuda:0. A process on cuda:3 that saw every GPU would still open a CUDA
+    context on GPU 0, the learner's (0.3-0.5 GB each), whenever a thread of its restores torch's default device
+    (leaving a `torch.cuda.stream` block does). `inherited`: the CUDA_VISIBLE_DEVICES `ppoz up` itself runs
+    under, whose n-th entry is cuda:n here. Any other device is kept as it is, with nothing added."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        return device, {}
+    visible = [v.strip() for v in inherited.split(",")] if inherited else []
+    gpu = visible[int(index)] if int(index) < len(visible) else index
+    return "cuda:0", {"CUDA_VISIBLE_DEVICES": gpu}

@@ -247,11 +247,13 @@ def _started(
         ready["broker"] = NotifyListener("broker")
         sup.add("broker", [*common, "broker", *config, *store_args], ready["broker"].env)
     devices = dealt_devices(up, actor, learner)
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     if up.learner:
-        learner_device = ["--device", devices.learner] if devices.learner else []
-        sup.add("learner", [*common, "learner", *config, *store_args, "--resume", *learner_args, *learner_device], torch_env)
+        device, pin = device_deal.pinned(devices.learner, inherited)
+        learner_device = ["--device", device] if device else []
+        sup.add("learner", [*common, "learner", *config, *store_args, "--resume", *learner_args, *learner_device], {**torch_env, **pin})
     for i in range(up.actors):
-        device = devices.actors[i]
+        device, pin = device_deal.pinned(devices.actors[i], inherited)
         argv = [
             *common,
             "actor",
@@ -267,7 +269,7 @@ def _started(
             actor_weights,
             *model_args,
         ]
-        sup.add(f"actor-{i}", argv + (["--device", device] if device else []), torch_env)
+        sup.add(f"actor-{i}", argv + (["--device", device] if device else []), {**torch_env, **pin})
     if up.env:
         sup.add(
             "clients",

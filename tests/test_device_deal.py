@@ -65,15 +65,19 @@ class Recorder:
 
     def __init__(self) -> None:
         self.argv: dict[str, list[str]] = {}
+        self.env: dict[str, dict[str, str]] = {}
 
     def add(self, name: str, argv: list[str], env: Any = None) -> None:
         self.argv[name] = argv
+        self.env[name] = dict(env or {})
 
     def start_all(self, on_started: Any) -> None:
         pass
 
 
-def test_ppoz_up_starts_each_component_on_its_dealt_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+@pytest.mark.parametrize("inherited", [None, "4,5,6,7"], ids=["every-gpu", "visible-subset"])
+def test_ppoz_up_starts_each_component_on_its_dealt_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog, inherited) -> None:
+    """Each process sees its own GPU alone (CUDA_VISIBLE_DEVICES, of those `ppoz up` itself sees) as its cuda:0."""
     from actor_node.config import ActorConfig
     from common.shared_settings import StoreSettings
     from learner_node.config import LearnerConfig
@@ -81,6 +85,10 @@ def test_ppoz_up_starts_each_component_on_its_dealt_gpu(tmp_path: Path, monkeypa
     from ppoz.up import UpConfig, _started
 
     monkeypatch.setattr(device_deal, "visible_gpus", lambda: 4)
+    if inherited is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", inherited)
     config = tmp_path / "up.toml"
     config.write_text('[policy]\nmodel = "m"\n')
     actor = load(ActorConfig, str(config))
@@ -92,6 +100,8 @@ def test_ppoz_up_starts_each_component_on_its_dealt_gpu(tmp_path: Path, monkeypa
         next(_started(up, sup, str(config), "info", store, None, actor, learner, None, [], []))  # started: the Stack
     assert "devices: 4 GPU(s): learner cuda:0, actor-0 cuda:1, actor-1 cuda:2, actor-2 cuda:3" in caplog.text
     parser = build_parser()
-    for name, cls, want in [("learner", LearnerConfig, "cuda:0"), *((f"actor-{i}", ActorConfig, f"cuda:{i + 1}") for i in range(3))]:
+    gpus = inherited.split(",") if inherited else ["0", "1", "2", "3"]
+    for name, cls, gpu in [("learner", LearnerConfig, 0), *((f"actor-{i}", ActorConfig, i + 1) for i in range(3))]:
         args = parser.parse_args(sup.argv[name][sup.argv[name].index("ppoz.cli") + 3 :])  # after "-m ppoz.cli --log-level info"
-        assert load(cls, args.config, args).device == want, name
+        assert load(cls, args.config, args).device == "cuda:0", name
+        assert sup.env[name]["CUDA_VISIBLE_DEVICES"] == gpus[gpu], name

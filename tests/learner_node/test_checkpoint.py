@@ -69,3 +69,26 @@ def test_a_model_whose_head_is_tied_to_its_embedding_saves_all_its_weights_and_l
     fresh = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"))
     fresh.load_state_dict(loaded)
     assert torch.equal(fresh.lm_head.weight, model.lm_head.weight) and torch.equal(fresh.model.embed_tokens.weight, model.lm_head.weight)
+
+
+def test_optimizer_states_saved_on_a_gpu_load_onto_the_host(tmp_path: Path) -> None:
+    """A checkpoint's optimizer states as a learner on cuda:3 writes them (the device named in the file) load onto
+    the host, from where each optimizer moves its states to its parameters' device: loaded as saved, they would
+    land on cuda:3 first, another process's GPU or one this host lacks (here: no GPU at all)."""
+    import zipfile
+
+    path = checkpoint.save(
+        tmp_path, 1, {"w": torch.ones(3)}, {"v": torch.zeros(2)}, {"policy": {"state": {0: {"exp_avg": torch.ones(3)}}}}, {"updates": 1}, 2
+    )
+    optim = path / "optim.pt"
+    with zipfile.ZipFile(optim) as z:
+        members = {name: z.read(name) for name in z.namelist()}
+    pickled = next(name for name in members if name.endswith("data.pkl"))
+    assert b"X\x03\x00\x00\x00cpu" in members[pickled]
+    members[pickled] = members[pickled].replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:3")  # the location torch.save records
+    with zipfile.ZipFile(optim, "w") as z:
+        for name, data in members.items():
+            z.writestr(zipfile.ZipInfo(name), data)
+    _, _, optimizers, _ = checkpoint.load(path)
+    assert optimizers["policy"]["state"][0]["exp_avg"].device == torch.device("cpu")
+    assert torch.equal(optimizers["policy"]["state"][0]["exp_avg"], torch.ones(3))

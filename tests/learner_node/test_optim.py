@@ -161,3 +161,57 @@ def test_a_trained_16_bit_head_is_never_served_from_a_stale_float32_copy() -> No
     opt.step()
     with torch.no_grad():
         assert torch.equal(head_logits(head, hidden), torch.nn.functional.linear(hidden.float(), head.weight.float()))
+
+
+def test_masters_are_stepped_a_slice_at_a_time_with_the_same_result(monkeypatch) -> None:
+    """Six bf16 parameters of 40,000 elements and a float32 one: stepped in slices of 100,000 16-bit elements, the
+    float32 masters and gradients alive at once are a slice's (counted by tools/bench/memory_peak.py), and every
+    parameter, moment and residual ends as one step over all of them at once leaves it."""
+    import learner_node.optim as optim
+    from tools.bench.memory_peak import peak_memory
+
+    def run(slice_elements: int) -> tuple[list[torch.Tensor], dict[str, float], int]:
+        monkeypatch.setattr(optim, "MASTER_SLICE", slice_elements)
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(200, 200).to(torch.bfloat16)) for _ in range(6)]
+        params.append(torch.nn.Parameter(torch.randn(50)))
+        opt = adam(params, 1e-2)
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = torch.full_like(p, 0.1 * (i + 1) * (-1) ** step)
+            peak = peak_memory(opt.step).work
+        return [p.detach().clone() for p in params], {str(i): float(master(p, opt).sum()) for i, p in enumerate(params)}, peak
+
+    whole, whole_masters, whole_peak = run(1 << 40)
+    sliced, sliced_masters, sliced_peak = run(100_000)
+    for a, b in zip(whole, sliced, strict=True):
+        assert torch.equal(a, b)
+    assert whole_masters == sliced_masters
+    float32_of_all = 6 * 40_000 * 4 * 2  # every master and gradient at once
+    assert whole_peak >= float32_of_all
+    assert sliced_peak <= float32_of_all / 2, f"{sliced_peak} bytes in slices against {whole_peak} at once"
+
+
+def test_an_update_snapshot_of_gpu_parameters_goes_to_the_host() -> None:
+    """A full fine-tune's parameters and Adam moments on a GPU (fake CUDA tensors: FakeTensorMode makes them on a
+    CPU-only torch): the copies that undo a non-finite update are made on the host, none on the GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from learner_node.update import TrainableSnapshot
+    from tools.bench.memory_peak import peak_memory
+
+    with FakeTensorMode():
+        params = [torch.nn.Parameter(torch.randn(256, 256, device="cuda")) for _ in range(4)]
+        opt = torch.optim.Adam(params, 1e-3)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()  # Adam moments on the GPU
+        taken: list[TrainableSnapshot] = []
+        gpu = peak_memory(lambda: taken.append(TrainableSnapshot.of([opt])), device="cuda:0")
+        snapshot = taken[0]
+        assert gpu.work == 0, f"{gpu.work} bytes of the snapshot on the GPU"
+        assert all(saved.device.type == "cpu" for _, saved in snapshot.params)
+        states = [
+            t for _, state in snapshot.optimizer_states for s in state["state"].values() for t in s.values() if isinstance(t, torch.Tensor)
+        ]
+        assert states and all(t.device.type == "cpu" for t in states)

@@ -317,3 +317,48 @@ def test_a_16_bit_heads_float32_copy_is_made_once_per_version_of_its_weight_and_
     trained = torch.nn.Linear(16, 40, bias=False).to(torch.bfloat16)  # a head being trained: upcast per call, gradient flows
     head_logits(trained, hidden).sum().backward()
     assert trained.weight.grad is not None and trained.weight.grad.abs().sum() > 0
+
+
+def test_a_16_bit_head_on_a_gpu_multiplies_into_float32_with_no_float32_copy_of_its_weight() -> None:
+    """On a GPU (traced here on the meta device, which takes the same path) the head's 16-bit inputs go to
+    `torch.mm(..., out_dtype=torch.float32)`: float32 logits, gradients for the hidden states and a trained weight in
+    their own dtypes, and no float32 copy of the weight kept or made (a 151,936 x 1,536 head: 0.9 GB)."""
+    from models.scoring.lm_head import FLOAT32_COPY, Float32Product, head_logits, refresh_float32_head
+
+    head = torch.nn.Linear(64, 1000, bias=False, device="meta", dtype=torch.bfloat16)
+    hidden = torch.empty(2, 3, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    calls: list[int] = []
+    original = Float32Product.forward
+    try:
+        Float32Product.forward = staticmethod(lambda ctx, h, w: calls.append(1) or original(ctx, h, w))  # type: ignore[method-assign]
+        logits = head_logits(head, hidden)
+        assert calls == [1]
+    finally:
+        Float32Product.forward = staticmethod(original)  # type: ignore[method-assign]
+    assert logits.shape == (2, 3, 1000) and logits.dtype == torch.float32
+    logits.sum().backward()
+    assert hidden.grad is not None and hidden.grad.dtype == torch.bfloat16 and hidden.grad.shape == hidden.shape
+    assert head.weight.grad is not None and head.weight.grad.dtype == torch.bfloat16
+    head.requires_grad_(False)
+    with torch.inference_mode():
+        head_logits(head, hidden.detach())
+    refresh_float32_head(head)
+    assert not hasattr(head.weight, FLOAT32_COPY)
+
+
+def test_the_float32_product_of_16_bit_inputs_is_within_the_bound_of_exact_products() -> None:
+    """Each product of two bfloat16 values is exact in float32 (8 + 8 significant bits < 24); only the float32 sums
+    round: |logit - exact| <= width * 2^-24 * sum |h_k w_k| (Higham's bound for a sum of n terms). Checked against
+    float64 on the CPU's path (the GPU's, torch.mm with out_dtype, is checked by `ppoz bench gpu`)."""
+    from models.scoring.lm_head import head_logits
+
+    torch.manual_seed(0)
+    width = 1536
+    head = torch.nn.Linear(width, 4096, bias=False).to(torch.bfloat16).requires_grad_(False)
+    hidden = (3 * torch.randn(5, width)).to(torch.bfloat16)
+    got = head_logits(head, hidden).double()
+    exact = hidden.double() @ head.weight.double().T
+    bound = width * 2.0**-24 * (hidden.double().abs() @ head.weight.double().abs().T)
+    assert bool(((got - exact).abs() <= bound).all())
+    rounded_to_16_bits = (hidden @ head.weight.T).double()  # what a 16-bit head would give: outside the bound
+    assert not bool(((rounded_to_16_bits - exact).abs() <= bound).all())

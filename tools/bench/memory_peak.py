@@ -44,9 +44,13 @@ class _LiveStorages(TorchDispatchMode):
         self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        # what the op was given (its inputs, an out= tensor) existed before it: an output sharing one of their
+        # storages (a view, an in-place or out= op) allocated nothing
+        given = {_storage_id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            if isinstance(t, torch.Tensor) and _storage_id(t) not in given:
                 self._count(t)
         return out
 
@@ -67,6 +71,13 @@ class _LiveStorages(TorchDispatchMode):
         self.live[device] -= size
 
 
+def _storage_id(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
 def _device_key(device: torch.device) -> str:
     return device.type if device.index is None else f"{device.type}:{device.index}"
 
@@ -75,13 +86,15 @@ def peak_memory(work: Callable[[], Any], modules: Iterable[torch.nn.Module] = ()
     """Run `work()` and return its peak on `device`, counting `modules`' parameters and buffers (each storage once)
     as alive from the start."""
     key = _device_key(torch.device(device))
-    storages: dict[int, int] = {}
+    alive: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages, not tensors: tied weights count once
     for module in modules:
         for t in (*module.parameters(), *module.buffers()):
             if _device_key(t.device) == key:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    before = sum(storages.values())
+                alive[t.untyped_storage()] = t.untyped_storage().nbytes()
+    before = sum(alive.values())
     mode = _LiveStorages({key: before})
+    for storage, size in alive.items():  # an op that returns one of them (a view, an in-place op) adds nothing
+        mode.seen[storage] = size
     with mode:
         work()
     return Peak(int(mode.peak[key]), before)
