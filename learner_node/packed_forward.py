@@ -125,31 +125,32 @@ def check_layout(model: Any, budget: int = 4096) -> str:
     """The first layout of LAYOUTS whose log-probabilities are the model's own, checked at start-up as the
     candidate path checks its scoring path (models/scoring.py, `select_path`): on probe prompts and responses
     of different lengths in one forward, one of them longer than the model's sliding window if it has one,
-    against `model(input_ids).logits` of each sequence alone, in float32 (16-bit weights upcast for the check),
-    to within scoring.FLOAT32_TOLERANCE. A model whose attention ignores the position ids' packing (or a
-    transformers release that does not build the packed mask) fails it and gets `padded`."""
-    vocab = model.get_output_embeddings().weight.shape[0]
+    against `model(input_ids).logits` of each sequence alone, in float32 (on `scoring.float32_probe`, a small
+    model of the same architecture), to within scoring.FLOAT32_TOLERANCE. A model whose attention ignores the
+    position ids' packing (or a transformers release that does not build the packed mask) fails it and gets
+    `padded`."""
     limit = scoring.position_limit(model) or 4096
     w = min(scoring.sliding_window(model.config) or 8, (limit - 8) // 2)
     gen = torch.Generator().manual_seed(0)
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(3, vocab, (n,), generator=gen).tolist()
-
-    # sequences (prompt + response - 1) of 2w + 4, w + 2 and w + 1 tokens: the first fills a row; the other two
-    # share the next, the last starting mid-row and longer than the window, which must hold after position 0
-    prompts, responses = [tokens(n) for n in (2 * w - 1, w - 2, w - 1)], [tokens(n) for n in (6, 5, 3)]
-    temperatures = [1.0, 0.7, 1.3]
     errors: dict[str, float] = {}
-    with scoring._float32(model), torch.inference_mode():
-        device = next(model.parameters()).device
+    with scoring.float32_probe(model) as checked, torch.inference_mode():
+        vocab = checked.get_output_embeddings().weight.shape[0]
+
+        def tokens(n: int) -> list[int]:
+            return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+        # sequences (prompt + response - 1) of 2w + 4, w + 2 and w + 1 tokens: the first fills a row; the other two
+        # share the next, the last starting mid-row and longer than the window, which must hold after position 0
+        prompts, responses = [tokens(n) for n in (2 * w - 1, w - 2, w - 1)], [tokens(n) for n in (6, 5, 3)]
+        temperatures = [1.0, 0.7, 1.3]
+        device = next(checked.parameters()).device
         own = []
         for p, r, t in zip(prompts, responses, temperatures):
-            logits = model(input_ids=torch.tensor([p + r], device=device)).logits[0, len(p) - 1 : -1].float() / t
+            logits = checked(input_ids=torch.tensor([p + r], device=device)).logits[0, len(p) - 1 : -1].float() / t
             own.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r, device=device).unsqueeze(-1)).squeeze(-1))
         for layout in LAYOUTS:
             try:
-                got, _ = response_logprobs(model, prompts, responses, temperatures, max(budget, 6 * w), layout)
+                got, _ = response_logprobs(checked, prompts, responses, temperatures, max(budget, 6 * w), layout)
                 errors[layout] = max(float((g.float() - o).abs().max()) for g, o in zip(got, own))
             except Exception as e:  # a model that rejects this layout's inputs
                 log.info("generation layout %s unavailable on this model: %s", layout, e)

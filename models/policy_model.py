@@ -65,9 +65,15 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
 
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(spec.model)
-    model: Any = AutoModelForCausalLM.from_pretrained(spec.model, dtype=spec.resolved_dtype(), attn_implementation=spec.attn_implementation)
+    device = spec.resolved_device()
+    # Straight onto its device (accelerate's device_map): built on the host first, eight actors of a 7B model on one
+    # machine would hold ~120 GB of host memory at once before moving it.
+    placed = {"device_map": str(device)} if device.type != "cpu" else {}
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        spec.model, dtype=spec.resolved_dtype(), attn_implementation=spec.attn_implementation, **placed
+    )
     model = with_adapter(model, spec)
-    model.to(spec.resolved_device()).eval()
+    model.to(device).eval()  # the adapter, made where the model is, and the model where device_map left it
     log.info("loaded %s on %s (%s), LoRA rank %d", spec.model, spec.resolved_device(), spec.resolved_dtype(), spec.lora_rank)
     return model, tokenizer
 

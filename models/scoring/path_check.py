@@ -83,6 +83,68 @@ def _float32(model: Any) -> Iterator[None]:
             p.data = p.data.to(dtype)
 
 
+PROBE_VOCAB = 1024  # the architecture probe's vocabulary: the checks' random tokens need no more
+
+
+@contextlib.contextmanager
+def float32_probe(model: Any) -> Iterator[Any]:
+    """A float32 model of `model`'s architecture to check the scoring paths' arithmetic on, for the duration: the
+    model itself if it is float32, else a probe.
+
+    What the float32 checks catch (a wrong mask, a missed sliding window, logit post-processing, packing the
+    attention ignores) is the architecture's code, not its weights: so they run on a small model of the same
+    config, on the same device, with random weights: one decoder layer of each kind the model has (a sliding-window
+    layer and a full one, or the first layer) and a vocabulary of PROBE_VOCAB tokens. Upcasting the model itself
+    held a float32 copy of all its weights at start-up (7B: 30 GB beside its 15 GB in bf16, in every process at
+    once on a one-GPU `ppoz up`). A model whose config cannot build such a probe is upcast for the check, as before."""
+    if all(p.dtype not in (torch.bfloat16, torch.float16) for p in model.parameters()):
+        yield model  # already float32: checked as it is, at no cost
+        return
+    probe = _architecture_probe(model)
+    if probe is None:
+        with _float32(model):
+            yield model
+        return
+    try:
+        yield probe
+    finally:
+        del probe
+
+
+def _architecture_probe(model: Any) -> Any | None:
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = copy.deepcopy(inner.config)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or getattr(config, "auto_map", None):  # remote code: built only as loaded
+        return None
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if kinds:  # one layer of each kind, in the order the model first has them
+        keep = [kinds[i] for i in sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())]
+        config.layer_types = keep
+        config.num_hidden_layers = len(keep)
+    else:
+        config.num_hidden_layers = 1
+    if hasattr(config, "max_window_layers"):  # Qwen2: which layers slide, counted from the first
+        config.max_window_layers = min(config.max_window_layers, config.num_hidden_layers)
+    config.vocab_size = min(int(config.vocab_size), PROBE_VOCAB)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token = getattr(config, name, None)
+        if isinstance(token, int) and token >= config.vocab_size:
+            setattr(config, name, None)
+    device = next(model.parameters()).device
+    try:
+        with torch.device(device):
+            probe = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=config._attn_implementation)
+    except Exception as e:  # noqa: BLE001 - a config from_config cannot build: the model itself is checked
+        log.info("no architecture probe for this model (%s): its scoring is checked on its own weights in float32", e)
+        return None
+    return probe.eval().requires_grad_(False)
+
+
 # The path check's bars. In float32 every path must equal the reference to float32 rounding. In the
 # model's own 16-bit dtype, paths and reference round differently (different kernels and shapes, and
 # the reference rounds its logits to 16 bits where the paths keep float32). Rounding a logit moves it
@@ -109,8 +171,8 @@ def _checked_diff(model: Any, path: str, items: Sequence[Tokenized], reference: 
 def select_path(model: Any, requested: str = "auto") -> str:
     """The fastest path that gives the model's own numbers; logs the choice and the measured differences.
 
-    Each path is checked against `reference_scores` on `probe_items`: in float32 (the model's
-    16-bit weights upcast for the check, exact) to within FLOAT32_TOLERANCE, which catches a
+    Each path is checked against `reference_scores` on `probe_items`: in float32 (on `float32_probe`, a small
+    model of the same architecture) to within FLOAT32_TOLERANCE, which catches a
     wrong mask, a missed sliding window or logit post-processing; then in the model's own dtype
     to within NATIVE_ULPS units of the dtype's rounding per token, which catches a path that
     breaks only in 16 bits. A model that cannot take a 4D mask (FlashAttention-2, hybrid linear
@@ -125,11 +187,13 @@ def select_path(model: Any, requested: str = "auto") -> str:
     candidates = PATHS if requested == "auto" else (requested,)
     # The dtype switch happens outside inference mode (entered first, left last): parameters changed
     # inside it would become inference tensors, which the learner could no longer train.
-    with _float32(model), torch.inference_mode():
-        measured = [reference_scores(model, item) for item in probe]
-        exact = {path: _checked_diff(model, path, probe, [sums for sums, _ in measured]) for path in candidates}
-    native = exact  # a float32 model was just checked in its own dtype
-    if dtype != torch.float32:
+    with float32_probe(model) as float32_model, torch.inference_mode():
+        measured = [reference_scores(float32_model, item) for item in probe_items(float32_model)]
+        exact = {
+            path: _checked_diff(float32_model, path, probe_items(float32_model), [sums for sums, _ in measured]) for path in candidates
+        }
+    native = exact
+    if dtype != torch.float32 or float32_model is not model:  # the model itself, in its own dtype
         with torch.inference_mode():
             measured = [reference_scores(model, item) for item in probe]
             native = {path: _checked_diff(model, path, probe, [sums for sums, _ in measured]) for path in candidates}

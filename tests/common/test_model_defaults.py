@@ -101,3 +101,18 @@ def test_ppoz_tiny_model_builds_a_loadable_model(tmp_path: Path) -> None:
     assert model.config.hidden_size == 32 and spec.lora_trainable == LORA_TRAINABLE["qwen2"]
     bad = ppoz("tiny-model", str(tmp_path / "b"), "--hidden", "30", timeout=300)  # a refusal: less than the build above
     assert bad.returncode == 2 and "--hidden" in bad.stderr
+
+
+def test_a_model_is_loaded_straight_onto_its_device(tiny_model, monkeypatch) -> None:
+    """The weights go from the checkpoint to the model's device (accelerate's device_map), not through the host:
+    here the meta device stands in for a GPU, and the model peft wraps is already there."""
+    import models.policy_model as policy_model
+    from models.policy_model import ModelSpec, load_policy
+
+    seen: list[str] = []
+    wrap = policy_model.with_adapter
+    monkeypatch.setattr(
+        policy_model, "with_adapter", lambda model, spec: seen.append(next(model.parameters()).device.type) or wrap(model, spec)
+    )
+    model, _ = load_policy(ModelSpec(model=tiny_model("qwen2"), device="meta", lora_rank=4))
+    assert seen == ["meta"] and {p.device.type for p in model.parameters()} == {"meta"}

@@ -362,3 +362,25 @@ def test_the_float32_product_of_16_bit_inputs_is_within_the_bound_of_exact_produ
     assert bool(((got - exact).abs() <= bound).all())
     rounded_to_16_bits = (hidden @ head.weight.T).double()  # what a 16-bit head would give: outside the bound
     assert not bool(((rounded_to_16_bits - exact).abs() <= bound).all())
+
+
+def test_the_start_up_checks_of_a_16_bit_model_hold_no_float32_copy_of_it(tiny_model) -> None:
+    """A bf16 model of Qwen2.5's 151,936-token vocabulary: the scoring path's and the generation layout's float32
+    checks run on a small probe of its architecture (scoring.float32_probe), not on the model upcast (which held a
+    float32 copy of every weight: 2x the model's bytes beside it at start-up); the checks still choose as before."""
+    from transformers import AutoModelForCausalLM
+
+    from learner_node.packed_forward import check_layout
+    from tools.bench.memory_peak import peak_memory
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2", vocab_size=151_936), dtype=torch.bfloat16).eval().requires_grad_(False)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    s.refresh_float32_head(model.get_output_embeddings())  # a frozen head's float32 copy on the CPU (lm_head.py), as an actor keeps it
+    chosen: list[str] = []
+    path = peak_memory(lambda: chosen.append(s.select_path(model)), [model])
+    layout = peak_memory(lambda: chosen.append(check_layout(model)), [model])
+    assert chosen == ["packed", "packed"]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    for what, peak in (("select_path", path), ("check_layout", layout)):
+        # an upcast model is 2x its bf16 bytes; what the checks hold is a few positions' logits
+        assert peak.work < model_bytes, f"{what}: {peak.work / 1e6:.1f} MB beside a {model_bytes / 1e6:.1f} MB model"
