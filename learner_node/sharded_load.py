@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from learner_node import sharding
+from models import scoring
 from models.policy_model import ModelSpec, with_adapter
 
 ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
@@ -55,7 +56,7 @@ def empty_model(spec: ModelSpec, layers: int | None = None) -> Any:
 
     config = AutoConfig.from_pretrained(spec.model)
     if layers is not None:
-        _keep_layers(config, layers)
+        scoring.keep_layers(config, layers)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=spec.resolved_dtype(), attn_implementation=spec.attn_implementation)
     if getattr(config.get_text_config(), "tie_word_embeddings", False):
@@ -84,20 +85,6 @@ def probe_model(spec: ModelSpec, layers: int = 2) -> Any:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
     return model.eval()
-
-
-def _keep_layers(config: Any, layers: int) -> None:
-    """`layers` decoder layers, or one of each kind the model has (sliding-window and global attention, say)
-    where it has more kinds than that."""
-    kinds = getattr(config, "layer_types", None)
-    if isinstance(kinds, list) and kinds:
-        kept = kinds[:layers]
-        kept += [kind for kind in dict.fromkeys(kinds) if kind not in kept]  # a global layer after five sliding ones, say
-        config.layer_types = kept
-        layers = len(kept)
-    for name in ("num_hidden_layers", "n_layer", "num_layers"):
-        if isinstance(getattr(config, name, None), int):
-            setattr(config, name, min(getattr(config, name), layers))
 
 
 def load_sharded_policy(spec: ModelSpec, mixed_precision: bool, mesh: Any = None, trained: bool = True) -> tuple[Any, Any]:

@@ -66,10 +66,10 @@ def _kept(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of `tensor` to undo an update with: a GPU's tensors go to the host (pinned memory, copied
     asynchronously), so that a full fine-tune does not hold its weights and Adam moments twice on the GPU (1.5B
     parameters: +21.6 GB); a tensor FSDP shards (a DTensor: a rank's share) and a CPU tensor are cloned where
-    they are."""
-    if tensor.device.type != "cuda" or isinstance(tensor, DTensor):
+    they are. The meta device takes the GPU's way (`ppoz bench memory` traces the GPU's memory on it)."""
+    if tensor.device.type not in ("cuda", "meta") or isinstance(tensor, DTensor):
         return tensor.detach().clone()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
     return host.copy_(tensor.detach(), non_blocking=True)
 
 

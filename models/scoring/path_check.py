@@ -111,6 +111,20 @@ def float32_probe(model: Any) -> Iterator[Any]:
         del probe
 
 
+def keep_layers(config: Any, layers: int) -> None:
+    """`layers` decoder layers, or one of each kind the model has (sliding-window and global attention, say)
+    where it has more kinds than that."""
+    kinds = getattr(config, "layer_types", None)
+    if isinstance(kinds, list) and kinds:
+        kept = kinds[:layers]
+        kept += [kind for kind in dict.fromkeys(kinds) if kind not in kept]  # a global layer after five sliding ones, say
+        config.layer_types = kept
+        layers = len(kept)
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(getattr(config, name, None), int):
+            setattr(config, name, min(getattr(config, name), layers))
+
+
 def _architecture_probe(model: Any) -> Any | None:
     import copy
 
@@ -118,18 +132,9 @@ def _architecture_probe(model: Any) -> Any | None:
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = copy.deepcopy(inner.config)
-    layers = getattr(config, "num_hidden_layers", None)
-    if not isinstance(layers, int) or getattr(config, "auto_map", None):  # remote code: built only as loaded
+    if getattr(config, "auto_map", None):  # remote code: built only as it was loaded
         return None
-    kinds = list(getattr(config, "layer_types", None) or [])
-    if kinds:  # one layer of each kind, in the order the model first has them
-        keep = [kinds[i] for i in sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())]
-        config.layer_types = keep
-        config.num_hidden_layers = len(keep)
-    else:
-        config.num_hidden_layers = 1
-    if hasattr(config, "max_window_layers"):  # Qwen2: which layers slide, counted from the first
-        config.max_window_layers = min(config.max_window_layers, config.num_hidden_layers)
+    keep_layers(config, 1)
     config.vocab_size = min(int(config.vocab_size), PROBE_VOCAB)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         token = getattr(config, name, None)

@@ -57,6 +57,14 @@ BENCHES = (
         "p50/p99 latency, fraction of the matmul peak, equal greedy outputs (docs/benchmarks.md).",
     ),
     Bench(
+        "memory",
+        "the peak GPU memory of each part (learner updates, actors, start-up) at a real model's shape, traced on the CPU",
+        "Run the learner's and the actor's own code at Qwen2.5-0.5B/1.5B/7B's width, heads and vocabulary in bf16 on the "
+        "meta device, which allocates what a GPU would and computes nothing; count every storage while it lives; fit "
+        "the peaks at 2, 4 and 6 layers linearly to the model's depth; compare each part with its budget "
+        "(docs/benchmarks.md).",
+    ),
+    Bench(
         "activations",
         "what one learner forward keeps for its backward: plain, bf16 autocast, gradient checkpointing, both",
         "A Qwen2 of a real model's width in bf16 with a float32 LoRA adapter of rank 8: the bytes autograd saves for the "

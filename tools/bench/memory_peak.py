@@ -27,6 +27,7 @@ class Peak:
 
     total: int
     before: int
+    end: int = 0  # alive when the work ended
 
     @property
     def work(self) -> int:
@@ -97,4 +98,4 @@ def peak_memory(work: Callable[[], Any], modules: Iterable[torch.nn.Module] = ()
         mode.seen[storage] = size
     with mode:
         work()
-    return Peak(int(mode.peak[key]), before)
+    return Peak(int(mode.peak[key]), before, int(mode.live[key]))

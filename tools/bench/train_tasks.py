@@ -102,8 +102,10 @@ def shaped_tokenizer(path: Path) -> None:
 MODEL_SHAPES: dict[str, tuple[int, int, int, int, int, str]] = {
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2, "float32"),
     "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, "bfloat16"),  # 3.1 GB in bf16 (6.2 in float32)
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4, "bfloat16"),  # 15.2 GB in bf16; its head is its own, not the embedding's
     "tiny-qwen2": (64, 128, 2, 4, 2, "float32"),
 }
+UNTIED = frozenset({"qwen2.5-7b"})  # shapes whose LM head is a weight of its own (Qwen2.5-7B's config.json)
 
 
 def shape_config(shape: str, layers: int | None = None) -> Any:
@@ -121,7 +123,7 @@ def shape_config(shape: str, layers: int | None = None) -> Any:
         max_position_embeddings=32768,
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=shape not in UNTIED,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
