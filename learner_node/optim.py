@@ -22,11 +22,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from learner_node import gradients
+from learner_node.gradients import SIXTEEN_BITS
+
 FUSED_ADAM_DEVICES = ("cpu", "cuda")  # where torch has a fused Adam kernel for floating-point parameters
 RESIDUAL = "master_residual"
 # 16-bit elements whose float32 masters and gradients exist at once while MasterWeightAdam steps (1 GB of each)
 MASTER_SLICE = 1 << 28
-SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 
 def adam(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Adam:
@@ -51,7 +53,8 @@ def adam(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Adam:
 
 class MasterWeightAdam(torch.optim.Adam):
     """torch's Adam, stepping each 16-bit parameter's float32 master (the parameter plus its `master_residual`)
-    with the gradient in float32, then rounding the master back into the parameter. Its moments are float32 too.
+    with the gradient in float32 (the learner's float32 sum over micro-batches, learner_node/gradients.py, where it
+    has one), then rounding the master back into the parameter. Its moments are float32 too.
     Parameters in float32 are stepped as plain Adam steps them, in the same kernel."""
 
     @torch.no_grad()
@@ -113,13 +116,14 @@ class MasterWeightAdam(torch.optim.Adam):
         try:
             for group in self.param_groups:
                 for p in group["params"]:
-                    if p.dtype not in SIXTEEN_BITS or (with_grads and p.grad is None):
+                    summed = gradients.grad(p)  # its float32 sum over micro-batches, where the learner keeps one
+                    if p.dtype not in SIXTEEN_BITS or (with_grads and summed is None):
                         continue  # Adam leaves a parameter with no gradient as it is: no state made for it here either
                     half, grad = p.data, p.grad
                     residual = self.state[p].get(RESIDUAL) if p in self.state else None
                     p.data = half.float() + residual if residual is not None else half.float()
-                    if with_grads and grad is not None:
-                        p.grad = grad.float()
+                    if with_grads and summed is not None:
+                        p.grad = summed.float()
                     swapped.append((p, half, grad))
             yield [(p, half) for p, half, _ in swapped]
         finally:

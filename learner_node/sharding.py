@@ -2,7 +2,7 @@
 
 Each rank holds 1/N of every transformer block's parameters, gradients and Adam moments, and all-gathers a
 block's parameters for its forward and backward only; gradients are reduce-scattered by FSDP itself, so
-learner_node/update.py leaves them alone (`_average_gradients` skips DTensor parameters). Three parts:
+learner_node/gradients.py leaves them alone (`average` skips DTensor parameters). Three parts:
 
 - `shard`: FSDP2 on each transformer block, then on the decoder (the root of what FSDP manages here).
 - `full_state_chunks`: the unsharded weights, one parameter at a time, for chunked weight publication.

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from common.learner_figures import UpdateFigure
-from learner_node import core_algos
+from learner_node import core_algos, gradients
 from learner_node.config import GenerationConfig, UpdateConfig
 from learner_node.sharding import Lockstep
 
@@ -382,15 +382,18 @@ def minibatch_epochs(
         for start in range(0, n, minibatch):
             mb = perm[start : start + minibatch].tolist()
             optimizer.zero_grad()
+            gradients.clear(params)
             parts = dict.fromkeys(figure_keys, 0.0)  # a rank with no share of this minibatch sends zeros
             micros = micro_batches(mb[rank::world])
             for micro in micros:
                 for key, value in step(micro, mb, 1.0).items():
                     parts[key] += value
+                gradients.accumulate(params)
             for _ in range(_padding(micro_batches, mb, len(micros), world) if sharded else 0):
                 step(mb[:1], mb, 0.0)  # its figures are left out: its loss is weighed 0
-            _average_gradients(params)
-            grad_norm = _clip_gradients(params, max_grad_norm)
+                gradients.accumulate(params)
+            gradients.average(params)
+            grad_norm = gradients.clip(params, max_grad_norm)
             figures = _sum_over_ranks(parts, params[0].device if params else torch.device("cpu"))
             # Nothing non-finite is applied: a NaN loss or gradient stops the update before its step, and a
             # step that overflowed a parameter (finite gradient, absurd scale) right after it.
@@ -400,6 +403,7 @@ def minibatch_epochs(
             if not bool(torch.isfinite(grad_norm)):
                 raise NonFiniteUpdate(f"the gradient norm is {float(grad_norm)} at optimizer step {steps + 1}")
             optimizer.step()
+            gradients.clear(params)
             steps += 1
             if params and not _all_finite(params):
                 raise NonFiniteUpdate(f"a parameter became non-finite at optimizer step {steps} (gradient norm {float(grad_norm):g})")
@@ -408,6 +412,9 @@ def minibatch_epochs(
             if target_kl and figures.get(UpdateFigure.APPROX_KL, 0.0) > target_kl:
                 return {k: v / steps for k, v in totals.items()}, steps, True
     return {k: v / max(steps, 1) for k, v in totals.items()}, steps, False
+
+
+_world = gradients.rank_and_world
 
 
 def _whole(ids: list[int]) -> list[list[int]]:
@@ -420,12 +427,6 @@ def _prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
     return {f"{prefix}/{key}": value for key, value in metrics.items()}
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _padding(micro_batches: Callable[[list[int]], list[list[int]]], mb: list[int], mine: int, world: int) -> int:
     """How many micro-batch passes this rank, with `mine` micro-batches of minibatch `mb`, runs besides them so
     that every rank runs as many as the busiest one: FSDP2 reduce-scatters each block's gradients in every
@@ -434,38 +435,6 @@ def _padding(micro_batches: Callable[[list[int]], list[list[int]]], mb: list[int
     minibatch with its loss weighed 0: zero gradients, no figures. Every rank cuts every rank's share itself
     (`micro_batches` depends on the samples alone), so no collective is needed to agree on the count."""
     return max(len(micro_batches(mb[r::world])) for r in range(world)) - mine
-
-
-def _clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ (2-norm over all gradients, each scaled by min(1, max_norm / (norm + 1e-6))),
-    returning the norm as a plain tensor, also when FSDP2 shards some parameters (DTensors) and not others (see
-    learner_node/sharding.py: a LoRA adapter's blocks sharded, peft's modules_to_save whole): torch's foreach
-    kernels take no list that mixes the two, so each kind gets its norm alone and the norms are combined. The norm
-    of sharded gradients is reduced over the ranks by DTensor; whole ones are the same on every rank already."""
-    grads = [p.grad for p in params if p.grad is not None]
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    if len(sharded) in (0, len(grads)):
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
-    whole = [g for g in grads if not isinstance(g, DTensor)]
-    parts = [torch.nn.utils.get_total_norm(sharded), torch.nn.utils.get_total_norm(whole)]
-    norm = torch.linalg.vector_norm(torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n).to(whole[0].device) for n in parts]))
-    torch.nn.utils.clip_grads_with_norm_([p for p in params if isinstance(p, DTensor)], max_norm, norm)
-    torch.nn.utils.clip_grads_with_norm_([p for p in params if not isinstance(p, DTensor)], max_norm, norm)
-    return norm
-
-
-def _average_gradients(params: list[torch.nn.Parameter]) -> None:
-    _, world = _world()
-    if world == 1:
-        return
-    for p in params:
-        if isinstance(p, DTensor):  # sharded by FSDP2: its gradient was reduce-scattered (averaged) in the backward
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        p.grad /= world
 
 
 def _sum_over_ranks(parts: dict[str, float], device: torch.device) -> dict[str, float]:

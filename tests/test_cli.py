@@ -40,6 +40,8 @@ SUBCOMMANDS = [
     ["tiny-model"],
     ["bench", "stability"],
     ["bench", "update"],
+    ["bench", "memory"],
+    ["bench", "kea"],
     ["fuzz"],
     ["soak"],
     ["status"],

@@ -215,3 +215,29 @@ def test_an_update_snapshot_of_gpu_parameters_goes_to_the_host() -> None:
             t for _, state in snapshot.optimizer_states for s in state["state"].values() for t in s.values() if isinstance(t, torch.Tensor)
         ]
         assert states and all(t.device.type == "cpu" for t in states)
+
+
+def test_micro_batch_gradients_of_a_16_bit_parameter_are_summed_in_float32() -> None:
+    """32 micro-batches each giving a bf16 parameter the gradient 1 + 2^-6 (exact in bf16): the step gets 32.5, their
+    float32 sum (learner_node/gradients.py). autograd's own accumulation in bf16 rounds the partial sums (bf16's
+    spacing is 2^-6 from 2 on and coarser after), and gives 32.25."""
+    from learner_node import gradients
+    from learner_node.update import minibatch_epochs
+
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = adam([p], 1e-3)
+    seen: list[torch.Tensor] = []
+    real_step = opt.step
+    opt.step = lambda *a, **k: (seen.append(gradients.grad(p).clone()), real_step())[1]  # type: ignore[method-assign]
+
+    def step(ids: list[int], minibatch: list[int], weight: float = 1.0) -> dict[str, float]:
+        (p.float().sum() * (1 + 2**-6)).backward()
+        return {}
+
+    minibatch_epochs(32, 1, 32, torch.Generator().manual_seed(0), lambda ids: [[i] for i in ids], step, (), [p], opt, 1e9)
+    assert seen[0].dtype == torch.float32 and torch.equal(seen[0], torch.full((4,), 32.5))
+    in_bf16 = torch.zeros((), dtype=torch.bfloat16)
+    for _ in range(32):
+        in_bf16 += torch.tensor(1 + 2**-6, dtype=torch.bfloat16)
+    assert float(in_bf16) == 32.25  # what the step got before
+    assert getattr(p, gradients.MAIN_GRAD) is None and p.grad is None  # nothing carried into the next step

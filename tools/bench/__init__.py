@@ -65,6 +65,14 @@ BENCHES = (
         "(docs/benchmarks.md).",
     ),
     Bench(
+        "kea",
+        "a whole stack at Kea's shapes: 1,024-token prompts, 32 candidates, Qwen2.5's vocabulary; updates, hung jobs, peaks",
+        "A 2-layer Qwen2 of hidden 64 at Qwen2.5's 151,936-token vocabulary under `ppoz up` with its defaults, and clients "
+        "sending Kea-shaped observations (1,024-token prompts, 32 candidates of 40-60 tokens) for --minutes: updates "
+        "applied, jobs taken as hung and requeued, seconds a step, the learner's and the actor's peak memory "
+        "(docs/benchmarks.md).",
+    ),
+    Bench(
         "activations",
         "what one learner forward keeps for its backward: plain, bf16 autocast, gradient checkpointing, both",
         "A Qwen2 of a real model's width in bf16 with a float32 LoRA adapter of rank 8: the bytes autograd saves for the "

@@ -99,22 +99,25 @@ def gae_part(device: torch.device) -> dict[str, Any]:
 
 
 def head_part(device: torch.device, hidden: int, rows: int = 32, runs: int = 5) -> dict[str, Any]:
-    """The LM head as a decode step calls it (`scoring.head_logits`, a bf16 head of a 151,936-token vocabulary,
-    its float32 copy kept per weight version) against upcasting the weight on every call, as it did; alternating."""
+    """The LM head as a decode step calls it (`scoring.head_logits` on a bf16 head of a 151,936-token vocabulary: on
+    a GPU 16-bit inputs multiplied into float32, no float32 copy; on the CPU its float32 copy kept per weight
+    version) against a float32 matmul of the weight upcast on every call, alternating; and its logits against
+    float64's within the bound exact products give (width x 2^-24 x sum |h w| a logit: only the sums round)."""
     from models import scoring
+    from models.scoring.lm_head import FLOAT32_COPY
     from tools.bench.train_tasks import REAL_SHAPE_VOCAB
 
     generator = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(hidden, REAL_SHAPE_VOCAB, bias=False, device=device, dtype=torch.bfloat16).requires_grad_(False)
     states = torch.randn(rows, hidden, generator=generator).to(device, torch.bfloat16)
     legs = {
-        "kept_copy": lambda: scoring.head_logits(head, states),
+        "head_logits": lambda: scoring.head_logits(head, states),
         "upcast_per_call": lambda: torch.nn.functional.linear(states.float(), head.weight.float()),
     }
     seconds: dict[str, list[float]] = {name: [] for name in legs}
     with torch.inference_mode():
         for leg in legs.values():
-            leg()  # warm-up, and the kept copy made
+            leg()  # warm-up, and on the CPU the kept copy made
         for run in range(2 * runs):
             for name in list(legs) if run % 2 == 0 else list(legs)[::-1]:
                 start = time.perf_counter()
@@ -122,13 +125,19 @@ def head_part(device: torch.device, hidden: int, rows: int = 32, runs: int = 5) 
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 seconds[name].append(time.perf_counter() - start)
+        got = scoring.head_logits(head, states).double()
+        exact = states.double() @ head.weight.double().T
+        bound = hidden * 2.0**-24 * (states.double().abs() @ head.weight.double().abs().T)
+        within = bool(((got - exact).abs() <= bound).all())
     ms = {name: statistics.median(times) * 1e3 for name, times in seconds.items()}
     return {
         "vocab": REAL_SHAPE_VOCAB,
         "hidden": hidden,
         "rows": rows,
         **{f"{name}_ms": round(value, 3) for name, value in ms.items()},
-        "speedup": round(ms["upcast_per_call"] / ms["kept_copy"], 2),
+        "speedup": round(ms["upcast_per_call"] / ms["head_logits"], 2),
+        "within_exact_bound": within,
+        "float32_copy_kept": hasattr(head.weight, FLOAT32_COPY),
     }
 
 
@@ -333,7 +342,9 @@ def main(args: argparse.Namespace) -> int:
         g, u = result["gae"], result["update"]
         print(f"gae: {g['tokens']:,} tokens in {g['ms']} ms (target 50 ms)")
         h = result["head"]
-        print(f"head: {h['kept_copy_ms']} ms with its float32 copy kept, {h['upcast_per_call_ms']} ms upcast per call")
+        copy = "a float32 copy kept" if h["float32_copy_kept"] else "no float32 copy"
+        exact = f"within float64's exact-product bound: {h['within_exact_bound']}"
+        print(f"head: {h['head_logits_ms']} ms ({copy}, {exact}), {h['upcast_per_call_ms']} ms upcast per call")
         if "error" not in u:
             memory = f"peak {u['peak_gb']} GB" if "peak_gb" in u else f"process peak RSS {u['process_peak_rss_mb']} MB"
             print(f"update: {u['shape']}, {u['tokens']:,} tokens in {u['seconds']} s, {memory}")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch
 from tools.bench.train_tasks import CACHE, MODEL_SHAPES, REAL_SHAPE_VOCAB, shape_config
 
 GB = 1e9
-SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b")
+SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "tiny-qwen2")  # the last: the suite's, Qwen2.5's vocabulary at hidden 64
 DEPTHS = (2, 4, 6)
 BUDGETS_GB: dict[str, dict[str, float]] = {  # the issue's budgets; parts without one are reported
     "qwen2.5-1.5b": {"candidate_update": 20, "generation_update": 20, "full_finetune_1gpu": 40, "actor_generation": 16},
@@ -208,7 +209,12 @@ def actor_generation(shape: str, layers: int, rows: int = 64, context: int = 204
 
     text = Text(1)
     jobs = [
-        {"job": i, "task_id": f"r{i}", "deadline_ms": 3_600_000, "obs": {"prompt": text.words(context - new - 1), "sampling": {"max_new_tokens": new}}}
+        {
+            "job": i,
+            "task_id": f"r{i}",
+            "deadline_ms": 3_600_000,
+            "obs": {"prompt": text.words(context - new - 1), "sampling": {"max_new_tokens": new}},
+        }
         for i in range(rows)
     ]
 
@@ -303,31 +309,34 @@ def measure_part(name: str, shape: str, depths: tuple[int, ...] = DEPTHS) -> dic
     return out
 
 
-def cross_check() -> dict[str, Any]:
-    """The instrument against the real thing: the candidate update at Qwen2.5-1.5B's width and vocabulary, two
-    layers, in float32, 8 observations of 256-token prompts and 8 candidates of 10-20 tokens, micro-batches of 2:
-    run on the CPU for real (its storages counted as they are allocated) and traced on meta."""
+def cross_check(shape: str = "qwen2.5-1.5b") -> dict[str, Any]:
+    """The instrument against the real thing: the candidate update at `shape`'s width and vocabulary, two layers, in
+    float32, 8 observations of 256-token prompts and 8 candidates of 10-20 tokens, micro-batches of 2: run on the
+    CPU for real (its storages counted as they are allocated) and traced on meta."""
+    from transformers import AutoModelForCausalLM
+
     from common.shared_settings import PolicyStamp
     from learner_node.policy import LearnerPolicy
     from learner_node.trainer import Trainer
     from models.policy_model import ModelSpec, with_adapter
     from tools.bench.memory_peak import peak_memory
     from tools.bench.meta_trace import traced
-    from transformers import AutoModelForCausalLM
 
     segments = kea_segments(8, prompt=256, candidates=8, low=10, high=20)
     tokenizer = words_tokenizer()
     cfg = learner_config(LORA_RANK)
     cfg.micro_batch = 2
-    peaks = {}
+    peaks: dict[str, float] = {}
     for device in ("cpu", "meta"):
 
         def run(device: str = device) -> None:
             torch.manual_seed(0)
             with torch.device(device):
-                model = AutoModelForCausalLM.from_config(shape_config("qwen2.5-1.5b", 2), dtype=torch.float32, attn_implementation="sdpa")
+                model = AutoModelForCausalLM.from_config(shape_config(shape, 2), dtype=torch.float32, attn_implementation="sdpa")
                 model = with_adapter(model, ModelSpec(model="bench", device=device, lora_rank=LORA_RANK))
-            lp = LearnerPolicy(model.eval(), tokenizer, "token", 1.0, cfg.value_hidden, "packed", cfg.generation.value_hidden, True, "packed")
+            lp = LearnerPolicy(
+                model.eval(), tokenizer, "token", 1.0, cfg.value_hidden, "packed", cfg.generation.value_hidden, True, "packed"
+            )
             trainer = Trainer(cfg, lp, True)
             stamp = PolicyStamp(run="bench", normalisation="token", temperature=1.0, lora_rank=LORA_RANK, greedy=False)
             batches = trainer.build(segments, 0, stamp)
@@ -341,7 +350,7 @@ def cross_check() -> dict[str, Any]:
             peaks[device] = peak_memory(run, device=device).total
         peaks[f"{device}_seconds"] = round(time.monotonic() - started, 1)
     return {
-        "part": "candidate_update at qwen2.5-1.5b width, 2 layers, float32, 8 observations",
+        "part": f"candidate_update at {shape}'s width, 2 layers, float32, 8 observations",
         "cpu_gb": round(peaks["cpu"] / GB, 3),
         "traced_gb": round(peaks["meta"] / GB, 3),
         "traced_over_cpu": round(peaks["meta"] / peaks["cpu"], 3),
@@ -353,6 +362,9 @@ def cross_check() -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=SHAPES, default="qwen2.5-1.5b", help="the model shape (default %(default)s)")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts (default: all): " + ", ".join(PARTS))
+    parser.add_argument(
+        "--depths", default=",".join(map(str, DEPTHS)), help="decoder layers measured, fitted to the model's depth (default %(default)s)"
+    )
     parser.add_argument("--check", action="store_true", help="also run the cross-check: one part on the CPU for real against its trace")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -362,17 +374,24 @@ def main(args: argparse.Namespace) -> int:
 
     logging.getLogger("models").setLevel(logging.WARNING)  # the start-up checks' lines, once per depth
     names = [p for p in args.parts.split(",") if p]
+    try:
+        depths = tuple(sorted({int(d) for d in args.depths.split(",") if d}))
+    except ValueError:
+        depths = ()
+    if len(depths) < 2 or depths[0] < 1:
+        print(f"ppoz bench memory: --depths takes two or more layer counts from 1, such as 2,4 (got {args.depths!r})", file=sys.stderr)
+        return 2
     unknown = [p for p in names if p not in PARTS]
     if unknown:
-        print(f"ppoz bench memory: unknown part(s) {', '.join(unknown)}; known: {', '.join(PARTS)}")
+        print(f"ppoz bench memory: unknown part(s) {', '.join(unknown)}; known: {', '.join(PARTS)}", file=sys.stderr)
         return 2
     result: dict[str, Any] = {"shape": args.shape, "parts": {}}
     for name in names:
         if not args.json:
             print(f"  {name} ...", flush=True)
-        result["parts"][name] = measure_part(name, args.shape)
+        result["parts"][name] = measure_part(name, args.shape, depths)
     if args.check:
-        result["cross_check"] = cross_check()
+        result["cross_check"] = cross_check(args.shape)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -381,16 +400,18 @@ def main(args: argparse.Namespace) -> int:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"peak GPU memory at {result['shape']} (bf16), traced on this CPU", f"{'part':<20} {'peak GB':>8} {'budget':>12} {'met':>4}  fit residual"]
+    lines = [
+        f"peak GPU memory at {result['shape']} (bf16), traced on this CPU",
+        f"{'part':<20} {'peak GB':>8} {'budget':>12} {'met':>4}  fit residual",
+    ]
     for name, part in result["parts"].items():
         if "ratio" in part:
             budget = f"<= {part['budget_ratio']}x {part['steady_gb']}"
         else:
             budget = f"<= {part['budget_gb']}" if "budget_gb" in part else "-"
-        met = {True: "yes", False: "NO"}.get(part.get("met"), "")  # type: ignore[call-overload]
+        met = "" if "met" not in part else "yes" if part["met"] else "NO"
         lines.append(f"{name:<20} {part['peak_gb']:>8.2f} {budget:>12} {met:>4}  {part['fit_residual_gb']:.3f} GB")
     if "cross_check" in result:
         c = result["cross_check"]
         lines.append(f"cross-check ({c['part']}): CPU {c['cpu_gb']} GB, traced {c['traced_gb']} GB, ratio {c['traced_over_cpu']}")
     return "\n".join(lines)
-
