@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated, of {', '.join(LEGS)} (default: all)")
     add_repeats_flag(parser, "runs of every leg, in alternating order (default: 3)")
     parser.add_argument(
+        "--warmup", type=int, default=1, help="rounds of every leg before the timed ones, not counted (default: 1): a GPU's captures"
+    )
+    parser.add_argument(
         "--clients", type=int, default=16, help="requests of the default and long_tail cases, and the engine's rows (default: 16)"
     )
     parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt, default and rollout cases (default: 512)")
@@ -165,11 +168,14 @@ def summarise(runs: list[LegRun]) -> dict[str, Any]:
     }
 
 
+ENGINE_ROWS = 64  # the engine's rows at most: the static batch's, so both legs decode the same number at once
+
+
 def run_case(
     name: str, args: argparse.Namespace, legs: list[str], model: Any, tokenizer: Any, model_dir: str, peak: float
 ) -> dict[str, Any]:
     requests = make_case(name, args)
-    rows = min(len(requests), 32)
+    rows = min(len(requests), ENGINE_ROWS)
     calls: dict[str, Callable[[], LegRun]] = {
         "one_at_a_time": lambda: one_at_a_time(model, tokenizer, requests),
         "static_batch": lambda: static_batch(model, tokenizer, requests),
@@ -180,15 +186,17 @@ def run_case(
     }
     runs: dict[str, list[LegRun]] = {leg: [] for leg in legs}
     errors: dict[str, str] = {}
-    for repeat in range(args.repeats):
+    for repeat in range(-args.warmup, args.repeats):  # the warm-up rounds first, not counted: a GPU's captures, its caches
         order = legs if repeat % 2 == 0 else legs[::-1]
         for leg in order:
             if leg in errors:
                 continue
-            log.info("%s: %s, run %d of %d", name, leg, repeat + 1, args.repeats)
+            log.info("%s: %s, %s", name, leg, f"run {repeat + 1} of {args.repeats}" if repeat >= 0 else "warm-up")
             try:
                 with torch.inference_mode():
-                    runs[leg].append(calls[leg]())
+                    run = calls[leg]()
+                if repeat >= 0:
+                    runs[leg].append(run)
             except Exception as e:  # noqa: BLE001 - a baseline this transformers cannot run is reported, not fatal
                 log.warning("%s: %s failed: %s: %s", name, leg, type(e).__name__, e)
                 errors[leg] = f"{type(e).__name__}: {e}"
@@ -199,6 +207,8 @@ def run_case(
         if not runs[leg]:
             continue
         figures = summarise(runs[leg])
+        if runs[leg][-1].decode is not None:
+            figures["decode_step"] = runs[leg][-1].decode  # captures, eager buckets, replays: a timed run should capture nothing
         figures["peak_fraction"] = floor_flops(model.config, requests, runs[leg][-1].outputs) / figures["seconds"] / peak
         if greedy and reference is not None:
             figures["differing_outputs"] = sum(a != b for a, b in zip(texts_of(reference, tokenizer), texts_of(runs[leg][-1], tokenizer)))

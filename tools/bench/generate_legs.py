@@ -2,7 +2,6 @@
 `model.generate` one at a time and as a static batch, its `generate_batch`, PPOZ's engine with and without its
 LoRA fold, and a real broker and actor; each returns the tokens asked for, its wall time and latencies."""
 
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ class LegRun:
     outputs: list[list[int]]  # per request: the response tokens it asked for
     latencies_ms: list[float]
     texts: list[str] | None = None  # what a client read (ppoz_broker); else decoded from `outputs`
+    decode: dict[str, int] | None = None  # the engine's decode step during this run: captures, eager buckets, replays
 
     @property
     def tokens(self) -> int:
@@ -128,14 +128,22 @@ def ppoz_engine(model: Any, tokenizer: Any, requests: list[Request], rows: int, 
     if key not in _engines:
         _engines[key] = GenerationEngine(model, tokenizer, max_rows=rows, max_positions=longest + 8, fold_lora=fold_lora)
     engine = _engines[key]
+    step = engine.decode_step
+    before = (len(step.graphs), len(step.eager), step.replays) if step is not None else (0, 0, 0)
     try:
-        return _drive_engine(engine, tokenizer, requests)
+        run = _drive_engine(engine, tokenizer, requests)
     finally:
         if engine.active:  # a failed run: the model's own weights back (a finished one restored them as it drained)
             engine.reset()
-        step = engine.decode_step
-        if step is not None and step.graphs:
-            print(f"decode step: {len(step.graphs)} graphs captured, {step.replays} replays", file=sys.stderr)
+    step = engine.decode_step
+    if step is not None:
+        run.decode = {
+            "captured": len(step.graphs) - before[0],
+            "eager_buckets": len(step.eager) - before[1],
+            "replays": step.replays - before[2],
+            "capturing": int(step.capture),  # 0: a capture failed, and the step runs eagerly from then on
+        }
+    return run
 
 
 def _drive_engine(engine: Any, tokenizer: Any, requests: list[Request]) -> LegRun:

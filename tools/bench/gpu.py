@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -141,7 +142,7 @@ def head_part(device: torch.device, hidden: int, rows: int = 32, runs: int = 5) 
     }
 
 
-def update_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
+def update_part(device: torch.device, size: dict[str, Any], deadline: float = math.inf) -> dict[str, Any]:
     """One generation update as the learner makes it, on a model of size["shape"]; frees the model after."""
     from common.shared_settings import PolicySpec, StoreSettings
     from learner_node.config import LearnerConfig
@@ -193,6 +194,7 @@ def update_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
         "tokens": tokens,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
+        "within_budget": time.monotonic() <= deadline,  # one update cannot be cut short: said when it ran past the budget
     }
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 1e9
@@ -205,9 +207,10 @@ def update_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def decode_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
+def decode_part(device: torch.device, size: dict[str, Any], deadline: float = math.inf) -> dict[str, Any]:
     """The actor engine's decode step at size["rows"] rows, warm (on a GPU: its graphs captured): the wall time of a
-    step against the GPU's own time for its kernels (torch's profiler), target at most 2x."""
+    step against the GPU's own time for its kernels (torch's profiler), target at most 2x. Its warm-up and timed
+    steps stop at `deadline` (the run's budget), with at least one timed step."""
     from actor_node.generation_engine import GenerationEngine
     from common.shared_settings import PolicySpec
     from models.policy_model import ModelSpec, load_policy
@@ -224,12 +227,16 @@ def decode_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
     engine.add([{"job": i, "obs": {"prompt": text, "sampling": {**sampling, "seed": i}}, "deadline_ms": 3_600_000} for i in range(rows)])
     for _ in range(steps):  # prefill, then warm: the buckets these steps use captured
         engine.step()
+        if time.monotonic() > deadline:
+            break
 
     def timed(engine: GenerationEngine, n: int) -> float:
         start = time.perf_counter()
-        for _ in range(n):
+        done = 0
+        while done < n and (done == 0 or time.monotonic() < deadline):
             engine.step()  # each step ends in its copy of results to the host: nothing left running
-        return (time.perf_counter() - start) / n * 1e3
+            done += 1
+        return (time.perf_counter() - start) / done * 1e3
 
     wall_ms = timed(engine, steps)
     out: dict[str, Any] = {
@@ -238,6 +245,8 @@ def decode_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
         "prompt_tokens": prompt_tokens,
         "active": engine.active,
         "wall_ms_per_step": round(wall_ms, 3),
+        "captured": len(engine.decode_step.graphs) if engine.decode_step is not None else 0,
+        "eager_buckets": len(engine.decode_step.eager) if engine.decode_step is not None else 0,
     }
     if device.type == "cuda":
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -245,13 +254,11 @@ def decode_part(device: torch.device, size: dict[str, Any]) -> dict[str, Any]:
         events = prof.key_averages()
         kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
         kernel_ms = kernel_us / 1e3 / steps
-        step = engine.decode_step
         out.update(
             kernel_ms_per_step=round(kernel_ms, 3),
             wall_over_kernel=round(wall_ms / kernel_ms, 2) if kernel_ms else None,
             target=2.0,
             met=bool(kernel_ms) and wall_ms / kernel_ms <= 2.0,
-            graphs=len(step.graphs) if step is not None else 0,
         )
     engine.reset()
     del engine, model
@@ -307,8 +314,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["gae"] = gae_part(device)
     result["head"] = head_part(device, 1536 if device.type == "cuda" else 896)
     for name, part in (("update", update_part), ("decode", decode_part)):
+        if deadline - time.monotonic() <= 5:
+            result[name] = {"error": "skipped: the budget was spent"}
+            continue
         try:
-            result[name] = part(device, sizes[name])
+            result[name] = part(device, sizes[name], deadline)
         except Exception as e:  # reported as the part's error (out of memory, say): the other parts' figures still count
             result[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
     left = remaining("train")
