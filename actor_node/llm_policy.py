@@ -149,6 +149,7 @@ class LLMPolicy:
         names: dict[int, list[str]] = {}  # every name of a staged tensor (tied weights: several)
         for name, tensor in staged.items():
             names.setdefault(id(tensor), []).append(name)
+        copied_on: set[torch.device] = set()
         with torch.no_grad():
             for name, tensor in state.items():
                 target = live[name]
@@ -156,6 +157,7 @@ class LLMPolicy:
                     continue
                 if target.device.type != "cpu":
                     target.copy_(tensor)  # on the parameter, not .data: its version moves, and a kept float32 head with it
+                    copied_on.add(target.device)
                     continue
                 old = target.data
                 target.data = tensor
@@ -163,6 +165,11 @@ class LLMPolicy:
                     staged[other] = old
             if others:
                 self.model.load_state_dict(others, strict=False)
+        for device in copied_on:
+            # The copies above read the staging buffers on the serving stream, asynchronously; the next fetch writes
+            # them on a stream of its own (common/weights.py) once this returns: it must find them read.
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
 
     def stamp(self) -> PolicyStamp:
         peft_config = getattr(self.model, "peft_config", None)

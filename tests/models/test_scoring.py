@@ -384,3 +384,39 @@ def test_the_start_up_checks_of_a_16_bit_model_hold_no_float32_copy_of_it(tiny_m
     for what, peak in (("select_path", path), ("check_layout", layout)):
         # an upcast model is 2x its bf16 bytes; what the checks hold is a few positions' logits
         assert peak.work < model_bytes, f"{what}: {peak.work / 1e6:.1f} MB beside a {model_bytes / 1e6:.1f} MB model"
+
+
+def test_the_packed_masks_are_built_on_the_host_and_copied_to_the_device_once() -> None:
+    """On a GPU every device write is a kernel launch: the masks of a batch of Kea observations, padded by hundreds
+    of positions, were thousands of tiny writes. On the meta device (a GPU's ops, no data) the device ops of scoring
+    a batch do not grow with its padding: the masks are built on the host and copied once per pass."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM
+
+    from models.tiny_models import tiny_config
+    from tools.bench.meta_trace import traced
+
+    class DeviceOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            self.count += any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in torch.utils._pytree.tree_leaves(out))
+            return out
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation="sdpa").eval()
+    counts = []
+    for pad in (4, 200):  # the second item's context and candidates shorter than the first's by `pad` tokens
+        items = [
+            s.Tokenized(tuple(range(3, 3 + 20 + pad)), ((5, 6, 7), (8,), (9, 10)), (1, 1, 1)),
+            s.Tokenized(tuple(range(3, 23)), ((5,), (8, 9)), (1, 1)),
+        ]
+        items[0] = s.Tokenized(items[0].context, (*items[0].actions, tuple(range(3, 3 + pad))), (1, 1, 1, 1))
+        ops = DeviceOps()
+        with traced(), ops, torch.inference_mode():  # traced: what transformers reads back of a mask is answered
+            s.score_packed(model, items)
+        counts.append(ops.count)
+    assert counts[0] == counts[1], f"device ops at 4 and 200 padding positions: {counts}"
