@@ -116,7 +116,7 @@ class ActorOps(BrokerState):
             self.metrics["jobs/late_results"] += 1
             return
         actor.served += 1
-        actor.progressed(self.now)
+        actor.answered(job, self.now)
         self.jobs.pop(job.job_id, None)
         if self.task_jobs.get(job.task_id) is job:
             del self.task_jobs[job.task_id]

@@ -45,13 +45,20 @@ class Actor:
     served: int = 0
     progress: int | None = None  # the count its heartbeats carry, which grows while it computes (None: it sends none)
     progress_at: float = 0.0  # when it last made progress: its count grew, or it answered a job
+    answered_up_to: float = 0.0  # the latest dispatch time of a scoring job it answered
 
     def progressed(self, now: float, count: int | None = None) -> None:
-        """It answered a job (`count` None), or a heartbeat said `count`: progress if it differs from the last."""
+        """A heartbeat said `count`: progress if it differs from the last."""
         if count is None or count != self.progress:
             self.progress_at = now
         if count is not None:
             self.progress = count
+
+    def answered(self, job: Job, now: float) -> None:
+        """It answered `job`: progress, and (a scoring job) every scoring job dispatched before it is due too."""
+        self.progressed(now)
+        if job.mode != OP_GENERATE:
+            self.answered_up_to = max(self.answered_up_to, job.dispatched_at)
 
     @property
     def free(self) -> int:
@@ -104,10 +111,18 @@ class ActorRegistry:
         heartbeats say it computes (a long prompt, a model on a slow device) is busy, not hung, however long the
         job takes, and its job is never handed to a second actor while it progresses. A generate job runs as long
         as its deadline allows (the actor answers it `timeout` at its deadline itself), so it is past its time
-        `job_timeout_s` after its deadline."""
+        `job_timeout_s` after its deadline. A scoring job held `job_timeout_s` while one sent after it was answered
+        is lost in its actor, which is hung then, whatever its progress."""
 
         def overdue(actor: Actor, job: Job) -> float:
-            start = job.deadline if job.mode == OP_GENERATE else max(job.dispatched_at, actor.progress_at)
+            if job.mode == OP_GENERATE:
+                start = job.deadline
+            elif job.dispatched_at < actor.answered_up_to:
+                # an actor scores its jobs in the order they came: one sent later was answered, so this one is lost
+                # in it, however busy it is
+                start = job.dispatched_at
+            else:
+                start = max(job.dispatched_at, actor.progress_at)
             return now - start - job_timeout_s
 
         hung = []

@@ -118,10 +118,10 @@ class LearnerPolicy:
 
     def logp_all(self, items: Sequence[scoring.Tokenized], model: Any | None = None) -> list[torch.Tensor]:
         """log pi(a | s) over every candidate of every item (gradients flow if enabled)."""
-        model = model or self.model
-        # a forward that recomputes its layers in the backward pass keeps no KV cache between passes (scoring.score)
-        recomputes = self.gradient_checkpointing and model.training and torch.is_grad_enabled()
-        sums = scoring.score(model, items, self.path, cache=not recomputes)
+        # With gradient checkpointing the update's forwards keep no KV cache between passes (a layer recomputed in
+        # the backward pass would write it again): every pass of the learner scores so, the proximal and reference
+        # ones too, so that the ratio is 1 to the bit at the first minibatch (scoring.score, WITHOUT_CACHE).
+        sums = scoring.score(model or self.model, items, self.path, cache=not self.gradient_checkpointing)
         return [
             scoring.policy_logprobs(scoring.normalise(s.float(), item, self.normalisation), self.temperature)
             for s, item in zip(sums, items)

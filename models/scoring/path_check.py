@@ -12,7 +12,7 @@ import torch
 
 from common.options import SCORING_PATHS as PATHS
 from models.scoring.observation import ScoringError, Tokenized, position_limit
-from models.scoring.paths import SCORERS
+from models.scoring.paths import SCORERS, WITHOUT_CACHE
 
 log = logging.getLogger(__name__)
 
@@ -162,15 +162,20 @@ NATIVE_ULPS = 1
 
 
 def _checked_diff(model: Any, path: str, items: Sequence[Tokenized], reference: Sequence[torch.Tensor]) -> float:
-    """The largest difference between a path's scores and the reference; inf if it fails or gives non-finite numbers."""
-    try:
-        got = SCORERS[path](model, items)
-    except Exception as e:  # a model that rejects the inputs of this path
-        log.info("scoring path %s unavailable on this model: %s", path, e)
-        return math.inf
-    if not all(bool(torch.isfinite(g).all()) for g in got):
-        return math.inf
-    return max(float((g.float() - r).abs().max()) for g, r in zip(got, reference))
+    """The largest difference between a path's scores and the reference, in both its forms (with the KV cache it
+    passes between passes, and the cache-free one a learner with gradient checkpointing trains with, WITHOUT_CACHE);
+    inf if either fails or gives non-finite numbers."""
+    diffs = []
+    for scorer in dict.fromkeys((SCORERS[path], WITHOUT_CACHE[path])):
+        try:
+            got = scorer(model, items)
+        except Exception as e:  # a model that rejects the inputs of this path
+            log.info("scoring path %s (%s) unavailable on this model: %s", path, scorer.__name__, e)
+            return math.inf
+        if not all(bool(torch.isfinite(g).all()) for g in got):
+            return math.inf
+        diffs.append(max(float((g.float() - r).abs().max()) for g, r in zip(got, reference)))
+    return max(diffs)
 
 
 def select_path(model: Any, requested: str = "auto") -> str:

@@ -306,7 +306,10 @@ def score_packed_one_pass(model: Any, items: Sequence[Tokenized]) -> list[torch.
 
 
 SCORERS = {"packed": score_packed, "kv_batch": score_kv_batch, "per_candidate": score_per_candidate}
-WITHOUT_CACHE = {"packed": score_packed_one_pass, "kv_batch": score_packed_one_pass, "per_candidate": score_per_candidate}
+# A forward that keeps no KV cache between passes, by the path chosen at start-up: `packed`'s one-pass form (the path
+# check holds it to the model's numbers with `packed`, models/scoring/path_check.py), and `per_candidate` for a model
+# whose 4D masks `packed` failed on (a sliding window, FlashAttention, hybrid attention): `kv_batch` needs its cache.
+WITHOUT_CACHE = {"packed": score_packed_one_pass, "kv_batch": score_per_candidate, "per_candidate": score_per_candidate}
 
 
 def score(model: Any, items: Sequence[Tokenized], path: str = "packed", cache: bool = True) -> list[torch.Tensor]:

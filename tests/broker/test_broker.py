@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import queue
 import re
 import subprocess
@@ -473,6 +474,62 @@ def test_a_busy_actor_that_progresses_keeps_its_job_past_the_timeout_and_answers
         stop.set()
         thread.join(10)
         link.close()
+
+
+class ForgetfulActor:
+    """A stand-in actor that heartbeats with a growing progress and answers every job but the first it takes: a job
+    lost inside an actor that is busy with others."""
+
+    def __init__(self, ctx, endpoint):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sock.send(p.encode(p.header(p.OP_READY) | {"name": "forgetful", "credits": 4, "policy_version": 0}))
+        self.taken: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        progress = 0
+        while not self.stop.is_set():
+            if self.sock.poll(50):
+                for job in p.decode(self.sock.recv()).get("jobs", []):
+                    self.taken.append(job["job"])
+                    if len(self.taken) > 1:  # the first is lost
+                        n = len(job["obs"]["action"])
+                        result = {"job": job["job"], "action": 0, "logprob": -math.log(n), "probs": [1 / n] * n, "policy_version": 0}
+                        self.sock.send(p.encode(p.header(p.OP_RESULT) | {"results": [result]}))
+            progress += 1
+            self.sock.send(p.encode(p.header(p.OP_HEARTBEAT) | {"policy_version": 0, "progress": progress}))
+
+    def kill(self):
+        self.stop.set()
+        self.thread.join(5)  # the loop sees `stop` within one 50 ms poll; x100
+        self.sock.close(linger=0)
+
+
+def test_a_job_lost_in_an_actor_that_answers_later_ones_is_requeued(start_broker, start_actor, make_client, zmq_context):
+    """Progress alone does not keep a job: an actor answered a job sent after it, so it lost this one, and after
+    `actor_job_timeout_ms` the job goes to another actor while the progressing one is taken as hung."""
+    broker = start_broker(heartbeat_ms=100, heartbeat_liveness=3, actor_job_timeout_ms=600, request_timeout_ms=30_000)
+    client = make_client(broker.frontend)
+    forgetful = ForgetfulActor(zmq_context, broker.backend)
+    wait_for(lambda: actors_ready(client, 1), what="the forgetful actor")
+    first, second = client.attach(), client.attach()
+    answers: dict[str, dict] = {}
+    lost = threading.Thread(
+        target=lambda: answers.__setitem__("first", make_client(broker.frontend, deadline=30.0, attempt_timeout=30.0).step(first, obs(0)))
+    )
+    lost.start()
+    wait_for(lambda: len(forgetful.taken) == 1, timeout=30, what="the forgetful actor to take the first job")
+    assert client.step(second, obs(1))["action"] == 0  # answered, after the first was sent
+    start_actor(broker.backend, name="healthy")
+    lost.join(30)  # the 0.6 s timeout, then the healthy actor thread: a second alone; x20
+    assert answers["first"]["action"] in range(3)
+    counters = client.status()["counters"]
+    assert counters["actors/hung"] == 1 and counters["jobs/requeued"] == 1
+    forgetful.kill()
 
 
 def test_silent_sessions_expire_into_truncated_segments(start_broker, start_actor, make_client, redis_client, key_prefix):

@@ -117,3 +117,30 @@ def test_with_gradient_checkpointing_a_candidate_micro_batch_keeps_a_layer_at_a_
     assert calls_on == 2  # one pass with no KV cache, and again in the backward pass
     assert peak_on < 0.6 * peak_off, f"checkpointed {peak_on / 1e6:.0f} MB against {peak_off / 1e6:.0f} MB"
     assert not training_on and not training_off
+
+
+def test_with_gradient_checkpointing_a_sliding_window_model_trains_on_its_checked_path(tmp_path) -> None:
+    """A Mistral attending to its last 8 positions fails `packed`'s check (its 4D masks miss the window) and scores by
+    `kv_batch`, whose cache a checkpointed forward cannot keep: the learner then scores every pass (proximal,
+    reference, the update's) by `per_candidate`, a checked path, so the ratio is 1 at the start of the update and
+    the log-probabilities are the model's own."""
+    from tests.learner_node.test_generation_update import sliding_window_model
+
+    model = sliding_window_model("mistral", tmp_path / "mistral", window=8)
+    path = scoring.select_path(model)
+    assert path == "kv_batch"
+    from models.policy_model import with_adapter
+    from models.tiny_models import build_byte_tokenizer
+
+    tok = build_byte_tokenizer(tmp_path / "tok")
+    model = with_adapter(model, ModelSpec(model="mistral", device="cpu", lora_rank=4)).eval()
+    lp = LearnerPolicy(model, tok, "token", 1.0, [16], path=path, gradient_checkpointing=True)
+    rollout = kea_rollout(2, 3, 24, seed=2)
+    batch = CandidateBatch(lp, rollout, micro_batch=2)
+    targets = batch.targets({})
+    forward = batch.forward([0, 1])
+    torch.testing.assert_close(forward.logp.detach(), targets.prox_logp, atol=1e-6, rtol=0)  # ratio 1
+    with torch.no_grad(), model.disable_adapter():
+        own = [scoring.reference_scores(model, item)[0] for item in batch.items]
+    for item, got, want in zip(batch.items, lp.logp_all(batch.items), own, strict=True):
+        torch.testing.assert_close(got, scoring.policy_logprobs(scoring.normalise(want, item, "token"), 1.0), atol=1e-4, rtol=0)

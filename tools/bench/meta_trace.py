@@ -4,8 +4,8 @@ A meta tensor has a shape, a dtype and storage of its size, but no data: every o
 allocates its output (so `tools/bench/memory_peak.py` counts exactly what the real device would be asked for)
 and computes nothing, so a 7B model's update at Kea's shapes takes seconds on a CPU and no memory. What the code
 reads back to the host is answered here (`traced`): a scalar as 0.0 (float), 0 (int) or True (bool), a copy to
-the host as ones of its shape; a mask's selection (`nonzero`) as if every element were selected, the largest
-shape it can have. The meta device takes the GPU's path where the product branches on the device (the LM head's
+the host as ones of its shape (a copy into a host buffer leaves it as it is); a mask's selection (`nonzero`) as if
+every element were selected, the largest shape it can have. The meta device takes the GPU's path where the product branches on the device (the LM head's
 16-bit product, the host copy of an update's undo snapshot): the figures are a GPU's."""
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ class _HostAnswers(TorchDispatchMode):
             t = args[0]
             return torch.ones(t.shape, dtype=kwargs.get("dtype") or t.dtype, device="cpu")
         if func is aten.copy_.default and args[1].device.type == "meta" and args[0].device.type == "cpu":
-            return args[0].fill_(1)
+            # left as it is: such a copy is a host buffer filled for later (an update's undo copy), which the traced
+            # work never reads; writing it would commit the host's memory for it (a 7B full fine-tune's: 35 GB)
+            return args[0]
         return func(*args, **kwargs)
 
 
