@@ -376,63 +376,47 @@ def minibatch_epochs(
 
     Returns (figures, optimizer steps, whether the target-KL stop ended the epochs)."""
     try:
-        return _epochs(n, epochs, minibatch, rng, micro_batches, step, figure_keys, params, optimizer, max_grad_norm, target_kl)
+        rank, world = _world()
+        sharded = world > 1 and Lockstep.of(params).root is not None  # a LoRA model's trained parameters are whole
+        totals: dict[str, float] = collections.defaultdict(float)
+        steps = 0
+        for _ in range(epochs):
+            perm = torch.randperm(n, generator=rng)
+            for start in range(0, n, minibatch):
+                mb = perm[start : start + minibatch].tolist()
+                optimizer.zero_grad()
+                gradients.clear(params)
+                parts = dict.fromkeys(figure_keys, 0.0)  # a rank with no share of this minibatch sends zeros
+                micros = micro_batches(mb[rank::world])
+                for micro in micros:
+                    for key, value in step(micro, mb, 1.0).items():
+                        parts[key] += value
+                    gradients.accumulate(params)
+                for _ in range(_padding(micro_batches, mb, len(micros), world) if sharded else 0):
+                    step(mb[:1], mb, 0.0)  # its figures are left out: its loss is weighed 0
+                    gradients.accumulate(params)
+                gradients.average(params)
+                grad_norm = gradients.clip(params, max_grad_norm)
+                figures = _sum_over_ranks(parts, params[0].device if params else torch.device("cpu"))
+                # Nothing non-finite is applied: a NaN loss or gradient stops the update before its step, and a
+                # step that overflowed a parameter (finite gradient, absurd scale) right after it.
+                losses = {key: value for key, value in figures.items() if key in LOSS_FIGURES}
+                if not all(math.isfinite(value) for value in losses.values()):
+                    raise NonFiniteUpdate(f"the loss is not finite at optimizer step {steps + 1} ({losses})")
+                if not bool(torch.isfinite(grad_norm)):
+                    raise NonFiniteUpdate(f"the gradient norm is {float(grad_norm)} at optimizer step {steps + 1}")
+                optimizer.step()
+                gradients.clear(params)
+                steps += 1
+                if params and not _all_finite(params):
+                    raise NonFiniteUpdate(f"a parameter became non-finite at optimizer step {steps} (gradient norm {float(grad_norm):g})")
+                for key, value in figures.items():
+                    totals[key] += value
+                if target_kl and figures.get(UpdateFigure.APPROX_KL, 0.0) > target_kl:
+                    return {k: v / steps for k, v in totals.items()}, steps, True
+        return {k: v / max(steps, 1) for k, v in totals.items()}, steps, False
     finally:
         gradients.clear(params)  # no float32 gradient sum outlives its update: not past a raise, nor a target-KL stop
-
-
-def _epochs(
-    n: int,
-    epochs: int,
-    minibatch: int,
-    rng: torch.Generator,
-    micro_batches: Callable[[list[int]], list[list[int]]],
-    step: Callable[[list[int], list[int], float], dict[str, float]],
-    figure_keys: tuple[str, ...],
-    params: list[torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    max_grad_norm: float,
-    target_kl: float | None = None,
-) -> tuple[dict[str, float], int, bool]:
-    rank, world = _world()
-    sharded = world > 1 and Lockstep.of(params).root is not None  # a LoRA model's trained parameters are whole
-    totals: dict[str, float] = collections.defaultdict(float)
-    steps = 0
-    for _ in range(epochs):
-        perm = torch.randperm(n, generator=rng)
-        for start in range(0, n, minibatch):
-            mb = perm[start : start + minibatch].tolist()
-            optimizer.zero_grad()
-            gradients.clear(params)
-            parts = dict.fromkeys(figure_keys, 0.0)  # a rank with no share of this minibatch sends zeros
-            micros = micro_batches(mb[rank::world])
-            for micro in micros:
-                for key, value in step(micro, mb, 1.0).items():
-                    parts[key] += value
-                gradients.accumulate(params)
-            for _ in range(_padding(micro_batches, mb, len(micros), world) if sharded else 0):
-                step(mb[:1], mb, 0.0)  # its figures are left out: its loss is weighed 0
-                gradients.accumulate(params)
-            gradients.average(params)
-            grad_norm = gradients.clip(params, max_grad_norm)
-            figures = _sum_over_ranks(parts, params[0].device if params else torch.device("cpu"))
-            # Nothing non-finite is applied: a NaN loss or gradient stops the update before its step, and a
-            # step that overflowed a parameter (finite gradient, absurd scale) right after it.
-            losses = {key: value for key, value in figures.items() if key in LOSS_FIGURES}
-            if not all(math.isfinite(value) for value in losses.values()):
-                raise NonFiniteUpdate(f"the loss is not finite at optimizer step {steps + 1} ({losses})")
-            if not bool(torch.isfinite(grad_norm)):
-                raise NonFiniteUpdate(f"the gradient norm is {float(grad_norm)} at optimizer step {steps + 1}")
-            optimizer.step()
-            gradients.clear(params)
-            steps += 1
-            if params and not _all_finite(params):
-                raise NonFiniteUpdate(f"a parameter became non-finite at optimizer step {steps} (gradient norm {float(grad_norm):g})")
-            for key, value in figures.items():
-                totals[key] += value
-            if target_kl and figures.get(UpdateFigure.APPROX_KL, 0.0) > target_kl:
-                return {k: v / steps for k, v in totals.items()}, steps, True
-    return {k: v / max(steps, 1) for k, v in totals.items()}, steps, False
 
 
 _world = gradients.rank_and_world

@@ -5,8 +5,9 @@ allocates its output (so `tools/bench/memory_peak.py` counts exactly what the re
 and computes nothing, so a 7B model's update at Kea's shapes takes seconds on a CPU and no memory. What the code
 reads back to the host is answered here (`traced`): a scalar as 0.0 (float), 0 (int) or True (bool), a copy to
 the host as ones of its shape (a copy into a host buffer leaves it as it is); a mask's selection (`nonzero`) as if
-every element were selected, the largest shape it can have. The meta device takes the GPU's path where the product branches on the device (the LM head's
-16-bit product, the host copy of an update's undo snapshot): the figures are a GPU's."""
+every element were selected, the largest shape it can have. The meta device takes the GPU's path where the product
+branches on the device (the LM head's 16-bit product, the host copy of an update's undo snapshot): the figures are a
+GPU's."""
 
 from __future__ import annotations
 
