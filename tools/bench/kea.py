@@ -26,37 +26,37 @@ VOCAB = 151_936
 
 
 def kea_model() -> Path:
-    """The model: tiny_config's Qwen2 (hidden 64, 2 layers) at the full vocabulary, with the word tokenizer of
-    `ppoz bench memory` (one token a word), built once into the cache."""
-    import shutil
-
+    """The model: tiny_config's Qwen2 (hidden 64, 2 layers, tied embeddings) at the full vocabulary, with `ppoz bench
+    train`'s real-shape tokenizer (a byte-level BPE as Qwen2's, which transformers loads a Qwen2 model's folder
+    with, over all 151,936 ids; each of its number words one token after a space), built once into the cache."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from models.tiny_models import tiny_config
-    from tools.bench.memory import words_tokenizer
+    from tools.bench.train_tasks import shaped_tokenizer
 
-    path = CACHE / "kea-qwen2-152k"
-    if (path / "config.json").exists():
+    path = CACHE / "kea-qwen2-152k-bpe"
+    if (path / "model.safetensors").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = words_tokenizer()
-    tokenizer.save_pretrained(str(path))
+    shaped_tokenizer(path)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=VOCAB))
-    model.save_pretrained(str(path))
-    shutil.copy(Path(tokenizer.name_or_path) / "tokenizer.json", path / "tokenizer.json")
+    AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=VOCAB)).save_pretrained(str(path))
     return path
 
 
 def observation(generator: Any, prompt: int = 1024, candidates: int = 32, low: int = 40, high: int = 60) -> dict[str, Any]:
+    """A Kea-shaped observation in number words, one token each: a `prompt`-token screen description, the question,
+    and `candidates` actions of `low` to `high` tokens."""
     import torch
 
+    from models.tiny_models import DIGIT_WORDS
+
     def words(n: int) -> str:
-        return " ".join(f"w{int(i)}" for i in torch.randint(10, VOCAB - 100, (n,), generator=generator))
+        return " ".join(DIGIT_WORDS[int(i)] for i in torch.randint(0, len(DIGIT_WORDS), (n,), generator=generator))
 
     sizes = torch.randint(low, high + 1, (candidates,), generator=generator).tolist()
-    return {"prompt": words(prompt), "question": "w5", "action": [words(n) for n in sizes]}
+    return {"prompt": " " + words(prompt), "question": " seven ", "action": [words(n) for n in sizes]}
 
 
 def peak_rss_gb(pid: int | None) -> float | None:
@@ -88,6 +88,7 @@ def drive(broker: str, stop: threading.Event, seed: int, seconds: list[float], e
                 reply = client.step(task, obs)
             except Exception as e:  # noqa: BLE001 - counted and reported: the run goes on as a farm would
                 errors.append(f"{type(e).__name__}: {e}")
+                stop.wait(1.0)  # not a tight loop of refusals
                 continue
             seconds.append(time.monotonic() - started)
             client.feedback(task, 1.0 if reply["action"] % 4 == 0 else 0.0)

@@ -121,7 +121,7 @@ def kea_segments(n: int = 64, prompt: int = 1024, candidates: int = 32, low: int
     transitions = []
     for i in range(n):
         actions = [text.words(text.between(low, high)) for _ in range(candidates)]
-        obs = CandidateObservation.from_wire({"prompt": text.words(prompt), "question": "w5", "action": actions})
+        obs = CandidateObservation.from_wire({"prompt": text.words(prompt), "question": " w5 ", "action": actions})
         p = 1.0 / candidates
         transitions.append(Transition(obs, i % candidates, -3.4657, [p] * candidates, 0, "step", float(i % 3 - 1), False, False))
     segments = []
