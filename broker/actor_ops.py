@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 
 from broker.actors import MAX_ATTEMPTS, Job
+from broker.backpressure import hold_over
 from broker.sessions import PendingStep, now_ms
 from broker.state import BrokerState
 from common import protocol as p
@@ -151,6 +152,8 @@ class ActorOps(BrokerState):
         self.store.stage_pending(self.outbox.batch, session, session.remember(step.rid, step.reply))
         self.metrics["broker/steps"] += 1
         self.metrics["broker/orphan_steps"] += orphaned
+        # what it serves now: a busy actor's heartbeats give way to its results (actor_node/link.py), which say it too
+        actor.policy_version = max(actor.policy_version, step.policy_version)
         self._count_closed(len(closes))
         # Broker time of a step: its wait for an actor, plus the time since the result came back.
         since = self.now - (job.dispatched_at - job.created)
@@ -252,13 +255,18 @@ class ActorOps(BrokerState):
     def dispatch(self) -> None:
         """Hand queued jobs to the least loaded actors, within their credits, one message per actor."""
         batches: dict[bytes, list[dict[str, Any]]] = {}
+        held = self.over_backlog and self.cfg.step_hold_share > 0  # jobs wait for the learner (broker/backpressure.py)
         while self.queue:
             actor = self.registry.pick()
             if actor is None:
                 break
-            job = self.queue.popleft()
+            job = self.queue.popleft_due(lambda j: hold_over(j, self.now, self.cfg.step_hold_share)) if held else self.queue.popleft()
+            if job is None:
+                break
             if job.abandoned:
                 continue
+            if held:
+                self.metrics["broker/steps_held_out"] += 1
             job.actor, job.dispatched_at = actor.identity, self.now
             actor.inflight[job.job_id] = job
             message = {
@@ -279,6 +287,7 @@ class ActorOps(BrokerState):
                 actor = self.registry.get(identity)
                 log.warning("actor %s is unreachable; dropping it", actor.name if actor else identity)
                 self._requeue(self.registry.remove(identity))
+        self.holding_steps = held and bool(self.queue)
 
     def _requeue(self, jobs: list[Job]) -> None:
         """Put the jobs of a lost actor at the front of the queue (oldest first)."""

@@ -30,6 +30,7 @@ class Job:
     dispatched_at: float = 0.0
     attempts: int = 0
     abandoned: bool = False  # answered already (timeout, detach); a late result is dropped
+    held: bool = False  # came while the stream backlog was over its limit: waits for the learner (broker/backpressure.py)
 
 
 @dataclass

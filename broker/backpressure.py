@@ -1,4 +1,4 @@
-"""Back-pressure: whether a client may step now, and the asks held until it may.
+"""Back-pressure: whether a client may step now, and the asks and steps held until it may.
 
 An `ask` is answered `ok`, or `wait` with the reason and a retry_after_ms:
 draining, no actor, the step queue full (for this client: broker/scheduling.py),
@@ -6,16 +6,31 @@ or the segment stream's backlog over its limit. Under that last, with
 `ask_hold_ms` set, the broker holds the ask instead (a long poll) and
 `release_asks` answers it once the learner has read the backlog down, or when
 it has been held `ask_hold_ms`. broker/client_ops.py receives the asks.
+
+Many clients never ask (PPOAPI's Kea builds call attach, step and feedback only).
+Their steps meet the backlog in the queue instead: while it is over its limit, a
+step waits there, not sent to an actor, until the learner has read it down, or
+for at most `step_hold_share` of its deadline (`hold_over`), so that it is still
+answered in time (broker/actor_ops.py's dispatch). Without this a farm that steps
+faster than the learner trains filled the stream with steps the learner then
+dropped as older than its lag bound: 89% of them with 4 Kea emulators (issue 55).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from broker.actors import Job
 from broker.state import BrokerState
 from common import protocol as p
 
-ASK_RECHECK_S = 0.01  # while asks are held: how often the stream's length is re-read from Redis
+ASK_RECHECK_S = 0.01  # while asks or steps are held: how often the stream's length is re-read from Redis
+
+
+def hold_over(job: Job, now: float, share: float) -> bool:
+    """Whether a job held for the stream backlog has waited `share` of its deadline (`step_hold_share`), and goes to an
+    actor even though the backlog is still over its limit (so that its client is answered in time)."""
+    return job.abandoned or now >= job.created + share * (job.deadline - job.created)
 
 
 class Backpressure(BrokerState):
@@ -39,8 +54,6 @@ class Backpressure(BrokerState):
         the usual retry_after_ms once another reason holds (draining, no actor, ...) or the broker is closing."""
         if not self.held_asks:
             return
-        if not closing and self.now - self._stream_read_at >= ASK_RECHECK_S:
-            self._refresh_stream_state()
         reason = "draining" if closing else "storage" if not self.storage_ok else self._backpressure(None)
         while self.held_asks:
             task_id, (envelope, rid, until) = next(iter(self.held_asks.items()))
@@ -57,6 +70,12 @@ class Backpressure(BrokerState):
             return "no_actor"
         if (len(self.queue) >= self.cfg.max_queue) if client is None else not self.queue.admits(client, self.cfg.max_queue):
             return "queue_full"
-        if self.backlog_limit and self.stream_length > self.backlog_limit:
+        if self.over_backlog:
             return "stream_backlog"
         return ""
+
+    def recheck_backlog(self) -> None:
+        """While asks or steps wait for the stream backlog, re-read it every ASK_RECHECK_S, so that they go on within
+        moments of the learner's read."""
+        if (self.held_asks or self.holding_steps) and self.now - self._stream_read_at >= ASK_RECHECK_S:
+            self._refresh_stream_state()

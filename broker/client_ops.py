@@ -229,6 +229,9 @@ class ClientOps(Backpressure, StatusReport):
             created=self.now,
             client=client,
         )
+        if self.over_backlog and self.cfg.step_hold_share > 0:  # it waits for the learner (broker/backpressure.py)
+            job.held = True
+            self.metrics["broker/steps_held"] += 1
         self.jobs[job.job_id] = job
         self.task_jobs[session.task_id] = job
         self.queue.append(job)

@@ -54,6 +54,13 @@ class BrokerConfig:
         "`ask` answers wait while the segment stream holds more entries than this; -1: the limit the learner publishes"
         " (what it trains within its policy-lag bound; none until a learner has read a rollout), 0: no limit",
     )
+    step_hold_share: float = option(
+        0.25,
+        "a step or generate that comes while the stream backlog is over its limit (whether its client asked or not)"
+        " waits in the queue until the learner has read the backlog down, for at most this share of its deadline"
+        " (7.5 s of a step's default 30 s, under the clients' 10 s attempt timeout), then goes to an actor anyway:"
+        " clients that never `ask` are slowed to the learner's pace instead of sending it steps too old to train; 0: never",
+    )
     retry_after_ms: int = option(1000, "the `retry_after_ms` the broker suggests when it applies back-pressure")
     ask_hold_ms: int = option(
         500,
@@ -94,6 +101,7 @@ class BrokerConfig:
             self.max_stream_backlog >= -1,
             f"`max_stream_backlog` must be -1 (the learner's limit), 0 (none) or a positive count, got {self.max_stream_backlog}",
         )
+        check(0 <= self.step_hold_share < 1, f"`step_hold_share` must be at least 0 and below 1, got {self.step_hold_share}")
         check(self.retry_after_ms > 0, f"`retry_after_ms` must be positive, got {self.retry_after_ms}")
         check(0 <= self.ask_hold_ms <= 5000, f"`ask_hold_ms` must be 0 to 5000 (below clients' attempt timeouts), got {self.ask_hold_ms}")
         check(self.max_message_bytes >= 1024, f"`max_message_bytes` must be at least 1024, got {self.max_message_bytes}")

@@ -33,6 +33,8 @@ COUNTERS: dict[str, str] = {
     "broker/replayed": "step, rag_step, generate and feedback requests answered from their kept reply (a retried rid)",
     "broker/joined_retries": "retried steps (step, rag_step, generate) that joined their step still being scored",
     "broker/ask_wait": "ask replies with status wait",
+    "broker/steps_held": "steps that came while the stream backlog was over its limit, and waited in the queue for the learner",
+    "broker/steps_held_out": "held steps sent to an actor with the backlog still over its limit, after step_hold_share of their deadline",
     "broker/segments_closed": "segments written to the stream",
     "broker/commits": "write batches sent to Redis",
     "sessions/expired": "sessions ended by session_ttl_s of silence",

@@ -17,6 +17,7 @@ queue does not turn a polite client's requests into `overloaded`, up to twice
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 from broker.actors import Job
 
@@ -81,13 +82,25 @@ class FairQueue:
 
     def popleft(self) -> Job:
         """The next job: the first of the line whose turn it is; that client then goes to the back of the turns."""
-        client = self._turns[0]
+        return self._take(0)
+
+    def popleft_due(self, due: Callable[[Job], bool]) -> Job | None:
+        """The next job for which `due(job)` holds, looking at each line's first job in turn order (None: no line's
+        first job is due). A line's later jobs are younger than its first, so they wait behind it."""
+        for position, client in enumerate(self._turns):
+            if due(self._lines[client][0]):
+                return self._take(position)
+        return None
+
+    def _take(self, position: int) -> Job:
+        """The first job of the line at `position` in the turns; that client then goes to the back of the turns."""
+        client = self._turns[position]
+        del self._turns[position]
         line = self._lines[client]
         job = line.popleft()
         self._length -= 1
         if line:
-            self._turns.rotate(-1)
+            self._turns.append(client)
         else:
-            self._turns.popleft()
             del self._lines[client]
         return job

@@ -127,7 +127,8 @@ class Broker(ClientOps, ActorOps):
                     if fd is not None:
                         poller.register(fd, zmq.POLLIN)
                     redis_fd = fd
-                events = dict(poller.poll(int((ASK_RECHECK_S if self.held_asks else HOUSEKEEPING_S) * 1000)))
+                holding = self.held_asks or self.holding_steps
+                events = dict(poller.poll(int((ASK_RECHECK_S if holding else HOUSEKEEPING_S) * 1000)))
                 self.now = time.monotonic()
                 if frontend in events:
                     self._drain_clients(frontend)
@@ -135,6 +136,7 @@ class Broker(ClientOps, ActorOps):
                     self._drain(backend, self.on_actor_frames)
                 if self.now >= self._next_housekeeping:
                     self.housekeeping()
+                self.recheck_backlog()
                 self.release_asks()
                 self.commit()
                 self.dispatch()

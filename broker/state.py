@@ -60,6 +60,7 @@ class BrokerState:
         self.backlog_limit = max(0, self.cfg.max_stream_backlog)
         # `ask`s held while the stream backlog is over its limit: task id -> (envelope, rid, answer `wait` at), oldest first
         self.held_asks: collections.OrderedDict[str, tuple[tuple[bytes, ...], Any, float]] = collections.OrderedDict()
+        self.holding_steps = False  # jobs wait in the queue for the stream backlog (dispatch): re-read it often
         self._stream_read_at = 0.0
         self.started = time.monotonic()
         self.now = time.monotonic()
@@ -146,6 +147,11 @@ class BrokerState:
         self.stream_length = length
         if self.cfg.max_stream_backlog < 0:
             self.backlog_limit = learner_limit
+
+    @property
+    def over_backlog(self) -> bool:
+        """The segment stream holds more than the learner can train within its policy-lag bound."""
+        return bool(self.backlog_limit) and self.stream_length > self.backlog_limit
 
     def _refresh_stream_state(self) -> None:
         try:

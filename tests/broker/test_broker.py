@@ -604,12 +604,15 @@ def test_a_task_id_attached_again_after_detach_gets_new_segment_ids(stack, redis
     assert len(ids) == 2 and len(set(ids)) == 2 and all(i.startswith("emulator-7:") and i.endswith(":0") for i in ids)
 
 
-def _over_the_backlog(client, task, limit=2):
-    """Over a backlog limit of 2: one-step segments (each closed by the next step), nobody reading them."""
-    for n in range(limit + 2):
+def over_the_backlog(client, task, limit=2):
+    """Over a backlog limit of 2: one-step segments (each closed by the next step), nobody reading them. No step here
+    waits for the backlog (broker/backpressure.py): each comes while it is at its limit or under, and the last takes
+    it over."""
+    n = 0
+    while client.status()["stream_length"] <= limit:
         client.step(task, obs(n))
         client.feedback(task, reward=0.0, done=False)
-    assert client.status()["stream_length"] > limit
+        n += 1
 
 
 def test_one_ask_is_held_per_task_and_an_ended_task_s_held_ask_gets_unknown_task(start_broker, start_actor, make_client, zmq_context):
@@ -618,7 +621,7 @@ def test_one_ask_is_held_per_task_and_an_ended_task_s_held_ask_gets_unknown_task
     broker, client = running(start_broker, start_actor, make_client, segment_len=1, max_stream_backlog=2, ask_hold_ms=5000)
     held = broker.broker.held_asks
     task, other = client.attach(), client.attach()
-    _over_the_backlog(client, task)
+    over_the_backlog(client, task)
     sock = zmq_context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(broker.frontend)
@@ -660,7 +663,7 @@ def test_an_ask_over_the_backlog_is_held_and_answered_ok_as_soon_as_the_learner_
     asker = make_client(broker.frontend)
     stream = RedisKeys(key_prefix).stream
     for _ in range(3):  # three times: the broker's once-a-second housekeeping read cannot pass them all by chance
-        _over_the_backlog(client, task)
+        over_the_backlog(client, task)
         replies: list[tuple[dict, float]] = []
         thread = threading.Thread(target=lambda got=replies: got.append((asker.ask(task), time.monotonic())), daemon=True)
         thread.start()
@@ -686,7 +689,7 @@ def test_an_ask_held_past_ask_hold_ms_is_told_to_ask_again_at_once_and_without_a
         start_broker, start_actor, make_client, segment_len=1, max_stream_backlog=2, ask_hold_ms=hold_ms, retry_after_ms=1500
     )
     task = client.attach()
-    _over_the_backlog(client, task)
+    over_the_backlog(client, task)
     started = time.monotonic()
     reply = client.ask(task)
     waited = time.monotonic() - started
@@ -779,7 +782,7 @@ def test_the_asks_of_many_clients_and_processes_are_all_held_and_all_answered_ok
         # a Python process importing the client (zmq, msgpack; no torch): 0.3 s alone; x100
         assert sorted(next_line(30) for _ in procs) == [(n, "ready\n") for n in range(n_procs)]
         for _ in range(3):
-            _over_the_backlog(client, task)
+            over_the_backlog(client, task)
             waits = client.status()["counters"].get("broker/ask_wait", 0)
             replies: dict[str, list[tuple[dict, float]]] = collections.defaultdict(list)  # by task id, every reply
             lock = threading.Lock()
@@ -876,7 +879,7 @@ def test_a_flood_of_held_asks_gets_one_answer_each_and_the_broker_keeps_serving(
     broker, client = running(start_broker, start_actor, make_client, segment_len=1, max_stream_backlog=2, ask_hold_ms=hold_ms)
     held = broker.broker.held_asks
     task = client.attach()
-    _over_the_backlog(client, task)
+    over_the_backlog(client, task)
     stream = RedisKeys(key_prefix).stream
     tasks = [client.attach() for _ in range(4 * per_socket)]
     socks = []
@@ -938,7 +941,7 @@ def test_a_flood_of_held_asks_gets_one_answer_each_and_the_broker_keeps_serving(
             assert late[-1] < 1.5, f"answered up to {late[-1]:.2f} s after the learner read, not at once"
             assert client.status()["counters"].get("broker/ask_wait", 0) == waits
         assert len(held) == 0
-        _over_the_backlog(client, task)  # for the next round
+        over_the_backlog(client, task)  # for the next round
     assert client.status()["counters"].get("dropped/unroutable_replies", 0) == 0
 
 

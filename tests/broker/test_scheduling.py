@@ -86,3 +86,22 @@ def test_every_job_comes_out_once_and_each_client_keeps_its_own_order(clients):
         assert [j.job_id for j in out if j.client == c] == list(range(7))
     # round-robin: in the first `clients` jobs out, every client once
     assert len({j.client for j in out[:clients]}) == clients
+
+
+def test_popleft_due_takes_the_first_due_job_in_turn_order_and_sends_its_client_to_the_back():
+    """Held steps (broker/backpressure.py) go on when due: the turn order decides among due ones, and a line's later
+    jobs wait behind its first, however due they are."""
+    queue = FairQueue()
+    for client, n, created in ((b"A", 0, 5.0), (b"A", 1, 0.0), (b"B", 0, 1.0), (b"C", 0, 2.0)):
+        queue.append(Job(n, f"task-{client.decode()}{n}", "step", f"r{n}", {}, [], deadline=1e9, created=created, client=client))
+
+    def due(j: Job) -> bool:
+        return j.created <= 2.0
+
+    assert names([queue.popleft_due(due)]) == ["B0"]  # A's first is not due; A1 behind it waits
+    assert names([queue.popleft_due(due)]) == ["C0"]
+    assert queue.popleft_due(due) is None and len(queue) == 2
+    assert names(drain(queue)) == ["A0", "A1"]
+    queue.append(job(b"D", 0))
+    queue.append(job(b"E", 0))
+    assert names([queue.popleft_due(lambda j: True), queue.popleft()]) == ["D0", "E0"]
