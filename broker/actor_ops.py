@@ -146,7 +146,7 @@ class ActorOps(BrokerState):
         if session is None:
             self._answer_job(job, p.error_body(job.rid, job.mode, p.E_UNKNOWN_TASK, f"task {job.task_id!r} went away while scored"))
             return
-        closes, orphaned = session.record_step(step)
+        closes, orphaned = session.record_step(step, self.cfg.segment_max_versions)
         for close in closes:
             self.store.stage_close(self.outbox.batch, session, close)
         self.store.stage_pending(self.outbox.batch, session, session.remember(step.rid, step.reply))

@@ -18,6 +18,11 @@ class BrokerConfig:
     backend: str = option("tcp://127.0.0.1:5556", "ZeroMQ endpoint the broker binds for actors (ROUTER)")
     store: StoreSettings = nested(StoreSettings)  # [store]: Redis URL, key prefix, stream; an empty URL starts an embedded redis-server
     segment_len: int = option(32, "transitions per trajectory segment before it closes and goes to the stream")
+    segment_max_versions: int = option(
+        2,
+        "a segment also closes once a step is scored this many policy versions after its first transition, so that a"
+        " slow client's transitions reach the learner within its lag bound rather than when the segment is full; 0: by length only",
+    )
     session_ttl_s: float = option(600.0, "a session with no request for this long expires; its data is flushed as a truncated segment")
     request_timeout_ms: int = option(30_000, "longest time a client request may wait for an answer before it gets a `timeout` error")
     generate_timeout_ms: int = option(
@@ -80,6 +85,7 @@ class BrokerConfig:
 
     def __post_init__(self) -> None:
         check(self.segment_len > 0, f"`segment_len` must be positive, got {self.segment_len}")
+        check(self.segment_max_versions >= 0, f"`segment_max_versions` must be 0 or more, got {self.segment_max_versions}")
         check(self.session_ttl_s > 0, f"`session_ttl_s` must be positive, got {self.session_ttl_s}")
         check(self.drain_timeout_s >= 0, f"`drain_timeout_s` must be 0 or more, got {self.drain_timeout_s}")
         check(self.request_timeout_ms > 0, f"`request_timeout_ms` must be positive, got {self.request_timeout_ms}")

@@ -35,6 +35,7 @@ from common.segments import CandidateObservation, GeneratedResponse, GenerateObs
 
 REASON_DONE = "done"
 REASON_LENGTH = "length"
+REASON_AGE = "age"
 REASON_ORPHAN_STEP = "orphan_step"
 REASON_TRUNCATED = "truncated"
 REASON_DETACH = "detach"
@@ -165,6 +166,7 @@ class Session:
     # random per session, keeps segment ids unique across those lives: the learner drops an id it has seen.
     epoch: str = ""
     open_len: int = 0  # transitions in the open segment
+    open_version: int | None = None  # the policy version of its first transition (None: empty, or not known)
     pending: PendingStep | None = None
     attach_rid: Any = None
     attach_sender: str = ""  # who attached (CURVE key or address): a retried attach must come from the same client
@@ -202,14 +204,20 @@ class Session:
         return None
 
     # --- the state machine ------------------------------------------------------------
-    def record_step(self, step: PendingStep) -> tuple[list[SegmentClose], bool]:
-        """Make `step` the pending step; return the segments this closes and whether a step was orphaned."""
+    def record_step(self, step: PendingStep, max_versions: int = 0) -> tuple[list[SegmentClose], bool]:
+        """Make `step` the pending step; return the segments this closes and whether a step was orphaned.
+
+        `max_versions` (the broker's segment_max_versions; 0: none): the open segment also closes once `step` was
+        scored that many policy versions after its first transition, so that a slow client's early transitions reach
+        the learner while they are within its lag bound, not when the segment is finally full."""
         closes: list[SegmentClose] = []
         orphaned = self.pending is not None
         if self.pending is not None:
             closes += self._close(REASON_ORPHAN_STEP, done=False, truncated=False, next_obs=self.pending.obs)
         elif self.open_len >= self.segment_len:
             closes += self._close(REASON_LENGTH, done=False, truncated=False, next_obs=step.obs)
+        elif max_versions and self.open_version is not None and step.policy_version - self.open_version >= max_versions:
+            closes += self._close(REASON_AGE, done=False, truncated=False, next_obs=step.obs)
         self.pending = step
         return closes, orphaned
 
@@ -222,6 +230,8 @@ class Session:
             raise LookupError("no pending step")
         transition = self.pending.transition(reward, done, truncated, sample)
         self.pending = None
+        if self.open_len == 0:
+            self.open_version = transition.policy_version
         self.open_len += 1
         closes: list[SegmentClose] = []
         if done:
@@ -242,6 +252,7 @@ class Session:
         close = SegmentClose(self.task_id, self.seq, reason, done, truncated, next_obs, self.open_len, self.epoch)
         self.seq += 1
         self.open_len = 0
+        self.open_version = None
         return [close]
 
 

@@ -178,10 +178,11 @@ class SessionStore:
             pipe.hgetall(self.keys.task(task_id))
             pipe.llen(self.keys.open_segment(task_id))
             pipe.lrange(self.keys.history(task_id), 0, -1)
+            pipe.lindex(self.keys.open_segment(task_id), 0)
         results = pipe.execute() if task_ids else []
         sessions: dict[str, Session] = {}
         for i, task_id in enumerate(task_ids):
-            fields, open_len, history = results[3 * i], results[3 * i + 1], results[3 * i + 2]
+            fields, open_len, history, first = results[4 * i : 4 * i + 4]
             if not fields:
                 log.warning("task %s is listed but has no state; dropping it from %s", task_id, self.keys.tasks)
                 self.client.srem(self.keys.tasks, task_id)
@@ -189,6 +190,7 @@ class SessionStore:
                 continue
             s = Session(task_id, segment_len, created_ms=int(fields.get(b"created_ms", now_ms())), seq=int(fields[b"seq"]))
             s.open_len = open_len
+            s.open_version = _policy_version(first)
             s.epoch = fields.get(b"epoch", b"").decode()  # sessions from before epochs have none
             entries = [unpack(entry) for entry in history]
             s.history = entries if history_len is None else entries[len(entries) - history_len :] if history_len else []
@@ -304,3 +306,16 @@ def _recent_replies(fields: dict[bytes, bytes]) -> list[Replied]:
     if fields.get(b"last_rid") and not entries:  # written before `recent` existed: its one kept reply, as the oldest write
         entries.append(Replied(0, unpack(fields[b"last_rid"]), fields.get(b"last_reply", b"")))
     return sorted(entries, key=lambda e: e.n)
+
+
+def _policy_version(packed: bytes | None) -> int | None:
+    """The policy version of a stored transition (the open segment's first), None when there is none or it cannot be
+    read (the segment then closes by length alone)."""
+    if packed is None:
+        return None
+    try:
+        record = unpack(packed)
+    except Exception:  # noqa: BLE001 - a record the learner will judge; here it only loses the age rule
+        return None
+    version = record.get("policy_version") if isinstance(record, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None

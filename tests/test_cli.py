@@ -42,6 +42,7 @@ SUBCOMMANDS = [
     ["bench", "update"],
     ["bench", "memory"],
     ["bench", "kea"],
+    ["bench", "pace"],
     ["fuzz"],
     ["soak"],
     ["status"],

@@ -5,9 +5,9 @@ import pytest
 from broker import sessions as s
 
 
-def step(n, rid=None):
+def step(n, rid=None, version=3):
     obs = {"prompt": f"screen {n}", "question": "q", "action": ["a", "b"]}
-    return s.PendingStep(rid or f"r{n}", "step", obs, 1, -0.7, [0.5, 0.5], 3, 0, b"reply")
+    return s.PendingStep(rid or f"r{n}", "step", obs, 1, -0.7, [0.5, 0.5], version, 0, b"reply")
 
 
 def test_feedback_turns_the_pending_step_into_a_transition():
@@ -32,6 +32,22 @@ def test_full_segment_closes_at_the_next_step_with_its_observation_as_next_obs()
     assert (close.seg_id, close.reason, close.length, close.done, close.truncated) == ("t:0", "length", 2, False, False)
     assert close.next_obs["prompt"] == "screen 2"
     assert session.seq == 1 and session.open_len == 0
+
+
+def test_a_segment_closes_by_age_once_a_step_is_scored_max_versions_after_its_first_transition():
+    """A slow client's segment: its transitions span policy versions 5, 5, 6; the step scored at version 7 (two past
+    the first) closes it, long before it holds segment_len transitions, and the next one starts at 7."""
+    session = s.Session("t", segment_len=32)
+    for n, version in enumerate((5, 5, 6)):
+        assert session.record_step(step(n, version=version), max_versions=2) == ([], False)
+        session.record_feedback(1.0, False, False, None)
+    assert session.open_version == 5
+    closes, _ = session.record_step(step(3, version=7), max_versions=2)
+    assert [(c.reason, c.length, c.next_obs["prompt"]) for c in closes] == [("age", 3, "screen 3")]
+    session.record_feedback(0.0, False, False, None)
+    assert session.open_version == 7 and session.open_len == 1
+    # max_versions 0: by length alone, however old
+    assert session.record_step(step(4, version=100), max_versions=0) == ([], False)
 
 
 def test_done_closes_at_once_without_next_obs():

@@ -73,6 +73,14 @@ BENCHES = (
         "(docs/benchmarks.md).",
     ),
     Bench(
+        "pace",
+        "clients that never ask, faster than the learner: the share of their transitions dropped as stale",
+        "Kea-like emulators (half through `ppoz gateway`'s PPOAPI routes, half with the protocol's step; none asks, none sends "
+        "done) against `ppoz up` until the learner has applied --updates updates, a fresh stack per leg (the broker's "
+        "defaults, and the broker as before issue 55), alternating: steps answered against their deadline, transitions "
+        "stored, trained and dropped as stale, steps held by the broker (docs/benchmarks.md).",
+    ),
+    Bench(
         "activations",
         "what one learner forward keeps for its backward: plain, bf16 autocast, gradient checkpointing, both",
         "A Qwen2 of a real model's width in bf16 with a float32 LoRA adapter of rank 8: the bytes autograd saves for the "

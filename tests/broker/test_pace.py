@@ -1,5 +1,6 @@
-"""Back-pressure that reaches clients that never ask: a step over the stream backlog waits in the broker's queue for
-the learner, within its deadline (broker/backpressure.py), through real sockets and a real Redis."""
+"""Clients held to the learner's pace, through real sockets and a real Redis: back-pressure that reaches clients that
+never ask (a step over the stream backlog waits in the broker's queue for the learner, within its deadline:
+broker/backpressure.py), and segments closed by age, so that a slow client's transitions reach the learner fresh."""
 
 from __future__ import annotations
 
@@ -124,3 +125,30 @@ def test_step_hold_share_out_of_its_bounds_is_refused_by_name():
     for share in (-0.1, 1.0, 2.0):
         with pytest.raises(ValueError, match="step_hold_share"):
             BrokerConfig(step_hold_share=share)
+
+
+def test_a_restarted_broker_knows_the_version_an_open_segment_started_at(start_broker, make_client, zmq_context, key_prefix, redis_url):
+    """The age rule survives a restart: the open segment's first transition is read back from Redis."""
+    broker = start_broker(segment_len=32)
+    link = BrokerLink(broker.backend, name="v5", credits=4, heartbeat_ms=100, context=zmq_context).start()
+    policy = UniformPolicy(0)
+    policy.policy_version = 5
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: serve(link, policy, stop), daemon=True)
+    thread.start()
+    try:
+        client = make_client(broker.frontend)
+        wait_for(lambda: actors_ready(client, 1), what="the actor to register")
+        task = client.attach()
+        for n in range(2):
+            client.step(task, obs(n))
+            client.feedback(task, reward=1.0, done=False)
+        assert broker.broker.sessions[task].open_version == 5
+    finally:
+        stop.set()
+        thread.join(5)
+        link.close()
+    broker.stop()
+    again = start_broker(segment_len=32)
+    session = again.broker.sessions[task]
+    assert (session.open_len, session.open_version) == (2, 5)
