@@ -115,17 +115,47 @@ def save(
 
     `tensors` and `value_head` None: the ranks of a sharded learner have written `sharded/` into `staging` already
     (`optimizers` is then empty), and the rest is added to it."""
+    begin(directory, update, model, create=tensors is not None)
+    extra = {"optimizers": optimizers, "rng": rng_states()}
+    return finish(directory, update, tensors, value_head, extra, state, recent.packed() if recent is not None else None, keep)
+
+
+def rng_states() -> dict[str, Any]:
+    """The random number generators' states, as a checkpoint restores them."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def begin(directory: str | Path, update: int, model: Any = None, create: bool = True) -> Path:
+    """The first part of writing checkpoint `update`, done where the weights are consistent (it reads the live
+    model): its staging folder (`create`: made afresh), and with a peft `model` the adapter's export, `adapter/`."""
+    tmp = staging(directory, update, create=create)
+    if model is not None and hasattr(model, "peft_config"):
+        model.save_pretrained(str(tmp / "adapter"))
+    return tmp
+
+
+def finish(
+    directory: str | Path,
+    update: int,
+    tensors: dict[str, torch.Tensor] | None,
+    value_head: dict[str, torch.Tensor] | None,
+    extra: dict[str, Any],
+    state: dict[str, Any],
+    recent: bytes | None,
+    keep: int,
+) -> Path:
+    """The rest of checkpoint `update` into the staging folder `begin` made, from copies (it may run while training
+    goes on: learner_node/checkpointer.py), each file synced, then the rename that makes it the latest, atomically.
+    `extra`: `optim.pt`'s content, the optimizers' states and `rng_states()`; `recent`: `RecentIds.packed()`."""
     root = Path(directory)
     final = root / f"ckpt-{update:08d}"
-    tmp = staging(root, update, create=tensors is not None)
+    tmp = staging(root, update, create=False)
     if tensors is not None and value_head is not None:
         save_file(_unshared(tensors), str(tmp / "policy.safetensors"))
         save_file(_unshared(value_head), str(tmp / "value_head.safetensors"))
-    torch.save({"optimizers": optimizers, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, tmp / "optim.pt")
+    torch.save(extra, tmp / "optim.pt")
     (tmp / "state.json").write_text(json.dumps(state))
-    (tmp / RECENT_FILE).write_bytes(recent.packed() if recent is not None else msgpack.packb([]))
-    if model is not None and hasattr(model, "peft_config"):
-        model.save_pretrained(str(tmp / "adapter"))
+    (tmp / RECENT_FILE).write_bytes(recent if recent is not None else msgpack.packb([]))
     for path in tmp.rglob("*"):
         if path.is_dir():
             path.chmod(0o700)
@@ -139,6 +169,12 @@ def save(
     for old in sorted(root.glob("ckpt-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def discard_staging(directory: str | Path) -> None:
+    """Remove the staging folders of checkpoints whose writing was cut short (a crash before their rename)."""
+    for tmp in Path(directory).glob(".ckpt-*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def latest(directory: str | Path) -> Path | None:

@@ -179,6 +179,15 @@ class LearnerConfig(UpdateConfig):
     # --- checkpoints, publication, logs ---
     checkpoint_dir: str = option("runs/learner/checkpoints", "where checkpoints go", path=local_path)
     keep_checkpoints: int = option(3, "checkpoints kept")
+    checkpoint_every: int = option(
+        1,
+        "a checkpoint is begun after an update once this many updates have passed since the last one began, or"
+        " checkpoint_every_s, whichever comes first, and the one before is on disk: it is copied, then written while"
+        " training goes on, and the stream entries it holds are acknowledged once it is (0: by time alone)",
+    )
+    checkpoint_every_s: float = option(
+        0.0, "seconds after which a checkpoint is begun whatever the updates (0: by updates alone); see checkpoint_every"
+    )
     resume: bool = option(False, "restore the newest checkpoint and go on from it")
     weights_bind: str = option("tcp://127.0.0.1:5557", "endpoint the learner binds to announce new weights (PUB)")
     weights_serve: str = option(
@@ -218,6 +227,17 @@ class LearnerConfig(UpdateConfig):
         check(self.policy_lr >= 0, f"`policy_lr` must be 0 (by the model) or positive, got {self.policy_lr}")
         for name in ("keep_checkpoints", "read_block_ms", "value_lr"):
             check(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
+        check(self.checkpoint_every >= 0, f"`checkpoint_every` must be 0 or more, got {self.checkpoint_every}")
+        check(
+            0 <= self.checkpoint_every_s < self.claim_idle_ms / 2000,
+            f"`checkpoint_every_s` must be 0 or more and below half of claim_idle_ms ({self.claim_idle_ms} ms: the entries a"
+            f" checkpoint will hold stay pending until it is written, and another learner takes over entries pending that"
+            f" long), got {self.checkpoint_every_s}",
+        )
+        check(
+            self.checkpoint_every > 0 or self.checkpoint_every_s > 0,
+            "`checkpoint_every` and `checkpoint_every_s` cannot both be 0: nothing trained would ever be acknowledged",
+        )
         for name in ("kl_target", "warmup_updates", "max_updates"):
             check(getattr(self, name) >= 0, f"`{name}` must be 0 or more, got {getattr(self, name)}")
         check(self.max_discarded_updates >= 1, f"`max_discarded_updates` must be at least 1, got {self.max_discarded_updates}")

@@ -12,6 +12,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -37,6 +38,7 @@ class StreamReader:
         seen: RecentIds,
         stop_event: threading.Event,
         notifier: Notifier,
+        undurable: set[str] | None = None,
     ) -> None:
         self.cfg = cfg
         self.redis = client
@@ -46,6 +48,11 @@ class StreamReader:
         self.seen = seen
         self.stop_event = stop_event
         self.notifier = notifier
+        # trained entries waiting for a checkpoint (learner_node/checkpointer.py): pending in Redis, not read again
+        self.undurable: set[str] = undurable if undurable is not None else set()
+        # called between reads while a rollout is collected: the learner acknowledges what its checkpoints written
+        # meanwhile hold, so that a learner waiting for data does not sit on them
+        self.between_reads: Callable[[], None] = lambda: None
         self._largest_segment: int | None = None  # transitions in the largest segment read so far (see _entries_for)
         # Read positions of the rollout being collected (`collect`): own pending entries, then claimed ones.
         self._own_cursor: str | None = "0"
@@ -71,11 +78,12 @@ class StreamReader:
         give_up = time.monotonic() + self.cfg.rollout_timeout_s if self.cfg.rollout_timeout_s else math.inf
         while transitions < self.cfg.rollout_batch and not self.stop_event.is_set():
             self.notifier.watchdog()  # waiting for data is not hanging
+            self.between_reads()
             if rollout and time.monotonic() > give_up:
                 log.info("rollout timeout: training on %d transitions", transitions)
                 break
             for entry_id, fields in self._read(self._entries_for(self.cfg.rollout_batch - transitions)):
-                if entry_id in taken:
+                if entry_id in taken or entry_id in self.undurable:
                     continue
                 taken.add(entry_id)
                 entries.append((entry_id, fields))

@@ -6,10 +6,12 @@ The data path of one update, in order, and why the order matters:
    restart, then entries a dead learner left pending, then new ones) until
    `rollout_batch` transitions are in hand; segment ids already trained are skipped;
 2. build the rollout (GAE, staleness filter) and run the PPO update;
-3. checkpoint, atomically, with the stream entries the update consumed;
-4. acknowledge (XACK) and delete those entries: only now, so a crash at any
-   earlier point leaves them pending and they are trained again from the
-   previous checkpoint's weights, never twice and never lost;
+3. checkpoint, atomically, with the stream entries the updates since the last
+   one consumed: by cadence (`checkpoint_every`, `checkpoint_every_s`), copied
+   after the update and written while the next ones train;
+4. acknowledge (XACK) and delete those entries once their checkpoint is on disk:
+   only then, so a crash at any earlier point leaves them pending and they are
+   trained again from the previous checkpoint's weights, never twice and never lost;
 5. store the new weights in Redis, then announce them on PUB.
 
 Several processes (`accelerate launch --num_processes N -m ppoz.cli learner ...`,
@@ -41,7 +43,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from common.learner_figures import CANDIDATES, Chart, LearnerCounter
+from common import weights
+from common.learner_figures import CANDIDATES, Chart, LearnerCounter, read_latest
 from common.protocol import DEFAULT_MAX_ABS_REWARD
 from common.sd_notify import Notifier
 from common.segments import Segment
@@ -102,8 +105,10 @@ class Learner:
         self.discarded_in_row = 0  # updates left out in a row because they were not finite (see _discard)
         self.stop_event = threading.Event()
         self.notifier = Notifier() if self.is_main else Notifier({})  # only rank 0 speaks to systemd
-        self.reader = StreamReader(cfg, client, self.progress.counters, self.progress.seen, self.stop_event, self.notifier)
-        self.checkpointer = Checkpointer(cfg, self.trainer, self.progress, self.sharded, self.is_main)
+        undurable: set[str] = set()  # entries trained, in no checkpoint on disk yet: pending in Redis, left alone by the reader
+        self.reader = StreamReader(cfg, client, self.progress.counters, self.progress.seen, self.stop_event, self.notifier, undurable)
+        self.checkpointer = Checkpointer(cfg, self.trainer, self.progress, self.sharded, self.is_main, undurable)
+        self.reader.between_reads = self._acknowledge_durable
         self.publisher = Publisher(cfg, client, self.lp, context or zmq.Context.instance(), self.sharded, self.is_main)
         self.reporter = Reporter(self.notifier, cfg.tensorboard_dir if self.is_main else "")
         # Work an update left undone when Redis went away after its checkpoint: done before the next rollout.
@@ -173,8 +178,32 @@ class Learner:
 
     def restore(self) -> None:
         entries = self.checkpointer.restore()
-        # The update in this checkpoint consumed these entries; the crash may have come before they were acknowledged.
+        # The updates in this checkpoint consumed these entries; the crash may have come before they were acknowledged.
         self.owed.unacked = [(entry_id, None) for entry_id in entries] if self.is_main else []
+        self._after_lost_updates()
+
+    def _after_lost_updates(self) -> None:
+        """Updates after the restored checkpoint (checkpoints come by cadence) are lost: their entries are pending
+        and are trained again. Say so; and where the run had published a later version than the checkpoint's, go on
+        numbering after it, so that the actors (which serve that lost version) take the restored weights as the newer
+        ones, and versions never go back within a run."""
+        try:
+            published = weights.latest(self.redis, self.cfg.store.key_prefix)
+            reached = int(read_latest(self.redis, self.cfg.store.key_prefix).get("updates", 0))
+        except REDIS_DOWN as e:
+            log.warning("--resume: Redis unreachable (%s); cannot tell whether updates after the checkpoint were lost", e)
+            return
+        if reached > self.updates:
+            log.warning(
+                "--resume: the run had reached update %d; the checkpoint holds %d: the %d updates since are lost, and their"
+                " segments (still pending) are trained again",
+                reached,
+                self.updates,
+                reached - self.updates,
+            )
+        if published is not None and published.run == self.run_id and published.version > self.version:
+            self.version = published.version + 1
+            log.info("--resume: version %d was published; the restored weights go on as version %d", published.version, self.version)
 
     # --- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -196,6 +225,8 @@ class Learner:
                 break
             self.notifier.watchdog()
             try:
+                if self.is_main:
+                    self._acknowledge_durable()
                 self.owed.settle()
                 self.step()
             except REDIS_DOWN as e:
@@ -207,6 +238,7 @@ class Learner:
                 log.error("the consumer group %s is gone from Redis (%s); creating it again", self.cfg.store.consumer_group, e)
                 if self.is_main:
                     self.reader.ensure_group()
+        self.checkpoint_all()
         self.owed.settle_before_exit()
         self.notifier.stopping(f"stopped at policy version {self.version} after {self.updates} updates")
         self.close()
@@ -265,14 +297,16 @@ class Learner:
         self.updates += 1
         self._count(segments, intake, trained)
         metrics.update(intake.charts(trained, time.perf_counter() - started, self.version))
-        self.save_checkpoint([entry_id for entry_id, _ in entries])  # rank 0, or every rank its shards
+        self.save_checkpoint(entries)  # when due, by cadence: rank 0, or every rank its shards
         self.owed.unpublished = bool(train_policy and trained)
         if self.is_main:
             # The update is done once all of this is in Redis; `settle` retries what a Redis outage interrupted
             # before the next rollout is read, so acknowledgement, weights and counters never fall behind silently.
-            self.owed.unacked = with_samples(entries)
+            self.owed.unacked += with_samples(self.checkpointer.durable())
             self.owed.unreported = self._figures(metrics, trained)
-            self.owed.backlog = backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag, intake.stored / len(segments))
+            # the entries waiting for a checkpoint are still in the stream: the broker's backlog counts them
+            limit = backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag, intake.stored / len(segments))
+            self.owed.backlog = limit + len(self.checkpointer.undurable)
             trained_kind = parts[0].batch.prefix if parts else CANDIDATES
             self.reporter.update(metrics, trained, self.updates, self.version, trained_kind)
         if self.sharded and self.owed.unpublished:
@@ -313,9 +347,10 @@ class Learner:
         )
         discarded = self.counters[LearnerCounter.DISCARDED_UPDATES]
         metrics = {Chart.DROPPED_NONFINITE.key: float(dropped), Chart.DISCARDED_UPDATES.key: float(discarded)}
-        self.save_checkpoint([entry_id for entry_id, _ in entries])  # rank 0, or every rank its shards
+        # at once, not by cadence: a restart must not meet these entries again (they would be discarded again)
+        self.save_checkpoint(entries)
+        self.checkpoint_all()
         if self.is_main:
-            self.owed.unacked = with_samples(entries)
             self.owed.unreported = self._figures(metrics, 0)
             self.reporter.tensorboard(metrics, self.updates)
             self.owed.settle()
@@ -327,9 +362,30 @@ class Learner:
         return metrics
 
     # --- persistence and publication -----------------------------------------------------------
-    def save_checkpoint(self, entry_ids: list[str]) -> None:
-        """Called on every rank (learner_node/checkpointer.py)."""
-        self.checkpointer.save(entry_ids)
+    def _acknowledge_durable(self) -> None:
+        """Rank 0: the entries of the checkpoints written since the last call are owed an acknowledgement, given now
+        (between the updates, and between the reads of a rollout: an idle learner must not sit on them)."""
+        durable = self.checkpointer.durable()
+        if durable:
+            self.owed.unacked += with_samples(durable)
+            self.owed.settle()
+
+    def checkpoint_all(self) -> None:
+        """Every update so far into a checkpoint on disk (the write in progress waited for, what was trained since
+        written now), its entries then owed an acknowledgement: before the learner stops (called on every rank)."""
+        durable = self.checkpointer.flush()
+        if self.is_main:
+            self.owed.unacked += with_samples(durable)
+
+    def save_checkpoint(self, entries: list[tuple[str, dict]]) -> None:
+        """Called on every rank after an update: a checkpoint when one is due (learner_node/checkpointer.py), which a
+        sharded learner's ranks agree on as rank 0 says."""
+        self.checkpointer.after_update(entries, self._agree)
+
+    def _agree(self, due: bool) -> bool:
+        shared = [due]
+        dist.broadcast_object_list(shared, src=0)
+        return bool(shared[0])
 
     def stamp(self) -> PolicyStamp:
         """What a transition must have been scored with to be trained on (see PolicyStamp)."""

@@ -20,6 +20,7 @@ import pytest
 from common.shared_settings import PolicySpec, StoreSettings
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
+from tests.learner_node.test_async_ppo import durably
 from tests.learner_node.test_resume import write_segments
 
 GROUP, CONSUMER = "learners", "learner-0"
@@ -65,6 +66,7 @@ def test_pending_entries_fewer_than_a_rollout_are_read_once(tiny_models, redis_u
     try:
         deliver_unseen(redis_client, key_prefix, 2)  # a rollout read, then dropped when Redis went away
         assert learner.step() is not None
+        durably(learner)
         trained_once(learner)
         assert learner.counters["transitions_stored"] == 4  # the 2 pending and 2 new, each once
         assert redis_client.xlen(f"{key_prefix}:segments") == 2
@@ -81,6 +83,7 @@ def test_entries_delivered_by_a_lost_read_are_trained_by_the_next_rollout(tiny_m
         assert learner.step() is not None  # 4 of 8
         deliver_unseen(redis_client, key_prefix, 2)  # delivered to this consumer; the learner never saw the reply
         assert learner.step() is not None  # must take the 2 pending and the 2 new
+        durably(learner)
         trained_once(learner)
         assert learner.counters["transitions_stored"] == 8
         assert redis_client.xlen(f"{key_prefix}:segments") == 0
@@ -106,6 +109,7 @@ def test_pending_entries_deleted_from_the_stream_do_not_stall_the_reader(tiny_mo
             worker.join(30)  # the update in hand, then the loop sees the stop; x10
             pytest.fail("the learner kept re-reading pending entries that are no longer in the stream")
         assert result and result[0] is not None
+        durably(learner)
         trained_once(learner)
         assert learner.counters["transitions_stored"] == 4
         assert redis_client.xpending(stream, GROUP)["pending"] == 0  # the deleted ones were acknowledged, not kept

@@ -5,7 +5,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -47,11 +49,21 @@ def write_segments(redis_client, prefix: str, n: int) -> set[str]:
     return ids
 
 
-def learner(model: str, redis_url: str, prefix: str, ckpt: Path, resume: bool, max_updates: int) -> subprocess.Popen:
+def learner(
+    model: str,
+    redis_url: str,
+    prefix: str,
+    ckpt: Path,
+    resume: bool,
+    max_updates: int,
+    extra: Sequence[str] = (),
+    log: IO[str] | None = None,
+) -> subprocess.Popen:
+    """`ppoz learner` on the bandit segments, with `extra` flags; with a `log`, at level info into it."""
     args = [
         *PPOZ,
         "--log-level",
-        "warning",
+        "info" if log is not None else "warning",
         "learner",
         "--model",
         model,
@@ -86,7 +98,7 @@ def learner(model: str, redis_url: str, prefix: str, ckpt: Path, resume: bool, m
         "--keep-checkpoints",
         "100",
     ]
-    return subprocess.Popen(args + (["--resume"] if resume else []))
+    return subprocess.Popen(args + [*extra] + (["--resume"] if resume else []), stdout=log, stderr=subprocess.STDOUT if log else None)
 
 
 @pytest.mark.slow

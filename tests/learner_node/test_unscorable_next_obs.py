@@ -31,7 +31,7 @@ from learner_node.rollout import Rollout, build_rollout
 from learner_node.token_update import build_generation_batch
 from learner_node.worker import Learner
 from models import scoring
-from tests.learner_node.test_async_ppo import learner_on
+from tests.learner_node.test_async_ppo import durably, learner_on
 from tests.learner_node.test_generation_update import gen_transition
 
 BANDIT = {"prompt": "Pick the best colour.", "question": " Answer: ", "action": ["red", "green", "blue"]}
@@ -130,6 +130,7 @@ def check_batch(learner: Learner, spy: Spy, metrics: dict[str, float] | None, id
     unscorable = len(ids) - 2
     gamma = learner.cfg.gamma
     assert metrics is not None
+    durably(learner)
     assert metrics["charts/dropped_unscorable_next_obs"] == metrics["charts/dropped_truncated"] == unscorable
     (rollout,) = spy.rollouts
     # fine: bootstraps from its next observation's value; done: from nothing

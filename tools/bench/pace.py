@@ -112,9 +112,10 @@ def protocol_emulator(broker: str, seed: int, stop: threading.Event, tally: Tall
         )
 
 
-def leg(name: str, clients: int, updates: int, max_seconds: float) -> dict[str, Any]:
+def leg(name: str, clients: int, updates: int, max_seconds: float, learner: str = "", broker: str = "") -> dict[str, Any]:
     """One fresh stack with the broker of leg `name` (LEGS), `clients` emulators until `updates` updates (or
-    `max_seconds`): what the clients saw and what the learner kept."""
+    `max_seconds`): what the clients saw and what the learner kept. `learner`, `broker`: TOML lines for those tables
+    (`--rollout-batch` and the like), added to the leg's own."""
     from client import Client
     from gateway.config import GatewayConfig
     from gateway.server import Gateway
@@ -129,9 +130,9 @@ def leg(name: str, clients: int, updates: int, max_seconds: float) -> dict[str, 
         config = Path(tmp) / "pace.toml"
         config.write_text(
             f'[policy]\nmodel = "{model}"\n'
-            f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\n{LEGS[name]}'
+            f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\n{LEGS[name]}{broker}'
             f'[actor]\nbroker = "tcp://127.0.0.1:{back}"\nweights = "tcp://127.0.0.1:{weights}"\n'
-            f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\ncheckpoint_dir = "{tmp}/ckpt"\ntensorboard_dir = ""\n'
+            f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\ncheckpoint_dir = "{tmp}/ckpt"\ntensorboard_dir = ""\n' + learner
         )
         with open(Path(tmp) / "stack.log", "w") as log, watched_stack(UpConfig(actors=1), str(config), "info", output=log) as stack:
             if not wait_for_actor(stack, timeout=600):
@@ -202,6 +203,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--legs", default="after,before", help="after (the defaults), before (as before issue 55), or both (default)")
     parser.add_argument("--updates", type=int, default=8, help="a leg ends once the learner has applied this many updates (default: 8)")
     parser.add_argument("--max-seconds", type=float, default=900.0, help="a leg ends after this long, whatever the updates (default: 900)")
+    parser.add_argument("--rollout-batch", type=int, default=0, help="[learner] rollout_batch (default: the learner's, 64)")
+    parser.add_argument("--max-policy-lag", type=int, default=0, help="[learner] max_policy_lag (default: the learner's, 8)")
+    parser.add_argument("--segment-len", type=int, default=0, help="[broker] segment_len (default: the broker's, 32)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of legs, alternating (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -227,13 +231,20 @@ def main(args: argparse.Namespace) -> int:
     for round_ in range(args.repeats):
         for clients in counts:
             for name in names if round_ % 2 == 0 else reversed(names):  # alternating: neither always goes first
-                result = leg(name, clients, args.updates, args.max_seconds)
+                result = leg(name, clients, args.updates, args.max_seconds, *_settings(args))
                 legs.append(result)
                 if not args.json:
                     print(_line(result), flush=True)
     if args.json:
         print(json.dumps({"legs": legs}))
     return 0
+
+
+def _settings(args: argparse.Namespace) -> tuple[str, str]:
+    """The [learner] and the [broker] lines of the flags given (their defaults are the components' own)."""
+    learner = {"rollout_batch": args.rollout_batch, "policy_minibatch": args.rollout_batch, "max_policy_lag": args.max_policy_lag}
+    lines = "".join(f"{key} = {value}\n" for key, value in learner.items() if value)
+    return lines, f"segment_len = {args.segment_len}\n" if args.segment_len else ""
 
 
 def _line(r: dict[str, Any]) -> str:
