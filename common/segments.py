@@ -21,6 +21,8 @@ and the demo read the figures. Every key is built here and nowhere else
     P:learner:latest    HASH    the learner's latest figures and cumulative counters         learner -> status, ledger
     P:learner:backlog   STRING  the stream backlog (entries) the learner can train within    learner -> broker
                                 its lag bound: the broker's default back-pressure limit
+    P:broker:segment_len STRING the broker's segment_len: the learner's first backlog limit  broker -> learner
+                                counts segments of it, before it has measured any
     P:samples           HASH    sample id -> the reward stored with it: a feedback's          broker -> drivers
                                 `sample`, written in the same script as its transition, and
                                 only once per id (a second feedback with it stores nothing)
@@ -110,6 +112,10 @@ class RedisKeys:
     @property
     def learner_backlog(self) -> str:
         return f"{self.prefix}:learner:backlog"
+
+    @property
+    def broker_segment_len(self) -> str:
+        return f"{self.prefix}:broker:segment_len"
 
     @property
     def samples(self) -> str:

@@ -171,10 +171,19 @@ class Learner:
             try:
                 if self.is_main:
                     self.reader.ensure_group()
+                    self.owed.backlog = self.owed.backlog or self._first_backlog_limit()
                 self.owed.settle()
                 return
             except REDIS_DOWN as e:
                 self.owed.wait_for_redis(e)
+
+    def _first_backlog_limit(self) -> int:
+        """The backlog limit before any rollout measured the segments' length: in segments of the broker's
+        segment_len (one transition each if no broker has said it). Without it the broker would hold nobody back
+        until the first update, and whatever clients sent meanwhile would be stale by the time it is read."""
+        said = self.redis.get(self.keys.broker_segment_len)
+        per_segment = int(said) if said is not None and said.isdigit() and int(said) > 0 else 1
+        return backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag, per_segment)
 
     def restore(self) -> None:
         entries = self.checkpointer.restore()
