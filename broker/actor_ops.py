@@ -154,7 +154,7 @@ class ActorOps(BrokerState):
         self.metrics["broker/orphan_steps"] += orphaned
         # what it serves now: a busy actor's heartbeats give way to its results (actor_node/link.py), which say it too
         actor.policy_version = max(actor.policy_version, step.policy_version)
-        self._count_closed(len(closes))
+        self._count_closed(closes)
         # Broker time of a step: its wait for an actor, plus the time since the result came back.
         since = self.now - (job.dispatched_at - job.created)
         for envelope in job.waiters:

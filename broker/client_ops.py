@@ -160,7 +160,7 @@ class ClientOps(Backpressure, StatusReport):
             self._error(held[0], p.header(p.OP_ASK, held[1]), p.ProtocolError(p.E_UNKNOWN_TASK, message))
         del self.sessions[session.task_id]
         self.attach_rids.pop(attach_key(session.attach_sender, session.attach_rid), None)
-        self._count_closed(len(closes))
+        self._count_closed(closes)
         return len(closes)
 
     def on_ask(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:
@@ -275,7 +275,7 @@ class ClientOps(Backpressure, StatusReport):
         for close in closes:
             self.store.stage_close(self.outbox.batch, session, close)
         self.metrics["broker/feedbacks"] += 1
-        self._count_closed(len(closes))
+        self._count_closed(closes)
         self.reply(envelope, data, durable=True, since=self.now)
 
     def on_status(self, envelope: tuple[bytes, ...], rid: Any, msg: dict[str, Any]) -> None:

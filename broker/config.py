@@ -56,8 +56,9 @@ class BrokerConfig:
     )
     max_stream_backlog: int = option(
         -1,
-        "`ask` answers wait while the segment stream holds more entries than this; -1: the limit the learner publishes"
-        " (what it trains within its policy-lag bound; none until a learner has read a rollout), 0: no limit",
+        "`ask` answers wait, and steps wait in the queue (step_hold_share), while the segment stream holds more"
+        " transitions than this; -1: the limit the learner publishes (what it trains within its policy-lag bound), 0: no"
+        " limit. Keep a limit above the learner's rollout_batch, or neither side can move",
     )
     step_hold_share: float = option(
         0.25,

@@ -62,7 +62,7 @@ class Broker(ClientOps, ActorOps):
     # --- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Load sessions from Redis, create the stream, bind both sockets."""
-        self.store.ensure_stream(self.cfg.segment_len)
+        self.store.ensure_stream()
         self._adopt(self.store.load_sessions(self.cfg.segment_len, self.cfg.rag_history_len))
         if self.sessions:
             log.info(

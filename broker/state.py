@@ -25,11 +25,12 @@ import redis
 import zmq
 
 from broker.actors import ActorRegistry, Job
+from broker.backlog import StreamTally
 from broker.config import BrokerConfig
 from broker.metrics import RateWindow, new_counters
 from broker.outbox import Outbox, StorageFailure
 from broker.scheduling import FairQueue
-from broker.sessions import Session, attach_key
+from broker.sessions import SegmentClose, Session, attach_key
 from broker.store import SessionStore
 from common import protocol as p
 from common.learner_figures import read_latest
@@ -54,8 +55,9 @@ class BrokerState:
         self.task_jobs: dict[str, Job] = {}  # the step job in progress per task
         self.metrics: collections.Counter[str] = new_counters()  # every documented key, from 0
         self.step_rate = RateWindow()
-        self.stream_length = 0
-        # Back-pressure: `ask` answers wait while the stream holds more than this (0: no limit). With
+        self.stream_length = 0  # entries (segments) in the stream, read from Redis
+        self.tally = StreamTally(config.segment_len)  # ... and the transitions they hold (broker/backlog.py)
+        # Back-pressure: `ask` answers wait while the stream holds more transitions than this (0: no limit). With
         # max_stream_backlog -1 it is what the learner publishes, re-read with the stream length.
         self.backlog_limit = max(0, self.cfg.max_stream_backlog)
         # `ask`s held while the stream backlog is over its limit: task id -> (envelope, rid, answer `wait` at), oldest first
@@ -149,9 +151,14 @@ class BrokerState:
             self.backlog_limit = learner_limit
 
     @property
+    def stream_transitions(self) -> int:
+        """The transitions in the stream's segments (broker/backlog.py)."""
+        return self.tally.transitions(self.stream_length)
+
+    @property
     def over_backlog(self) -> bool:
-        """The segment stream holds more than the learner can train within its policy-lag bound."""
-        return bool(self.backlog_limit) and self.stream_length > self.backlog_limit
+        """The segment stream holds more transitions than the learner can train within its policy-lag bound."""
+        return bool(self.backlog_limit) and self.stream_transitions > self.backlog_limit
 
     def _refresh_stream_state(self) -> None:
         try:
@@ -172,9 +179,11 @@ class BrokerState:
             return {}
 
     # --- shared by both sides ------------------------------------------------------------------
-    def _count_closed(self, n: int) -> None:
-        self.metrics["broker/segments_closed"] += n
-        self.stream_length += n  # refreshed from Redis every second; counted here so back-pressure reacts at once
+    def _count_closed(self, closes: list[SegmentClose]) -> None:
+        self.metrics["broker/segments_closed"] += len(closes)
+        self.stream_length += len(closes)  # refreshed from Redis every second; counted here so back-pressure reacts at once
+        for close in closes:
+            self.tally.add(close.length)
 
     def _answer_job(self, job: Job, body: dict[str, Any]) -> None:
         """Answer every waiter of a job with an error and forget the job."""

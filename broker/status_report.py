@@ -17,7 +17,7 @@ class StatusReport(BrokerState):
         """The key figures in one line (systemd's STATUS=)."""
         return (
             f"{len(self.sessions)} sessions, {len(self.registry.actors)} actors, {len(self.jobs)} steps in flight, "
-            f"{len(self.queue)} queued, {self.metrics['broker/steps']} steps, stream backlog {self.stream_length}"
+            f"{len(self.queue)} queued, {self.metrics['broker/steps']} steps, stream backlog {self.stream_transitions} transitions"
             + ("" if self.storage_ok else ", REDIS DOWN")
         )
 
@@ -31,6 +31,7 @@ class StatusReport(BrokerState):
             "queued_jobs": len(self.queue),
             "jobs": len(self.jobs),
             "stream_length": self.stream_length,
+            "stream_transitions": self.stream_transitions,
             "stream_backlog_limit": self.backlog_limit,
             "storage_ok": self.storage_ok,
             "actors": [

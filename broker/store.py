@@ -166,12 +166,9 @@ class SessionStore:
         self.group = group
 
     # --- start-up ------------------------------------------------------------------------
-    def ensure_stream(self, segment_len: int | None = None) -> None:
-        """Create the stream and the learners' consumer group if they do not exist; the broker says its segment length
-        too (the learner's first backlog limit counts segments of it)."""
+    def ensure_stream(self) -> None:
+        """Create the stream and the learners' consumer group if they do not exist."""
         seg.ensure_group(self.client, self.keys, self.group)
-        if segment_len is not None:
-            self.client.set(self.keys.broker_segment_len, segment_len)
 
     def load_sessions(self, segment_len: int, history_len: int | None = None) -> dict[str, Session]:
         """Every live session with its pending step, open-segment length and (the last `history_len`) rag history."""

@@ -114,10 +114,6 @@ class RedisKeys:
         return f"{self.prefix}:learner:backlog"
 
     @property
-    def broker_segment_len(self) -> str:
-        return f"{self.prefix}:broker:segment_len"
-
-    @property
     def samples(self) -> str:
         return f"{self.prefix}:samples"
 

@@ -109,6 +109,17 @@ class Checkpointer:
         if due:
             self.checkpoint(background=not self.sharded)
 
+    def catch_up(self) -> None:
+        """While the learner waits for data (rank 0, between its reads): begin the checkpoint that came due while the
+        one before was still being written, or by time, so that an idle learner does not sit on entries it trained
+        (they count in the broker's backlog, and another consumer takes over entries left pending claim_idle_ms).
+        Nothing changes the weights meanwhile. Not for a sharded learner: its save is a collective of all ranks,
+        written at once after an update, so none is ever left due."""
+        if self.sharded or not self.is_main or not self.since:
+            return
+        if self._due():
+            self.checkpoint(background=True)
+
     def _due(self) -> bool:
         if self._writer is not None and self._writer.is_alive():
             return False  # one write at a time: the next is begun after an update once this one is on disk

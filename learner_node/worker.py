@@ -66,8 +66,8 @@ from models.policy_model import ModelSpec
 log = logging.getLogger(__name__)
 
 
-def backlog_limit(rollout_batch: int, max_policy_lag: int, transitions_per_segment: float) -> int:
-    """The stream backlog (closed segments) this learner can train within its policy-lag bound.
+def backlog_limit(rollout_batch: int, max_policy_lag: int) -> int:
+    """The stream backlog (transitions in closed segments) this learner can train within its policy-lag bound.
 
     Each update consumes about `rollout_batch` transitions and moves the policy one version, so a
     transition that waits behind B transitions is trained about B / rollout_batch versions after
@@ -76,9 +76,7 @@ def backlog_limit(rollout_batch: int, max_policy_lag: int, transitions_per_segme
     learner's pace: a slow learner makes the actors wait instead of making the data stale. Never
     less than two rollouts, or actors and learner could wait on each other.
     """
-    per_segment = max(1.0, transitions_per_segment)
-    versions = max(1, max_policy_lag // 2)
-    return max(math.ceil(2 * rollout_batch / per_segment), math.ceil(versions * rollout_batch / per_segment))
+    return max(2, max_policy_lag // 2) * rollout_batch
 
 
 class Learner:
@@ -171,19 +169,11 @@ class Learner:
             try:
                 if self.is_main:
                     self.reader.ensure_group()
-                    self.owed.backlog = self.owed.backlog or self._first_backlog_limit()
+                    self.owed.backlog = self.owed.backlog or backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag)
                 self.owed.settle()
                 return
             except REDIS_DOWN as e:
                 self.owed.wait_for_redis(e)
-
-    def _first_backlog_limit(self) -> int:
-        """The backlog limit before any rollout measured the segments' length: in segments of the broker's
-        segment_len (one transition each if no broker has said it). Without it the broker would hold nobody back
-        until the first update, and whatever clients sent meanwhile would be stale by the time it is read."""
-        said = self.redis.get(self.keys.broker_segment_len)
-        per_segment = int(said) if said is not None and said.isdigit() and int(said) > 0 else 1
-        return backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag, per_segment)
 
     def restore(self) -> None:
         entries = self.checkpointer.restore()
@@ -314,8 +304,8 @@ class Learner:
             self.owed.unacked += with_samples(self.checkpointer.durable())
             self.owed.unreported = self._figures(metrics, trained)
             # the entries waiting for a checkpoint are still in the stream: the broker's backlog counts them
-            limit = backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag, intake.stored / len(segments))
-            self.owed.backlog = limit + len(self.checkpointer.undurable)
+            waiting = round(len(self.checkpointer.undurable) * intake.stored / len(segments))
+            self.owed.backlog = backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag) + waiting
             trained_kind = parts[0].batch.prefix if parts else CANDIDATES
             self.reporter.update(metrics, trained, self.updates, self.version, trained_kind)
         if self.sharded and self.owed.unpublished:
@@ -373,7 +363,9 @@ class Learner:
     # --- persistence and publication -----------------------------------------------------------
     def _acknowledge_durable(self) -> None:
         """Rank 0: the entries of the checkpoints written since the last call are owed an acknowledgement, given now
-        (between the updates, and between the reads of a rollout: an idle learner must not sit on them)."""
+        (between the updates, and between the reads of a rollout: an idle learner must not sit on them), with the
+        checkpoint that came due while the one before was being written begun first."""
+        self.checkpointer.catch_up()
         durable = self.checkpointer.durable()
         if durable:
             self.owed.unacked += with_samples(durable)

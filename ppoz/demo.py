@@ -124,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
                 frontend="tcp://127.0.0.1:*",
                 backend="tcp://127.0.0.1:*",
                 store=store,
-                max_stream_backlog=16,
+                max_stream_backlog=16 * app.horizon,  # transitions: 16 whole episodes
                 segment_len=app.horizon,
             ),
             connect(redis_server.url),

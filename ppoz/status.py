@@ -48,8 +48,8 @@ def print_table(broker: str, status: dict[str, Any]) -> None:
     print(f"broker {broker}  up {status['uptime_s']:.0f} s" + ("" if status.get("storage_ok", True) else "  REDIS DOWN"))
     print(
         f"  sessions {status['sessions']}  pending steps {status['pending_steps']}  queued {status['queued_jobs']}"
-        f"  steps/s {status.get('steps_per_s', 0.0):.1f}  stream backlog {status['stream_length']}"
-        f" (limit {status.get('stream_backlog_limit') or 'none'})"
+        f"  steps/s {status.get('steps_per_s', 0.0):.1f}  stream backlog {status.get('stream_transitions', status['stream_length'])}"
+        f" transitions (limit {status.get('stream_backlog_limit') or 'none'})"
     )
     print(f"  actors ({len(status['actors'])}):")
     for a in status["actors"]:

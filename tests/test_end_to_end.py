@@ -43,7 +43,7 @@ def test_a_lora_policy_beats_random_at_the_end_of_its_budget(start_broker, make_
     beside it (`lora_trainable`); all-weights training of the same loop is covered by the bandit test.
     The weights go through the shared-directory store (`[store] weights_dir`): the actor follows them from there."""
     baseline = statistics.mean(random_returns(lambda i: KeaSim(APP), 1000))
-    broker = start_broker(max_stream_backlog=48, segment_len=APP.horizon)
+    broker = start_broker(max_stream_backlog=48 * APP.horizon, segment_len=APP.horizon)
     policy = PolicySpec(
         model=tiny_models["llama"], lora_rank=4, lora_alpha=8, lora_trainable=list(LORA_TRAINABLE["llama"]), normalisation="token"
     )

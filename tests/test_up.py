@@ -23,7 +23,7 @@ def last_update(table: str, *names: str) -> bool:
 
 def write_config(path: Path, front: int, back: int, weights: int, **extra: str) -> Path:
     lines = [
-        f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nmax_stream_backlog = 16\n'
+        f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nmax_stream_backlog = 64\n'
         "segment_len = 4\nheartbeat_ms = 200\n",
         f'[learner]\nweights_bind = "tcp://127.0.0.1:{weights}"\n',
     ]

@@ -117,3 +117,31 @@ def test_a_learner_killed_while_a_checkpoint_is_being_written_resumes_from_the_o
     else:
         assert "no checkpoint" in text
     finished_exactly_once(ckpt, all_ids, redis_client, key_prefix)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_idle_learner_checkpoints_what_it_trained_once_due_and_acknowledges_it(
+    tiny_models, redis_url, redis_client, key_prefix, tmp_path
+):
+    """One update, then no more data (no rollout timeout): the checkpoint due by time comes while the learner waits,
+    and the entries it holds leave the stream then, not when the learner stops. Before, an idle learner sat on them:
+    the broker counted them as backlog and held clients back for good (`ppoz bench stability` never finished)."""
+    all_ids = write_segments(redis_client, key_prefix, 8)  # one rollout of 8
+    ckpt = tmp_path / "ckpt"
+    log = tmp_path / "run.log"
+    stream = f"{key_prefix}:segments"
+    by_time = ["--checkpoint-every", "0", "--checkpoint-every-s", "20"]  # not due at the update (seconds after the start)
+    with open(log, "w") as out:
+        proc = learner(tiny_models["llama"], redis_url, key_prefix, ckpt, resume=False, max_updates=0, extra=by_time, log=out)
+        try:
+            deadline = time.monotonic() + 180  # a start, one update and the 20 s: 30 s alone; x6
+            while redis_client.xlen(stream) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert proc.poll() is None, log.read_text()[-3000:]  # still running, waiting for data
+            assert redis_client.xlen(stream) == 0, log.read_text()[-3000:]
+            state = checkpoint.read_state(checkpoint.latest(ckpt) or ckpt)
+            assert set(state["recent_segments"]) == all_ids and state["updates"] == 1
+        finally:
+            proc.terminate()  # this test started it: stopped by its own pid
+            proc.wait(60)

@@ -208,7 +208,7 @@ def stack_config(model: str, workdir: Path) -> str:
     return (
         f'[store]\nkey_prefix = "{KEY_PREFIX}"\n'
         f'[policy]\nmodel = "{model}"\nlora_rank = 0\nnormalisation = "token"\n'
-        f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nmax_stream_backlog = 64\n'
+        f'[broker]\nfrontend = "tcp://127.0.0.1:{front}"\nbackend = "tcp://127.0.0.1:{back}"\nmax_stream_backlog = 1024\n'
         '[actor]\ndevice = "cpu"\ncredits = 128\nmax_batch = 64\n'
         f'[learner]\ndevice = "cpu"\nweights_bind = "tcp://127.0.0.1:{weights}"\nrollout_batch = 256\nrollout_timeout_s = 5\n'
         f'policy_minibatch = 64\nmicro_batch = 64\nupdate_epochs = 1\ncheckpoint_dir = "{workdir / "ckpt"}"\nkeep_checkpoints = 2\n'
