@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -137,8 +138,20 @@ def start_broker(redis_url: str, key_prefix: str, zmq_context: zmq.Context) -> I
         )
         settings.update(overrides)
         cfg = BrokerConfig(**settings)
-        broker = Broker(cfg, connect(redis_url), zmq_context)
-        broker.start()
+        # A broker restarted on its predecessor's ports: that one's listeners are closed by the context's I/O thread
+        # moments after its loop ends, and an actor reconnecting to a port of the ephemeral range can briefly hold it
+        # itself (a TCP self-connect): bound again until it is free.
+        deadline = time.monotonic() + 10  # a few ms alone; x1000
+        while True:
+            broker = Broker(cfg, connect(redis_url), zmq_context)
+            try:
+                broker.start()
+                break
+            except zmq.ZMQError as e:
+                broker.close()
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         thread = threading.Thread(target=broker.run, name="broker", daemon=True)
         thread.start()
         running = RunningBroker(broker, thread, cfg)
