@@ -9,9 +9,9 @@ farm: 1,067 of 2,434 steps dropped as stale, the clients held back for 40 s afte
 
 The learner reads the stream oldest first and deletes what it trained, so the entries left are, to a
 close approximation, the newest the broker wrote: their transitions are the sum of the lengths of the
-last XLEN segments this broker closed, kept as running totals. Entries beyond those known (written
-before this broker started) count at the known segments' mean length, or at `segment_len` while none
-is known (the most they can hold).
+last XLEN segments this broker closed, kept as running totals; a broker starting reads the lengths
+(`n`) of the entries already in the stream first. Entries beyond those known count at the known
+segments' mean length, or at `segment_len` while none is known (the most they can hold).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import redis
 import zmq
 
 from broker.actor_ops import ActorOps
+from broker.backlog import KEEP_SEGMENTS
 from broker.client_ops import ASK_RECHECK_S, ClientOps
 from broker.config import BrokerConfig
 from broker.metrics import MetricsServer
@@ -71,6 +72,8 @@ class Broker(ClientOps, ActorOps):
                 sum(s.pending is not None for s in self.sessions.values()),
             )
         self._read_stream_state()
+        for length in self.store.segment_lengths(KEEP_SEGMENTS):  # what a broker before this one closed
+            self.tally.add(length)
         self.frontend = self._router(self.cfg.frontend, self.cfg.max_message_bytes, "clients", self.cfg.curve_allowed_clients)
         self.outbox.sock = self.frontend
         self.backend = self._router(self.cfg.backend, self.cfg.max_message_bytes, "actors", self.cfg.curve_allowed_actors)
@@ -93,7 +96,11 @@ class Broker(ClientOps, ActorOps):
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes + 65536)
         if self.cfg.curve_secret_key:  # before bind: a peer's security mechanism is fixed when it connects
             self.allow_lists.append(apply_server(sock, self.cfg.curve_secret_key, allowed, f"broker {name}"))
-        sock.bind(endpoint)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)  # a port taken: the caller may try again, with nothing left open
+            raise
         return sock
 
     def run(self, until: Callable[[], bool] | None = None) -> None:

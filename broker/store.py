@@ -285,6 +285,12 @@ class SessionStore:
         same = type(record.get("rid")) is type(rid) and record.get("rid") == rid  # str and bin rids are distinct on the wire
         return record["reply"] if same else None
 
+    def segment_lengths(self, newest: int) -> list[int]:
+        """The transitions (`n`) of the stream's newest `newest` entries, oldest first: one script, so that only the
+        numbers cross the network, read once at the broker's start (broker/backlog.py)."""
+        lengths = self.client.eval(NEWEST_LENGTHS, 1, self.keys.stream, newest, seg.F_N)
+        return [int(n) for n in reversed(lengths) if n.isdigit()]  # an entry without a count is left to the mean
+
     def stream_state(self) -> tuple[int, int]:
         """(entries in the segment stream, the backlog limit the learner publishes), in one round trip.
         The limit is 0 while none is published (or it is not a positive number)."""
@@ -297,6 +303,20 @@ class SessionStore:
         except ValueError:
             log.warning("ignoring a malformed learner backlog limit %r", limit)
             return int(length), 0
+
+
+# The `n` field of the newest ARGV[1] entries of KEYS[1], newest first ("" for an entry without it).
+NEWEST_LENGTHS = """
+local out = {}
+for i, entry in ipairs(redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', ARGV[1])) do
+    local fields, n = entry[2], ''
+    for j = 1, #fields, 2 do
+        if fields[j] == ARGV[2] then n = fields[j + 1] end
+    end
+    out[i] = n
+end
+return out
+"""
 
 
 def _recent_replies(fields: dict[bytes, bytes]) -> list[Replied]:

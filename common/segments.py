@@ -19,10 +19,8 @@ and the demo read the figures. Every key is built here and nowhere else
     P:weights:{run}:v{n} STRING snapshot n's manifest (msgpack; common/weights.py)           learner -> actors
     P:weights:{run}:v{n}:c{i} STRING  its chunk i: safetensors bytes, at most 64 MiB        learner -> actors
     P:learner:latest    HASH    the learner's latest figures and cumulative counters         learner -> status, ledger
-    P:learner:backlog   STRING  the stream backlog (entries) the learner can train within    learner -> broker
-                                its lag bound: the broker's default back-pressure limit
-    P:broker:segment_len STRING the broker's segment_len: the learner's first backlog limit  broker -> learner
-                                counts segments of it, before it has measured any
+    P:learner:backlog   STRING  the stream backlog (transitions) the learner can train      learner -> broker
+                                within its lag bound: the broker's default back-pressure limit
     P:samples           HASH    sample id -> the reward stored with it: a feedback's          broker -> drivers
                                 `sample`, written in the same script as its transition, and
                                 only once per id (a second feedback with it stores nothing)

@@ -114,7 +114,8 @@ class Checkpointer:
         one before was still being written, or by time, so that an idle learner does not sit on entries it trained
         (they count in the broker's backlog, and another consumer takes over entries left pending claim_idle_ms).
         Nothing changes the weights meanwhile. Not for a sharded learner: its save is a collective of all ranks,
-        written at once after an update, so none is ever left due."""
+        begun after an update only (written at once, so never left due by a write in progress; one due by
+        `checkpoint_every_s` while it idles waits for the next update)."""
         if self.sharded or not self.is_main or not self.since:
             return
         if self._due():

@@ -148,7 +148,8 @@ class LearnerConfig(UpdateConfig):
     rollout_timeout_s: float = option(
         0.0,
         "train on the transitions in hand once a rollout has waited this long (0: always wait for "
-        "rollout_batch); keep the broker's max_stream_backlog above rollout_batch either way",
+        "rollout_batch); keep a fixed max_stream_backlog of the broker's above rollout_batch x (1 + checkpoint_every)"
+        " either way",
     )
     max_policy_lag: int = option(
         8,

@@ -107,6 +107,7 @@ class Learner:
         self.reader = StreamReader(cfg, client, self.progress.counters, self.progress.seen, self.stop_event, self.notifier, undurable)
         self.checkpointer = Checkpointer(cfg, self.trainer, self.progress, self.sharded, self.is_main, undurable)
         self.reader.between_reads = self._acknowledge_durable
+        self.per_segment = 1.0  # transitions per segment in the last rollout read
         self.publisher = Publisher(cfg, client, self.lp, context or zmq.Context.instance(), self.sharded, self.is_main)
         self.reporter = Reporter(self.notifier, cfg.tensorboard_dir if self.is_main else "")
         # Work an update left undone when Redis went away after its checkpoint: done before the next rollout.
@@ -169,7 +170,7 @@ class Learner:
             try:
                 if self.is_main:
                     self.reader.ensure_group()
-                    self.owed.backlog = self.owed.backlog or backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag)
+                    self.owed.backlog = self.owed.backlog or self._backlog()
                 self.owed.settle()
                 return
             except REDIS_DOWN as e:
@@ -303,9 +304,8 @@ class Learner:
             # before the next rollout is read, so acknowledgement, weights and counters never fall behind silently.
             self.owed.unacked += with_samples(self.checkpointer.durable())
             self.owed.unreported = self._figures(metrics, trained)
-            # the entries waiting for a checkpoint are still in the stream: the broker's backlog counts them
-            waiting = round(len(self.checkpointer.undurable) * intake.stored / len(segments))
-            self.owed.backlog = backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag) + waiting
+            self.per_segment = intake.stored / len(segments)
+            self.owed.backlog = self._backlog()
             trained_kind = parts[0].batch.prefix if parts else CANDIDATES
             self.reporter.update(metrics, trained, self.updates, self.version, trained_kind)
         if self.sharded and self.owed.unpublished:
@@ -369,7 +369,14 @@ class Learner:
         durable = self.checkpointer.durable()
         if durable:
             self.owed.unacked += with_samples(durable)
+            self.owed.backlog = self._backlog()  # they left the stream: the limit no longer makes room for them
             self.owed.settle()
+
+    def _backlog(self) -> int:
+        """The backlog limit to publish: what this learner trains within its lag bound, and the entries it trained
+        that wait for their checkpoint, still in the stream (the broker counts them), at the last rollout's length."""
+        waiting = round(len(self.checkpointer.undurable) * self.per_segment)
+        return backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag) + waiting
 
     def checkpoint_all(self) -> None:
         """Every update so far into a checkpoint on disk (the write in progress waited for, what was trained since

@@ -55,3 +55,20 @@ def test_clients_wait_when_the_stream_holds_more_transitions_than_the_limit_howe
         client.feedback(long, reward=0.0, done=False)
         reply = client.ask(long)
         assert reply["status"] == "wait" and reply["reason"] == "stream_backlog", reply
+
+
+def test_a_broker_started_on_a_stream_reads_its_segments_lengths(start_broker, start_actor, make_client):
+    """Segments of 4 and 2 transitions left by a broker that stopped: the next one counts 6, not 2 x segment_len."""
+    broker, client = running(start_broker, start_actor, make_client, segment_len=4)
+    long, short = client.attach(), client.attach()
+    for n in range(4):
+        client.step(long, obs(n))
+        client.feedback(long, reward=0.0, done=False)
+    client.step(long, obs(4))  # closes the segment of 4
+    for n in range(2):
+        client.step(short, obs(10 + n))
+        client.feedback(short, reward=0.0, done=n == 1)
+    broker.stop()
+    _, again = running(start_broker, start_actor, make_client, segment_len=4)
+    status = again.status()
+    assert (status["stream_length"], status["stream_transitions"]) == (2, 6)

@@ -417,7 +417,7 @@ def test_example_config_is_consistent_across_components():
     assert actor.policy == learner.policy and actor.policy.model  # one [policy] table: the same function on both sides
     assert actor.retrieval == broker.retrieval  # one [retrieval] table: the history the broker keeps is the one the actor expects
     assert actor.store == learner.store == broker.store and broker.store.redis_url  # one [store] table: the Redis all three meet in
-    assert broker.max_stream_backlog <= 0 or broker.max_stream_backlog > learner.rollout_batch
+    assert broker.max_stream_backlog <= 0 or broker.max_stream_backlog > learner.rollout_batch * (1 + learner.checkpoint_every)
 
 
 # ---- (d) the units' command lines, through the real `ppoz` parser ----
