@@ -10,7 +10,8 @@ encoding live here only (the key's name: common/segments.py), and so does every 
 - `Chart`: an update's figures about its data (returns, lag, what was dropped), `charts/<name>`;
 - `UpdateFigure`: an update's figures of one kind of policy (losses, KL, clip fractions), `<prefix>/<name>`
   with the prefix of the kind it trained (`UPDATE_PREFIXES`);
-- `LearnerCounter`: the cumulative counters, `counters/<name>` (and `counters/mismatched_<reason>`).
+- `LearnerCounter`: the cumulative counters, `counters/<name>` (and `counters/mismatched_<reason>`);
+- `CyclePhase`: the seconds the learner spent in each part of its loop, `cycle/<name>_s`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from common.segments import RedisKeys
 
 CHARTS = "charts"
 COUNTER_PREFIX = "counters/"
+CYCLE_PREFIX = "cycle/"
 # An update's figures are named `<prefix>/<figure>` by the kind of transition it trained (learner_node/update.py's
 # PolicyBatch.prefix): candidate choices, and generated responses (token-level PPO).
 UPDATE_PREFIXES = {"candidates": "losses", "generation": "generation"}
@@ -108,6 +110,28 @@ class LearnerCounter(StrEnum):
     @property
     def key(self) -> str:
         return counter_key(self.value)
+
+
+class CyclePhase(StrEnum):
+    """Where the learner's time goes, cumulative seconds since it started, named `cycle/<name>_s` (`key`):
+    learner_node/cycle.py keeps them; `ppoz train`'s summary and `ppoz bench train` show their shares."""
+
+    READ = "read"  # stream entries read and decoded
+    IDLE = "idle"  # waiting for entries: reads that came back empty
+    PREPARE = "prepare"  # a rollout's batches built, and the passes without gradients (proximal, reference, values)
+    UPDATE = "update"  # the optimizer's passes, and the copy that can undo them
+    CHECKPOINT = "checkpoint"  # what the checkpoints keep the loop waiting for (the copy; the write runs beside)
+    PUBLISH = "publish"  # acknowledgements, figures and weights into Redis, and the announcement
+    OTHER = "other"  # the rest of the loop: logging, TensorBoard
+
+    @property
+    def key(self) -> str:
+        return f"{CYCLE_PREFIX}{self.value}_s"
+
+
+def cycle_seconds(figures: Mapping[str, float]) -> dict[str, float]:
+    """The learner's cumulative seconds by phase (`CyclePhase`) out of its figures; {} before its first update."""
+    return {p.value: figures[p.key] for p in CyclePhase if p.key in figures}
 
 
 MISMATCHED_PREFIX = "mismatched_"

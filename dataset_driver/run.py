@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import local_path
-from common.learner_figures import GENERATION, Latest, UpdateFigure
+from common.learner_figures import GENERATION, Latest, UpdateFigure, cycle_seconds
 from common.protocol import Limits
 from dataset_driver.config import TrainConfig
 from dataset_driver.data import PromptOrder, PromptRecord, load_dataset
@@ -378,6 +378,7 @@ def run_training(
     write_state(state_path, order, cfg.data, run, progress.resume_from)
     if not stop.is_set() and wait_for_learner is not None:  # the order of work is done: the learner trains its end
         wait_for_learner(stop)
+    last_figures = _safe(learner_figures)
     summary.update(
         samples=len(progress.done) - progress.skipped,
         skipped=progress.skipped,
@@ -393,7 +394,8 @@ def run_training(
         **({"validations": validations} if validations else {}),
         resume_from=progress.resume_from,
         seconds=round(time.monotonic() - started, 1),
-        learner={k: v for k, v in _safe(learner_figures).items() if k in LEARNER_FIGURES.values()},
+        learner={k: v for k, v in last_figures.items() if k in LEARNER_FIGURES.values()},
+        learner_cycle=cycle_seconds(last_figures),  # the learner's seconds by part of its loop, to its last update
     )
     if val and not interrupted:
         validation("after")

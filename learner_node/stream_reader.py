@@ -16,11 +16,12 @@ from collections.abc import Callable
 
 import redis
 
-from common.learner_figures import LearnerCounter
+from common.learner_figures import CyclePhase, LearnerCounter
 from common.sd_notify import Notifier
 from common.segments import Segment, acknowledge, ensure_group, entry_samples
 from learner_node.checkpoint import RecentIds
 from learner_node.config import LearnerConfig
+from learner_node.cycle import CycleClock
 
 log = logging.getLogger("learner_node.worker.stream_reader")  # under the worker's logger, as before the split
 
@@ -39,6 +40,7 @@ class StreamReader:
         stop_event: threading.Event,
         notifier: Notifier,
         undurable: set[str] | None = None,
+        clock: CycleClock | None = None,
     ) -> None:
         self.cfg = cfg
         self.redis = client
@@ -53,6 +55,7 @@ class StreamReader:
         # called between reads while a rollout is collected: the learner acknowledges what its checkpoints written
         # meanwhile hold, so that a learner waiting for data does not sit on them
         self.between_reads: Callable[[], None] = lambda: None
+        self.clock = clock or CycleClock()  # the learner's cycle profile: a read that comes back empty is idle time
         self._largest_segment: int | None = None  # transitions in the largest segment read so far (see _entries_for)
         # Read positions of the rollout being collected (`collect`): own pending entries, then claimed ones.
         self._own_cursor: str | None = "0"
@@ -82,7 +85,11 @@ class StreamReader:
             if rollout and time.monotonic() > give_up:
                 log.info("rollout timeout: training on %d transitions", transitions)
                 break
-            for entry_id, fields in self._read(self._entries_for(self.cfg.rollout_batch - transitions)):
+            with self.clock.phase(CyclePhase.READ):
+                read = self._read(self._entries_for(self.cfg.rollout_batch - transitions))
+                if not read:
+                    self.clock.recharge(CyclePhase.IDLE)
+            for entry_id, fields in read:
                 if entry_id in taken or entry_id in self.undurable:
                     continue
                 taken.add(entry_id)

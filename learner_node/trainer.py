@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from common.learner_figures import UpdateFigure
+from common.learner_figures import CyclePhase, UpdateFigure
 from common.segments import CandidateObservation, Segment
 from common.shared_settings import PolicyStamp
 from learner_node.config import LearnerConfig
 from learner_node.core_algos import AdaptiveKLController
+from learner_node.cycle import CycleClock
 from learner_node.intake import Intake
 from learner_node.optim import adam
 from learner_node.policy import LearnerPolicy
@@ -118,21 +119,25 @@ class Trainer:
             out.append(PolicyPart(generation, self.token_critic, LossSettings.generation(cfg, cfg.generation)))
         return out
 
-    def update(self, parts: list[PolicyPart], train_policy: bool, update_index: int) -> dict[str, float]:
+    def update(self, parts: list[PolicyPart], train_policy: bool, update_index: int, clock: CycleClock | None = None) -> dict[str, float]:
         """The PPO update on each part in turn; its figures under each part's prefix. Raises NonFiniteUpdate before
-        anything non-finite is applied (the caller undoes what earlier steps of it applied: `snapshot`)."""
+        anything non-finite is applied (the caller undoes what earlier steps of it applied: `snapshot`). `clock`: the
+        learner's cycle profile (the passes without gradients are charged to preparing the batch)."""
         metrics: dict[str, float] = {}
+        clock = clock or CycleClock()
         for part in parts:
-            figures = ppo_update(
-                part.batch,
-                self.lp.trainable_parameters(),
-                self.policy_opt,
-                part.critic.parameters(),
-                part.critic.optimizer,
-                part.settings,
-                train_policy,
-                update_index,
-            )
+            with clock.phase(CyclePhase.UPDATE):
+                figures = ppo_update(
+                    part.batch,
+                    self.lp.trainable_parameters(),
+                    self.policy_opt,
+                    part.critic.parameters(),
+                    part.critic.optimizer,
+                    part.settings,
+                    train_policy,
+                    update_index,
+                    clock,
+                )
             kl_ref = figures.get(UpdateFigure.KL_REF.of(part.batch.prefix), math.nan)
             if part.adapts_kl and train_policy and not math.isnan(kl_ref):
                 self.kl.update(kl_ref, len(part.batch))

@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from common.learner_figures import UpdateFigure
+from common.learner_figures import CyclePhase, UpdateFigure
 from learner_node import core_algos, gradients
 from learner_node.config import GenerationConfig, UpdateConfig
+from learner_node.cycle import CycleClock
 from learner_node.sharding import Lockstep
 
 
@@ -246,15 +247,18 @@ def ppo_update(
     settings: LossSettings,
     train_policy: bool = True,
     update_index: int = 0,
+    clock: CycleClock | None = None,
 ) -> dict[str, float]:
     """Train the critic, then (unless `train_policy` is off: the critic's warm-up) the policy on one batch;
     returns the metrics under `<batch.prefix>/...`. `update_index` seeds this update's minibatch permutations
     (the same on every rank, different every update). The model stays in eval mode throughout: no dropout in
-    the proximal, reference or new log-probabilities."""
+    the proximal, reference or new log-probabilities. `clock`: the learner's cycle profile, where the passes without
+    gradients that make the targets count as preparing the batch."""
     cfg = settings.update
     rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + update_index)
     metrics: dict[str, float] = {}
-    t = batch.targets(metrics)
+    with (clock or CycleClock()).phase(CyclePhase.PREPARE):
+        t = batch.targets(metrics)
     n = len(batch)
     trained = t.mask.bool()
     # What the losses train towards, checked once before any step: a reward of 1e300 overflows here first.

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import zmq
 
 from common import weights
-from common.learner_figures import CANDIDATES, Chart, LearnerCounter, read_latest
+from common.learner_figures import CANDIDATES, Chart, CyclePhase, LearnerCounter, read_latest
 from common.protocol import DEFAULT_MAX_ABS_REWARD
 from common.sd_notify import Notifier
 from common.segments import Segment
@@ -53,6 +53,7 @@ from common.snapshot_serve import SnapshotServer
 from learner_node import checkpoint
 from learner_node.checkpointer import Checkpointer, Progress
 from learner_node.config import LearnerConfig
+from learner_node.cycle import CycleClock
 from learner_node.intake import Intake
 from learner_node.loading import choose_parallelism, join_process_group, load_learner_policy
 from learner_node.publisher import Publisher
@@ -104,7 +105,10 @@ class Learner:
         self.stop_event = threading.Event()
         self.notifier = Notifier() if self.is_main else Notifier({})  # only rank 0 speaks to systemd
         undurable: set[str] = set()  # entries trained, in no checkpoint on disk yet: pending in Redis, left alone by the reader
-        self.reader = StreamReader(cfg, client, self.progress.counters, self.progress.seen, self.stop_event, self.notifier, undurable)
+        self.cycle = CycleClock()  # where the loop's time goes (learner_node/cycle.py), in the figures of every update
+        self.reader = StreamReader(
+            cfg, client, self.progress.counters, self.progress.seen, self.stop_event, self.notifier, undurable, self.cycle
+        )
         self.checkpointer = Checkpointer(cfg, self.trainer, self.progress, self.sharded, self.is_main, undurable)
         self.reader.between_reads = self._acknowledge_durable
         self.per_segment = 1.0  # transitions per segment in the last rollout read
@@ -171,7 +175,7 @@ class Learner:
                 if self.is_main:
                     self.reader.ensure_group()
                     self.owed.backlog = self.owed.backlog or self._backlog()
-                self.owed.settle()
+                self.settle()
                 return
             except REDIS_DOWN as e:
                 self.owed.wait_for_redis(e)
@@ -208,6 +212,7 @@ class Learner:
     # --- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
         self.start()
+        self.cycle.reset()
         # Ready: the stream and consumer group exist, the checkpoint (if resuming) is restored
         # and the current weights are published.
         log.info(
@@ -227,7 +232,7 @@ class Learner:
             try:
                 if self.is_main:
                     self._acknowledge_durable()
-                self.owed.settle()
+                self.settle()
                 self.step()
             except REDIS_DOWN as e:
                 self.owed.wait_for_redis(e)
@@ -251,7 +256,8 @@ class Learner:
 
         An update that would make a weight non-finite is undone whole and its transitions dropped (`_discard`): the
         weights, the optimizers and the KL coefficient stay as they were, and nothing is published."""
-        entries, segments = self.reader.collect() if self.is_main else ([], [])
+        with self.cycle.phase(CyclePhase.READ):
+            entries, segments = self.reader.collect() if self.is_main else ([], [])
         if self.world > 1:  # rank 0 read the stream; everyone trains on the same segments
             shared = [segments, self.stop_event.is_set(), self.sharded and self.owed.unpublished]
             dist.broadcast_object_list(shared, src=0)
@@ -263,14 +269,15 @@ class Learner:
         if not segments:
             if entries:  # only duplicates or malformed entries: nothing to train, but nothing to keep pending either
                 self.owed.unacked = with_samples(entries)
-                self.owed.settle()
+                self.settle()
             return None
         if self.stop_event.is_set():
             # Stopping: an update now would only delay the exit. The segments stay unacknowledged
             # in this consumer's pending list, and a resumed learner trains on them first.
             return None
         started = time.perf_counter()
-        batches = self.trainer.build(segments, self.version, self.stamp())
+        with self.cycle.phase(CyclePhase.PREPARE):
+            batches = self.trainer.build(segments, self.version, self.stamp())
         intake = batches.intake
         if self.is_main:  # a big model's update takes minutes: say when one starts, and on what
             log.info(
@@ -281,11 +288,13 @@ class Learner:
                 intake.dropped_stale,
             )
         train_policy = self.updates >= self.cfg.warmup_updates
-        before = self.trainer.snapshot()
+        with self.cycle.phase(CyclePhase.UPDATE):
+            before = self.trainer.snapshot()
         kl_before = self.trainer.kl.value
         try:
-            parts = self.trainer.parts(batches)
-            metrics = self.trainer.update(parts, train_policy, self.updates)
+            with self.cycle.phase(CyclePhase.PREPARE):
+                parts = self.trainer.parts(batches)
+            metrics = self.trainer.update(parts, train_policy, self.updates, self.cycle)
         except NonFiniteUpdate as e:
             before.restore()
             self.trainer.kl.value = kl_before
@@ -299,6 +308,7 @@ class Learner:
         metrics.update(intake.charts(trained, time.perf_counter() - started, self.version))
         self.save_checkpoint(entries)  # when due, by cadence: rank 0, or every rank its shards
         self.owed.unpublished = bool(train_policy and trained)
+        metrics.update(self.cycle.figures())
         if self.is_main:
             # The update is done once all of this is in Redis; `settle` retries what a Redis outage interrupted
             # before the next rollout is read, so acknowledgement, weights and counters never fall behind silently.
@@ -311,7 +321,7 @@ class Learner:
         if self.sharded and self.owed.unpublished:
             self._publish_sharded()  # before settling, which may raise on rank 0 alone: the gathers must match
         if self.is_main:
-            self.owed.settle()
+            self.settle()
         return metrics
 
     def _count(self, segments: list[Segment], intake: Intake, trained: int, applied: bool = True) -> None:
@@ -352,7 +362,7 @@ class Learner:
         if self.is_main:
             self.owed.unreported = self._figures(metrics, 0)
             self.reporter.tensorboard(metrics, self.updates)
-            self.owed.settle()
+            self.settle()
         if self.discarded_in_row >= self.cfg.max_discarded_updates:
             raise PoisonedInput(
                 f"{self.discarded_in_row} updates in a row were not finite (the last: {error.what}); the weights are "
@@ -365,11 +375,18 @@ class Learner:
         """Rank 0: the entries of the checkpoints written since the last call are owed an acknowledgement, given now
         (between the updates, and between the reads of a rollout: an idle learner must not sit on them), with the
         checkpoint that came due while the one before was being written begun first."""
-        self.checkpointer.catch_up()
-        durable = self.checkpointer.durable()
+        with self.cycle.phase(CyclePhase.CHECKPOINT):
+            self.checkpointer.catch_up()
+            durable = self.checkpointer.durable()
         if durable:
             self.owed.unacked += with_samples(durable)
             self.owed.backlog = self._backlog()  # they left the stream: the limit no longer makes room for them
+            self.settle()
+
+    def settle(self) -> None:
+        """Rank 0: the Redis work an update owes (acknowledgements, figures, the weights, the backlog limit) done now
+        (learner_node/redis_work.py), as publication in the cycle profile."""
+        with self.cycle.phase(CyclePhase.PUBLISH):
             self.owed.settle()
 
     def _backlog(self) -> int:
@@ -381,14 +398,16 @@ class Learner:
     def checkpoint_all(self) -> None:
         """Every update so far into a checkpoint on disk (the write in progress waited for, what was trained since
         written now), its entries then owed an acknowledgement: before the learner stops (called on every rank)."""
-        durable = self.checkpointer.flush()
+        with self.cycle.phase(CyclePhase.CHECKPOINT):
+            durable = self.checkpointer.flush()
         if self.is_main:
             self.owed.unacked += with_samples(durable)
 
     def save_checkpoint(self, entries: list[tuple[str, dict]]) -> None:
         """Called on every rank after an update: a checkpoint when one is due (learner_node/checkpointer.py), which a
         sharded learner's ranks agree on as rank 0 says."""
-        self.checkpointer.after_update(entries, self._agree)
+        with self.cycle.phase(CyclePhase.CHECKPOINT):
+            self.checkpointer.after_update(entries, self._agree)
 
     def _agree(self, due: bool) -> bool:
         shared = [due]
@@ -416,7 +435,8 @@ class Learner:
         others waiting: its gathers are finished, the version stays unpublished, and `step` has every rank
         publish it again before the next update (rank 0 says so with the rollout it shares)."""
         try:
-            self.publish()
+            with self.cycle.phase(CyclePhase.PUBLISH):
+                self.publish()
             self.owed.unpublished = False
         except (*REDIS_DOWN, redis.ResponseError, OSError) as e:  # also a full Redis (OOM) or weights_dir (ENOSPC, EROFS)
             log.error("policy version %d not published (%s): every rank gathers it again before the next update", self.version, e)

@@ -20,13 +20,14 @@ from learner_node import checkpoint
 from tests.processes import PPOZ
 
 
-def write_segments(redis_client, prefix: str, n: int) -> set[str]:
-    """n one-step bandit segments in the broker's stream format, written by the broker's own store code."""
+def write_segments(redis_client, prefix: str, n: int, first: int = 0) -> set[str]:
+    """n one-step bandit segments in the broker's stream format, written by the broker's own store code (`first`: the
+    number of the first, for segments written after others)."""
     store = SessionStore(redis_client, RedisKeys(prefix), "learners")
     store.ensure_stream()
     ids = set()
     batch = Batch()
-    for i in range(n):
+    for i in range(first, first + n):
         session = Session(f"emu-{i % 4}", segment_len=8, seq=i // 4)
         t = {
             "obs": {"prompt": "Pick the best colour.", "question": " Answer: ", "action": ["red", "green", "blue"]},

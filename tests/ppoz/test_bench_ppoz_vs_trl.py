@@ -144,6 +144,10 @@ def test_the_ppoz_leg_trains_the_long_task_and_validates_while_it_trains(tmp_pat
     assert summary["validations"] and all(0.0 <= v <= 1.0 for _, v in summary["validations"])
     rows = [json.loads(line) for line in (tmp_path / "run" / "train" / "progress.jsonl").read_text().splitlines()]
     assert any("val_reward" in row for row in rows)
+    # the learner's loop profiled, up to its last update: the bench shows it per leg
+    cycle = summary["learner_cycle"]
+    assert set(cycle) == {"read", "idle", "prepare", "update", "checkpoint", "publish", "other"}, cycle
+    assert cycle["update"] > 0 and all(seconds >= 0 for seconds in cycle.values()), cycle
 
 
 def test_the_decode_profile_runs_the_engine_and_generate_on_a_task(tmp_path) -> None:
@@ -155,3 +159,16 @@ def test_the_decode_profile_runs_the_engine_and_generate_on_a_task(tmp_path) -> 
     timed = [line for line in done.stdout.splitlines() if line.startswith("long, ")]
     assert len(timed) == 6, done.stdout[-3000:]  # 2 cache settings x 2 passes, generate twice
     assert "Self CPU time total" in done.stdout
+
+
+def test_the_learners_loop_is_shown_as_median_shares_of_the_runs_that_profiled_it():
+    profiled = [run(100, 10.0), run(100, 10.0), run(100, 10.0), run(100, 10.0)]
+    profiled[0].cycle = {"idle": 6.0, "update": 3.0, "read": 1.0}  # 60% idle, 30% update, 10% read
+    profiled[1].cycle = {"idle": 2.0, "update": 6.0, "read": 2.0}  # 20%, 60%, 20%
+    profiled[2].cycle = {"idle": 1.0, "update": 1.0, "read": 2.0}  # 25%, 25%, 50%
+    # profiled[3] has none (a trl run, or a learner that never updated): left out, not counted as zeros
+    assert profiled[0].cycle_shares == {"idle": 0.6, "update": 0.3, "read": 0.1}
+    figures = summarise(profiled)
+    assert figures["learner_cycle_shares"] == {"idle": 0.25, "update": 0.3, "read": 0.2}
+    assert profiled[1].figures()["learner_cycle_shares"] == {"idle": 0.2, "update": 0.6, "read": 0.2}
+    assert "learner_cycle_shares" not in summarise([run(10, 1.0)]) and "learner_cycle_shares" not in run(10, 1.0).figures()

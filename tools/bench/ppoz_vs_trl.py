@@ -32,6 +32,9 @@ Figures per task and leg, medians of `--repeats` runs with min and max, legs alt
   descendant it waited for (os.wait4 on the leg's process);
 - peak memory: the largest resident set of the leg's whole process tree at once (`peak_tree_mb`, sampled
   every TREE_SAMPLE_S from /proc), and of its largest process (`peak_rss_mb`, ru_maxrss).
+- the ppoz learner's loop (`learner_cycle_shares`, from the summary's `learner_cycle`, learner_node/cycle.py):
+  the share of its wall time reading the stream, idle (waiting for data), preparing batches (with the passes
+  without gradients), updating, on checkpoints, publishing, and the rest, up to its last update.
 Threads: the ppoz leg's processes share the cores (OMP_NUM_THREADS, ppoz/up.py: the cores over the torch
 processes, 1 each for the actor and the learner on 2 cores); the trl leg is one process on torch's default
 (every core) unless `--trl-threads` says otherwise. On a busy machine a process with more torch threads than
@@ -126,6 +129,13 @@ class LegRun:
     peak_rss_mb: float  # the largest resident set of any one of those processes
     peak_tree_mb: float  # the largest resident set of the whole process tree at once
     summary: dict[str, Any] = field(default_factory=dict)
+    cycle: dict[str, float] = field(default_factory=dict)  # the ppoz learner's seconds by part of its loop ({} for trl)
+
+    @property
+    def cycle_shares(self) -> dict[str, float]:
+        """The learner's loop by part (read, idle, prepare, update, checkpoint, publish, other), as shares of its time."""
+        total = sum(self.cycle.values())
+        return {part: seconds / total for part, seconds in self.cycle.items()} if total > 0 else {}
 
     @property
     def responses_per_s(self) -> float:
@@ -154,6 +164,7 @@ class LegRun:
             "cores": round(self.cores, 2),
             "peak_rss_mb": round(self.peak_rss_mb, 1),
             "peak_tree_mb": round(self.peak_tree_mb, 1),
+            **({"learner_cycle_shares": {k: round(v, 4) for k, v in self.cycle_shares.items()}} if self.cycle else {}),
         }
 
 
@@ -256,6 +267,7 @@ def _leg_run(name: str, command: list[str], seconds: float, target: float | None
         peak_rss_mb=usage.ru_maxrss / 1024,  # kilobytes on Linux
         peak_tree_mb=peak_tree_mb,
         summary=summary,
+        cycle={str(k): float(v) for k, v in (summary.get("learner_cycle") or {}).items()},
     )
 
 
@@ -301,7 +313,15 @@ def summarise(runs: list[LegRun]) -> dict[str, Any]:
         "peak_rss_mb": _spread([r.peak_rss_mb for r in runs]),
         "seconds": statistics.median(r.seconds for r in runs),
         "samples": statistics.median(r.samples for r in runs),
+        **({"learner_cycle_shares": cycle_medians(runs)} if any(r.cycle for r in runs) else {}),
     }
+
+
+def cycle_medians(runs: list[LegRun]) -> dict[str, float]:
+    """The median share of each part of the learner's loop over the runs that reported a profile."""
+    profiled = [r.cycle_shares for r in runs if r.cycle_shares]
+    parts = dict.fromkeys(part for shares in profiled for part in shares)
+    return {part: round(statistics.median(shares.get(part, 0.0) for shares in profiled), 4) for part in parts}
 
 
 def ratio(result: dict[str, Any], top: str = "ppoz", bottom: str = "trl") -> float | None:
@@ -417,3 +437,7 @@ def print_task(name: str, r: dict[str, Any], legs: list[str]) -> None:
         )
     if r["ppoz_over_trl"] is not None:
         print(f"ppoz / trl, median responses/s: {r['ppoz_over_trl']:.2f}x")
+    for leg in legs:
+        if r.get(leg, {}).get("learner_cycle_shares"):
+            shares = "  ".join(f"{part} {share:.0%}" for part, share in r[leg]["learner_cycle_shares"].items())
+            print(f"{leg} learner's loop (median shares): {shares}")
