@@ -23,9 +23,9 @@ class Reporter:
         self.notifier = notifier
         self.writer: Any = None
         if tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.writer import FileWriter
 
-            self.writer = SummaryWriter(tensorboard_dir)
+            self.writer = FileWriter(tensorboard_dir)
 
     def update(self, metrics: Mapping[str, float], n: int, updates: int, version: int, trained_kind: str) -> None:
         """An applied update of `n` transitions: the status and log lines show the figures of the kind of policy it
@@ -59,12 +59,19 @@ class Reporter:
         )
 
     def tensorboard(self, metrics: Mapping[str, float], updates: int) -> None:
-        """Every figure but NaN, at step `updates`."""
+        """Every figure but NaN, at step `updates`: one event holding them all. SummaryWriter.add_scalar builds an
+        event a figure (~140 us each: 8 ms an update of 60 figures, 8% of the demo learner's loop by its cycle
+        profile); one summary of 60 values takes 0.5 ms, and TensorBoard reads each value as the same scalar."""
         if self.writer is None:
             return
-        for key, value in metrics.items():
-            if not (isinstance(value, float) and math.isnan(value)):
-                self.writer.add_scalar(key, value, updates)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [
+            Summary.Value(tag=key, simple_value=float(value))
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not math.isnan(value)
+        ]
+        self.writer.add_summary(Summary(value=values), updates)
         self.writer.flush()
 
     def close(self) -> None:
