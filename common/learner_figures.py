@@ -121,7 +121,7 @@ class CyclePhase(StrEnum):
     PREPARE = "prepare"  # a rollout's batches built, and the passes without gradients (proximal, reference, values)
     UPDATE = "update"  # the optimizer's passes, and the copy that can undo them
     CHECKPOINT = "checkpoint"  # what the checkpoints keep the loop waiting for (the copy; the write runs beside)
-    PUBLISH = "publish"  # acknowledgements and figures into Redis; the weights' copy, stored in the background
+    PUBLISH = "publish"  # acknowledgements, figures and weights into Redis, and the announcement
     OTHER = "other"  # the rest of the loop: logging, TensorBoard
 
     @property

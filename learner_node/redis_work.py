@@ -19,7 +19,6 @@ import redis
 from common.learner_figures import write_latest
 from common.sd_notify import Notifier
 from learner_node.config import LearnerConfig
-from learner_node.publisher import Publisher
 from learner_node.stream_reader import StreamReader, Unacked
 
 log = logging.getLogger("learner_node.worker.redis_work")  # under the worker's logger, as before the split
@@ -35,7 +34,6 @@ class RedisWork:
     client: redis.Redis
     reader: StreamReader
     publish: Callable[[], None]
-    publisher: Publisher  # its background publication, checked and waited for here
     notifier: Notifier
     stop_event: threading.Event
     sharded: bool
@@ -55,7 +53,6 @@ class RedisWork:
         """
         if not self.is_main:
             return
-        self._published(self.publisher.check)
         if self.unacked:
             self.reader.acknowledge(self.unacked)
             self.unacked = []
@@ -69,27 +66,12 @@ class RedisWork:
             self.client.set(self.cfg.store.keys.learner_backlog, self.backlog)
             self.backlog = 0
 
-    def finish_publishing(self) -> None:
-        """Rank 0: wait for the publication in flight; if it failed, the version is owed again and the failure raised."""
-        if self.is_main:
-            self._published(self.publisher.wait)
-
-    def _published(self, ended: Callable[[], None]) -> None:
-        """The background publication's end (`ended`: the publisher's `check` or `wait`); if it failed, the newest
-        version is owed again, and the failure raised as any other of the Redis work."""
-        try:
-            ended()
-        except BaseException:
-            self.unpublished = True
-            raise
-
     def settle_before_exit(self) -> None:
-        """The last update's Redis work before the loop ends, the publication in flight included: waited for after
-        `max_updates`; tried once when stopped (then a learner resumed from the checkpoint finishes it)."""
+        """The last update's Redis work before the loop ends: waited for after `max_updates`;
+        tried once when stopped (then a learner resumed from the checkpoint finishes it)."""
         while True:
             try:
                 self.settle()
-                self.finish_publishing()  # failed: stored again by the next try's `settle`
                 return
             except REDIS_DOWN as e:
                 if self.stop_event.is_set():

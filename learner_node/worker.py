@@ -12,8 +12,7 @@ The data path of one update, in order, and why the order matters:
 4. acknowledge (XACK) and delete those entries once their checkpoint is on disk:
    only then, so a crash at any earlier point leaves them pending and they are
    trained again from the previous checkpoint's weights, never twice and never lost;
-5. store the new weights in Redis, then announce them on PUB: in the background, from a copy, while the next
-   rollout is read and trained (learner_node/publisher.py); a sharded learner's ranks gather them in the loop.
+5. store the new weights in Redis, then announce them on PUB.
 
 Several processes (`accelerate launch --num_processes N -m ppoz.cli learner ...`,
 one per GPU): rank 0 alone reads the stream, checkpoints, acknowledges and
@@ -116,9 +115,7 @@ class Learner:
         self.publisher = Publisher(cfg, client, self.lp, context or zmq.Context.instance(), self.sharded, self.is_main)
         self.reporter = Reporter(self.notifier, cfg.tensorboard_dir if self.is_main else "")
         # Work an update left undone when Redis went away after its checkpoint: done before the next rollout.
-        self.owed = RedisWork(
-            cfg, client, self.reader, lambda: self.publish(), self.publisher, self.notifier, self.stop_event, self.sharded, self.is_main
-        )
+        self.owed = RedisWork(cfg, client, self.reader, lambda: self.publish(), self.notifier, self.stop_event, self.sharded, self.is_main)
 
     # --- what the parts hold, by the names the learner's users know ----------------------------
     @property
@@ -179,7 +176,6 @@ class Learner:
                     self.reader.ensure_group()
                     self.owed.backlog = self.owed.backlog or self._backlog()
                 self.settle()
-                self.owed.finish_publishing()  # ready means the weights are out: an actor started now finds them
                 return
             except REDIS_DOWN as e:
                 self.owed.wait_for_redis(e)

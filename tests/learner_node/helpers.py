@@ -1,17 +1,10 @@
-"""Synthetic on-policy data for learner tests, scored by the actor's own policy code; a Redis a test may kill."""
+"""Synthetic on-policy data for learner tests, scored by the actor's own policy code."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-import redis
 import torch
 
 from actor_node.llm_policy import LLMPolicy, SamplingConfig
-from common.redis_server import EmbeddedRedis, connect
 from common.segments import CandidateObservation, Segment, Transition
 
 BANDIT = {"prompt": "Pick the best colour.", "question": " Answer: ", "action": ["red", "green", "blue"]}
@@ -40,18 +33,3 @@ def on_policy_segments(model, tokenizer, n: int, version: int = 0, seed: int = 0
             Segment(seg_id=f"t{i}:0", task_id=f"t{i}", seq=0, reason="done", done=True, truncated=False, next_obs=None, transitions=[t])
         )
     return segments
-
-
-@contextmanager
-def restartable_redis() -> Iterator[tuple[EmbeddedRedis, redis.Redis]]:
-    """A Redis of the test's own on its append-only file (every write synced), which the test may SIGKILL and
-    start again with its data; and a client of it."""
-    data_dir = tempfile.mkdtemp(prefix="ppoz-aof-")  # short: unix socket path limit
-    server = EmbeddedRedis(appendonly=True, appendfsync="always", data_dir=data_dir).start()
-    client = connect(server.url)
-    try:
-        yield server, client
-    finally:
-        client.close()
-        server.stop()
-        shutil.rmtree(data_dir, ignore_errors=True)

@@ -10,26 +10,30 @@ that update was its last (`max_updates`).
 
 from __future__ import annotations
 
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
 import pytest
 
 from common import learner_figures, weights
-from common.redis_server import connect
+from common.redis_server import EmbeddedRedis, connect
 from common.shared_settings import PolicySpec, StoreSettings
 from learner_node.config import LearnerConfig
 from learner_node.worker import Learner
 from tests.helpers import REDIS_S
-from tests.learner_node.helpers import restartable_redis
 from tests.learner_node.test_resume import write_segments
 
 
 @pytest.mark.slow
 def test_an_outage_after_the_checkpoint_delays_the_updates_redis_work_but_loses_none_of_it(tiny_models, tmp_path, caplog):
+    data_dir = tempfile.mkdtemp(prefix="ppoz-out-")  # short: unix socket path limit
+    server = EmbeddedRedis(appendonly=True, appendfsync="always", data_dir=data_dir).start()
+    client = connect(server.url)
     prefix = "outage"
-    with restartable_redis() as (server, client):
+    try:
         write_segments(client, prefix, 4)
         cfg = LearnerConfig(
             policy=PolicySpec(model=tiny_models["llama"], lora_rank=0, normalisation="token"),
@@ -77,3 +81,7 @@ def test_an_outage_after_the_checkpoint_delays_the_updates_redis_work_but_loses_
         counters = learner_figures.counters(learner_figures.read_latest(after, prefix))
         assert counters["transitions_stored"] == counters["transitions_trained"] == 4  # the ledger's learner side
         after.close()
+    finally:
+        client.close()
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
