@@ -60,8 +60,9 @@ class Reporter:
 
     def tensorboard(self, metrics: Mapping[str, float], updates: int) -> None:
         """Every figure but NaN, at step `updates`: one event holding them all. SummaryWriter.add_scalar builds an
-        event a figure (~140 us each: 8 ms an update of 60 figures, 8% of the demo learner's loop by its cycle
-        profile); one summary of 60 values takes 0.5 ms, and TensorBoard reads each value as the same scalar."""
+        event a figure (~135 us each: 8 ms an update of 60 figures, most of the demo learner's `other` in its cycle
+        profile); one summary of 60 values takes 0.8 ms (docs/benchmarks.md), and TensorBoard reads each value as
+        the same scalar."""
         if self.writer is None:
             return
         from tensorboard.compat.proto.summary_pb2 import Summary
