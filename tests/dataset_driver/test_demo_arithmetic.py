@@ -30,13 +30,12 @@ def test_the_arithmetic_demo_learns_and_stays_learned(tmp_path) -> None:
     # learned (greedy validation over all 25 sums), and the sampled reward held up over the last third of the run.
     # The run is two minutes of wall time, so how far it gets depends on the CPU it is given: alone on the 2-core
     # VM its last three reports averaged 0.40 (val 0.04 -> 0.40); beside the kill-and-resume test in a fresh-clone
-    # CI run, 0.24 (val 0.04 -> 0.28); in another (2026-12-07), 0.19 (val 0.04 -> 0.36, rising from 0.08 over the
-    # run), which the old bar of 0.2 failed. The last three reports and the last third are both held to 3 times
-    # chance on their mean, not their lowest report: each report is a small sample, and a run that learned (val
-    # 0.04 -> 0.28, last three 0.22 0.24 0.24) failed on one report of 0.14 among them; a policy fallen back to
-    # chance would average ~0.06 there.
+    # CI run, 0.24 (val 0.04 -> 0.28). The bar, 0.2, is 3.4 times chance over the last three reports. The last
+    # third is held to 3 times chance on its mean, not its lowest report: each report is a small sample, and a run
+    # that learned (val 0.04 -> 0.28, last three 0.22 0.24 0.24) failed on one report of 0.14 among them; a
+    # policy fallen back to chance would average ~0.06 there.
     assert summary["val_after"] >= summary["val_before"] + 0.2, trace
-    assert min(statistics.mean(rewards[-len(rewards) // 3 :]), statistics.mean(rewards[-3:])) >= 3 * chance, trace
+    assert statistics.mean(rewards[-len(rewards) // 3 :]) >= 3 * chance and statistics.mean(rewards[-3:]) >= 0.2, trace
     assert summary["unrewarded"] == 0 and summary["learner"]["version"] >= 20, trace
     # all weights trained: the summary points to them (no adapter), and the closing lines say where
     assert summary["adapter"] is None and summary["weights"].endswith("policy.safetensors"), summary
