@@ -70,14 +70,14 @@ class StreamReader:
         Every rollout reads, in this order: this consumer's own pending entries (a rollout read
         before a restart or a Redis outage, or entries delivered by a read whose reply was lost
         and which redis-py retried), entries a dead consumer left pending for `claim_idle_ms`,
-        then new entries. Each source is read with a cursor, and an entry id is taken at most
+        then new entries; the first two only when they hold something (`_sources`). Each source is read with a cursor, and an entry id is taken at most
         once per rollout: a pending entry is never trained twice, nor counted twice as stored.
         """
         entries: list[tuple[str, dict]] = []
         rollout: list[Segment] = []
         taken: set[str] = set()
         transitions = 0
-        self._own_cursor, self._claim_cursor = "0", "0-0"
+        self._own_cursor, self._claim_cursor = self._sources()
         give_up = time.monotonic() + self.cfg.rollout_timeout_s if self.cfg.rollout_timeout_s else math.inf
         while transitions < self.cfg.rollout_batch and not self.stop_event.is_set():
             self.notifier.watchdog()  # waiting for data is not hanging
@@ -107,6 +107,25 @@ class StreamReader:
                 transitions += len(seg.transitions)
                 self._largest_segment = max(self._largest_segment or 0, len(seg.transitions))
         return entries, rollout
+
+    def _sources(self) -> tuple[str | None, str | None]:
+        """The start cursors of this rollout's own pending and claimed reads; None skips a source that holds nothing
+        to read, as two counts in one round trip say.
+
+        This consumer's pending entries are mostly those it trained that wait for their checkpoint (`undurable`):
+        scanning them every rollout re-read each one's fields at every update until its checkpoint was written, a
+        rollout's worth with a checkpoint after every update and O(backlog) with a cadence of seconds. They are
+        scanned only when the consumer holds more pending entries than those (a restart, a reply lost and retried).
+        The claim scan walks the whole pending list in steps of ten times the read's COUNT; it runs only when
+        some entry has been idle for `claim_idle_ms`. (A count that matches while an entry of `undurable` was
+        taken over by another consumer and an unknown one is pending leaves that one to the claim scan, once idle.)"""
+        group = self.cfg.store.consumer_group
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xpending(self.stream, group)
+        pipe.xpending_range(self.stream, group, "-", "+", 1, idle=self.cfg.claim_idle_ms)
+        summary, idle = pipe.execute()
+        mine = sum(int(c["pending"]) for c in summary["consumers"] if _text(c["name"]) == self.cfg.consumer)
+        return ("0" if mine > len(self.undurable) else None), ("0-0" if idle else None)
 
     def _entries_for(self, transitions: int) -> int:
         """How many stream entries to ask for when `transitions` more are wanted.

@@ -384,8 +384,8 @@ class Learner:
             self.settle()
 
     def settle(self) -> None:
-        """Rank 0: the Redis work an update owes (acknowledgements, figures, the weights, the backlog limit) done now
-        (learner_node/redis_work.py), as publication in the cycle profile."""
+        """The Redis work an update owes (acknowledgements, figures, the weights, the backlog limit) done now
+        (learner_node/redis_work.py; rank 0's work, a no-op on the other ranks), as publication in the cycle profile."""
         with self.cycle.phase(CyclePhase.PUBLISH):
             self.owed.settle()
 
