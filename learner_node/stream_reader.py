@@ -70,8 +70,9 @@ class StreamReader:
         Every rollout reads, in this order: this consumer's own pending entries (a rollout read
         before a restart or a Redis outage, or entries delivered by a read whose reply was lost
         and which redis-py retried), entries a dead consumer left pending for `claim_idle_ms`,
-        then new entries; the first two only when they hold something (`_sources`). Each source is read with a cursor, and an entry id is taken at most
-        once per rollout: a pending entry is never trained twice, nor counted twice as stored.
+        then new entries; the first two only when they hold something (`_sources`). Each source is
+        read with a cursor, and an entry id is taken at most once per rollout: a pending entry is
+        never trained twice, nor counted twice as stored.
         """
         entries: list[tuple[str, dict]] = []
         rollout: list[Segment] = []
