@@ -57,8 +57,8 @@ class BrokerConfig:
     max_stream_backlog: int = option(
         -1,
         "`ask` answers wait, and steps wait in the queue (step_hold_share), while the segment stream holds more"
-        " transitions than this; -1: the limit the learner publishes (what it trains within its policy-lag bound), 0: no"
-        " limit. Keep a limit above the learner's rollout_batch x (1 + checkpoint_every), or neither side can move",
+        " transitions no learner has read yet than this (what it has read and waits for its checkpoint does not count);"
+        " -1: the limit the learner publishes (what it trains within its policy-lag bound), 0: no limit",
     )
     step_hold_share: float = option(
         0.25,

@@ -110,8 +110,9 @@ def prometheus_text(status: dict[str, Any]) -> str:
     metric("pending_steps", "gauge", "sessions with a step waiting for its feedback", [({}, status["pending_steps"])])
     metric("queued_jobs", "gauge", "steps waiting for an actor", [({}, status["queued_jobs"])])
     metric("jobs_in_flight", "gauge", "steps queued or being scored", [({}, status["jobs"])])
-    metric("stream_backlog", "gauge", "closed segments in the Redis stream not yet trained on", [({}, status["stream_length"])])
-    transitions = "the transitions those segments hold (what back-pressure limits)"
+    metric("stream_backlog", "gauge", "closed segments in the Redis stream, read or not", [({}, status["stream_length"])])
+    metric("stream_read", "gauge", "of them, read by a learner and kept until its checkpoint holds them", [({}, status["stream_read"])])
+    transitions = "the transitions of the segments no learner has read yet (what back-pressure limits)"
     metric("stream_backlog_transitions", "gauge", transitions, [({}, status["stream_transitions"])])
     metric("storage_ok", "gauge", "1 while Redis accepts writes", [({}, 1.0 if status["storage_ok"] else 0.0)])
     metric("steps_per_second", "gauge", "steps answered per second over the last 10 s", [({}, status.get("steps_per_s", 0.0))])

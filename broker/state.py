@@ -56,7 +56,8 @@ class BrokerState:
         self.metrics: collections.Counter[str] = new_counters()  # every documented key, from 0
         self.step_rate = RateWindow()
         self.stream_length = 0  # entries (segments) in the stream, read from Redis
-        self.tally = StreamTally(config.segment_len)  # ... and the transitions they hold (broker/backlog.py)
+        self.stream_read = 0  # ... of them read by a learner, kept until its checkpoint holds them: no backlog
+        self.tally = StreamTally(config.segment_len)  # the transitions of those unread (broker/backlog.py)
         # Back-pressure: `ask` answers wait while the stream holds more transitions than this (0: no limit). With
         # max_stream_backlog -1 it is what the learner publishes, re-read with the stream length.
         self.backlog_limit = max(0, self.cfg.max_stream_backlog)
@@ -145,15 +146,17 @@ class BrokerState:
     def _read_stream_state(self) -> None:
         """The stream's length, and the learner's backlog limit where the broker follows it (max_stream_backlog -1)."""
         self._stream_read_at = self.now
-        length, learner_limit = self.store.stream_state()
-        self.stream_length = length
+        length, read, learner_limit = self.store.stream_state()
+        self.stream_length, self.stream_read = length, read
         if self.cfg.max_stream_backlog < 0:
             self.backlog_limit = learner_limit
 
     @property
     def stream_transitions(self) -> int:
-        """The transitions in the stream's segments (broker/backlog.py)."""
-        return self.tally.transitions(self.stream_length)
+        """The transitions in the stream's segments no learner has read yet (broker/backlog.py): the backlog. What a
+        learner has read is trained or being trained; that it stays in the stream until a checkpoint holds it delays
+        nothing behind it, so counting it would hold clients back while the learner waits for them."""
+        return self.tally.transitions(self.stream_length - self.stream_read)
 
     @property
     def over_backlog(self) -> bool:

@@ -31,6 +31,7 @@ class StatusReport(BrokerState):
             "queued_jobs": len(self.queue),
             "jobs": len(self.jobs),
             "stream_length": self.stream_length,
+            "stream_read": self.stream_read,
             "stream_transitions": self.stream_transitions,
             "stream_backlog_limit": self.backlog_limit,
             "storage_ok": self.storage_ok,

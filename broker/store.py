@@ -291,18 +291,25 @@ class SessionStore:
         lengths = self.client.eval(NEWEST_LENGTHS, 1, self.keys.stream, newest, seg.F_N)
         return [int(n) for n in reversed(lengths) if n.isdigit()]  # an entry without a count is left to the mean
 
-    def stream_state(self) -> tuple[int, int]:
-        """(entries in the segment stream, the backlog limit the learner publishes), in one round trip.
-        The limit is 0 while none is published (or it is not a positive number)."""
+    def stream_state(self) -> tuple[int, int, int]:
+        """(entries in the segment stream, of them those a learner has read and not yet acknowledged, the backlog
+        limit the learner publishes), in one round trip. Read entries stay in the stream until the checkpoint that
+        holds them is durable (learner_node/checkpointer.py); they are no backlog: nothing waits behind them. Pending
+        is 0 while the learners' group is missing (a reset Redis, before `ensure_stream` runs again); the limit is 0
+        while none is published (or it is not a positive number)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.xlen(self.keys.stream)
+        pipe.xpending(self.keys.stream, self.group)
         pipe.get(self.keys.learner_backlog)
-        length, limit = pipe.execute()
+        length, pending, limit = pipe.execute(raise_on_error=False)
+        if isinstance(length, Exception):
+            raise length
+        read = pending["pending"] if isinstance(pending, dict) else 0
         try:
-            return int(length), max(0, int(limit)) if limit is not None else 0
-        except ValueError:
+            return int(length), int(read), max(0, int(limit)) if limit is not None else 0
+        except (ValueError, TypeError):
             log.warning("ignoring a malformed learner backlog limit %r", limit)
-            return int(length), 0
+            return int(length), int(read), 0
 
 
 # The `n` field of the newest ARGV[1] entries of KEYS[1], newest first ("" for an entry without it).

@@ -112,7 +112,7 @@ class Checkpointer:
     def catch_up(self) -> None:
         """While the learner waits for data (rank 0, between its reads): begin the checkpoint that came due while the
         one before was still being written, or by time, so that an idle learner does not sit on entries it trained
-        (they count in the broker's backlog, and another consumer takes over entries left pending claim_idle_ms).
+        (a crash would lose their updates, and another consumer takes over entries left pending claim_idle_ms).
         Nothing changes the weights meanwhile. Not for a sharded learner: its save is a collective of all ranks,
         begun after an update only (written at once, so never left due by a write in progress; one due by
         `checkpoint_every_s` while it idles waits for the next update)."""

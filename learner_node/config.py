@@ -147,9 +147,7 @@ class LearnerConfig(UpdateConfig):
     rollout_batch: int = option(64, "transitions per update")
     rollout_timeout_s: float = option(
         0.0,
-        "train on the transitions in hand once a rollout has waited this long (0: always wait for "
-        "rollout_batch); keep a fixed max_stream_backlog of the broker's above rollout_batch x (1 + checkpoint_every)"
-        " either way",
+        "train on the transitions in hand once a rollout has waited this long (0: always wait for rollout_batch)",
     )
     max_policy_lag: int = option(
         8,

@@ -68,16 +68,19 @@ log = logging.getLogger(__name__)
 
 
 def backlog_limit(rollout_batch: int, max_policy_lag: int) -> int:
-    """The stream backlog (transitions in closed segments) this learner can train within its policy-lag bound.
+    """The stream backlog (transitions in closed segments no learner has read yet) this learner can train within
+    its policy-lag bound.
 
     Each update consumes about `rollout_batch` transitions and moves the policy one version, so a
-    transition that waits behind B transitions is trained about B / rollout_batch versions after
-    it was scored. Holding the backlog to half the lag bound's worth keeps the lag of what the
-    actors produce while the learner trains (one more rollout) within the bound, whatever the
-    learner's pace: a slow learner makes the actors wait instead of making the data stale. Never
-    less than two rollouts, or actors and learner could wait on each other.
+    transition that waits behind B unread transitions is trained about B / rollout_batch + 1 versions
+    after it was scored (the update in progress, then those before it). Holding the backlog to half
+    the lag bound's worth, less the rollout being trained, keeps the lag of what the actors produce
+    within the bound, whatever the learner's pace: a slow learner makes the actors wait instead of
+    making the data stale. Never less than one rollout: the next one, read as this update ends. What
+    the learner has read no longer counts (the broker counts unread entries), so neither the rollout
+    in training nor the entries waiting for their checkpoint hold the actors back.
     """
-    return max(2, max_policy_lag // 2) * rollout_batch
+    return max(1, max_policy_lag // 2 - 1) * rollout_batch
 
 
 class Learner:
@@ -111,7 +114,6 @@ class Learner:
         )
         self.checkpointer = Checkpointer(cfg, self.trainer, self.progress, self.sharded, self.is_main, undurable)
         self.reader.between_reads = self._acknowledge_durable
-        self.per_segment = 1.0  # transitions per segment in the last rollout read
         self.publisher = Publisher(cfg, client, self.lp, context or zmq.Context.instance(), self.sharded, self.is_main)
         self.reporter = Reporter(self.notifier, cfg.tensorboard_dir if self.is_main else "")
         # Work an update left undone when Redis went away after its checkpoint: done before the next rollout.
@@ -314,7 +316,6 @@ class Learner:
             # before the next rollout is read, so acknowledgement, weights and counters never fall behind silently.
             self.owed.unacked += with_samples(self.checkpointer.durable())
             self.owed.unreported = self._figures(metrics, trained)
-            self.per_segment = intake.stored / len(segments)
             self.owed.backlog = self._backlog()
             trained_kind = parts[0].batch.prefix if parts else CANDIDATES
             self.reporter.update(metrics, trained, self.updates, self.version, trained_kind)
@@ -380,7 +381,6 @@ class Learner:
             durable = self.checkpointer.durable()
         if durable:
             self.owed.unacked += with_samples(durable)
-            self.owed.backlog = self._backlog()  # they left the stream: the limit no longer makes room for them
             self.settle()
 
     def settle(self) -> None:
@@ -390,10 +390,9 @@ class Learner:
             self.owed.settle()
 
     def _backlog(self) -> int:
-        """The backlog limit to publish: what this learner trains within its lag bound, and the entries it trained
-        that wait for their checkpoint, still in the stream (the broker counts them), at the last rollout's length."""
-        waiting = round(len(self.checkpointer.undurable) * self.per_segment)
-        return backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag) + waiting
+        """The backlog limit to publish (`backlog_limit`), again after every update: a Redis that lost its keys gets
+        it back."""
+        return backlog_limit(self.cfg.rollout_batch, self.cfg.max_policy_lag)
 
     def checkpoint_all(self) -> None:
         """Every update so far into a checkpoint on disk (the write in progress waited for, what was trained since

@@ -124,7 +124,9 @@ def main(args: argparse.Namespace) -> int:
                 frontend="tcp://127.0.0.1:*",
                 backend="tcp://127.0.0.1:*",
                 store=store,
-                max_stream_backlog=16 * app.horizon,  # transitions: 16 whole episodes
+                # transitions no learner has read: 12 whole episodes, three rollouts ready while one trains (before the
+                # broker left out what the learner has read, 16 episodes counted the rollout in training among them)
+                max_stream_backlog=12 * app.horizon,
                 segment_len=app.horizon,
             ),
             connect(redis_server.url),

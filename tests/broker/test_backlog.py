@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from broker.backlog import StreamTally
+from common.segments import RedisKeys
 from tests.broker.test_broker import obs, running
+from tests.helpers import wait_for
 
 
 def test_the_newest_segments_are_counted_at_their_own_lengths_older_ones_at_the_mean():
@@ -72,3 +74,28 @@ def test_a_broker_started_on_a_stream_reads_its_segments_lengths(start_broker, s
     _, again = running(start_broker, start_actor, make_client, segment_len=4)
     status = again.status()
     assert (status["stream_length"], status["stream_transitions"]) == (2, 6)
+
+
+def test_what_a_learner_has_read_is_no_backlog(start_broker, start_actor, make_client, redis_client, key_prefix):
+    """Entries a learner has read stay in the stream until a checkpoint holds them (learner_node/checkpointer.py);
+    nothing waits behind them. With a limit of one rollout (2 transitions, as the arithmetic demo's fixed 32), three
+    segments are over it; once a learner reads two of them, the one left is under it and asks go on, though the
+    stream still holds all three (the broker counted them before: the learner then waited for the clients it held)."""
+    broker, client = running(start_broker, start_actor, make_client, segment_len=1, max_stream_backlog=2, ask_hold_ms=0)
+    task = client.attach()
+    for n in range(4):  # one-step segments, each closed by the next step: three in the stream
+        client.step(task, obs(n))
+        client.feedback(task, reward=0.0, done=False)
+    status = client.status()
+    assert (status["stream_length"], status["stream_read"], status["stream_transitions"]) == (3, 0, 3)
+    assert client.ask(task)["reason"] == "stream_backlog"
+    keys = RedisKeys(key_prefix)
+    read = redis_client.xreadgroup(broker.config.store.consumer_group, "learner-0", {keys.stream: ">"}, count=2)
+    assert len(read[0][1]) == 2  # read, not acknowledged: pending in the group, still in the stream
+    wait_for(lambda: client.status()["stream_read"] == 2, what="the broker to re-read the stream (every second)")
+    status = client.status()
+    assert (status["stream_length"], status["stream_transitions"]) == (3, 1)
+    assert client.ask(task)["status"] == "ok"
+    redis_client.xgroup_destroy(keys.stream, broker.config.store.consumer_group)  # a reset group: nothing counts as read
+    wait_for(lambda: client.status()["stream_read"] == 0, what="the broker to re-read the stream (every second)")
+    assert client.ask(task)["reason"] == "stream_backlog"

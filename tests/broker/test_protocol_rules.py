@@ -196,6 +196,7 @@ def test_status_has_every_counter_from_zero_and_the_actors_fields(stack):
         "queued_jobs",
         "jobs",
         "stream_length",
+        "stream_read",
         "storage_ok",
         "actors",
         "added_latency",
