@@ -28,15 +28,15 @@ def test_the_arithmetic_demo_learns_and_stays_learned(tmp_path) -> None:
     chance = 1 / 17  # one word of the tokenizer's 17 tokens (13 words, 4 special)
     assert summary["val_before"] <= 0.2, trace  # untrained: near chance
     # learned (greedy validation over all 25 sums), and the sampled reward held up over the last third of the run.
-    # The run is two minutes of wall time, so how far it gets depends on the CPU it is given: alone on the 2-core
-    # VM its last three reports averaged 0.40 (val 0.04 -> 0.40); beside the kill-and-resume test in a fresh-clone
-    # CI run, 0.24 (val 0.04 -> 0.28). The bar, 0.2, is 3.4 times chance over the last three reports. The last
-    # third is held to 3 times chance on its mean, not its lowest report: each report is a small sample, and a run
-    # that learned (val 0.04 -> 0.28, last three 0.22 0.24 0.24) failed on one report of 0.14 among them; a
-    # policy fallen back to chance would average ~0.06 there.
-    assert summary["val_after"] >= summary["val_before"] + 0.2, trace
-    assert statistics.mean(rewards[-len(rewards) // 3 :]) >= 3 * chance and statistics.mean(rewards[-3:]) >= 0.2, trace
-    assert summary["unrewarded"] == 0 and summary["learner"]["version"] >= 20, trace
+    # The run is two minutes of wall time, so how far it gets depends on the CPU it is given: alone on the 2-core VM
+    # (9a987b9, three runs) val 0.04 -> 0.64-0.92 and the last three reports averaged 0.61-0.85 from ~20,000
+    # responses. Before the broker left out of its backlog what the learner had read, the learner sat idle 85 s of
+    # 120, made ~2,800 responses and reached 0.17-0.30 there, and CI failed this test on the old bar (0.2). The bars
+    # are the means of several reports (each one a small sample), not one touching them: the last third at 5 times
+    # chance, the last three at 0.4; a policy back at chance averages ~0.06 there.
+    assert summary["val_after"] >= summary["val_before"] + 0.3, trace
+    assert statistics.mean(rewards[-len(rewards) // 3 :]) >= 5 * chance and statistics.mean(rewards[-3:]) >= 0.4, trace
+    assert summary["unrewarded"] == 0 and summary["learner"]["version"] >= 100, trace
     # all weights trained: the summary points to them (no adapter), and the closing lines say where
     assert summary["adapter"] is None and summary["weights"].endswith("policy.safetensors"), summary
     assert (out / "train").exists() and Path(summary["weights"]).is_file() and f"weights in {summary['weights']}" in run.stdout
