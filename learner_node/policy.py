@@ -78,9 +78,10 @@ class LearnerPolicy:
         # positions the model was built for: a longer sequence fails on a learned position table (GPT-2), or costs
         # attention memory quadratic in its length, so none is fed to it (see `tokenize_checked`)
         self.position_limit = scoring.position_limit(model)
-        self.value_head = ValueHead(width, value_hidden).to(device)
-        # generate transitions: the value of each response token, from the same frozen features (learner_node/token_update.py)
-        self.token_value_head = ValueHead(width, token_value_hidden).to(device)
+        with device:  # built where they run: no host copy made first and moved
+            self.value_head = ValueHead(width, value_hidden)
+            # generate transitions: the value of each response token, from the same frozen features (learner_node/token_update.py)
+            self.token_value_head = ValueHead(width, token_value_hidden)
 
     def tokenize(self, obs: CandidateObservation) -> scoring.Tokenized:
         return scoring.tokenize_observation(self.tokenizer, obs.prompt, obs.question or "", obs.action)

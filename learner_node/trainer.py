@@ -26,7 +26,8 @@ from learner_node.optim import adam
 from learner_node.policy import LearnerPolicy
 from learner_node.rollout import CandidateBatch, EpisodeReturns, Rollout, build_rollout
 from learner_node.token_update import GenerationBatch, GenerationUpdate, build_generation_batch, split_by_mode
-from learner_node.update import LossSettings, PolicyBatch, TrainableSnapshot, ppo_update
+from learner_node.undo import TrainableSnapshot
+from learner_node.update import LossSettings, PolicyBatch, ppo_update
 from models import scoring
 
 log = logging.getLogger("learner_node.worker.trainer")  # under the worker's logger, as before the split

@@ -24,7 +24,7 @@ import collections
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,30 +49,6 @@ class NonFiniteUpdate(RuntimeError):
     def __init__(self, what: str) -> None:
         super().__init__(what)
         self.what = what
-
-
-def _cloned(value: Any) -> Any:
-    """A copy of an optimizer's state dict: its tensors copied (`_kept`), its dicts and lists rebuilt, the rest
-    (immutable) shared."""
-    if isinstance(value, torch.Tensor):
-        return _kept(value)
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cloned(v) for v in value)
-    return value
-
-
-def _kept(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of `tensor` to undo an update with: a GPU's tensors go to the host, so that a full fine-tune does not
-    hold its weights and Adam moments twice on the GPU (1.5B parameters: +21.6 GB); a tensor FSDP shards (a
-    DTensor: a rank's share) and a CPU tensor are cloned where they are. The host copy is pageable memory: pinned,
-    torch's caching host allocator would round each block up to a power of two and keep it (a 7B model's 271 MB
-    moments in 512 MB blocks, up to 1.9x the snapshot, none of it swappable beside the actors), for a copy about
-    twice as fast. The meta device takes the GPU's way (`ppoz bench memory` traces the GPU's memory on it)."""
-    if tensor.device.type not in ("cuda", "meta") or isinstance(tensor, DTensor):
-        return tensor.detach().clone()
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor.detach())
 
 
 def _all_finite(params: list[torch.nn.Parameter]) -> bool:
@@ -102,33 +78,6 @@ def _require_finite(name: str, values: torch.Tensor) -> None:
     if not bool(torch.isfinite(values).all()):
         bad = values[~torch.isfinite(values)]
         raise NonFiniteUpdate(f"{name} hold {bad.numel()} non-finite values (first {float(bad[0])}) before any step")
-
-
-@dataclass
-class TrainableSnapshot:
-    """Copies of what an update changes (the parameters its optimizers train, and the optimizers' states), taken
-    before the update so that a NonFiniteUpdate can be undone whole. With LoRA that is the adapter and the value
-    heads: a few MB; a full fine-tune holds its trainable parameters and their Adam moments a second time, on the
-    host where they are on a GPU (`_kept`)."""
-
-    params: list[tuple[torch.nn.Parameter, torch.Tensor]]
-    optimizer_states: list[tuple[torch.optim.Optimizer, dict]]
-
-    @classmethod
-    def of(cls, optimizers: list[torch.optim.Optimizer]) -> TrainableSnapshot:
-        params = [(p, _kept(p)) for opt in optimizers for group in opt.param_groups for p in group["params"]]
-        # tensors cloned, containers rebuilt, numbers and names shared: deepcopy's per-object bookkeeping took 4% of a
-        # small model's update cycle (arithmetic demo)
-        return cls(params, [(opt, _cloned(opt.state_dict())) for opt in optimizers])
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for param, saved in self.params:
-                param.copy_(saved)  # from the host: copy_ waits for the host-to-device copy it started
-                param.grad = None
-        gradients.clear([param for param, _ in self.params])
-        for opt, state in self.optimizer_states:
-            opt.load_state_dict(state)
 
 
 @dataclass

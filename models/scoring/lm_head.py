@@ -75,7 +75,7 @@ def head_logits(head: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 # Where torch multiplies 16-bit matrices into a float32 result (`torch.mm`'s out_dtype: cuBLAS); the meta device
 # traces the same calls (shapes and dtypes, no data), so the suite runs this path without a GPU.
-EXACT_PRODUCT_DEVICES = ("cuda", "meta")
+EXACT_PRODUCT_DEVICES: tuple[str, ...] = ("cuda", "meta")
 
 
 class Float32Product(torch.autograd.Function):

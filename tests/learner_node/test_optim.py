@@ -197,7 +197,7 @@ def test_an_update_snapshot_of_gpu_parameters_goes_to_the_host() -> None:
     CPU-only torch): the copies that undo a non-finite update are made on the host, none on the GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from learner_node.update import TrainableSnapshot
+    from learner_node.undo import TrainableSnapshot
     from tools.bench.memory_peak import peak_memory
 
     with FakeTensorMode():
@@ -211,9 +211,7 @@ def test_an_update_snapshot_of_gpu_parameters_goes_to_the_host() -> None:
         snapshot = taken[0]
         assert gpu.work == 0, f"{gpu.work} bytes of the snapshot on the GPU"
         assert all(saved.device.type == "cpu" for _, saved in snapshot.params)
-        states = [
-            t for _, state in snapshot.optimizer_states for s in state["state"].values() for t in s.values() if isinstance(t, torch.Tensor)
-        ]
+        states = [t for _, state, _ in snapshot.optimizer_states for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         assert states and all(t.device.type == "cpu" for t in states)
 
 

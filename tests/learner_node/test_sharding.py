@@ -41,7 +41,7 @@ from learner_node.sharding import (
     transformer_blocks,
 )
 from learner_node.token_update import build_generation_batch, generation_update
-from learner_node.update import TrainableSnapshot
+from learner_node.undo import TrainableSnapshot
 from models.policy_model import ModelSpec, load_policy, policy_state_dict
 from tests.processes import free_port
 

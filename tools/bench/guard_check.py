@@ -21,7 +21,8 @@ from common.learner_figures import GENERATION, UpdateFigure
 from learner_node.config import GenerationConfig, UpdateConfig
 from learner_node.policy import LearnerPolicy
 from learner_node.token_update import generation_update
-from learner_node.update import NonFiniteUpdate, TrainableSnapshot
+from learner_node.undo import TrainableSnapshot
+from learner_node.update import NonFiniteUpdate
 from tools.bench.scoring import build_model
 from tools.bench.update import make_batch
 

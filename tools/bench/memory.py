@@ -15,10 +15,11 @@ candidates of 40-60 tokens), LoRA, the learner's defaults, gradient checkpointin
 update cycles (features for GAE, the undo snapshot, the update), so the optimizer's state is there the second
 time. `generation_update` 64 responses of 64-1,024 tokens after 256-token prompts, 8,192 tokens a micro-batch.
 `full_finetune_1gpu` the generation update with every weight trained (lora_rank 0: Adam with float32 masters, a
-frozen reference copy). `actor_scoring` a full scoring batch (`max_batch` = 8 Kea observations) twice, with the
-prefix cache. `actor_generation` 64 rows of 2,048-token contexts (1,984 prompt tokens, 64 new). `startup_actor`
-and `startup_learner` the peak while a process builds its model and runs its start-up checks, against what it
-holds after (its steady memory).
+frozen reference copy). `full_finetune_fsdp2` and `full_finetune_fsdp4` the same on one rank of 2 or 4 under FSDP2
+(tools/bench/memory_sharded.py: traced on fake tensors, not on meta). `actor_scoring` a full scoring batch
+(`max_batch` = 8 Kea observations) twice, with the prefix cache. `actor_generation` 64 rows of 2,048-token
+contexts (1,984 prompt tokens, 64 new). `startup_actor` and `startup_learner` the peak while a process builds its
+model and runs its start-up checks, against what it holds after (its steady memory).
 """
 
 from __future__ import annotations
@@ -29,44 +30,20 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tools.bench.train_tasks import CACHE, MODEL_SHAPES, REAL_SHAPE_VOCAB, shape_config
+from tools.bench.memory_workloads import GB, LORA_RANK, Measured, Text, generated_segments, kea_segments, learner_config, words_tokenizer
+from tools.bench.train_tasks import MODEL_SHAPES, shape_config
 
-GB = 1e9
 SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "tiny-qwen2")  # the last: the suite's, Qwen2.5's vocabulary at hidden 64
 DEPTHS = (2, 4, 6)
 BUDGETS_GB: dict[str, dict[str, float]] = {  # the issue's budgets; parts without one are reported
     "qwen2.5-1.5b": {"candidate_update": 20, "generation_update": 20, "full_finetune_1gpu": 40, "actor_generation": 16},
-    "qwen2.5-7b": {"candidate_update": 40, "generation_update": 40},
+    "qwen2.5-7b": {"candidate_update": 40, "generation_update": 40, "full_finetune_fsdp4": 60},
 }
 STARTUP_RATIO = 1.2  # start-up's peak against the steady memory after it
-LORA_RANK = 8  # [policy] lora_rank's default
-
-
-@dataclass(frozen=True)
-class Measured:
-    """A part's peak on the device, and (start-up parts) what it holds after."""
-
-    peak: int
-    steady: int | None = None
-
-
-def words_tokenizer() -> Any:
-    """A word-level tokenizer over the whole vocabulary (`w0` ... one token per word), so a workload's token counts
-    are exactly its word counts."""
-    from transformers import AutoTokenizer
-
-    from models.tiny_models import SPECIAL_TOKENS, build_words_tokenizer
-
-    path = CACHE / "bench-memory-words"
-    if not (path / "tokenizer.json").exists():
-        path.mkdir(parents=True, exist_ok=True)
-        build_words_tokenizer(path, tuple(f"w{i}" for i in range(REAL_SHAPE_VOCAB - len(SPECIAL_TOKENS) - 1)))
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def meta_model(shape: str, layers: int, lora_rank: int) -> Any:
@@ -81,72 +58,7 @@ def meta_model(shape: str, layers: int, lora_rank: int) -> Any:
     return model.eval()
 
 
-class Text:
-    """Texts of exact token counts for `words_tokenizer`, from a seeded generator."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def words(self, n: int) -> str:
-        return " ".join(f"w{int(i)}" for i in torch.randint(10, REAL_SHAPE_VOCAB - 100, (n,), generator=self.generator))
-
-    def ids(self, n: int) -> list[int]:
-        return torch.randint(10, REAL_SHAPE_VOCAB - 100, (n,), generator=self.generator).tolist()
-
-    def between(self, low: int, high: int) -> int:
-        return int(torch.randint(low, high + 1, (1,), generator=self.generator))
-
-
 # --- the learner's parts -------------------------------------------------------------------------------------------
-def learner_config(lora_rank: int, checkpointing: str = "on") -> Any:
-    from common.config import load
-    from learner_node.config import LearnerConfig
-
-    overrides = {
-        "policy.model": "bench",
-        "policy.lora_rank": lora_rank,
-        "store.redis_url": "redis://bench",
-        "gradient_checkpointing": checkpointing,
-        "checkpoint_dir": "",  # nothing written: the paths resolve against no folder
-        "tensorboard_dir": "",
-    }
-    return load(LearnerConfig, None, overrides)
-
-
-def kea_segments(n: int = 64, prompt: int = 1024, candidates: int = 32, low: int = 40, high: int = 60, seed: int = 0) -> list[Any]:
-    """`n` Kea transitions, eight to a segment (each closed by `done`)."""
-    from common.segments import CandidateObservation, Segment, Transition
-
-    text = Text(seed)
-    transitions = []
-    for i in range(n):
-        actions = [text.words(text.between(low, high)) for _ in range(candidates)]
-        obs = CandidateObservation.from_wire({"prompt": text.words(prompt), "question": " w5 ", "action": actions})
-        p = 1.0 / candidates
-        transitions.append(Transition(obs, i % candidates, -3.4657, [p] * candidates, 0, "step", float(i % 3 - 1), False, False))
-    segments = []
-    for s in range(0, n, 8):
-        chunk = transitions[s : s + 8]
-        chunk[-1].done = True
-        segments.append(Segment(f"k{s}:0", f"k{s}", 0, "done", True, False, None, chunk))
-    return segments
-
-
-def generated_segments(n: int = 64, prompt: int = 256, low: int = 64, high: int = 1024, seed: int = 0) -> list[Any]:
-    """`n` generated responses of `low` to `high` tokens after `prompt`-token prompts, each a finished episode."""
-    from common.segments import GeneratedResponse, GenerateObservation, Segment, Transition
-
-    text = Text(seed)
-    segments = []
-    for i in range(n):
-        response = text.ids(text.between(low, high))
-        generation = GeneratedResponse(response, [-1.0] * len(response), "length", 1.0, top_p=1.0)
-        obs = GenerateObservation(text.ids(prompt), {"max_new_tokens": high})
-        t = Transition(obs, 0, 0.0, [], 0, "generate", float(i % 2), True, False, generation=generation)
-        segments.append(Segment(f"g{i}:0", f"g{i}", 0, "done", True, False, None, [t]))
-    return segments
-
-
 def learner_cycles(shape: str, layers: int, lora_rank: int, segments: list[Any], cycles: int = 2) -> Measured:
     """The learner's update cycle (learner_node/worker.py: build with the critic's values, the undo snapshot, the
     update) `cycles` times on the same segments, from a fresh model: the peak on the device."""
@@ -264,10 +176,22 @@ def startup_learner(shape: str, layers: int) -> Measured:
     return startup(build)
 
 
+TRACED_ON = {f"full_finetune_fsdp{n}": f"fake tensors as rank 0 of {n}" for n in (2, 4)}
+
+
+def sharded(shape: str, layers: int, world: int) -> Measured:
+    """The full fine-tune's update on one rank of `world` (tools/bench/memory_sharded.py)."""
+    from tools.bench.memory_sharded import in_own_process, sharded_cycles
+
+    return in_own_process(sharded_cycles, shape, layers, world, generated_segments())
+
+
 PARTS: dict[str, Callable[[str, int], Measured]] = {
     "candidate_update": lambda shape, layers: learner_cycles(shape, layers, LORA_RANK, kea_segments()),
     "generation_update": lambda shape, layers: learner_cycles(shape, layers, LORA_RANK, generated_segments()),
     "full_finetune_1gpu": lambda shape, layers: learner_cycles(shape, layers, 0, generated_segments()),
+    "full_finetune_fsdp2": lambda shape, layers: sharded(shape, layers, 2),
+    "full_finetune_fsdp4": lambda shape, layers: sharded(shape, layers, 4),
     "actor_scoring": actor_scoring,
     "actor_generation": actor_generation,
     "startup_actor": startup_actor,
@@ -293,7 +217,7 @@ def measure_part(name: str, shape: str, depths: tuple[int, ...] = DEPTHS) -> dic
         "peak_gb": round(peak, 2),
         "measured_gb": {str(d): round(r.peak / GB, 3) for d, r in zip(depths, runs, strict=True)},
         "fit_residual_gb": round(residual, 3),
-        "how": f"traced on meta at {', '.join(map(str, depths))} layers, linear in depth to {full}",
+        "how": f"traced on {TRACED_ON.get(name, 'meta')} at {', '.join(map(str, depths))} layers, linear in depth to {full}",
         "seconds": round(time.monotonic() - started, 1),
     }
     budget = BUDGETS_GB.get(shape, {}).get(name)
@@ -365,7 +289,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--depths", default=",".join(map(str, DEPTHS)), help="decoder layers measured, fitted to the model's depth (default %(default)s)"
     )
-    parser.add_argument("--check", action="store_true", help="also run the cross-check: one part on the CPU for real against its trace")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="also run the cross-check: one part on the CPU for real against its trace (and a sharded one with fsdp parts)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -392,6 +320,10 @@ def main(args: argparse.Namespace) -> int:
         result["parts"][name] = measure_part(name, args.shape, depths)
     if args.check:
         result["cross_check"] = cross_check(args.shape)
+        if any(name.startswith("full_finetune_fsdp") for name in names):
+            from tools.bench.memory_sharded import check
+
+            result["sharded_check"] = check("qwen2.5-0.5b")
     if args.json:
         print(json.dumps(result))
         return 0
@@ -414,4 +346,7 @@ def table(result: dict[str, Any]) -> str:
     if "cross_check" in result:
         c = result["cross_check"]
         lines.append(f"cross-check ({c['part']}): CPU {c['cpu_gb']} GB, traced {c['traced_gb']} GB, ratio {c['traced_over_cpu']}")
+    if "sharded_check" in result:
+        c = result["sharded_check"]
+        lines.append(f"sharded check ({c['part']}): CPU {c['cpu_gb']} GB, traced {c['traced_gb']} GB, ratio {c['traced_over_cpu']}")
     return "\n".join(lines)

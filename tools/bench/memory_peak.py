@@ -1,10 +1,10 @@
 """The peak memory of a piece of work, by the bytes of the tensor storages it keeps alive at once.
 
 Every op torch dispatches while the work runs is seen (a TorchDispatchMode): each storage it returns is counted
-from then until it is freed (a weakref finalizer), on its own device: the CPU's tensors here, a GPU's there,
-fake CUDA tensors under FakeTensorMode. What it counts is what a caching allocator is asked for (the allocator's
-rounding and fragmentation are not counted), which is the figure that decides whether a part fits. torch's own
-MemTracker counts the same way but hooks every parameter's gradient, which a frozen model refuses."""
+from then until it is freed (a weakref finalizer), on its own device: the CPU's tensors here, a GPU's there, fake
+tensors under FakeTensorMode; a DTensor by its own shard. What it counts is what a caching allocator is asked for
+(the allocator's rounding and fragmentation are not counted), which is the figure that decides whether a part
+fits. torch's own MemTracker counts the same way but hooks every parameter's gradient, which a frozen model refuses."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -42,7 +43,7 @@ class _LiveStorages(TorchDispatchMode):
         super().__init__()
         self.live = collections.Counter(before)
         self.peak = collections.Counter(before)
-        self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> _Held
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -57,24 +58,45 @@ class _LiveStorages(TorchDispatchMode):
 
     def _count(self, t: torch.Tensor) -> None:
         try:
-            storage = t.untyped_storage()
+            storage = _local(t).untyped_storage()
         except (NotImplementedError, RuntimeError):  # a tensor with no storage of its own (sparse, nested)
             return
         if storage in self.seen:
             return
-        size, device = storage.nbytes(), _device_key(t.device)
-        self.seen[storage] = size
-        self.live[device] += size
-        self.peak[device] = max(self.peak[device], self.live[device])
-        weakref.finalize(storage, self._free, device, size)
+        held = _Held(_device_key(t.device), 0)
+        self.seen[storage] = held
+        self._add(held, storage.nbytes())
+        weakref.finalize(storage, self._add, held, 0)
 
-    def _free(self, device: str, size: int) -> None:
-        self.live[device] -= size
+    def _add(self, held: _Held, size: int) -> None:
+        """`held`'s storage now holds `size` bytes (0: freed)."""
+        self.live[held.device] += size - held.size
+        self.peak[held.device] = max(self.peak[held.device], self.live[held.device])
+        held.size = size
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage counted here changed its size in place: FSDP2 frees a block's all-gathered parameters after its
+        forward and backward by resizing their storage to 0, and allocates them again by resizing it back."""
+        held = self.seen.get(storage)
+        if held is not None:
+            self._add(held, storage.nbytes())
+
+
+@dataclass
+class _Held:
+    device: str
+    size: int
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What holds a tensor's memory on this process: a DTensor's own shard (FSDP2's parameters, their gradients and
+    Adam moments), else the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _storage_id(t: torch.Tensor) -> int | None:
     try:
-        return int(t.untyped_storage()._cdata)
+        return int(_local(t).untyped_storage()._cdata)
     except (NotImplementedError, RuntimeError):
         return None
 
@@ -89,13 +111,24 @@ def peak_memory(work: Callable[[], Any], modules: Iterable[torch.nn.Module] = ()
     key = _device_key(torch.device(device))
     alive: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages, not tensors: tied weights count once
     for module in modules:
-        for t in (*module.parameters(), *module.buffers()):
+        for t in map(_local, (*module.parameters(), *module.buffers())):
             if _device_key(t.device) == key:
                 alive[t.untyped_storage()] = t.untyped_storage().nbytes()
     before = sum(alive.values())
     mode = _LiveStorages({key: before})
     for storage, size in alive.items():  # an op that returns one of them (a view, an in-place op) adds nothing
-        mode.seen[storage] = size
-    with mode:
-        work()
+        mode.seen[storage] = _Held(key, size)
+    resize = torch.UntypedStorage.resize_  # a storage's own method, which no dispatch mode sees
+
+    def counted_resize(storage: torch.UntypedStorage, size: int) -> Any:
+        out = resize(storage, size)
+        mode.resized(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = counted_resize  # type: ignore[method-assign,assignment]
+    try:
+        with mode:
+            work()
+    finally:
+        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
     return Peak(int(mode.peak[key]), before, int(mode.live[key]))

@@ -205,7 +205,7 @@ def snapshot_cost(optimizers: list[torch.optim.Optimizer], device: torch.device,
     """What the learner's guard against non-finite updates costs per update: copying the trained parameters and
     the optimizers' states (learner_node/update.py TrainableSnapshot), and, when an update is discarded,
     putting them back; and whether the copy put back is exact after the parameters and moments have moved."""
-    from learner_node.update import TrainableSnapshot
+    from learner_node.undo import TrainableSnapshot
 
     def sync() -> None:
         if device.type == "cuda":
