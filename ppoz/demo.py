@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to train (default: 5)")
     parser.add_argument(
+        "--responses",
+        type=int,
+        default=0,
+        help="arithmetic: stop after this many training responses, once the learner has trained them, or at --minutes"
+        " if that comes first (default: 0, by --minutes alone)",
+    )
+    parser.add_argument(
         "--clients", type=int, default=None, help="simulated clients: Kea emulators (default: 4), arithmetic's driver workers (default: 8)"
     )
     add_model_flag(parser, "a local model directory or Hugging Face id (default: a tiny model built locally)")
@@ -77,9 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not args.minutes > 0 or (args.clients is not None and args.clients < 1):
-        given = f"got --minutes {args.minutes:g}, --clients {args.clients}"
-        print(f"ppoz demo: --minutes must be positive and --clients at least 1 ({given})", file=sys.stderr)
+    if not args.minutes > 0 or (args.clients is not None and args.clients < 1) or args.responses < 0:
+        given = f"got --minutes {args.minutes:g}, --clients {args.clients}, --responses {args.responses}"
+        print(f"ppoz demo: --minutes must be positive, --clients at least 1 and --responses 0 or more ({given})", file=sys.stderr)
+        return 2
+    if args.responses and args.task != "arithmetic":
+        print(f"ppoz demo: --responses counts generated responses: it is for --task arithmetic, not {args.task}", file=sys.stderr)
         return 2
     if args.task == "arithmetic":
         from ppoz import demo_arithmetic

@@ -10,7 +10,7 @@ with `--model` trains a rank-8 LoRA adapter at the learning rate for its size (1
 demo does. `--clients` sets the driver workers (8), `--seed` the prompts' order and the sampling
 seeds, `--device` the actor's and the learner's device.
 `ppoz train` starts the stack as processes (embedded Redis, broker, one actor, the learner), validates
-greedily on the 25 sums, trains for `--minutes`, and validates again. The validation set is the
+greedily on the 25 sums, trains for `--minutes` (or until `--responses` are trained), and validates again. The validation set is the
 training set: a model this size learns the table, it does not generalise addition; the figure shows
 what PPO taught it. `--advantage grpo` (or rloo) trains critic-free on groups of 4 responses per sum.
 With `--json` the last line is the summary (`val_before`, `val_after`, ...).
@@ -78,6 +78,7 @@ def settings(args: argparse.Namespace, out: Path, model: str) -> tuple[str, Any]
         reward_fn=REWARD_FN,
         output_dir=str(out / "train"),
         report_every_s=args.report_every,
+        max_samples=args.responses,
     )
     # The critic (GAE) learned worse from the older samples a four-rollout backlog gives once the drivers no longer
     # sleep behind it (validation 0.52 and 0.60 after 5 minutes, against 0.84 with one rollout: docs/benchmarks.md);

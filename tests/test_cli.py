@@ -228,6 +228,15 @@ def test_demo_refuses_a_run_that_would_train_nothing(task, flags, tmp_path):
     assert not (tmp_path / "demo").exists()
 
 
+@pytest.mark.parametrize(
+    ("task", "responses", "said"), [("arithmetic", "-5", "--responses 0 or more"), ("kea", "100", "for --task arithmetic")]
+)
+def test_demo_refuses_responses_it_cannot_count(task, responses, said, tmp_path):
+    result = ppoz("demo", "--task", task, "--responses", responses, "--out", str(tmp_path / "demo"), timeout=120)
+    assert result.returncode == 2 and said in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "demo").exists()
+
+
 @pytest.mark.slow
 def test_bench_rag_runs_and_reports_retrieval_cost_side_by_side(tmp_path):
     corpus = tmp_path / "corpus"
