@@ -43,6 +43,10 @@ def _kept(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(local.shape, dtype=local.dtype, device=HOST).copy_(local)
 
 
+def _copied(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: _kept(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+
 def _put_back(target: torch.Tensor, saved: torch.Tensor) -> None:
     _local(target).copy_(saved)  # from the host: copy_ waits for the host-to-device copy it started
 
@@ -63,8 +67,8 @@ class TrainableSnapshot:
         states = [
             (
                 opt,
-                {p: {k: _kept(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()} for p, state in opt.state.items()},
-                [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups],
+                {p: _copied(state) for p, state in opt.state.items()},
+                [_copied({k: v for k, v in group.items() if k != "params"}) for group in opt.param_groups],
             )
             for opt in optimizers
         ]
@@ -80,20 +84,22 @@ class TrainableSnapshot:
                 for p in [p for p in opt.state if p not in states]:  # made by the update: none before it
                     del opt.state[p]
                 for p, saved_state in states.items():
-                    _restore_state(opt.state[p], saved_state, p)
+                    state = opt.state[p]
+                    for key in [k for k in state if k not in saved_state]:  # made by the update (a first residual)
+                        del state[key]
+                    for key, value in saved_state.items():
+                        _write_back(state, key, value)
                 for group, kept in zip(opt.param_groups, settings, strict=True):
-                    group.update(kept)
+                    for key, value in kept.items():
+                        _write_back(group, key, value)
 
 
-def _restore_state(state: dict[str, Any], saved: dict[str, Any], param: torch.Tensor) -> None:
-    """One parameter's optimizer state back as `saved` holds it, its tensors written in place."""
-    for key in [k for k in state if k not in saved]:  # made by the update (MasterWeightAdam's first residual)
-        del state[key]
-    for key, value in saved.items():
-        current = state.get(key)
-        if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) and _local(current).shape == value.shape:
-            _put_back(current, value)
-        elif isinstance(value, torch.Tensor):
-            raise RuntimeError(f"the optimizer's {key!r} of a {tuple(param.shape)} parameter changed shape or went away in the update")
-        else:
-            state[key] = value
+def _write_back(holder: dict[str, Any], key: str, value: Any) -> None:
+    """`holder[key]` (an optimizer's state or group setting) as `value`: a tensor written into the one held, in place."""
+    if not isinstance(value, torch.Tensor):
+        holder[key] = value
+        return
+    current = holder.get(key)
+    if not isinstance(current, torch.Tensor) or _local(current).shape != value.shape or current.dtype != value.dtype:
+        raise RuntimeError(f"the optimizer's {key!r} changed its shape or dtype, or went away, in the update: it cannot be undone")
+    _put_back(current, value)

@@ -66,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--responses",
         type=int,
         default=0,
-        help="arithmetic: stop after this many training responses, once the learner has trained them, or at --minutes"
-        " if that comes first (default: 0, by --minutes alone)",
+        help="arithmetic: stop after this many training responses (with grpo or rloo, up to whole groups of 4), once the"
+        " learner has trained them, or at --minutes if that comes first (default: 0, by --minutes alone)",
     )
     parser.add_argument(
         "--clients", type=int, default=None, help="simulated clients: Kea emulators (default: 4), arithmetic's driver workers (default: 8)"

@@ -20,9 +20,19 @@ def _stepped(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad:
 
 
 def test_a_sharded_snapshot_keeps_no_shard_on_the_gpu() -> None:
-    """Rank 0 of 2 (fake tensors and collectives, the CPU standing for the GPU: tools/bench/meta_trace.py): a
-    sharded layer and its Adam moments are copied to the host (meta here, so that it is not counted), none on the
-    GPU. Cloned where they are, the copies would be 3 shards' bytes: weight, two moments."""
+    """Rank 0 of 2 (fake tensors and collectives, the CPU standing for the GPU: tools/bench/meta_trace.py, in a
+    process of its own as it asks): a sharded layer and its Adam moments are copied to the host (meta here, so that
+    it is not counted), none on the GPU. Cloned where they are, the copies would be 3 shards' bytes: weight, two
+    moments."""
+    from tools.bench.memory_sharded import in_own_process
+
+    work, device, shape = in_own_process(sharded_snapshot)
+    assert work == 0, f"{work} bytes of the snapshot on the GPU"
+    assert device == "meta" and shape == (128, 256)  # the rank's shard, not the whole weight
+
+
+def sharded_snapshot() -> tuple[int, str, tuple[int, ...]]:
+    """(bytes the snapshot adds on the GPU, where its weight copy is, its shape)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -37,9 +47,8 @@ def test_a_sharded_snapshot_keeps_no_shard_on_the_gpu() -> None:
         _stepped(opt, params, 1.0)
         taken: list[TrainableSnapshot] = []
         gpu = peak_memory(lambda: taken.append(TrainableSnapshot.of([opt])), device="cpu")
-    assert gpu.work == 0, f"{gpu.work} bytes of the snapshot on the GPU"
-    (saved,) = [t for _, t in taken[0].params]
-    assert saved.device.type == "meta" and saved.shape == (128, 256)  # the rank's shard, not the whole weight
+        (saved,) = [t for _, t in taken[0].params]
+        return gpu.work, saved.device.type, tuple(saved.shape)
 
 
 def test_restoring_writes_back_into_the_same_tensors_and_drops_what_the_update_made() -> None:

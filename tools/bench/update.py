@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def snapshot_cost(optimizers: list[torch.optim.Optimizer], device: torch.device, runs: int) -> dict[str, Any]:
     """What the learner's guard against non-finite updates costs per update: copying the trained parameters and
-    the optimizers' states (learner_node/update.py TrainableSnapshot), and, when an update is discarded,
+    the optimizers' states (learner_node/undo.py TrainableSnapshot), and, when an update is discarded,
     putting them back; and whether the copy put back is exact after the parameters and moments have moved."""
     from learner_node.undo import TrainableSnapshot
 
